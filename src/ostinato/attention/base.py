@@ -1,0 +1,63 @@
+"""The attention-backend interface shared by the pure-torch reference and the Triton backend.
+
+KV cache layout, per layer: k_cache and v_cache, each [num_slots_blocks, block_size, num_kv_heads, head_dim].
+The pool has one extra block at index `scratch_block` (== number of usable blocks) that the scheduler never
+hands out: padded decode rows write their K/V there and read it, so a CUDA graph needs no masks and no
+page address is baked in (which pages a sequence uses is data: block_tables).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, all on the model's device.
+
+    slot_mapping[i] = block * block_size + offset where token i's K/V is written.  # [num_tokens] int64
+    block_tables[s, j] = the j-th block of sequence s; unused entries hold scratch_block.  # [num_seqs, W] int32
+    context_lens[s] = tokens of sequence s in the cache after this step's writes.  # [num_seqs] int32
+    Prefill only (prefill runs eager, so host-side ints are allowed there):
+    query_start_loc: cumulative new-token counts.  # [num_seqs + 1] int32
+    query_lens / context_lens_host: the same figures as Python lists.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor | None = None
+    query_lens: list[int] | None = None
+    context_lens_host: list[int] | None = None
+    max_query_len: int = 1
+    max_context_len: int = 0
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and computes attention over it.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+    decode() must be CUDA-graph safe: no host sync, shapes fixed by the tensors' shapes only.
+    """
+
+    name: str = "base"
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its whole cached context
+        (an already-cached prefix included). Returns [num_tokens, num_heads, head_dim]."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One query token per sequence over its context_lens[s] cached tokens. [num_seqs, H, D]."""

@@ -1,0 +1,241 @@
+"""Frozen configuration, one dataclass per concern; each component receives only its own.
+
+`EngineArgs` is the flat, user-facing set of flags (CLI and `LLM(**kwargs)`); `EngineArgs.resolve()`
+checks them against the checkpoint and splits them into the per-component configs below.
+Pure Python: no torch import here, so the scheduler side can use these too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, ConfigError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the decoder needs, read from an HF `config.json`."""
+
+    architecture: str
+    family: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3)
+    rope_scaling: dict[str, Any] | None = None
+    checkpoint_dtype: str = "float32"  # torch_dtype / dtype written in config.json
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @staticmethod
+    def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; ostinato loads "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            head_dim = cfg.get("head_dim") or hidden // heads
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            rope_scaling = cfg.get("rope_scaling")
+            rope_theta = cfg.get("rope_theta")
+            # transformers >= 5 may write rope settings under "rope_parameters".
+            rope_params = cfg.get("rope_parameters")
+            if isinstance(rope_params, dict):
+                rope_theta = rope_theta or rope_params.get("rope_theta")
+                if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                    rope_scaling = dict(rope_params)
+            if rope_scaling is not None:
+                kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+                if kind in (None, "default"):
+                    rope_scaling = None
+                elif kind != "llama3":
+                    raise CheckpointError(
+                        f"rope_scaling type {kind!r} is not supported; ostinato supports 'llama3' and none"
+                    )
+            return ModelConfig(
+                architecture=arch,
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta or 10000.0),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                rope_scaling=rope_scaling,
+                checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+                eos_token_ids=eos_ids,
+                bos_token_id=cfg.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from None
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise CheckpointError(f"model folder {str(model_dir)!r} does not exist")
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: a model folder needs an HF config.json")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        return ModelConfig.from_hf_dict(cfg)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. num_blocks is the number of usable blocks (the runner adds one scratch block
+    that padded decode rows write into; the scheduler never hands it out)."""
+
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_queued_requests: int | None = None
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How decode steps run. capture_sizes is sorted ascending; empty when graphs are off."""
+
+    enforce_eager: bool
+    capture_sizes: tuple[int, ...]
+    fallback: str  # "error" (default: capture failure stops start-up) | "eager"
+    skip_graph_check: bool
+
+
+def default_capture_sizes(max_num_seqs: int, max_size: int = 256) -> tuple[int, ...]:
+    """1, 2, 4, then steps of 8 up to min(max_size, max_num_seqs); the cap itself is always included."""
+    cap = max(1, min(max_size, max_num_seqs))
+    sizes = [s for s in (1, 2, 4) if s <= cap] + list(range(8, cap + 1, 8))
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return tuple(sorted(set(sizes)))
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine flag, as the CLI and `LLM(model, **kwargs)` take them (names follow vLLM)."""
+
+    model: str
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto (cuda if available) | cuda | cpu
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    # Fixed number of KV blocks instead of profiling (tests use it to force preemption; CPU default).
+    num_kv_blocks: int | None = None
+    attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu) | torch | triton
+    seed: int = 0
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    max_cuda_graph_size: int | None = None
+    cuda_graph_fallback: str = "error"  # error | eager
+    skip_graph_check: bool = False
+    served_model_name: str | None = None
+    max_queued_requests: int | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_sizes is not None and not isinstance(self.cuda_graph_sizes, tuple):
+            object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+        checks = [
+            (self.dtype in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
+             f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}"),
+            (self.device in ("auto", "cuda", "cpu"), f"--device must be auto, cuda or cpu, got {self.device!r}"),
+            (self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"--block-size must be a power of two, got {self.block_size}"),
+            (0.0 < self.gpu_memory_utilization <= 1.0,
+             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}"),
+            (self.attention_backend in ("auto", "torch", "triton"),
+             f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}"),
+            (self.cuda_graph_fallback in ("error", "eager"),
+             f"--cuda-graph-fallback must be 'error' or 'eager', got {self.cuda_graph_fallback!r}"),
+            (self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and all(
+                isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes)),
+             f"--cuda-graph-sizes must be positive integers, got {self.cuda_graph_sizes}"),
+            (self.max_cuda_graph_size is None or self.max_cuda_graph_size >= 1,
+             f"--max-cuda-graph-size must be >= 1, got {self.max_cuda_graph_size}"),
+            (self.max_model_len is None or self.max_model_len >= 1,
+             f"--max-model-len must be >= 1, got {self.max_model_len}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        max_len = self.max_model_len or min(model.max_position_embeddings, 8192)
+        if max_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
+                f"{model.max_position_embeddings}; lower --max-model-len"
+            )
+        batched = self.max_num_batched_tokens or max(8192, max_len)
+        if batched < max_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens {batched} is smaller than --max-model-len {max_len}: "
+                "a long prompt could never be prefilled; raise it or lower --max-model-len"
+            )
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_len,
+            max_queued_requests=self.max_queued_requests,
+        )
+
+    def graph_config(self, device_is_cuda: bool) -> GraphConfig:
+        if self.enforce_eager or not device_is_cuda:
+            return GraphConfig(True, (), self.cuda_graph_fallback, self.skip_graph_check)
+        if self.cuda_graph_sizes:
+            sizes = tuple(sorted(set(self.cuda_graph_sizes)))
+        else:
+            sizes = default_capture_sizes(self.max_num_seqs, self.max_cuda_graph_size or 256)
+        return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check)

@@ -1,0 +1,97 @@
+"""A sequence being served, and the plain SchedulerOutput that crosses from scheduler to runner.
+
+Pure Python (no torch): the scheduler and block manager are tested exhaustively on CPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"  # client went away / abort() called
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream: prompt tokens, generated tokens, and where its KV lives.
+
+    num_computed_tokens counts the tokens whose K/V are in the cache. After preemption (recompute)
+    the blocks are freed and num_computed_tokens drops to 0; the next prefill recomputes the prompt
+    and everything generated so far.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """What the runner computes for one sequence in one step.
+
+    token_ids are the tokens fed this step (prefill: every token not yet in the cache; decode: the last
+    token). start_pos is the position of token_ids[0], which equals the number of tokens already cached.
+    block_table covers positions [0, start_pos + len(token_ids)). The runner samples one token per
+    scheduled sequence from the logits of its last fed token.
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sampling_params: SamplingParams
+    num_generated: int  # tokens generated before this step (offsets a seeded generator)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step. A step is all-prefill or all-decode: decode steps stay one graph replay."""
+
+    kind: str  # "prefill" | "decode" | "idle"
+    seqs: tuple[ScheduledSeq, ...] = ()
+    preempted_seq_ids: tuple[int, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
