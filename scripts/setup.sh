@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One-command set-up for a fresh machine. Without a GPU it installs the CPU build of torch first, so pip
+# does not pull a multi-GB CUDA build; with a GPU, the torch already installed (>= 2.11) is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        "$PY" -m pip install "torch>=2.11"
+    else
+        "$PY" -m pip install torch==2.13.0
+    fi
+fi
+"$PY" -m pip install -e ".[test,triton]"
+"$PY" -c "import ostinato, torch; print('ostinato', ostinato.__version__, 'torch', torch.__version__, 'ready')"

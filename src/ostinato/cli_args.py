@@ -1,0 +1,45 @@
+"""The engine flags every command shares (generate, serve, bench, verify), shaped like vLLM's."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import EngineArgs
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like '1 2 4 8' or '1,2,4,8', got {text!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="fixed KV block count instead of sizing from GPU memory")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eager")
+    g.add_argument("--cuda-graph-sizes", type=_int_list, default=None,
+                   help="batch sizes to capture, e.g. '1 2 4 8 16'")
+    g.add_argument("--max-cuda-graph-size", type=int, default=None)
+    g.add_argument("--cuda-graph-fallback", default="error", choices=["error", "eager"],
+                   help="what a capture failure does: stop start-up (default) or run eager, visibly")
+    g.add_argument("--skip-graph-check", action="store_true",
+                   help="skip the start-up replay-vs-eager check of every captured graph")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-queued-requests", type=int, default=None)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    fields = EngineArgs.field_names()
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in fields})

@@ -1,0 +1,197 @@
+"""Incremental detokenization and stop strings. Pure Python plus the HF tokenizer object (no torch).
+
+Streaming text one token at a time has two traps:
+- a multi-byte UTF-8 character (é, 漢, 🎉) may be split across tokens; decoding the first piece alone
+  gives U+FFFD. The text of a token is therefore held until the bytes it ends with form whole characters.
+- decoders are not concatenative (SentencePiece strips the first token's leading space, byte-level
+  merges bytes): the new text of a token is found by decoding a short window that ends with it and
+  subtracting the decoded window without it (vLLM's prefix/read offsets; tokenizers' `DecodeStream`).
+Both keep the cost per token independent of the output length.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tokenizers
+from packaging.version import Version
+
+logger = logging.getLogger(__name__)
+
+try:  # tokenizers >= 0.21.1 has a correct DecodeStream (0.21.0's dropped text in some cases).
+    from tokenizers.decoders import DecodeStream
+
+    _HAS_DECODE_STREAM = Version(tokenizers.__version__) >= Version("0.21.1")
+except ImportError:  # pragma: no cover - depends on the installed tokenizers
+    DecodeStream = None
+    _HAS_DECODE_STREAM = False
+
+REPLACEMENT_CHAR = "\ufffd"
+# DecodeStream raises this when a longer window no longer decodes to text starting with the shorter one
+# (invalid UTF-8 regrouped by lossy decoding; see vllm-project/vllm#17448). Message from tokenizers' Rust.
+_INVALID_PREFIX_MSG = "Invalid prefix encountered"
+# How many prompt tokens to decode before the output so the first output token gets its context (a
+# leading space, the rest of a character). vLLM uses the shortest clean suffix of 4 to 23 tokens.
+_MIN_PROMPT_CONTEXT, _MAX_PROMPT_CONTEXT = 4, 24
+# Offsets fallback: how far back the decoding window starts (a few tokens give the decoder its context).
+_OFFSET_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated token ids into text, one token at a time.
+
+    `append(token_id)` returns the text that token completed ("" while a character is still incomplete
+    or for a skipped special token); `.text` is all output text so far. The result equals decoding the
+    prompt and the output together and removing the prompt's text, except that a trailing incomplete
+    character is never emitted.
+
+    Uses `tokenizers.decoders.DecodeStream` when the tokenizer has a Rust backend; otherwise (slow
+    tokenizers) or if DecodeStream reports an inconsistent prefix, it continues with vLLM's
+    prefix/read offsets over `tokenizer.decode`, without losing any held token.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        # The Rust tokenizer behind a fast HF tokenizer; None for slow (pure Python) tokenizers.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        # Context tokens, then every output token: what the offsets fallback decodes windows of.
+        self._ids: list[int] = list(self._prompt_context(prompt_token_ids))
+        self._stream = None
+        if _HAS_DECODE_STREAM and self._backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            try:  # prime the stream with the context; the prompt's own text is not output
+                for token_id in self._ids:
+                    self._stream.step(self._backend, token_id)
+            except Exception as e:
+                if _INVALID_PREFIX_MSG not in str(e):
+                    raise
+                self._stream = None
+        # Text is complete up to this index of _ids (the prompt context counts as emitted).
+        self._read_offset = len(self._ids)
+        # Window start for the offsets fallback: a few tokens before _read_offset.
+        self._prefix_offset = max(0, self._read_offset - _OFFSET_CONTEXT)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            list(ids), skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> Sequence[int]:
+        """The shortest prompt suffix (4..23 tokens) that decodes to whole characters."""
+        prompt = list(prompt_token_ids)
+        for n in range(_MIN_PROMPT_CONTEXT, min(len(prompt), _MAX_PROMPT_CONTEXT - 1) + 1):
+            if REPLACEMENT_CHAR not in self._decode(prompt[-n:]):
+                return prompt[-n:]
+        return prompt[-_MIN_PROMPT_CONTEXT:]
+
+    def append(self, token_id: int) -> str:
+        """Add one generated token; return the text it completed (possibly "")."""
+        self._ids.append(token_id)
+        new_text = self._stream_step(token_id) if self._stream is not None else self._offsets_step()
+        self.text += new_text
+        return new_text
+
+    def _stream_step(self, token_id: int) -> str:
+        try:
+            chunk = self._stream.step(self._backend, token_id)
+        except Exception as e:
+            if _INVALID_PREFIX_MSG not in str(e):
+                raise
+            logger.debug("DecodeStream lost its prefix; continuing with prefix/read offsets")
+            self._stream = None
+            return self._offsets_step()
+        if chunk is None:
+            return ""
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - _OFFSET_CONTEXT)
+        return chunk
+
+    def _offsets_step(self) -> str:
+        # Decode [prefix, end) and [prefix, read); the difference is the new text, once it does not end
+        # in an incomplete character. The window only grows while a character is incomplete.
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+
+@dataclass(frozen=True)
+class StopMatch:
+    """A stop string found in the output: keep text[:keep_chars] and finish the sequence."""
+
+    stop_str: str
+    keep_chars: int
+
+
+def find_stop_string(
+    text: str, num_new_chars: int, stop: Sequence[str], include_stop_str_in_output: bool = False
+) -> StopMatch | None:
+    """Look for a stop string that ends inside the last `num_new_chars` characters of `text`.
+
+    Earlier text was checked by earlier calls, so only matches that end in the new characters are new;
+    a match may start before them (a stop string spanning tokens). Of several matches, the one that
+    completes first wins (it is where a character-by-character stream would have stopped; on a tie the
+    longer one). The cut is before the stop string, or after it with include_stop_str_in_output.
+    """
+    if num_new_chars <= 0 or not stop:
+        return None
+    best: tuple[int, int, str] | None = None  # (end, start, stop string)
+    for stop_str in stop:
+        # Start the search where a match could first end inside the new characters.
+        start = text.find(stop_str, max(0, len(text) - num_new_chars - len(stop_str) + 1))
+        if start == -1:
+            continue
+        candidate = (start + len(stop_str), start, stop_str)
+        if best is None or candidate[:2] < best[:2]:
+            best = candidate
+    if best is None:
+        return None
+    end, start, stop_str = best
+    return StopMatch(stop_str, end if include_stop_str_in_output else start)
+
+
+class StopChecker:
+    """One sequence's stop strings (`SamplingParams.stop`, `include_stop_str_in_output`)."""
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
+        self.stop = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+
+    def check(self, text: str, num_new_chars: int) -> tuple[str, bool]:
+        """(text cut at the stop string, True) if one completed in the last num_new_chars characters,
+        else (text, False)."""
+        match = find_stop_string(text, num_new_chars, self.stop, self.include_stop_str_in_output)
+        return (text, False) if match is None else (text[: match.keep_chars], True)
+
+    def releasable(self, text: str, finished: bool = False) -> str:
+        """What a streaming client may see now: see `releasable_text`."""
+        return releasable_text(text, self.stop, finished)
+
+
+def releasable_text(text: str, stop: Sequence[str], finished: bool) -> str:
+    """The part of `text` a streaming client may see now.
+
+    While the sequence is unfinished, hold back the longest suffix of `text` that is a prefix of some
+    stop string: the next tokens may complete the stop string, and then that text must never have been
+    sent. Once finished (the caller has cut the text at any stop string) everything is releasable.
+    """
+    if finished or not stop:
+        return text
+    held = 0
+    for stop_str in stop:
+        # Only suffixes longer than what is already held can matter; a full match is not a "prefix".
+        for n in range(min(len(stop_str) - 1, len(text)), held, -1):
+            if text.endswith(stop_str[:n]):
+                held = n
+                break
+    return text[: len(text) - held]

@@ -1,0 +1,241 @@
+"""LLMEngine: the step-wise engine the offline API and the server share.
+
+add_request() validates at the edge and queues; step() runs one scheduler step through the model runner and
+returns what changed; abort() frees a request's blocks at once. Not thread-safe: drive it from one thread
+(engine/async_engine.py does that for the server).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import EngineArgs, ModelConfig
+from ..errors import InvalidRequestError
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer, StopChecker
+from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
+from .request import Sequence, SequenceStatus
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SeqState:
+    """Engine-side bookkeeping of one sequence: its text and logprobs."""
+
+    seq: Sequence
+    index: int
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    text: str = ""  # output text, cut at a stop string once one is found
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[_SeqState] = field(default_factory=list)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model_dir: str, model_config: ModelConfig, tokenizer) -> frozenset[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer: any of them ends a sequence."""
+    ids = set(model_config.eos_token_ids)
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    if gen_cfg.is_file():
+        import json
+
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from ..runner.runner import ModelRunner  # torch lives below this line of the dependency graph
+
+        self.args = args
+        self.model_config = ModelConfig.from_dir(args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.scheduler_config = args.scheduler_config(self.model_config)
+        self.served_model_name = args.served_model_name or Path(args.model).resolve().name
+        self.eos_ids = eos_token_ids(args.model, self.model_config, self.tokenizer)
+        self.runner = ModelRunner(args, self.model_config, self.scheduler_config)
+        self.scheduler = Scheduler(self.scheduler_config, self.runner.cache_config)
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_owner: dict[int, tuple[_RequestState, _SeqState]] = {}
+        self._seq_ids = itertools.count()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate_lengths(prompt_ids, params)
+        state = _RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), self._child_params(params, index))
+            self.scheduler.add(seq)  # may raise QueueFullError / InvalidRequestError
+            st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                                              params.skip_special_tokens),
+                           StopChecker(params.stop, params.include_stop_str_in_output),
+                           logprobs=[] if params.logprobs is not None else None)
+            state.seqs.append(st)
+            self._seq_owner[seq.seq_id] = (state, st)
+        self._requests[request_id] = state
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        # n > 1 with a seed: each completion gets its own reproducible stream (seed + index).
+        if params.n == 1 or params.seed is None:
+            return params
+        from dataclasses import replace
+
+        return replace(params, seed=params.seed + index, n=1)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}", param="prompt")
+        return None, ids
+
+    def _validate_lengths(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.scheduler_config.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten the prompt "
+                f"below {max_len} tokens (or start the engine with a larger --max-model-len)", param="prompt")
+        if len(prompt_ids) + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"{max_len}: lower max_tokens to at most {max_len - len(prompt_ids)}", param="max_tokens")
+
+    def abort(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        for st in state.seqs:
+            self.scheduler.abort(st.seq.seq_id)
+            self._seq_owner.pop(st.seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out, [s.token_id for s in sampled])
+        now = time.monotonic()
+        if out.kind == "prefill":
+            self._prompt_tokens_total += out.num_batched_tokens
+        self._generation_tokens_total += len(sampled)
+        touched: dict[str, _RequestState] = {}
+        for sched, tok in zip(out.seqs, sampled):
+            state, st = self._seq_owner[sched.seq_id]
+            state.first_token_time = state.first_token_time or now
+            self._process_token(st, tok)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.finished_time = now
+                self._requests.pop(state.request_id, None)
+                for st in state.seqs:
+                    self._seq_owner.pop(st.seq.seq_id, None)
+            outputs.append(self._make_output(state))
+        return outputs
+
+    def _process_token(self, st: _SeqState, tok) -> None:
+        seq, params = st.seq, st.seq.sampling_params
+        if st.logprobs is not None:
+            st.logprobs.append(TokenLogprob(tok.token_id, tok.logprob, (tok.top or [])[: params.logprobs]))
+        delta = st.detok.append(tok.token_id)
+        st.text, hit = st.stop.check(st.detok.text, len(delta))
+        reason = None
+        if hit:
+            reason = "stop"
+        elif not params.ignore_eos and tok.token_id in self.eos_ids:
+            reason = "stop"
+        elif tok.token_id in params.stop_token_ids:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.scheduler_config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            st.finish_reason = reason
+            status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
+            self.scheduler.finish(seq.seq_id, status)
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        comps = []
+        for st in state.seqs:
+            finished = st.finish_reason is not None
+            text = st.text if finished else st.stop.releasable(st.text)
+            comps.append(CompletionOutput(st.index, text, list(st.seq.output_token_ids), st.finish_reason,
+                                          list(st.logprobs) if st.logprobs is not None else None))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, state.finished,
+                             state.arrival_time, state.first_token_time, state.finished_time)
+
+    # ---- introspection -----------------------------------------------------------------------------
+    @property
+    def graph_status(self) -> str:
+        return self.runner.graph_status
+
+    def stats(self) -> EngineStats:
+        g = self.runner.graph_stats()
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.runner.cache_config.num_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            decode_steps_graph=g.graph_steps,
+            decode_steps_eager=g.eager_steps,
+            padded_rows=g.padded_rows,
+            replays_by_size=dict(g.replays_by_size),
+            captured_sizes=tuple(self.runner.captured_sizes),
+            graph_memory_bytes=self.runner.graph_memory_bytes,
+            graph_capture_seconds=self.runner.graph_capture_seconds,
+            graphs_enabled=self.runner.graphs_enabled,
+            graph_disabled_cause=self.runner.graph_disabled_cause,
+        )

@@ -1,0 +1,145 @@
+"""`ostinato bench`: decode-step latency, graph vs eager vs HF transformers eager, in one run.
+
+For each batch size, B sequences sit at `--context` tokens in the paged cache (random block tables drawn from
+the pool); the decode forward (inputs -> logits) is timed with CUDA events, median of `--iters` after warm-up:
+- ostinato graph: CudaGraphRunner.run (input copies + one replay);
+- ostinato eager: the same decode callable launched op by op;
+- HF eager: transformers' own model class on the same checkpoint, one-token forward over a DynamicCache.
+The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (DESIGN.md: 4.13 TB/s on our H200).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+HBM_READ_BYTES_PER_S = 4.13e12  # measured on our H200 (DESIGN.md, 2026-11-29)
+
+
+def register(sub) -> None:
+    from ..cli_args import _int_list, add_engine_args
+
+    p = sub.add_parser("bench", help="decode-step latency: graph vs eager vs HF transformers")
+    add_engine_args(p)
+    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
+    p.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run)
+
+
+def _time_cuda(fn, iters: int, warmup: int) -> float:
+    """Median milliseconds of fn() measured with CUDA events (CPU wall time on CPU)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _decode_inputs(runner, bs: int, context: int, gen):
+    import torch
+
+    from ..runner.inputs import DecodeInputs
+
+    block = runner.block_size
+    nblk = -(-(context + 1) // block)
+    total = runner.cache_config.num_blocks
+    if bs * nblk > total:
+        raise SystemExit(f"batch {bs} x context {context} needs {bs * nblk} KV blocks, the pool has {total}: "
+                         "lower --batch-sizes/--context or raise --gpu-memory-utilization")
+    perm = torch.randperm(total, generator=gen)[: bs * nblk].view(bs, nblk).to(torch.int32)
+    pos = torch.full((bs,), context, dtype=torch.int64)
+    slots = perm[:, context // block].to(torch.int64) * block + context % block
+    dev = runner.device
+    return DecodeInputs(
+        input_ids=torch.randint(0, runner.model_config.vocab_size, (bs,), generator=gen).to(dev),
+        positions=pos.to(dev), slot_mapping=slots.to(dev), block_tables=perm.to(dev),
+        context_lens=torch.full((bs,), context + 1, dtype=torch.int32).to(dev))
+
+
+def _hf_step_ms(model_dir: str, dtype, device, bs: int, context: int, iters: int, warmup: int, vocab: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    try:
+        with torch.inference_mode():
+            ids = torch.randint(0, vocab, (bs, context), device=device)
+            cache = DynamicCache()
+            hf(input_ids=ids, past_key_values=cache, use_cache=True)
+            tok = torch.randint(0, vocab, (bs, 1), device=device)
+
+            def step():
+                hf(input_ids=tok, past_key_values=cache, use_cache=True)
+
+            # The cache grows by one token per call: warm-up + iters tokens past `context` (a few %).
+            return _time_cuda(step, iters, warmup)
+    finally:
+        del hf
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run(args) -> int:
+    import torch
+
+    from ..cli_args import engine_args_from
+    from ..engine.engine import LLMEngine
+
+    engine = LLMEngine(engine_args_from(args))
+    runner = engine.runner
+    weights = runner.weights_bytes
+    mc = runner.model_config
+    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"model {args.model}: {weights / 1e9:.2f} GB weights, {runner.dtype}, graphs: {engine.graph_status}")
+    with torch.inference_mode():
+        for bs in args.batch_sizes:
+            inp = _decode_inputs(runner, bs, args.context, gen).as_dict()
+            eager_ms = _time_cuda(lambda: runner.decode_logits(**inp), args.iters, args.warmup)
+            graph_ms = None
+            if runner.graphs_enabled and bs <= max(runner.captured_sizes):
+                graph_ms = _time_cuda(lambda: runner.graphs.run(**inp), args.iters, args.warmup)
+            floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
+            hf_ms = None
+            if not args.no_hf:
+                hf_ms = _hf_step_ms(args.model, runner.dtype, runner.device, bs, args.context, args.iters,
+                                    args.warmup, mc.vocab_size)
+            best = graph_ms or eager_ms
+            rows.append({
+                "batch": bs, "context": args.context, "graph_ms": graph_ms, "eager_ms": eager_ms, "hf_ms": hf_ms,
+                "floor_ms": floor_ms, "graph_speedup_vs_eager": eager_ms / graph_ms if graph_ms else None,
+                "speedup_vs_hf": hf_ms / best if hf_ms else None, "floor_ratio": floor_ms / best,
+                "achieved_GBps": (weights + bs * (args.context + 1) * kv_bytes_per_token) / best / 1e6,
+            })
+            r = rows[-1]
+            fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
+            print(f"bs {bs:>4}  graph {fmt(graph_ms)} ms  eager {fmt(eager_ms)} ms  HF {fmt(hf_ms)} ms  "
+                  f"floor {floor_ms:.3f} ms  graph/eager x{fmt(r['graph_speedup_vs_eager'], '{:.2f}')}  "
+                  f"vs HF x{fmt(r['speedup_vs_hf'], '{:.2f}')}  floor/achieved {r['floor_ratio']:.2f}  "
+                  f"{r['achieved_GBps']:.0f} GB/s")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
+    return 0

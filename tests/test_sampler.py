@@ -1,0 +1,277 @@
+"""Sampler: greedy, seeds, distributions, top-k / top-p / temperature, logprobs (CPU; one GPU test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ostinato.engine.request import ScheduledSeq
+from ostinato.runner.sampler import Sampler, SamplingBatch, draw_seed
+from ostinato.sampling_params import SamplingParams
+
+
+def seqs_for(params: list[SamplingParams], num_generated: int | list[int] = 0) -> list[ScheduledSeq]:
+    counts = num_generated if isinstance(num_generated, list) else [num_generated] * len(params)
+    return [
+        ScheduledSeq(seq_id=i, token_ids=(1,), start_pos=0, block_table=(0,), sampling_params=p, num_generated=k)
+        for i, (p, k) in enumerate(zip(params, counts))
+    ]
+
+
+def sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], num_generated=0):
+    batch = sampler.prepare(seqs_for(params, num_generated))
+    return sampler(logits, batch)
+
+
+def draw_counts(probs: list[float], params: SamplingParams, rows: int = 20000, seed: int = 0) -> torch.Tensor:
+    """Sample `rows` times from one distribution (one batched call); counts per token [V]."""
+    logits = torch.tensor(probs).log().expand(rows, -1).contiguous()  # [rows, V]
+    out = sample(Sampler("cpu", seed), logits, [params] * rows)
+    return torch.bincount(out.token_ids, minlength=len(probs)).double()
+
+
+def chi_square(counts: torch.Tensor, expected_probs: list[float]) -> float:
+    expected = torch.tensor(expected_probs, dtype=torch.float64) * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "drew a token whose probability is 0"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# 99.9th percentile of chi-square with df = 1..5: a correct sampler fails these about once in 1000 seeds
+# (and the engine seed is fixed, so a pass is stable).
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(0))
+    out = sample(Sampler("cpu", 0), logits, [SamplingParams(temperature=0.0)] * 16)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.logprobs is None and out.top_ids is None
+
+
+def test_greedy_rows_in_a_mixed_batch_and_tiny_temperature():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1e-7),  # below the greedy cut-off
+        SamplingParams(temperature=0.8, top_k=5, seed=3),
+        SamplingParams(temperature=0.0, top_p=0.5, top_k=2),  # top-k/p do not change a greedy row
+        SamplingParams(temperature=1.0, top_p=0.9),
+    ]
+    ids = sample(Sampler("cpu", 0), logits, params).token_ids
+    for row in (0, 2, 4):
+        assert ids[row] == logits[row].argmax()
+
+
+def test_input_logits_are_not_modified():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
+    before = logits.clone()
+    sample(Sampler("cpu", 0), logits, [SamplingParams(top_k=3, top_p=0.5, logprobs=2)] * 4)
+    assert torch.equal(logits, before)
+
+
+def test_batch_flags_describe_the_rows():
+    sampler = Sampler("cpu", 0)
+    batch: SamplingBatch = sampler.prepare(seqs_for([
+        SamplingParams(temperature=0.0, top_k=50),  # greedy: its top-k does not count
+        SamplingParams(top_k=7, logprobs=3),
+        SamplingParams(top_p=0.9, seed=5),
+    ]))
+    assert (batch.all_greedy, batch.any_greedy, batch.any_top_k, batch.any_top_p) == (False, True, True, True)
+    assert batch.max_top_k == 7 and batch.max_num_logprobs == 3 and batch.num_logprobs == (None, 3, None)
+    assert [row for row, _ in batch.seeded_rows] == [2]
+    assert batch.is_greedy.tolist() == [True, False, False]
+    assert batch.temperature.tolist() == [1.0, 1.0, 1.0] and batch.top_k.tolist() == [50, 7, 0]
+
+
+# ---- seeds ----------------------------------------------------------------------------------------------
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    target = torch.randn(1000, generator=gen)  # [V] a flat-ish distribution: draws vary a lot
+    others = torch.randn(5, 1000, generator=gen)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    crowd = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=10, seed=9),
+             SamplingParams(temperature=0.5, top_p=0.5), SamplingParams(logprobs=2)]
+    alone, crowded = [], []
+    for step in range(12):
+        # Alone, on an engine with one seed ...
+        alone.append(int(sample(Sampler("cpu", 0), target[None], [seeded], step).token_ids[0]))
+        # ... and at a different row among other requests, on an engine with another seed.
+        row = step % 6
+        logits = torch.cat([others[:row], target[None], others[row:]])
+        params = crowd[:row] + [seeded] + crowd[row:]
+        crowded.append(int(sample(Sampler("cpu", 77), logits, params, step).token_ids[row]))
+    assert alone == crowded
+    assert len(set(alone)) > 3  # the k-th token uses a fresh draw, not the same one every step
+
+    other_seed = [
+        int(sample(Sampler("cpu", 0), target[None], [SamplingParams(top_p=0.95, seed=4321)], step).token_ids[0])
+        for step in range(12)
+    ]
+    assert other_seed != alone
+
+
+def test_recompute_after_preemption_redraws_the_same_token():
+    # A preempted sequence recomputes its prompt and outputs; its next draw is still its k-th.
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(seed=42)]
+    first = sample(Sampler("cpu", 0), logits, params, num_generated=7).token_ids
+    sampler = Sampler("cpu", 0)
+    for _ in range(3):  # the engine generator has moved on meanwhile
+        sample(sampler, logits, [SamplingParams()])
+    assert torch.equal(sample(sampler, logits, params, num_generated=7).token_ids, first)
+
+
+def test_draw_seed_accepts_any_int_and_separates_steps():
+    seeds = {draw_seed(s, k) for s in (0, 1, -1, 2**63 + 5) for k in range(50)}
+    assert len(seeds) == 200 and all(0 <= s < 2**64 for s in seeds)
+
+
+def test_unseeded_rows_are_reproducible_per_engine_seed():
+    logits = torch.randn(8, 200, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams()] * 8
+    a = sample(Sampler("cpu", 11), logits, params).token_ids
+    assert torch.equal(a, sample(Sampler("cpu", 11), logits, params).token_ids)
+    assert not torch.equal(a, sample(Sampler("cpu", 12), logits, params).token_ids)
+
+
+# ---- distributions ------------------------------------------------------------------------------------
+
+
+def test_unseeded_draws_follow_the_distribution():
+    probs = [0.4, 0.3, 0.15, 0.1, 0.05, 0.0]
+    counts = draw_counts(probs, SamplingParams(temperature=1.0))
+    assert chi_square(counts, probs) < CHI2_999[4]
+
+
+def test_seeded_draws_follow_the_distribution():
+    probs = [0.5, 0.3, 0.2]
+    logits = torch.tensor(probs).log()[None]  # [1, V]
+    sampler = Sampler("cpu", 0)
+    ids = [int(sample(sampler, logits, [SamplingParams(seed=s)], 0).token_ids[0]) for s in range(3000)]
+    counts = torch.bincount(torch.tensor(ids), minlength=3).double()
+    assert chi_square(counts, probs) < CHI2_999[2]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_scales_logits(temperature):
+    probs = [0.5, 0.3, 0.2]
+    scaled = [p ** (1 / temperature) for p in probs]  # softmax(log p / T) ∝ p^(1/T)
+    expected = [s / sum(scaled) for s in scaled]
+    counts = draw_counts(probs, SamplingParams(temperature=temperature))
+    assert chi_square(counts, expected) < CHI2_999[2]
+
+
+@pytest.mark.parametrize("force_sort_path", [False, True])
+def test_top_k_keeps_exactly_k_candidates(force_sort_path):
+    vocab, rows = 40, 3000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(6))  # distinct values
+    ks = [1, 5, 0]  # 0 = off
+    params = [SamplingParams(top_k=k if k else -1, temperature=2.0) for k in ks for _ in range(rows)]
+    batch_logits = logits.expand(len(params), -1).contiguous()
+    if force_sort_path:  # a top-p row makes the sampler take the sort path for the whole batch
+        params.append(SamplingParams(top_p=0.5))
+        batch_logits = torch.cat([batch_logits, logits[None]])
+    ids = sample(Sampler("cpu", 0), batch_logits, params).token_ids
+    order = logits.argsort(descending=True)
+    for i, k in enumerate(ks):
+        support = set(ids[i * rows : (i + 1) * rows].tolist())
+        if k:
+            assert support == set(order[:k].tolist())  # every one of the top k, nothing else
+        else:
+            assert len(support) > 20
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [(0.3, [0]), (0.7, [0, 1]), (0.8, [0, 1, 2]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
+)
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, kept):
+    probs = [0.5, 0.25, 0.15, 0.1]
+    counts = draw_counts(probs, SamplingParams(top_p=top_p), rows=8000)
+    mass = sum(probs[i] for i in kept)
+    expected = [p / mass if i in kept else 0.0 for i, p in enumerate(probs)]
+    dof = len(kept) - 1
+    assert chi_square(counts, expected) < (CHI2_999[dof] if dof else 1e-9)  # one token kept: always it
+
+
+def test_top_p_applies_after_top_k():
+    # top-3 renormalized: [0.556, 0.278, 0.167]; the first two already hold 0.833 >= 0.8.
+    probs = [0.5, 0.25, 0.15, 0.1]
+    counts = draw_counts(probs, SamplingParams(top_k=3, top_p=0.8), rows=6000)
+    assert counts[2] == 0 and counts[3] == 0
+    assert chi_square(counts, [2 / 3, 1 / 3, 0, 0]) < CHI2_999[1]
+
+
+# ---- logprobs -----------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_and_top_n_is_sorted():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
+    params = [
+        SamplingParams(),
+        SamplingParams(logprobs=0),
+        SamplingParams(temperature=0.5, top_k=2, logprobs=3),  # logprobs ignore temperature and top-k
+        SamplingParams(temperature=0.0, logprobs=5),
+    ]
+    out = sample(Sampler("cpu", 0), logits, params)
+    reference = logits.log_softmax(-1)  # [B, V]
+    assert torch.allclose(out.logprobs, reference.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.top_ids.shape == (4, 5)
+    assert torch.equal(out.top_ids, reference.argsort(-1, descending=True)[:, :5])
+    assert torch.all(out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:])
+
+    host = out.to_host()
+    assert host.token_ids == out.token_ids.tolist()
+    assert host.logprobs == pytest.approx(out.logprobs.tolist())
+    assert [len(ids) for ids in host.top_ids] == [0, 0, 3, 5]  # each request's own N
+    assert host.top_ids[2] == out.top_ids[2, :3].tolist()
+    assert host.top_logprobs[3] == pytest.approx(out.top_logprobs[3].tolist())
+    # The greedy row's token is its most likely one.
+    assert host.top_ids[3][0] == host.token_ids[3]
+    assert math.isclose(host.top_logprobs[3][0], host.logprobs[3], rel_tol=1e-6)
+
+
+def test_logprobs_zero_returns_only_the_sampled_logprob():
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(9))
+    host = sample(Sampler("cpu", 0), logits, [SamplingParams(logprobs=0), SamplingParams()]).to_host()
+    assert host.top_ids is None and host.top_logprobs is None
+    assert host.logprobs[0] == pytest.approx(float(logits[0].log_softmax(-1)[host.token_ids[0]]))
+
+
+def test_to_host_without_logprobs():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(8))
+    host = sample(Sampler("cpu", 0), logits, [SamplingParams(temperature=0.0)] * 3).to_host()
+    assert host.token_ids == logits.argmax(-1).tolist()
+    assert host.logprobs is None and host.top_ids is None and host.top_logprobs is None
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sampling_never_syncs_and_seeds_reproduce():
+    sampler = Sampler("cuda", 0)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    logits = torch.randn(6, 32000, device="cuda", generator=gen)
+    logits[5] = logits[1]  # rows 1 and 5: same seed, same logits
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(seed=5, top_p=0.9),
+              SamplingParams(top_k=20), SamplingParams(top_k=5, top_p=0.8, seed=6),
+              SamplingParams(temperature=0.7), SamplingParams(seed=5, top_p=0.9, logprobs=4)]
+    sample(sampler, logits, params)  # warm-up: first-use allocations may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(sampler, logits, params, num_generated=3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host = out.to_host()
+    assert host.token_ids[0] == int(logits[0].argmax())
+    assert host.token_ids[1] == host.token_ids[5]
+    alone = sample(Sampler("cuda", 1), logits[1:2], [params[1]], num_generated=3).to_host()
+    assert alone.token_ids[0] == host.token_ids[1]
