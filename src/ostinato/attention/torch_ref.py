@@ -1,0 +1,87 @@
+"""Pure-torch paged attention: the correctness oracle and the CPU path.
+
+Runs on CPU and GPU with plain torch ops. It favours clarity over speed (decode gathers every block of
+a sequence's block table into a dense tensor), so the Triton backend is tested against it, not the
+other way round. Scores and softmax are computed in float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend, AttentionMetadata
+
+
+class TorchRefBackend(AttentionBackend):
+    """Reference implementation of `AttentionBackend` (see attention/base.py for the cache layout).
+
+    `decode` is CUDA-graph safe: every shape comes from tensor shapes (block table width, not the
+    context lengths), masking is arithmetic, and nothing reads a tensor value on the host.
+    """
+
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        # k, v: [num_tokens, num_kv_heads, head_dim]; caches viewed as [num_slots, num_kv_heads, head_dim].
+        # index_copy_ is a device-side scatter: no host sync, so it is safe inside a CUDA graph. Padded
+        # decode rows all target scratch-block slots; which duplicate wins there does not matter.
+        k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        block_tables = meta.block_tables  # [num_seqs, W]
+        # Gather each sequence's pages into one dense context: [num_seqs, W * block_size, Hkv, D].
+        keys = k_cache.index_select(0, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)
+
+        # Query head h reads kv head h // group: [num_seqs, Hkv, group, D].
+        q_grouped = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+        scores = torch.einsum("bhgd,bshd->bhgs", q_grouped, keys.float()) * scale  # [B, Hkv, group, S]
+
+        # Positions at or past context_lens are stale or foreign data. A large finite negative (not
+        # -inf) keeps a row with context_len 0 (possible in padding) finite instead of NaN.
+        positions = torch.arange(keys.shape[1], device=q.device)  # [S]
+        invalid = positions[None, :] >= meta.context_lens[:, None]  # [B, S]
+        scores = scores.masked_fill(invalid[:, None, None, :], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhgs,bshd->bhgd", probs, values.float())  # [B, Hkv, group, D]
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        # Prefill runs eager, so host-side lengths are fine; fall back to the tensors if not given.
+        query_lens = meta.query_lens if meta.query_lens is not None else \
+            (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+        context_lens = meta.context_lens_host if meta.context_lens_host is not None else \
+            meta.context_lens.tolist()
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, H, D]
+        start = 0
+        for seq, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
+            num_blocks = -(-context_len // block_size)
+            blocks = meta.block_tables[seq, :num_blocks]
+            # The whole context read back from the cache (cached prefix + this step's writes).
+            keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len]  # [C, Hkv, D]
+            values = v_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+            # SDPA wants [heads, len, D]; repeat kv heads so the memory-efficient kernel can run (GQA).
+            keys = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, C, D]
+            values = values.float().transpose(0, 1).repeat_interleave(group, dim=0)
+            queries = q[start:start + query_len].float().transpose(0, 1)  # [H, Q, D]
+
+            # Query i sits at position context_len - query_len + i and sees keys 0..that position.
+            query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
+            key_pos = torch.arange(context_len, device=q.device)
+            allowed = key_pos[None, :] <= query_pos[:, None]  # [Q, C]
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale)
+            out[start:start + query_len] = attn.transpose(0, 1).to(q.dtype)
+            start += query_len
+        return out

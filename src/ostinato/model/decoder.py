@@ -1,0 +1,166 @@
+"""One decoder for the Llama / Mistral / Qwen2 / Qwen3 families, driven by `ModelConfig`.
+
+The families differ only in details the config carries: GQA head counts, q/k/v bias (Qwen2), per-head
+q/k RMSNorm before RoPE (Qwen3), tied embeddings, llama3 RoPE scaling. Parameter names follow HF's
+(`model.layers.0.self_attn.o_proj.weight`, ...) except two fused projections, which save kernels:
+`qkv_proj` (rows q | k | v) and `gate_up_proj` (rows gate | up); `fused_shards` says where each HF
+tensor goes. Tokens of all sequences are flattened into one [num_tokens] batch; the attention backend
+separates them through AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.base import AttentionBackend, AttentionMetadata
+from ..config import ModelConfig
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+
+
+def projection_biases(config: ModelConfig) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) as HF's modeling code decides them for each family."""
+    if config.family == "qwen2":
+        return True, False  # Qwen2 hard-codes bias on q/k/v, none on o_proj
+    if config.family == "mistral":
+        return False, False
+    return config.attention_bias, config.attention_bias  # llama, qwen3: one flag for all four
+
+
+def fused_shards(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF projection name -> (fused module name, first row, number of rows) in the fused weight/bias."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    return {
+        "q_proj": ("qkv_proj", 0, q_rows),
+        "k_proj": ("qkv_proj", q_rows, kv_rows),
+        "v_proj": ("qkv_proj", q_rows + kv_rows, kv_rows),
+        "gate_proj": ("gate_up_proj", 0, inter),
+        "up_proj": ("gate_up_proj", inter, inter),
+    }
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged KV cache; the cache itself belongs to the runner."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.backend = backend
+        qkv_bias, o_bias = projection_biases(config)
+        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=o_bias)
+        self.qk_norm = config.qk_norm
+        self.norm_eps = config.rms_norm_eps
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        # Set by DecoderForCausalLM.bind_kv_caches; plain attributes so they stay out of state_dict.
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("call DecoderForCausalLM.bind_kv_caches() before forward()")
+        num_tokens = hidden.shape[0]
+        h, kv = self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(hidden).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H + 2Hkv, D]
+        if self.qk_norm:
+            # Qwen3 RMS-normalises each q and k head before RoPE (q and k have their own weights). One
+            # weightless norm over all heads of the contiguous projection, then one multiply by the
+            # per-head weights: 3 kernels, where two norms on strided views cost two copies and a cat
+            # more. It is also exactly HF's order (normalise, round to the model dtype, scale).
+            normed = F.rms_norm(heads, (self.head_dim,), eps=self.norm_eps)[:, :h + kv]
+            weight = torch.cat((self.q_norm.weight.expand(h, -1), self.k_norm.weight.expand(kv, -1)))
+            qk = normed * weight  # [T, H + Hkv, D]
+        else:
+            qk = heads[:, :h + kv]
+        # One RoPE application for q and k together: [T, H + Hkv, D].
+        qk = apply_rope(qk, cos, sin)
+        q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
+
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        attend = self.backend.prefill if meta.is_prefill else self.backend.decode
+        out = attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, h * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The model the runner drives: forward() to final hidden states, compute_logits() for sampled rows."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+        # Test hook: force a host sync inside forward so CUDA-graph capture must fail loudly.
+        self.debug_host_sync = False
+        for param in self.parameters():
+            param.requires_grad_(False)
+
+    def tie_weights(self) -> None:
+        """Share the input embedding as the output projection (one tensor, counted once)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head.weight is self.model.embed_tokens.weight
+
+    def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        if len(caches) != len(self.model.layers):
+            raise ValueError(f"got {len(caches)} KV caches for {len(self.model.layers)} layers")
+        for layer, (k_cache, v_cache) in zip(self.model.layers, caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.debug_host_sync:
+            hidden.sum().item()  # deliberate device->host sync; illegal while capturing a CUDA graph
+        cos, sin = self.model.rotary_emb(positions)  # [T, 1, D] each, shared by all layers
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (for sampling and logprobs)."""
+        return self.lm_head(hidden).float()

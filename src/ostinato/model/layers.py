@@ -1,0 +1,125 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding (default and llama3 scaling), SwiGLU MLP.
+
+Each block is written to match HF transformers numerically (fp32 on CPU agrees to ~1e-6) while keeping
+the number of kernels per decode step low, since inside a CUDA graph every kernel still costs ~2 us.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 as HF does.
+
+    `F.rms_norm` upcasts to float32 internally (and is a single fused kernel on recent CUDA builds).
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None,
+                  max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, exactly as HF's ROPE_INIT_FUNCTIONS compute them.
+
+    Supports the default RoPE and the `llama3` type (Llama 3.1+): long wavelengths are divided by
+    `factor`, short ones kept, the band in between interpolated smoothly.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if rope_scaling is None:
+        return inv_freq
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")  # ModelConfig rejects these first
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling.get("original_max_position_embeddings", max_position_embeddings)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """A cos/sin table for every position up to max_position_embeddings, indexed by position.
+
+    The table is computed in float32 (as HF does) and stored in the model dtype (HF casts cos/sin to the
+    activations' dtype before use). Layout: [max_positions, 2 * head_dim] = [cos | signed sin], so one
+    gather per forward serves every layer. "Signed sin" folds rotate_half's negation into the table:
+    rotate_half(x) * sin == cat(x2, x1) * [-sin1, sin2], which saves a negation kernel per call.
+    """
+
+    def __init__(self, head_dim: int, max_position_embeddings: int, theta: float,
+                 rope_scaling: dict[str, Any] | None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.theta = theta
+        self.rope_scaling = rope_scaling
+        # On the default device (the meta device while the loader builds the model); see rebuild().
+        self.register_buffer("cos_sin_cache", self._compute(None, torch.float32), persistent=False)
+
+    def _compute(self, device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
+        # Like HF: inverse frequencies on the host, the position products and cos/sin on the device.
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.rope_scaling, self.max_position_embeddings)
+        positions = torch.arange(self.max_position_embeddings, dtype=torch.int64, device=device)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        half = self.head_dim // 2
+        sin = emb.sin()
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return torch.cat((emb.cos(), signed_sin), dim=-1).to(dtype)  # [P, 2D]
+
+    def rebuild(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Recompute the table on `device` (the loader builds the model on the meta device)."""
+        self.cos_sin_cache = self._compute(device, dtype)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> (cos, signed_sin), each [T, 1, head_dim] to broadcast over heads."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions)  # [T, 2D]
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin` in three kernels (cat, mul, addcmul).
+
+    x: [T, heads, D] (may be a strided view, e.g. the q|k part of the fused qkv output);
+    cos, signed_sin: [T, 1, D]. Returns a new contiguous tensor.
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # cat(x2, x1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (rows: gate then up)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,186 @@
+"""Load an HF safetensors checkpoint (single file or sharded) into `DecoderForCausalLM`.
+
+The model is built on the meta device (no memory, no random init), then every parameter is allocated
+once on the target device and filled straight from the safetensors files: each tensor is read onto the
+device and copied (with dtype conversion) into its place, fused q/k/v and gate/up by row slice. Anything
+the checkpoint lacks, or has but the decoder cannot place, raises CheckpointError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from ..attention.base import AttentionBackend
+from ..config import ModelConfig
+from ..errors import CheckpointError, ConfigError
+from .decoder import DecoderForCausalLM, fused_shards
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that hold nothing to load (old Llama exports saved the RoPE table).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype to run in. "auto" = the checkpoint's dtype on GPU, float32 on CPU (CPU matmuls in
+    bf16/fp16 are slow and it is the reference path)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        name = model_config.checkpoint_dtype.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ConfigError(f"config.json declares dtype {model_config.checkpoint_dtype!r}, which ostinato "
+                              "cannot run; pass --dtype bfloat16, float16 or float32")
+    if name not in _DTYPES:
+        raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {name!r}")
+    return _DTYPES[name]
+
+
+def weights_nbytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name in the checkpoint to the safetensors file that holds it."""
+    single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e}); re-save the checkpoint")
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        missing = sorted({str(p) for p in files.values() if not p.is_file()})
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that are missing: {', '.join(missing)}; "
+                                  "download or copy the complete checkpoint")
+        return files
+    hint = ""
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        hint = " (found PyTorch .bin/.pt weights: convert them to safetensors, e.g. with save_pretrained)"
+    raise CheckpointError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def _checkpoint_name_to_target(config: ModelConfig) -> Callable[[str], tuple[str, int | None, int | None]]:
+    """Returns f(hf_name) -> (our parameter name, first row or None, row count or None)."""
+    shards = fused_shards(config)
+
+    def target(hf_name: str) -> tuple[str, int | None, int | None]:
+        module_path, _, leaf = hf_name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj, weight
+        parent, _, proj = module_path.rpartition(".")
+        if proj in shards:
+            fused, start, rows = shards[proj]
+            return f"{parent}.{fused}.{leaf}", start, rows
+        return hf_name, None, None
+
+    return target
+
+
+def _expected_checkpoint_names(model: DecoderForCausalLM) -> set[str]:
+    """The HF tensor names the model needs (fused parameters expand into their HF parts)."""
+    by_fused: dict[str, list[str]] = defaultdict(list)
+    for proj, (fused, _, _) in fused_shards(model.config).items():
+        by_fused[fused].append(proj)
+    names = set()
+    for name, _ in model.named_parameters():  # a tied lm_head is deduplicated away here
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module in by_fused:
+            names.update(f"{parent}.{proj}.{leaf}" for proj in by_fused[module])
+        else:
+            names.add(name)
+    return names
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter uninitialised storage on `device`, keeping shared (tied) ones shared.
+    (`Module.to_empty` would untie them.)"""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in new:
+                new[id(param)] = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype),
+                                              requires_grad=False)
+            setattr(module, name, new[id(param)])
+
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               backend: AttentionBackend, progress: bool = True) -> DecoderForCausalLM:
+    """Build the decoder and fill it from `model_dir`'s safetensors files. Raises CheckpointError."""
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(model_config, backend)
+    if "lm_head.weight" not in files and not model.tied:
+        logger.info("%s has no lm_head.weight: tying the output projection to embed_tokens", model_dir)
+        model.tie_weights()
+    _materialize(model, device, dtype)
+    model.model.rotary_emb.rebuild(device, dtype)
+
+    params = dict(model.named_parameters())
+    target = _checkpoint_name_to_target(model_config)
+    unexpected: list[str] = []
+    loaded: set[str] = set()
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, path in files.items():
+        by_file[path].append(name)
+
+    with torch.no_grad(), tqdm(total=len(files), desc="Loading weights", unit="tensor",
+                               disable=not progress) as bar:
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt", device=_safetensors_device(device)) as f:
+                for hf_name in names:
+                    bar.update(1)
+                    if hf_name.endswith(IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and model.tied):
+                        continue  # a tied checkpoint may still store a copy of lm_head
+                    param_name, start, rows = target(hf_name)
+                    if param_name not in params:
+                        unexpected.append(hf_name)
+                        continue
+                    dest = params[param_name] if start is None else params[param_name][start:start + rows]
+                    tensor = f.get_tensor(hf_name)
+                    if tensor.shape != dest.shape:
+                        raise CheckpointError(
+                            f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, the model built "
+                            f"from config.json expects {tuple(dest.shape)}; config.json does not match the weights")
+                    dest.copy_(tensor)
+                    loaded.add(hf_name)
+
+    if unexpected:
+        raise CheckpointError(
+            f"{model_dir}: {len(unexpected)} checkpoint tensor(s) have no place in the {model_config.family} "
+            f"decoder built from config.json, e.g. {', '.join(sorted(unexpected)[:5])}; the checkpoint uses "
+            "features ostinato does not implement or config.json does not match the weights")
+    missing = sorted(_expected_checkpoint_names(model) - loaded)
+    if missing:
+        raise CheckpointError(
+            f"{model_dir}: {len(missing)} tensor(s) the model needs are not in the checkpoint, e.g. "
+            f"{', '.join(missing[:5])}; the checkpoint is incomplete or config.json does not match it")
+    logger.info("loaded %d tensors (%.2f GiB) from %s", len(loaded), weights_nbytes(model) / 2**30, model_dir)
+    return model.eval()
