@@ -1,0 +1,259 @@
+"""Continuous-batching scheduler: FCFS admission, all-prefill or all-decode steps, preemption by recompute.
+
+Pure Python (no torch import). It talks to the runner only through `SchedulerOutput`.
+
+Policy, one `schedule()` call at a time:
+
+1. Prefill first. Admit waiting sequences from the head of the queue, in arrival order, while
+   (a) running + admitted < max_num_seqs, (b) the step's prefill tokens stay within
+   max_num_batched_tokens and (c) blocks can be allocated for all of the sequence's tokens. The first
+   sequence that does not fit stops admission (no head-of-line skipping: a long prompt is never starved
+   by shorter ones behind it). A sequence preempted earlier is recomputed: its prefill feeds its prompt
+   and every token it had generated.
+2. Otherwise decode every running sequence: one token each, so the step is one CUDA-graph replay. A
+   sequence whose next position starts a new block needs one; when none is free, the most recently
+   admitted running sequence is preempted (recompute: its blocks are freed and it goes back to the
+   FRONT of the waiting queue, keeping its generated tokens). If that sequence is the one asking, it
+   leaves this step instead. The oldest running sequence therefore always makes progress: alone, it fits
+   (checked at start-up: num_blocks * block_size >= max_model_len).
+3. Nothing running and nothing admissible: an "idle" step.
+
+Known limits:
+- Prefill is preferred over decode, so a steady stream of arrivals delays the decodes of running
+  sequences (their inter-token latency grows while prompts keep arriving).
+- No chunked prefill: a prompt is prefilled in one step, so max_num_batched_tokens must be at least
+  max_model_len, and a long prompt's step stalls every running decode.
+- Admission reserves blocks only for the tokens present now, with no watermark: a sequence admitted
+  into a nearly full cache can force a preemption a few decode steps later.
+- Preemption is by recompute only (no swapping to host memory); a preempted sequence pays its prefill
+  again.
+- Decode steps are bounded by max_num_seqs, not by max_num_batched_tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from ..config import CacheConfig, SchedulerConfig
+from ..errors import ConfigError, InvalidRequestError, OutOfKVCacheError, QueueFullError
+from .blocks import BlockManager
+from .request import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager; decides what each step computes.
+
+    Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(out,
+    sampled_token_ids)`, then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
+    stop strings, max_tokens, or num_tokens >= max_model_len: the engine must stop a sequence there, the
+    scheduler never grows one past max_model_len).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        _check_configs(scheduler_config, cache_config)
+        self._block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size)
+        self._waiting: deque[Sequence] = deque()  # FCFS; preempted sequences re-enter at the front
+        self._running: list[Sequence] = []  # admission order: the last one is preempted first
+        self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
+        self._num_preemptions = 0
+
+    # ---- queues ------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of the waiting queue.
+
+        Raises InvalidRequestError for a prompt that can never be served and QueueFullError when
+        max_queued_requests sequences are already waiting.
+        """
+        n, max_len = len(seq.prompt_token_ids), self.config.max_model_len
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+        if n >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but max_model_len is {max_len}: shorten the prompt below "
+                f"{max_len} tokens (or start the engine with a larger --max-model-len)", param="prompt")
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self._waiting) >= limit:
+            raise QueueFullError(
+                f"{len(self._waiting)} requests are already waiting (--max-queued-requests {limit}); "
+                "retry later or raise --max-queued-requests")
+        assert seq.seq_id not in self._live, f"seq_id {seq.seq_id} is already scheduled"
+        assert not seq.block_table and seq.num_computed_tokens == 0, "a new sequence holds no KV"
+        seq.status = SequenceStatus.WAITING
+        self._waiting.append(seq)
+        self._live[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a waiting or running sequence (FINISHED_ABORTED) and free its blocks.
+
+        Returns False (and does nothing) for an unknown or already finished id.
+        """
+        return self._remove(seq_id, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(self, seq_id: int, status: SequenceStatus) -> bool:
+        """The engine's verdict that a sequence is done: free its blocks and forget it.
+
+        Returns False for an unknown id (e.g. aborted while its step ran).
+        """
+        assert status.finished, f"finish() needs a FINISHED_* status, got {status}"
+        return self._remove(seq_id, status)
+
+    def _remove(self, seq_id: int, status: SequenceStatus) -> bool:
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._block_manager.free(seq)
+        seq.status = status
+        return True
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring for the policy)."""
+        admitted = self._admit()
+        if admitted:
+            return SchedulerOutput("prefill", tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted))
+        if self._running:
+            return self._schedule_decode()
+        # With nothing running every block is free, so the head can only fail to fit if it breaks the
+        # invariants add() checks; waiting for ever would hang the engine.
+        assert not self._waiting, f"seq {self._waiting[0].seq_id} can never be admitted"
+        return SchedulerOutput("idle")
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        num_tokens = 0
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting[0]
+            assert seq.num_tokens < self.config.max_model_len, _past_max_len(seq, self.config.max_model_len)
+            new_tokens = seq.num_tokens - seq.num_computed_tokens
+            if num_tokens + new_tokens > self.config.max_num_batched_tokens:
+                break
+            if not self._block_manager.can_allocate(seq):
+                break
+            self._waiting.popleft()
+            self._block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            admitted.append(seq)
+            num_tokens += new_tokens
+        return admitted
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[int] = []
+        # Oldest first: the victim (the newest) is never one already placed in this step.
+        i = 0
+        while i < len(self._running):
+            seq = self._running[i]
+            assert seq.num_computed_tokens == seq.num_tokens - 1, f"seq {seq.seq_id}: update() was not called"
+            assert seq.num_tokens < self.config.max_model_len, _past_max_len(seq, self.config.max_model_len)
+            while not self._block_manager.ensure_slots(seq, seq.num_tokens):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            else:  # no break: seq has its blocks (it was not the victim)
+                scheduled.append(self._scheduled(seq, seq.num_tokens - 1))
+                i += 1
+        return SchedulerOutput("decode", tuple(scheduled), tuple(preempted))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, re-queue at the front."""
+        self._running.remove(seq)
+        self._block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self._waiting.appendleft(seq)
+        self._num_preemptions += 1
+        if self._num_preemptions == 1:
+            logger.warning(
+                "KV cache full: preempted sequence %d (it will be recomputed). Frequent preemption slows "
+                "serving; give the KV cache more memory (--gpu-memory-utilization, --num-kv-blocks) or "
+                "lower --max-num-seqs. Further preemptions are counted in the metrics.", seq.seq_id)
+        else:
+            logger.debug("preempted sequence %d (%d preemptions in total)", seq.seq_id, self._num_preemptions)
+
+    @staticmethod
+    def _scheduled(seq: Sequence, start_pos: int) -> ScheduledSeq:
+        """Feed every token from start_pos on (prefill: all not yet cached; decode: the last one)."""
+        return ScheduledSeq(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.all_token_ids[start_pos:]),
+            start_pos=start_pos,
+            block_table=tuple(seq.block_table),
+            sampling_params=seq.sampling_params,
+            num_generated=len(seq.output_token_ids),
+        )
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> None:
+        """Record a finished step: one sampled token per scheduled sequence, in `out.seqs` order.
+
+        A sequence aborted while its step ran is skipped. Finishing is left to the engine (`finish()`),
+        which knows about EOS and stop strings.
+        """
+        assert len(sampled_token_ids) == len(out.seqs), "one sampled token per scheduled sequence"
+        for sched, token_id in zip(out.seqs, sampled_token_ids):
+            seq = self._live.get(sched.seq_id)
+            if seq is None:  # aborted while the step ran
+                continue
+            assert seq.status is SequenceStatus.RUNNING, f"seq {seq.seq_id} was not running in this step"
+            seq.num_computed_tokens = sched.context_len
+            seq.output_token_ids.append(token_id)
+
+    # ---- introspection -----------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since start-up (one sequence preempted twice counts twice)."""
+        return self._num_preemptions
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self._block_manager
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The waiting or running sequence with this id; None once finished or if unknown."""
+        return self._live.get(seq_id)
+
+
+def _check_configs(sched: SchedulerConfig, cache: CacheConfig) -> None:
+    """Refuse configurations under which some valid request could never run."""
+    if sched.max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {sched.max_num_seqs}")
+    if sched.max_num_batched_tokens < sched.max_model_len:
+        # Without chunked prefill a recompute feeds up to max_model_len - 1 tokens in one step.
+        raise ConfigError(
+            f"--max-num-batched-tokens {sched.max_num_batched_tokens} is smaller than --max-model-len "
+            f"{sched.max_model_len}: a long prompt could never be prefilled; raise it or lower --max-model-len")
+    capacity = cache.num_blocks * cache.block_size
+    if capacity < sched.max_model_len:
+        fix = (f"lower --max-model-len to {capacity} or less, or " if capacity else "")
+        raise OutOfKVCacheError(
+            f"the KV cache holds {cache.num_blocks} blocks x {cache.block_size} tokens = {capacity} tokens, "
+            f"fewer than max_model_len {sched.max_model_len}, so one sequence at max_model_len could not "
+            f"fit: {fix}give the KV cache more memory (--gpu-memory-utilization, --num-kv-blocks)")
+
+
+def _past_max_len(seq: Sequence, max_model_len: int) -> str:
+    return (f"seq {seq.seq_id} has {seq.num_tokens} tokens, max_model_len is {max_model_len}: the engine must "
+            "finish a sequence (FINISHED_LENGTH) once num_tokens reaches max_model_len")
