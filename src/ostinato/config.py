@@ -8,11 +8,15 @@ Pure Python: no torch import here, so the scheduler side can use these too.
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError, ConfigError
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -45,6 +49,9 @@ class ModelConfig:
     checkpoint_dtype: str = "float32"  # torch_dtype / dtype written in config.json
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Sliding-window attention (some Mistral checkpoints) is not implemented: attention is full, so such a
+    # model is exact only up to this many tokens and max_model_len is capped there.
+    sliding_window: int | None = None
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -98,6 +105,8 @@ class ModelConfig:
                 checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
                 eos_token_ids=eos_ids,
                 bos_token_id=cfg.get("bos_token_id"),
+                sliding_window=(int(cfg["sliding_window"]) if cfg.get("sliding_window")
+                                and cfg.get("use_sliding_window", True) else None),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from None
@@ -150,6 +159,46 @@ def default_capture_sizes(max_num_seqs: int, max_size: int = 256) -> tuple[int, 
     if sizes[-1] != cap:
         sizes.append(cap)
     return tuple(sorted(set(sizes)))
+
+
+def plan_capture_sizes(
+    max_num_seqs: int,
+    cuda_graph_sizes: Sequence[int] | None = None,
+    max_cuda_graph_size: int | None = None,
+) -> tuple[int, ...]:
+    """The batch sizes to capture, ascending.
+
+    Default: 1, 2, 4, then steps of 8 up to min(max_cuda_graph_size or 256, max_num_seqs), that cap
+    included. An explicit list is sorted and deduplicated; sizes above max_num_seqs (a decode batch never
+    has more sequences) or above max_cuda_graph_size are dropped with a WARNING saying why.
+    """
+    if max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+    if max_cuda_graph_size is not None and max_cuda_graph_size < 1:
+        raise ConfigError(f"--max-cuda-graph-size must be >= 1, got {max_cuda_graph_size}")
+    if cuda_graph_sizes is None:
+        return default_capture_sizes(max_num_seqs, max_cuda_graph_size or 256)
+
+    sizes = tuple(cuda_graph_sizes)
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if not sizes or bad:
+        raise ConfigError(f"--cuda-graph-sizes must be positive integers, got {list(sizes)}")
+    kept, dropped = [], []
+    for size in sorted(set(sizes)):
+        if size > max_num_seqs:
+            dropped.append(f"{size} (above --max-num-seqs {max_num_seqs}: no decode batch is that large)")
+        elif max_cuda_graph_size is not None and size > max_cuda_graph_size:
+            dropped.append(f"{size} (above --max-cuda-graph-size {max_cuda_graph_size})")
+        else:
+            kept.append(size)
+    if not kept:
+        raise ConfigError(
+            f"none of --cuda-graph-sizes {sorted(set(sizes))} can be used: {'; '.join(dropped)}. Pass sizes "
+            "<= --max-num-seqs (and --max-cuda-graph-size), or run with --enforce-eager"
+        )
+    if dropped:
+        logger.warning("not capturing CUDA graphs for --cuda-graph-sizes %s", "; ".join(dropped))
+    return tuple(kept)
 
 
 @dataclass(frozen=True)
@@ -212,7 +261,14 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
-        max_len = self.max_model_len or min(model.max_position_embeddings, 8192)
+        limit = model.max_position_embeddings
+        if model.sliding_window is not None and model.sliding_window < limit:
+            limit = model.sliding_window
+            if self.max_model_len and self.max_model_len > limit:
+                raise ConfigError(
+                    f"this checkpoint uses sliding-window attention ({limit} tokens), which ostinato does not "
+                    f"implement; it is exact up to {limit} tokens: set --max-model-len {limit} or lower")
+        max_len = self.max_model_len or min(limit, 8192)
         if max_len > model.max_position_embeddings:
             raise ConfigError(
                 f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
@@ -234,8 +290,5 @@ class EngineArgs:
     def graph_config(self, device_is_cuda: bool) -> GraphConfig:
         if self.enforce_eager or not device_is_cuda:
             return GraphConfig(True, (), self.cuda_graph_fallback, self.skip_graph_check)
-        if self.cuda_graph_sizes:
-            sizes = tuple(sorted(set(self.cuda_graph_sizes)))
-        else:
-            sizes = default_capture_sizes(self.max_num_seqs, self.max_cuda_graph_size or 256)
+        sizes = plan_capture_sizes(self.max_num_seqs, self.cuda_graph_sizes, self.max_cuda_graph_size)
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import EngineArgs, ModelConfig
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, QueueFullError
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
@@ -98,6 +98,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_lengths(prompt_ids, params)
+        limit = self.scheduler_config.max_queued_requests
+        if limit is not None and self.scheduler.num_waiting + params.n > limit:
+            # Checked up front so that a request with n > 1 is queued whole or not at all.
+            raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} of {limit}); "
+                                 "retry later or raise --max-queued-requests")
         state = _RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), self._child_params(params, index))
@@ -109,6 +114,7 @@ class LLMEngine:
             state.seqs.append(st)
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
+        self._prompt_tokens_total += len(prompt_ids)
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -163,8 +169,6 @@ class LLMEngine:
         sampled = self.runner.execute(out)
         self.scheduler.update(out, [s.token_id for s in sampled])
         now = time.monotonic()
-        if out.kind == "prefill":
-            self._prompt_tokens_total += out.num_batched_tokens
         self._generation_tokens_total += len(sampled)
         touched: dict[str, _RequestState] = {}
         for sched, tok in zip(out.seqs, sampled):

@@ -1,0 +1,669 @@
+"""Run a decode step as one CUDA-graph replay: capture per batch size, pad, copy into static inputs, replay.
+
+`CudaGraphRunner` wraps any callable whose inputs are batch-major tensors. It works on its own, outside
+ostinato::
+
+    def step(token_ids, positions):            # [n] int64 each -> [n, vocab] logits
+        return model(token_ids, positions)
+
+    runner = CudaGraphRunner(
+        step,
+        inputs=[StaticInput("token_ids", (64,), torch.int64, pad_value=0),
+                StaticInput("positions", (64,), torch.int64, pad_value=0)],
+        capture_sizes=plan_capture_sizes(max_num_seqs=64),
+        device="cuda",
+    )
+    runner.capture()                                        # largest size first, one shared memory pool
+    runner.check(lambda n: {"token_ids": torch.randint(0, vocab, (n,), device="cuda"),
+                            "positions": torch.arange(n, device="cuda")})
+    logits = runner.run(token_ids=ids, positions=pos)      # a view into the graph's static output
+
+The rules it keeps (DESIGN.md, "The decode step as a replay"): a batch of n replays the graph of the
+smallest captured size >= n, with rows [n:size] of every input set to that input's pad value (for a paged
+cache: the scratch block, so padded rows never touch a real sequence's KV); inputs are copied into
+persistent buffers, never baked in; an input wider than its buffer is an error, never truncated; a
+failed capture or self-check stops start-up with the size and the cause unless fallback="eager" was
+chosen, and every eager step is counted either way.
+
+What is captured must not synchronize with the host: no .item(), .cpu(), .tolist(), Python branches on
+tensor values or data-dependent shapes inside `fn`.
+
+Capture and replay go through a small backend (`CudaGraphBackend` by default). `RecordingGraphBackend`
+stands in for it on any device, so padding, guards, counters and the fallback policy are tested on CPU
+through the very code that runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import GraphConfig, default_capture_sizes, plan_capture_sizes  # noqa: F401 (re-exported)
+from ..errors import ConfigError, CudaGraphCaptureError
+from .memory import MiB, capture_oom_message
+
+__all__ = [
+    "CaptureReport", "CudaGraphBackend", "CudaGraphRunner", "GraphBackend", "GraphInputError", "GraphStats",
+    "MemoryReading", "RecordingGraphBackend", "StaticInput", "default_compare", "describe_capture_failure",
+    "pick_graph_size", "plan_capture_sizes",
+]
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_POLICIES = ("error", "eager")
+
+# Text CUDA / torch use when a captured region synchronizes with the host or touches a capturing stream.
+_HOST_SYNC_MARKERS = ("stream is capturing", "graph capture", "during capture", "cudaerrorstreamcapture",
+                      "operation not permitted when stream")
+_FALLBACK_HINT = (" To serve without graphs instead, pass --cuda-graph-fallback eager (fallback='eager'), "
+                  "or --enforce-eager to skip capture.")
+_HOST_SYNC_HINT = (
+    "This usually means the step synchronizes with the host inside the captured region: .item(), .cpu(), "
+    ".tolist(), printing a tensor, a Python branch on a tensor value, or an op whose output shape depends "
+    "on the data (nonzero, masked_select, unique). Move that out of the step."
+)
+
+
+class GraphInputError(ConfigError):
+    """An input that does not fit the captured static buffers (too wide, wrong dtype or device, unknown
+    name). Raised before any replay; nothing is copied or truncated."""
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def pick_graph_size(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size >= n (the graph a batch of n is padded to), or None when n is above the
+    largest size (that batch runs eager). `sizes` must be ascending."""
+    if n < 1:
+        raise ValueError(f"batch size must be >= 1, got {n}")
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+# ------------------------------------------------------------------------------------ inputs and reports
+
+
+@dataclass(frozen=True)
+class StaticInput:
+    """One persistent input buffer: allocated once at its largest shape, copied into before each replay.
+
+    shape is the full shape, dim 0 the largest batch (>= the largest capture size); trailing dims are the
+    largest the input may ever be (e.g. a block table's width = ceil(max_model_len / block_size)).
+    pad_value fills padded rows and the unused right part of narrower inputs (for a block table: the
+    scratch block; for a slot mapping: a scratch slot).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pad_value: int | float | bool = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not self.name.isidentifier():
+            raise ConfigError(f"static input name {self.name!r} must be a Python identifier (fn takes it as a keyword)")
+        if not self.shape or any(d < 1 for d in self.shape):
+            raise ConfigError(f"static input {self.name!r}: shape must be non-empty and positive, got "
+                              f"{self.shape}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ConfigError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What capture() did. Memory is device memory each capture added (torch.cuda.mem_get_info deltas:
+    the graph pool plus the driver's graph objects), keyed by size in capture order (largest first)."""
+
+    sizes: tuple[int, ...]  # captured, ascending; () when graphs are off
+    bytes_by_size: Mapping[int, int]
+    pool_bytes: int  # growth of the caching allocator's reservation (the shared graph pool)
+    seconds: float
+    disabled_cause: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_size.values())
+
+    def summary(self) -> str:
+        if self.disabled_cause is not None:
+            return f"CUDA graphs off: {self.disabled_cause}"
+        return (f"captured {len(self.sizes)} CUDA graphs (sizes {self.sizes[0]}..{self.sizes[-1]}) in "
+                f"{self.seconds:.2f} s using {self.total_bytes / MiB:.1f} MiB")
+
+
+@dataclass(frozen=True)
+class GraphStats:
+    """Counters since construction. Every decode step is either a graph step or an eager step."""
+
+    captured_sizes: tuple[int, ...]
+    graph_steps: int
+    eager_steps: int  # oversize steps plus every step while graphs are disabled
+    oversize_steps: int  # eager because the batch was above the largest captured size
+    real_rows: int  # rows of graph steps that carried a sequence
+    padded_rows: int  # rows of graph steps computed only to fill the graph
+    replays_by_size: Mapping[int, int]
+    disabled_cause: str | None
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return self.disabled_cause is None
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of graph rows that were padding (wasted compute)."""
+        rows = self.real_rows + self.padded_rows
+        return self.padded_rows / rows if rows else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    device_bytes: int  # device memory in use (total - free), every process and the driver included
+    reserved_bytes: int  # bytes the caching allocator holds
+
+
+class GraphBackend(Protocol):
+    """Captures and replays. `CudaGraphRunner` holds all the policy; a backend only does these steps."""
+
+    def new_pool(self) -> Any: ...
+
+    def warmup(self, fn: Callable[[], torch.Tensor], iters: int) -> None: ...
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+        """Record fn; return (replay, static output)."""
+        ...
+
+    def memory_in_use(self) -> MemoryReading: ...
+
+    def synchronize(self) -> None: ...
+
+    def recover(self) -> str | None:
+        """After a failed capture: bring the device back to a usable state. Returns why it could not."""
+        ...
+
+    def release(self) -> None:
+        """After the graphs were dropped: hand their memory back."""
+        ...
+
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph capture on one dedicated side stream (warm-up included, so lazily created
+    workspaces exist before capture), every size in one shared pool, replay on the current stream."""
+
+    def __init__(self, device: torch.device | str, capture_error_mode: str = "global"):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ConfigError(f"CUDA graphs need a CUDA device, got {device}; run eager (--enforce-eager)")
+        self._device = device
+        self._capture_error_mode = capture_error_mode
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def device(self) -> torch.device:
+        if self._device.index is None:  # resolved lazily: torch.cuda must not be touched at construction
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        return self._device
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def warmup(self, fn: Callable[[], torch.Tensor], iters: int) -> None:
+        stream, current = self._capture_stream(), torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for _ in range(iters):
+                fn()
+        current.wait_stream(stream)
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.device)
+        # Not torch.cuda.graph(): when capture_end fails there, its __exit__ skips restoring the stream.
+        with torch.cuda.device(self.device), torch.cuda.stream(self._capture_stream()):
+            graph.capture_begin(pool=pool, capture_error_mode=self._capture_error_mode)
+            try:
+                out = fn()
+            except BaseException:
+                self._close_failed_capture(graph, pool, still_capturing=True)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                self._close_failed_capture(graph, pool, still_capturing=False)
+                raise
+        torch.cuda.synchronize(self.device)
+        return graph.replay, out
+
+    def _close_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any, still_capturing: bool) -> None:
+        """Take the stream out of capture mode and the allocator out of the graph pool.
+
+        An invalidated capture makes capture_end fail at cudaStreamEndCapture, before torch tells the
+        caching allocator the capture is over; we do that here (private torch calls, best effort)."""
+        if still_capturing:
+            try:
+                graph.capture_end()
+                return  # the capture was still valid: dropping `graph` releases its pool share
+            except Exception:
+                pass
+        end_to_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        release_pool = getattr(torch._C, "_cuda_releasePool", None)
+        if end_to_pool is None or release_pool is None:
+            return
+        try:
+            end_to_pool(self.device.index, pool)
+        except Exception:
+            return  # capture_end got that far itself: the graph object releases the pool
+        try:
+            release_pool(self.device.index, pool)
+        except Exception:
+            pass
+
+    def memory_in_use(self) -> MemoryReading:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # drop cached warm-up blocks so only what stays allocated is counted
+        free, total = torch.cuda.mem_get_info(self.device)
+        return MemoryReading(total - free, torch.cuda.memory_reserved(self.device))
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def recover(self) -> str | None:
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.zeros(1, device=self.device).add_(1).cpu()  # a launch and a copy must work again
+        except Exception as e:  # a sticky error (e.g. illegal memory access) poisons the CUDA context
+            return f"CUDA is unusable after the failed capture ({_first_line(e)}); restart the process"
+        return None
+
+    def release(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+
+class RecordingGraphBackend:
+    """A stand-in for CUDA graphs on any device, for tests and CPU dry runs.
+
+    'Capture' runs fn once and records it; 'replay' runs it again and copies the result into the recorded
+    output, so the output is a static tensor exactly as with a CUDA graph. Unlike a real graph, Python in
+    fn runs on every replay: this checks the runner's bookkeeping, not whether a step is graph-safe.
+    Memory readings are zero; override memory_in_use to simulate growth.
+    """
+
+    def new_pool(self) -> Any:
+        return None
+
+    def warmup(self, fn: Callable[[], torch.Tensor], iters: int) -> None:
+        for _ in range(iters):
+            fn()
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+        out = fn()
+        if not isinstance(out, torch.Tensor):
+            return (lambda: None), out  # the runner reports the bad return type
+        return (lambda: out.copy_(fn())), out
+
+    def memory_in_use(self) -> MemoryReading:
+        return MemoryReading(0, 0)
+
+    def synchronize(self) -> None:
+        pass
+
+    def recover(self) -> str | None:
+        return None
+
+    def release(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+def _first_line(e: BaseException) -> str:
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def describe_capture_failure(size: int, error: BaseException) -> str:
+    """The message for a failed capture: size, original error, and a hint when the cause is known."""
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    if isinstance(error, oom):
+        return capture_oom_message(size, _first_line(error))
+    msg = f"capturing the CUDA graph for batch size {size} failed: {_first_line(error)}."
+    if any(marker in str(error).lower() for marker in _HOST_SYNC_MARKERS):
+        msg += " " + _HOST_SYNC_HINT
+    return msg
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for graph-vs-eager agreement. The same kernels run both ways, but a padded buffer
+    width can change a kernel's reduction order, so allow a few units of the dtype's precision."""
+    return {torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}.get(dtype, (1e-3, 1e-3))
+
+
+def default_compare(graph_out: torch.Tensor, eager_out: torch.Tensor) -> str | None:
+    """None when the graph's output matches eager's, else what differs.
+
+    Floating outputs: allclose with a dtype-dependent tolerance, and the argmax over the last dim (the
+    sampled token under greedy decoding) equal in every row unless eager itself has a tie there within
+    that tolerance. Other dtypes (e.g. sampled token ids): exactly equal.
+    """
+    if graph_out.shape != eager_out.shape:
+        return f"shape {tuple(graph_out.shape)} != eager {tuple(eager_out.shape)}"
+    if not graph_out.is_floating_point():
+        if torch.equal(graph_out, eager_out):
+            return None
+        if graph_out.ndim == 0:
+            return f"value {graph_out.item()} != eager {eager_out.item()}"
+        rows = (graph_out != eager_out).reshape(graph_out.shape[0], -1).any(-1).nonzero().flatten()
+        return f"values differ from eager in rows {rows.tolist()[:8]}"
+    rtol, atol = _tolerance(eager_out.dtype)
+    g, e = graph_out.float(), eager_out.float()
+    if not torch.allclose(g, e, rtol=rtol, atol=atol):
+        diff = (g - e).abs().nan_to_num(nan=float("inf"))
+        return f"max abs diff {diff.max().item():.4g} from eager (rtol={rtol}, atol={atol})"
+    if g.ndim == 0 or g.shape[-1] == 0:
+        return None
+    g_top, e_top = g.argmax(-1), e.argmax(-1)
+    flipped = g_top != e_top
+    if flipped.any():
+        e_best = e.gather(-1, e_top.unsqueeze(-1)).squeeze(-1)
+        e_at_graph_top = e.gather(-1, g_top.unsqueeze(-1)).squeeze(-1)
+        not_a_tie = flipped & (e_best - e_at_graph_top > atol + rtol * e_best.abs())
+        if not_a_tie.any():
+            return f"argmax over the last dim differs from eager at {int(not_a_tie.sum())} positions"
+    return None
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+class CudaGraphRunner:
+    """Captures `fn` once per batch size and replays it on persistent (static) input buffers.
+
+    fn(**views) is called with every buffer sliced to [:size]; the tensor it returns (dim 0 = size)
+    becomes that graph's static output. `run(**inputs)` pads a batch of n to the smallest captured size,
+    copies the inputs in, replays, and returns output[:n]: a view into the static output, overwritten by
+    the next replay — clone it to keep it. Batches above the largest size, and every batch when graphs
+    are disabled, call fn(**inputs) eagerly; `stats` counts both.
+
+    fallback: "error" (a failed capture or self-check raises CudaGraphCaptureError) or "eager" (one
+    WARNING, graphs dropped, every step eager). enforce_eager=True never captures.
+    Not thread-safe: one runner serves one decode loop.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        inputs: Sequence[StaticInput],
+        capture_sizes: Sequence[int],
+        device: torch.device | str,
+        fallback: str = "error",
+        pool: Any = None,
+        warmup_iters: int = 2,
+        progress: bool = False,
+        enforce_eager: bool = False,
+        backend: GraphBackend | None = None,
+    ):
+        if fallback not in FALLBACK_POLICIES:
+            raise ConfigError(f"fallback must be 'error' or 'eager', got {fallback!r}")
+        if warmup_iters < 0:
+            raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
+        self.fn = fn
+        self.inputs = {spec.name: spec for spec in inputs}
+        if len(self.inputs) != len(inputs) or not inputs:
+            raise ConfigError(f"static inputs need distinct names, got {[s.name for s in inputs]}")
+        self.device = torch.device(device)
+        self.fallback = fallback
+        self.warmup_iters = warmup_iters
+        self.progress = progress
+        self._pool = pool
+        self._sizes: tuple[int, ...] = tuple(sorted(set(capture_sizes)))
+        self._disabled_cause: str | None = None
+        if enforce_eager:
+            self._sizes = ()
+            self._disabled_cause = "enforce_eager: CUDA graphs turned off by configuration"
+        else:
+            self._validate_sizes()
+        if backend is None and not enforce_eager:
+            backend = CudaGraphBackend(self.device)  # raises ConfigError for a non-CUDA device
+        self._backend: GraphBackend | None = backend
+        self._buffers: dict[str, torch.Tensor] = {}  # name -> full static buffer
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # size -> (replay, output)
+        self._captured = False
+        self._graph_steps = self._eager_steps = self._oversize_steps = 0
+        self._real_rows = self._padded_rows = 0
+        self._replays_by_size: dict[int, int] = {}
+
+    @classmethod
+    def from_config(cls, fn: Callable[..., torch.Tensor], inputs: Sequence[StaticInput], config: GraphConfig,
+                    device: torch.device | str, **kwargs: Any) -> "CudaGraphRunner":
+        """Build from ostinato's GraphConfig (skip_graph_check is the caller's: it decides on check())."""
+        return cls(fn, inputs, config.capture_sizes, device, fallback=config.fallback,
+                   enforce_eager=config.enforce_eager, **kwargs)
+
+    def _validate_sizes(self) -> None:
+        if not self._sizes:
+            raise ConfigError("no CUDA-graph capture sizes given; pass some or run with enforce_eager=True")
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self._sizes):
+            raise ConfigError(f"capture sizes must be positive integers, got {self._sizes}")
+        largest = self._sizes[-1]
+        for spec in self.inputs.values():
+            if spec.shape[0] < largest:
+                raise ConfigError(f"static input {spec.name!r} holds {spec.shape[0]} rows but the largest "
+                                  f"capture size is {largest}; allocate it with dim 0 >= {largest}")
+
+    # ------------------------------------------------------------------------------------ properties
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return self._disabled_cause is None
+
+    @property
+    def disabled_cause(self) -> str | None:
+        return self._disabled_cause
+
+    @property
+    def stats(self) -> GraphStats:
+        return GraphStats(
+            captured_sizes=self.captured_sizes, graph_steps=self._graph_steps, eager_steps=self._eager_steps,
+            oversize_steps=self._oversize_steps, real_rows=self._real_rows, padded_rows=self._padded_rows,
+            replays_by_size=dict(self._replays_by_size), disabled_cause=self._disabled_cause,
+        )
+
+    # --------------------------------------------------------------------------------------- capture
+
+    def capture(self) -> CaptureReport:
+        """Capture one graph per size, largest first (later, smaller graphs reuse the pool memory the
+        larger ones freed), all in one memory pool, each after `warmup_iters` eager calls."""
+        if self._captured:
+            raise RuntimeError("capture() was already called on this runner")
+        self._captured = True
+        if self._disabled_cause is not None:
+            return CaptureReport((), {}, 0, 0.0, self._disabled_cause)
+        self._buffers = {
+            spec.name: torch.full(spec.shape, spec.pad_value, dtype=spec.dtype, device=self.device)
+            for spec in self.inputs.values()
+        }
+        start = time.perf_counter()
+        bytes_by_size: dict[int, int] = {}
+        assert self._backend is not None
+        pool = self._pool if self._pool is not None else self._backend.new_pool()
+        reserved_before = self._backend.memory_in_use().reserved_bytes
+        bar = tqdm(total=len(self._sizes), desc="Capturing CUDA graphs", unit="graph",
+                   disable=not self.progress)
+        try:
+            for size in reversed(self._sizes):
+                bar.set_postfix(size=size)
+                views = {name: buf[:size] for name, buf in self._buffers.items()}
+                step = functools.partial(self.fn, **views)
+                try:
+                    self._backend.warmup(step, self.warmup_iters)
+                    before = self._backend.memory_in_use()
+                    replay, out = self._backend.capture(step, pool)
+                    after = self._backend.memory_in_use()
+                except Exception as e:
+                    self._fail(size, describe_capture_failure(size, e), e)
+                    break
+                if not isinstance(out, torch.Tensor) or out.ndim == 0 or out.shape[0] != size:
+                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                    self._fail(size, f"the step returned {got} for batch size {size}; it must return one "
+                                     "tensor whose dim 0 is the batch size", None)
+                    break
+                self._graphs[size] = (replay, out)
+                bytes_by_size[size] = max(0, after.device_bytes - before.device_bytes)
+                bar.update(1)
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - start
+        pool_bytes = 0
+        if self._disabled_cause is None:
+            pool_bytes = max(0, self._backend.memory_in_use().reserved_bytes - reserved_before)
+        report = CaptureReport(self.captured_sizes, bytes_by_size if self._graphs else {}, pool_bytes, seconds,
+                               self._disabled_cause)
+        logger.info(report.summary())
+        return report
+
+    def _fail(self, size: int, message: str, error: BaseException | None) -> None:
+        """A capture or self-check failed: drop every graph, then raise or (fallback="eager") warn once."""
+        self._graphs.clear()
+        assert self._backend is not None
+        unusable = self._backend.recover()
+        self._backend.release()
+        # Set before raising too, so a caller that catches the error sees (and counts) eager steps.
+        self._disabled_cause = f"batch size {size}: {message}"
+        if unusable is not None:  # eager would fail too: never pretend to fall back
+            raise CudaGraphCaptureError(f"{message} {unusable}.") from error
+        if self.fallback == "error":
+            raise CudaGraphCaptureError(message + _FALLBACK_HINT) from error
+        logger.warning("CUDA graphs disabled, every decode step runs eager (fallback='eager'): %s", message)
+
+    # ------------------------------------------------------------------------------------------ check
+
+    def check(
+        self,
+        make_inputs: Callable[[int], Mapping[str, torch.Tensor]],
+        compare: Callable[[torch.Tensor, torch.Tensor], str | None] = default_compare,
+    ) -> float:
+        """Replay every captured size on make_inputs(size) and compare with fn run eagerly on the same
+        inputs; a mismatch is handled like a capture failure. Returns the seconds it took.
+
+        fn runs twice per size (its side effects too, e.g. KV writes): run the check before serving, with
+        inputs that write only to scratch slots. Counters are not touched.
+        compare(graph_out, eager_out) returns None when they agree, else a description.
+        """
+        if not self._captured:
+            raise RuntimeError("call capture() before check()")
+        if not self._graphs:
+            return 0.0
+        assert self._backend is not None
+        start = time.perf_counter()
+        for size in self.captured_sizes:
+            inputs = dict(make_inputs(size))
+            if self._validate(inputs) != size:
+                raise GraphInputError(f"make_inputs({size}) must return inputs with {size} rows")
+            eager_out = self.fn(**inputs)
+            graph_out = self._replay(size, size, inputs)
+            mismatch = compare(graph_out, eager_out)
+            if mismatch is not None:
+                self._fail(size, f"CUDA graph self-check failed for batch size {size}: {mismatch}. The replay "
+                                 "computes something else than the eager step: usually a value fixed at "
+                                 "capture (a Python branch on a tensor, a tensor replaced instead of copied "
+                                 "into, a shape read from data). --skip-graph-check skips this check.", None)
+                break
+        self._backend.synchronize()
+        seconds = time.perf_counter() - start
+        if self.graphs_enabled:
+            logger.info("CUDA graph self-check passed for %d sizes in %.2f s", len(self._graphs), seconds)
+        return seconds
+
+    # -------------------------------------------------------------------------------------------- run
+
+    def run(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """One step on a batch of n (the inputs' dim 0). Graph replay when a captured size >= n exists
+        (the result is a view into the static output, valid until the next replay), else fn(**inputs)."""
+        n = self._validate(inputs)
+        if self.graphs_enabled and not self._captured:
+            raise RuntimeError("call capture() before run()")
+        size = pick_graph_size(n, self._sizes) if self._graphs else None
+        if size is None:
+            self._eager_steps += 1
+            self._oversize_steps += int(self.graphs_enabled)
+            return self.fn(**inputs)
+        out = self._replay(size, n, inputs)
+        self._graph_steps += 1
+        self._real_rows += n
+        self._padded_rows += size - n
+        self._replays_by_size[size] = self._replays_by_size.get(size, 0) + 1
+        return out
+
+    def _validate(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """Check every input against its static buffer before anything is copied; returns the batch size."""
+        if inputs.keys() != self.inputs.keys():
+            missing, unknown = self.inputs.keys() - inputs.keys(), inputs.keys() - self.inputs.keys()
+            raise GraphInputError(f"inputs must be exactly {sorted(self.inputs)}; missing {sorted(missing)}, "
+                                  f"unknown {sorted(unknown)}")
+        batch = {name: x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None
+                 for name, x in inputs.items()}
+        for name, x in inputs.items():
+            spec = self.inputs[name]
+            if not isinstance(x, torch.Tensor):
+                raise GraphInputError(f"input {name!r} must be a tensor, got {type(x).__name__}")
+            if x.ndim != len(spec.shape):
+                raise GraphInputError(f"input {name!r} has {x.ndim} dims, its static buffer {len(spec.shape)} "
+                                      f"(shape {spec.shape})")
+            if x.dtype != spec.dtype:
+                raise GraphInputError(f"input {name!r} is {x.dtype}, its static buffer {spec.dtype}; convert "
+                                      "it before the step (no silent casts)")
+            if not _same_device(x.device, self.device):
+                raise GraphInputError(f"input {name!r} is on {x.device}, the graphs on {self.device}; move it "
+                                      "there before the step")
+            for dim, (got, cap) in enumerate(zip(x.shape[1:], spec.shape[1:]), start=1):
+                if got > cap:
+                    raise GraphInputError(
+                        f"input {name!r} is {got} wide in dim {dim} but was captured {cap} wide (buffer shape "
+                        f"{spec.shape}); it is never truncated: allocate the static input at the largest "
+                        "width it can take (for a block table ceil(max_model_len / block_size))")
+        sizes = set(batch.values())
+        if len(sizes) != 1:
+            raise GraphInputError(f"inputs disagree on the batch size (dim 0): {batch}")
+        n = sizes.pop()
+        if n < 1:
+            raise GraphInputError("empty batch: a step needs at least one row")
+        return n
+
+    def _replay(self, size: int, n: int, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Copy validated inputs into the buffers, pad rows [n:size], replay, return output[:n]."""
+        for name, x in inputs.items():
+            buf, pad = self._buffers[name], self.inputs[name].pad_value
+            if x.shape[1:] == buf.shape[1:]:
+                buf[:n].copy_(x)
+            else:  # narrower: left part from x, the rest padding (stale entries must not survive)
+                buf[:n].fill_(pad)
+                buf[(slice(0, n), *(slice(0, d) for d in x.shape[1:]))].copy_(x)
+            if size > n:
+                buf[n:size].fill_(pad)
+        replay, out = self._graphs[size]
+        replay()
+        return out[:n]
