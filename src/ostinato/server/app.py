@@ -1,0 +1,522 @@
+"""`ostinato serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncEngine.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streaming as server-sent events), GET /v1/models,
+/version, /health (200 with the CUDA-graph status when serving; 503 while loading or once the engine died)
+and /metrics (Prometheus). Errors carry OpenAI's body `{"error": {"message", "type", "param", "code"}}`.
+
+A client that goes away, also mid-stream, aborts its request so its KV blocks are freed at once: for streams
+Starlette cancels the response on disconnect (and a send to a closed socket fails); for plain requests a
+watcher on the ASGI receive channel cancels the wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import __version__
+from ..cli_args import add_engine_args, engine_args_from
+from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
+from ..engine.outputs import CompletionOutput, RequestOutput
+from ..errors import InvalidRequestError, QueueFullError
+from .metrics import ServerMetrics
+from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
+                       CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
+                       ErrorResponse, ModelCard, ModelList, TopLogprob, UsageInfo)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as JSON token ids is ~1 MiB
+RETRY_AFTER_SECONDS = 1
+_OPEN_PATHS = ("/health", "/metrics", "/version")  # never behind the API key (probes and scrapers)
+
+
+# ---- errors ------------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered with OpenAI's error body and the given HTTP status."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param, self.headers = status, message, err_type, param, headers
+
+
+def error_response(status: int, message: str, err_type: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}".rstrip(": "), None
+    if errors and tuple(errors[0].get("loc", ())) == ("body",):
+        # FastAPI parses only JSON content types; anything else arrives as raw bytes.
+        return "the request body must be a JSON object, sent with 'Content-Type: application/json'", None
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers a bad body with 400, not FastAPI's 422.
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        return error_response(429, str(exc) or "the server's waiting queue is full; retry later",
+                              "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after answering, so uvicorn logs the traceback.
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
+
+    @app.exception_handler(EngineNotReadyError)
+    async def _loading(_: Request, exc: EngineNotReadyError) -> JSONResponse:
+        return error_response(503, "the model is still loading; retry when GET /health returns 200",
+                              "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), err_type, headers=exc.headers)
+
+
+# ---- ASGI guards (they run before the body is parsed) ------------------------------------------------------
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on every path but /health, /metrics and /version."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self._key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        # compare_digest: the time taken must not tell an attacker how much of the key was right.
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the "
+                                      "key the server was started with (--api-key)", "authentication_error")
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 for a body over `max_bytes`, by Content-Length or by counting a streamed (chunked) body.
+
+    The body is read here (at most max_bytes are held) and replayed to the app; later `receive()` calls go to
+    the server, so the app still sees the client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes; "
+                              "send a smaller request (or restart the server with a larger --max-body-bytes)",
+                              "invalid_request_error")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large()(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large()(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+# ---- output formatting -------------------------------------------------------------------------------------
+def _usage(out: RequestOutput) -> UsageInfo:
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return UsageInfo(prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion,
+                     total_tokens=len(out.prompt_token_ids) + completion)
+
+
+class _ChoiceCursor:
+    """What of one completion was already sent in a stream: text, tokens, and whether it finished."""
+
+    def __init__(self) -> None:
+        self.text_len = 0
+        self.num_tokens = 0
+        self.done = False
+        self.text_offset = 0  # completions logprobs: character offset of the next token
+
+    def advance(self, c: CompletionOutput) -> tuple[str, slice]:
+        """The new text and the slice of new tokens since the last call."""
+        delta, tokens = c.text[self.text_len:], slice(self.num_tokens, len(c.token_ids))
+        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
+        self.done = c.finish_reason is not None
+        return delta, tokens
+
+
+class _Formatter:
+    """Turns engine outputs into OpenAI logprob shapes (needs the tokenizer for token strings)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, c: CompletionOutput, tokens: slice, cursor: _ChoiceCursor) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for entry in (c.logprobs or [])[tokens]:
+            text = self.token_str(entry.token_id)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(entry.logprob)
+            lp.top_logprobs.append({self.token_str(t): v for t, v in entry.top})
+            lp.text_offset.append(cursor.text_offset)
+            cursor.text_offset += len(text)
+        return lp
+
+    def chat_logprobs(self, c: CompletionOutput, tokens: slice) -> ChatLogprobs:
+        content = []
+        for entry in (c.logprobs or [])[tokens]:
+            text = self.token_str(entry.token_id)
+            top = [TopLogprob(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode())) for t, v in entry.top]
+            content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
+                                            top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """A StreamingResponse that aborts its request however the response ends (done, disconnect, error), even
+    if the body iterator never started."""
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._request_stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._request_stream.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _final_output(request: Request, stream: RequestStream) -> RequestOutput | None:
+    """The request's last output, or None if the client disconnected first (the request is then aborted)."""
+
+    async def last() -> RequestOutput:
+        final = None
+        async for final in stream:
+            pass
+        if final is None or not final.finished:
+            raise EngineDeadError("the request was aborted before it finished")
+        return final
+
+    consumer = asyncio.ensure_future(last())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return consumer.result() if consumer.done() else None
+    finally:
+        consumer.cancel()
+        watcher.cancel()
+        stream.close()
+
+
+# ---- the app -----------------------------------------------------------------------------------------------
+def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_model_name: str,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `async_engine` (which may still be loading: /health says 503 until ready).
+
+    Installs a ServerMetrics as the engine's step observer; its registry is `app.state.metrics.registry`.
+    """
+    app = FastAPI(title="ostinato", version=__version__)
+    metrics = ServerMetrics(served_model_name)
+    async_engine.observer = metrics
+    app.state.async_engine, app.state.metrics = async_engine, metrics
+    _install_error_handlers(app)
+    # Added last = outermost: the key is checked before a body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    def serving_engine():
+        if async_engine.dead_cause is not None:
+            raise EngineDeadError(f"the engine is not serving: {async_engine.dead_cause}")
+        return async_engine.engine  # EngineNotReadyError while loading: 503
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r} "
+                           "(see GET /v1/models)", "not_found_error", param="model")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if async_engine.dead_cause is not None:
+            return JSONResponse({"status": "dead", "cause": async_engine.dead_cause}, status_code=503)
+        if not async_engine.is_ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        stats = await async_engine.get_stats()
+        return JSONResponse({"status": "ok", "model": served_model_name,
+                             "cuda_graphs": async_engine.engine.graph_status,
+                             "cuda_graphs_enabled": stats.graphs_enabled,
+                             "captured_sizes": list(stats.captured_sizes)})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        try:
+            stats = await async_engine.get_stats()
+        except (EngineNotReadyError, EngineDeadError):  # loading, or loading failed: the server's own only
+            stats = None
+        body, content_type = metrics.render(stats)
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        engine = serving_engine()
+        return ModelList(data=[ModelCard(id=served_model_name, root=str(engine.args.model),
+                                         max_model_len=engine.scheduler_config.max_model_len)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        engine = serving_engine()
+        check_model(body.model)
+        prompt, params = body.single_prompt(), body.to_sampling_params()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await async_engine.add_request(request_id, prompt, params)
+        fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
+        if body.stream:
+            return _EngineStreamResponse(
+                _completion_events(stream, request_id, served_model_name, fmt, want_logprobs,
+                                   body.include_usage_chunk), stream)
+        final = await _final_output(request, stream)
+        if final is None:
+            return Response(status_code=499)  # nobody is listening any more
+        choices = []
+        for c in final.outputs:
+            cursor = _ChoiceCursor()
+            lp = fmt.completion_logprobs(c, slice(0, len(c.token_ids)), cursor) if want_logprobs else None
+            choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
+        return JSONResponse(CompletionResponse(id=request_id, model=served_model_name, choices=choices,
+                                               usage=_usage(final)).model_dump())
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        engine = serving_engine()
+        check_model(body.model)
+        prompt_ids = _chat_prompt_ids(engine.tokenizer, body)
+        params = body.to_sampling_params(len(prompt_ids), engine.scheduler_config.max_model_len)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await async_engine.add_request(request_id, prompt_ids, params)
+        fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
+        if body.stream:
+            return _EngineStreamResponse(
+                _chat_events(stream, request_id, served_model_name, fmt, want_logprobs, params.n,
+                             body.include_usage_chunk), stream)
+        final = await _final_output(request, stream)
+        if final is None:
+            return Response(status_code=499)
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=fmt.chat_logprobs(c, slice(0, len(c.token_ids))) if want_logprobs else None,
+                              finish_reason=c.finish_reason) for c in final.outputs]
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices,
+                                                   usage=_usage(final)).model_dump())
+
+    return app
+
+
+def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The chat rendered by the model's template (with the assistant turn opened), as token ids."""
+    messages = body.template_messages()
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model has no chat template (tokenizer_config.json); use /v1/completions "
+                                  "with a plain prompt", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2 errors raised by the template itself (e.g. "roles must alternate")
+        raise InvalidRequestError(f"the model's chat template rejected the messages: {e}", param="messages") from e
+    # The template already wrote any BOS token; do not add another. (Encoding here, on the event loop, while the
+    # engine thread decodes is safe: HF fast tokenizers mutate no state for encode/decode at fixed settings.)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stream_error(exc: Exception) -> str:
+    status = 503 if isinstance(exc, EngineDeadError) else 500
+    kind = "service_unavailable" if status == 503 else "internal_error"
+    return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status)))
+
+
+async def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
+                             want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    cursors: dict[int, _ChoiceCursor] = {}
+    final = None
+    try:
+        async for out in stream:
+            final = out
+            choices = []
+            for c in out.outputs:
+                cursor = cursors.setdefault(c.index, _ChoiceCursor())
+                if cursor.done:
+                    continue
+                delta, tokens = cursor.advance(c)
+                if not delta and not cursor.done and tokens.start == tokens.stop:
+                    continue
+                lp = fmt.completion_logprobs(c, tokens, cursor) if want_logprobs else None
+                choices.append(CompletionChoice(index=c.index, text=delta, logprobs=lp, finish_reason=c.finish_reason))
+            # One choice per chunk, as OpenAI and vLLM stream n > 1: clients read chunk.choices[0].
+            for choice in choices:
+                yield _sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+    except EngineDeadError as e:
+        yield _stream_error(e)
+    if include_usage and final is not None:
+        yield _sse(CompletionResponse(id=request_id, model=model, choices=[], usage=_usage(final)))
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
+                       want_logprobs: bool, n: int, include_usage: bool) -> AsyncIterator[str]:
+    # OpenAI opens each choice with a chunk carrying the role; clients rely on it.
+    for i in range(n):
+        yield _sse(ChatCompletionChunk(id=request_id, model=model, choices=[
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
+    cursors: dict[int, _ChoiceCursor] = {}
+    final = None
+    try:
+        async for out in stream:
+            final = out
+            choices = []
+            for c in out.outputs:
+                cursor = cursors.setdefault(c.index, _ChoiceCursor())
+                if cursor.done:
+                    continue
+                delta, tokens = cursor.advance(c)
+                if not delta and not cursor.done and tokens.start == tokens.stop:
+                    continue
+                lp = fmt.chat_logprobs(c, tokens) if want_logprobs else None
+                choices.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta or None), logprobs=lp,
+                                               finish_reason=c.finish_reason))
+            for choice in choices:
+                yield _sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
+    except EngineDeadError as e:
+        yield _stream_error(e)
+    if include_usage and final is not None:
+        yield _sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=_usage(final)))
+    yield "data: [DONE]\n\n"
+
+
+# ---- the command -------------------------------------------------------------------------------------------
+def register(subparsers) -> None:
+    """Add `ostinato serve MODEL_DIR ...` to the CLI."""
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description=__doc__.split("\n\n")[0])
+    add_engine_args(p)
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("OSTINATO_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSTINATO_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted; larger ones get HTTP 413")
+    p.set_defaults(func=run)
+
+
+_UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "WARN": "warning",
+                       "INFO": "info", "DEBUG": "debug"}
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Load the model on the engine thread while uvicorn already answers /health (503), then serve."""
+    import uvicorn
+
+    from ..engine.engine import LLMEngine
+
+    args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
+    name = args.served_model_name or Path(args.model).resolve().name  # the name LLMEngine gives it
+    async_engine = AsyncEngine(lambda: LLMEngine(args))
+    app = build_app(async_engine, api_key=ns.api_key, served_model_name=name, max_body_bytes=ns.max_body_bytes)
+    log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
+    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=log_level))
+
+    async def main() -> int:
+        async_engine.start()
+        serving = asyncio.create_task(server.serve())
+        ready = asyncio.create_task(async_engine.wait_ready())
+        await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is not None:
+            cause = ready.exception().__cause__ or ready.exception()
+            logger.error("ostinato could not start: %s", cause)
+            server.should_exit = True
+            await serving
+            return 1
+        if ready.done():
+            port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
+            logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
+                        async_engine.engine.graph_status)
+        await serving
+        return 0
+
+    try:
+        return asyncio.run(main())
+    finally:
+        async_engine.shutdown()

@@ -1,0 +1,137 @@
+"""Prometheus metrics of one server, named like vLLM's (`vllm:` becomes `ostinato:`) so dashboards carry over.
+
+Two kinds:
+- Latency histograms (TTFT, inter-token, end-to-end) observed per step on the engine thread, through
+  AsyncEngine's StepObserver hook; prometheus_client metrics are thread-safe.
+- Engine counters and gauges (queue sizes, KV usage, token totals, graph vs eager decode steps, ...) read
+  from `engine.stats()` at scrape time and exposed by a custom collector, so they are never stale and the
+  engine keeps no second copy of its counters.
+
+Each ServerMetrics owns its registry (never the process-global one), so several apps, as in tests, can live in
+one process.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.outputs import EngineStats, RequestOutput
+
+PREFIX = "ostinato:"
+
+# Buckets reach down to 1 ms: a decode step that is one graph replay can take a few milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Turns the latest EngineStats into metric families when the registry is collected."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: EngineStats | None = None  # set by ServerMetrics.render just before collection
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:  # the engine is still loading
+            return
+        name = self.model_name
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            g.add_metric([name], value)
+            return g
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            c.add_metric([name], value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_usage)
+        yield gauge("kv_cache_total_blocks", "Usable KV-cache blocks.", s.kv_blocks_total)
+        yield gauge("kv_cache_free_blocks", "Free KV-cache blocks.", s.kv_blocks_free)
+        yield counter("prompt_tokens", "Prefilled prompt tokens (recomputed tokens after preemption count again).",
+                      s.prompt_tokens_total)
+        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)
+        yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).", s.num_preemptions)
+
+        steps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: one CUDA-graph replay "
+                                    "or eager (graphs off, or a batch above the largest captured size).",
+                                    labels=["model_name", "path"])
+        steps.add_metric([name, "graph"], s.decode_steps_graph)
+        steps.add_metric([name, "eager"], s.decode_steps_eager)
+        yield steps
+        yield counter("padded_rows", "Padding rows computed and dropped: a batch of n replays the graph of the "
+                      "smallest captured size >= n.", s.padded_rows)
+        replays = CounterMetricFamily(PREFIX + "cuda_graph_replays", "Graph replays by captured batch size.",
+                                      labels=["model_name", "size"])
+        for size, count in sorted(s.replays_by_size.items()):
+            replays.add_metric([name, str(size)], count)
+        yield replays
+        yield gauge("cuda_graph_captured_sizes", "Number of captured decode batch sizes.", len(s.captured_sizes))
+        yield gauge("cuda_graph_max_size", "Largest captured decode batch size (0 without graphs).",
+                    max(s.captured_sizes, default=0))
+        yield gauge("cuda_graph_memory_bytes", "Device memory held by the CUDA-graph pool.", s.graph_memory_bytes)
+        yield gauge("cuda_graph_capture_seconds", "Time spent capturing graphs at start-up.", s.graph_capture_seconds)
+        yield gauge("cuda_graphs_enabled", "1 when decode steps run as CUDA-graph replays.", int(s.graphs_enabled))
+
+
+class ServerMetrics:
+    """The metrics of one server: a StepObserver for AsyncEngine, and `render()` for GET /metrics."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between steps that gave a request "
+                             "new tokens.", labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Requests that ended, by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.model_name = model_name
+        self._engine = _EngineStatsCollector(model_name)
+        self.registry.register(self._engine)
+        # request id -> (time it last got tokens, tokens so far over all n completions). Engine thread only.
+        self._progress: dict[str, tuple[float, int]] = {}
+
+    # ---- StepObserver (engine thread) -------------------------------------------------------------
+    def on_step(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            last = self._progress.get(out.request_id)
+            if last is None:
+                if num_tokens:
+                    first = out.first_token_time if out.first_token_time is not None else now
+                    self.ttft.observe(max(0.0, first - out.arrival_time))
+            elif num_tokens > last[1]:
+                self.itl.observe(now - last[0])
+            if out.finished:
+                self._progress.pop(out.request_id, None)
+                end = out.finished_time if out.finished_time is not None else now
+                self.e2e.observe(max(0.0, end - out.arrival_time))
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                self._success.labels(self.model_name, reason or "unknown").inc()
+            elif last is None or num_tokens > last[1]:
+                self._progress[out.request_id] = (now, num_tokens)
+
+    def on_request_aborted(self, request_id: str) -> None:
+        self._progress.pop(request_id, None)
+        self._success.labels(self.model_name, "abort").inc()
+
+    # ---- scrape -----------------------------------------------------------------------------------------
+    def render(self, stats: EngineStats | None) -> tuple[bytes, str]:
+        """The exposition text (and its content type) with engine figures taken from `stats`."""
+        self._engine.stats = stats
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,268 @@
+"""OpenAI-compatible request and response bodies (pydantic v2) for /v1/completions and /v1/chat/completions.
+
+Field names and meanings follow the OpenAI API; `top_k`, `ignore_eos` and `stop_token_ids` are vLLM's
+extensions. Unknown fields are ignored, as OpenAI clients send extra ones. OpenAI fields that ostinato does
+not implement (penalties, logit_bias, echo, best_of, tools) are accepted only at their no-op values, so a
+request never silently gets something other than what it asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import InvalidRequestError
+from ..sampling_params import SamplingParams
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """The fields both endpoints share, and their translation to SamplingParams."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # Accepted at their defaults only (see _reject_unsupported).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def _reject_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise InvalidRequestError(f"{name} is not supported by ostinato; leave it at 0", param=name)
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported by ostinato; leave it out", param="logit_bias")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request; raises InvalidRequestError (HTTP 400) for bad values."""
+        self._reject_unsupported()
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=self.stop or (),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            n=self.n,
+        )
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+# ---- requests ----------------------------------------------------------------------------------------------
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request: a string or token ids. Batched prompts are refused (400)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise InvalidRequestError(
+                    f"got {len(p)} prompts in one request; ostinato takes one prompt per request, send one "
+                    "request per prompt (they are batched on the server)", param="prompt")
+            p = p[0]
+        if (isinstance(p, str) and p == "") or (isinstance(p, list) and not p):
+            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+        return p
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidRequestError("echo is not supported by ostinato; leave it false", param="echo")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported by ostinato; leave it out", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported; leave it out or equal to n", param="best_of")
+        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class ChatMessage(_Lenient):
+    role: str
+    # A string, or OpenAI content parts; only {"type": "text"} parts are supported.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise InvalidRequestError(
+                    f"content part type {part.get('type')!r} is not supported; ostinato serves text models, "
+                    "send only {'type': 'text'} parts", param="messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        if self.tools:
+            raise InvalidRequestError("tools are not supported by ostinato; leave them out", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """max_tokens defaults to the rest of the context window, as in vLLM."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, max_model_len - prompt_len)
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# ---- responses ---------------------------------------------------------------------------------------------
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "ostinato"
+    root: str | None = None
+    max_model_len: int | None = None  # as vLLM's model card reports it
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
