@@ -1,0 +1,349 @@
+"""TritonPagedBackend against a dense float64 reference (and TorchRefBackend when it exists).
+
+On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before triton is
+imported), so sizes stay small; every dtype at long contexts and the CUDA-graph test run on the GPU
+(`PYTHONPATH=src python3 -m pytest -m gpu tests/test_triton_attention.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # tests/conftest.py does the same; kept so this file runs alone
+
+pytest.importorskip("triton")
+
+from ostinato.attention import triton_paged  # noqa: E402
+from ostinato.attention.base import AttentionMetadata  # noqa: E402
+from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
+from ostinato.errors import ConfigError  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not triton_paged._KERNELS_INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda]),
+]
+# Loose tolerances for 16-bit: probabilities are rounded to the value dtype before the P @ V dot.
+TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class PagedCache:
+    """A KV pool whose sequences sit in shuffled, non-contiguous blocks; the last block is scratch.
+
+    Every slot that holds no token is `filler` (NaN by default), so a kernel that reads past a context
+    (or into another sequence's or an unused block) poisons its output and the comparison fails.
+    """
+
+    def __init__(self, context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, device: str, seed: int = 0, spare_blocks: int = 3, extra_width: int = 2,
+                 filler: float = float("nan")):
+        gen = torch.Generator().manual_seed(seed)
+        blocks_needed = [math.ceil(c / block_size) for c in context_lens]
+        num_blocks = sum(blocks_needed) + spare_blocks
+        self.scratch_block = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)  # [blocks + scratch, block, Hkv, D]
+        self.k_cache = torch.full(shape, filler, dtype=dtype)
+        self.v_cache = torch.full(shape, filler, dtype=dtype)
+        width = max(blocks_needed + [1]) + extra_width
+        self.block_tables = torch.full((len(context_lens), width), self.scratch_block, dtype=torch.int32)
+        perm = torch.randperm(num_blocks, generator=gen)
+        used = 0
+        for s, (ctx, n) in enumerate(zip(context_lens, blocks_needed)):
+            self.block_tables[s, :n] = perm[used:used + n].to(torch.int32)
+            used += n
+            blocks, offsets = self.positions(s, ctx)
+            self.k_cache[blocks, offsets] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+            self.v_cache[blocks, offsets] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+        self.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+        self.to(device)
+
+    def to(self, device: str) -> None:
+        for name in ("k_cache", "v_cache", "block_tables", "context_lens"):
+            setattr(self, name, getattr(self, name).to(device))
+
+    def positions(self, seq: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        toks = torch.arange(ctx)
+        return self.block_tables[seq, toks // self.block_size].long().cpu(), toks % self.block_size
+
+    def dense_kv(self, seq: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, offsets = self.positions(seq, ctx)
+        k, v = self.k_cache.cpu(), self.v_cache.cpu()
+        return k[blocks, offsets].double(), v[blocks, offsets].double()  # [ctx, Hkv, D]
+
+
+def reference_attention(q: torch.Tensor, cache: PagedCache, query_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal float64 attention; query i of a sequence with context C and Q new tokens is at C - Q + i."""
+    q = q.cpu().double()  # [num_tokens, H, D]
+    outs, start = [], 0
+    for s, q_len in enumerate(query_lens):
+        ctx = int(cache.context_lens[s])
+        k, v = cache.dense_kv(s, ctx)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [ctx, H, D]
+        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len], k) * scale
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        scores = scores.masked_fill(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        start += q_len
+    return torch.cat(outs)
+
+
+def decode_meta(cache: PagedCache) -> AttentionMetadata:
+    num_seqs = cache.block_tables.shape[0]
+    slots = torch.zeros(num_seqs, dtype=torch.int64, device=cache.block_tables.device)
+    return AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=cache.block_tables,
+                             context_lens=cache.context_lens)
+
+
+def prefill_meta(cache: PagedCache, query_lens: list[int]) -> AttentionMetadata:
+    device = cache.block_tables.device
+    starts = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return AttentionMetadata(
+        is_prefill=True, slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64, device=device),
+        block_tables=cache.block_tables, context_lens=cache.context_lens,
+        query_start_loc=starts.to(device), query_lens=list(query_lens),
+        context_lens_host=cache.context_lens.tolist(), max_query_len=max(query_lens),
+        max_context_len=int(cache.context_lens.max()))
+
+
+def backend_with(**tuning) -> TritonPagedBackend:
+    return TritonPagedBackend(TritonAttentionTuning(**tuning))
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCES[dtype]
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
+
+
+# ---- write_kv ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_places_exactly_the_mapped_slots(device, dtype):
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 4, 3, 32, 9
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[4] = -1  # a padded token: must write nowhere
+    # k and v as strided views of one fused projection output, as a model produces them.
+    fused = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k, v = fused[:, 0], fused[:, 1]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    TritonPagedBackend().write_kv(k.to(device), v.to(device), k_cache, v_cache, slots.to(device))
+
+    flat_k = k_cache.cpu().reshape(-1, num_kv_heads, head_dim)  # [slots, Hkv, D]
+    flat_v = v_cache.cpu().reshape(-1, num_kv_heads, head_dim)
+    real = slots >= 0
+    assert torch.equal(flat_k[slots[real]], k[real]) and torch.equal(flat_v[slots[real]], v[real])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots[real]] = False
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+# ---- decode -----------------------------------------------------------------------------------------------
+
+def run_decode(device, dtype, context_lens, group, num_kv_heads=2, head_dim=64, block_size=16,
+               backend=None, seed=0):
+    cache = PagedCache(context_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    q = torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    out = (backend or TritonPagedBackend()).decode(q.to(device), cache.k_cache, cache.v_cache,
+                                                   decode_meta(cache), scale)
+    assert out.shape == q.shape
+    return out, reference_attention(q, cache, [1] * len(context_lens), scale)
+
+
+# partition_size 16 splits every context into many partitions (reduce kernel); 1024 is one partition.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("partition_size", [16, 1024])
+def test_decode_matches_reference(device, dtype, group, partition_size):
+    out, ref = run_decode(device, dtype, [1, 15, 16, 17, 100, 200], group,
+                          backend=backend_with(partition_size=partition_size))
+    assert_close_to_reference(out, ref, dtype)
+
+
+# 8191 tokens make 32 partitions of 256: the reduce kernel merges them in two chunks of 16. The
+# interpreter takes seconds for these, so the CPU runs one case; the GPU runs every dtype and group.
+@pytest.mark.parametrize("device,dtype,group", [pytest.param("cpu", torch.float32, 4, marks=DEVICES[0].marks)] + [
+    pytest.param("cuda", dtype, group, marks=DEVICES[1].marks) for dtype in DTYPES for group in (1, 4)])
+def test_decode_long_contexts(device, dtype, group):
+    num_kv_heads, head_dim = (4, 128) if device == "cuda" else (1, 64)
+    context_lens = [1000, 8191] if device == "cpu" else [1, 1000, 8191, 17, 4096]
+    out, ref = run_decode(device, dtype, context_lens, group, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    assert_close_to_reference(out, ref, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim,block_size,group", [(128, 16, 8), (16, 32, 2), (40, 8, 3)])
+def test_decode_other_shapes(device, head_dim, block_size, group):
+    # head_dim 40 and group 3 are not powers of two: the kernels pad and mask them.
+    out, ref = run_decode(device, torch.float32, [3, 33, 70], group, num_kv_heads=1, head_dim=head_dim,
+                          block_size=block_size, backend=backend_with(partition_size=32))
+    assert_close_to_reference(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("partition_size", [16, 1024])
+def test_decode_zero_context_row_gives_zeros_not_nan(device, partition_size):
+    cache = PagedCache([0, 20], num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32, device=device)
+    q = torch.randn(2, 2, 16)
+    out = backend_with(partition_size=partition_size).decode(
+        q.to(device), cache.k_cache, cache.v_cache, decode_meta(cache), 0.25)
+    assert torch.equal(out[0].cpu(), torch.zeros(2, 16))
+    ref = reference_attention(q[1:], _only_seq(cache, 1), [1], 0.25)
+    torch.testing.assert_close(out[1:].cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def _only_seq(cache: PagedCache, seq: int) -> PagedCache:
+    view = PagedCache.__new__(PagedCache)
+    view.__dict__.update(cache.__dict__)
+    view.block_tables, view.context_lens = cache.block_tables[seq:seq + 1], cache.context_lens[seq:seq + 1]
+    return view
+
+
+def test_decode_partitioning_depends_on_the_table_width_only():
+    backend = backend_with(partition_size=256, max_partitions=64)
+    assert backend.decode_partitioning(max_blocks_per_seq=4, block_size=16) == (256, 1)
+    assert backend.decode_partitioning(max_blocks_per_seq=17, block_size=16) == (256, 2)
+    assert backend.decode_partitioning(max_blocks_per_seq=512, block_size=16) == (256, 32)
+    # 128k tokens would need 512 partitions of 256: the partition grows instead.
+    assert backend.decode_partitioning(max_blocks_per_seq=8192, block_size=16) == (2048, 64)
+
+
+# ---- prefill ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("cached_prefix", [False, True], ids=["fresh", "cached-prefix"])
+def test_prefill_matches_reference(device, dtype, group, cached_prefix):
+    query_lens = [1, 7, 70, 33]
+    prefixes = [5, 16, 0, 31] if cached_prefix else [0, 0, 0, 0]
+    context_lens = [p + q for p, q in zip(prefixes, query_lens)]
+    num_kv_heads, head_dim = 2, 32
+    cache = PagedCache(context_lens, num_kv_heads, head_dim, 16, dtype, device, seed=3)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim,
+                    generator=torch.Generator().manual_seed(4)).to(dtype)
+    out = TritonPagedBackend().prefill(q.to(device), cache.k_cache, cache.v_cache,
+                                       prefill_meta(cache, query_lens), 0.2)
+    assert out.shape == q.shape
+    assert_close_to_reference(out, reference_attention(q, cache, query_lens, 0.2), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_last_token_agrees_with_decode(device):
+    # The same query at the end of the same context must give the same answer on both paths.
+    query_lens, head_dim = [9, 40], 64
+    cache = PagedCache([20, 40], 2, head_dim, 16, torch.float32, device, seed=5)
+    q = torch.randn(sum(query_lens), 4, head_dim, generator=torch.Generator().manual_seed(6)).to(device)
+    backend = backend_with(partition_size=16)
+    prefill_out = backend.prefill(q, cache.k_cache, cache.v_cache, prefill_meta(cache, query_lens), 0.125)
+    last = torch.tensor([8, 48], device=device)
+    decode_out = backend.decode(q[last], cache.k_cache, cache.v_cache, decode_meta(cache), 0.125)
+    torch.testing.assert_close(decode_out, prefill_out[last], atol=1e-5, rtol=1e-5)
+
+
+# ---- against the torch reference backend, once it exists ---------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_torch_reference_backend(device):
+    torch_ref = pytest.importorskip("ostinato.attention.torch_ref")
+    reference, triton_backend = torch_ref.TorchRefBackend(), backend_with(partition_size=32)
+    query_lens = [4, 30, 1]
+    # TorchRefBackend.decode multiplies zero probabilities by every slot of the table, so unused slots
+    # must be finite for it (0 * NaN = NaN); a large filler still exposes a kernel reading past a context.
+    cache = PagedCache([10, 30, 77], 2, 32, 16, torch.float32, device, seed=7, filler=1e4)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(sum(query_lens), 8, 32, generator=gen).to(device)
+    meta = prefill_meta(cache, query_lens)
+    torch.testing.assert_close(triton_backend.prefill(q, cache.k_cache, cache.v_cache, meta, 0.3),
+                               reference.prefill(q, cache.k_cache, cache.v_cache, meta, 0.3),
+                               atol=2e-5, rtol=2e-5)
+    q1 = torch.randn(3, 8, 32, generator=gen).to(device)
+    meta = decode_meta(cache)
+    torch.testing.assert_close(triton_backend.decode(q1, cache.k_cache, cache.v_cache, meta, 0.3),
+                               reference.decode(q1, cache.k_cache, cache.v_cache, meta, 0.3),
+                               atol=2e-5, rtol=2e-5)
+
+
+# ---- errors and CUDA graphs ---------------------------------------------------------------------------------
+
+def test_cpu_tensors_without_interpreter_raise_a_config_error(monkeypatch):
+    monkeypatch.setattr(triton_paged, "_KERNELS_INTERPRETED", False)
+    k = torch.zeros(1, 1, 16)
+    cache = torch.zeros(2, 16, 1, 16)
+    with pytest.raises(ConfigError, match="--attention-backend torch"):
+        TritonPagedBackend().write_kv(k, k, cache, cache, torch.zeros(1, dtype=torch.int64))
+
+
+def test_bad_tuning_arguments_raise_a_config_error():
+    with pytest.raises(ConfigError, match="partition_size must be a power of two"):
+        TritonAttentionTuning(partition_size=100)
+    with pytest.raises(ConfigError, match="decode_num_warps"):
+        TritonAttentionTuning(decode_num_warps=0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("partition_size", [64, 4096])
+def test_decode_replays_in_a_cuda_graph_with_new_tables(partition_size):
+    dtype, num_kv_heads, head_dim, block_size, group = torch.bfloat16, 2, 128, 16, 4
+    backend = backend_with(partition_size=partition_size)
+    first = PagedCache([5, 300, 1000, 64], num_kv_heads, head_dim, block_size, dtype, "cuda", seed=10,
+                       spare_blocks=40, extra_width=10)
+    # Static inputs at their captured shapes; every step copies into them.
+    static_q = torch.randn(4, num_kv_heads * group, head_dim, device="cuda", dtype=dtype)
+    static_tables = first.block_tables.clone()
+    static_lens = first.context_lens.clone()
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(4, dtype=torch.int64, device="cuda"),
+                             block_tables=static_tables, context_lens=static_lens)
+    k_cache, v_cache = first.k_cache, first.v_cache
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.decode(static_q, k_cache, v_cache, meta, 0.1)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.decode(static_q, k_cache, v_cache, meta, 0.1)
+
+    # New step: other lengths and a different shuffle of the same pool, written in place.
+    new_lens = [900, 1, 17, 200]
+    gen = torch.Generator().manual_seed(11)
+    perm = torch.randperm(first.scratch_block, generator=gen)
+    new_tables = torch.full_like(static_tables.cpu(), first.scratch_block)
+    used = 0
+    for s, ctx in enumerate(new_lens):
+        n = math.ceil(ctx / block_size)
+        new_tables[s, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    k_cache.copy_(torch.randn(k_cache.shape, generator=gen).to(dtype))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=gen).to(dtype))
+    static_tables.copy_(new_tables)
+    static_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    static_q.copy_(torch.randn(static_q.shape, generator=gen).to(dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    view = PagedCache.__new__(PagedCache)
+    view.__dict__.update(first.__dict__)
+    view.block_tables, view.context_lens = static_tables, static_lens
+    assert_close_to_reference(static_out, reference_attention(static_q, view, [1] * 4, 0.1), dtype)
+    eager = backend.decode(static_q, k_cache, v_cache, meta, 0.1)
+    assert torch.equal(static_out, eager)
