@@ -127,8 +127,17 @@ def test_pick_graph_size_rejects_empty_batches():
 def test_capture_goes_largest_first_with_warmup():
     step = Step()
     report = make_runner(step, warmup_iters=2).capture()
-    assert step.sizes == [8] * 3 + [4] * 3 + [2] * 3 + [1] * 3  # 2 warm-ups + the capture, per size
+    # 2 warm-ups + the capture per size; the largest size runs once more to learn the output's shape
+    assert step.sizes == [8] * 4 + [4] * 3 + [2] * 3 + [1] * 3
     assert report.sizes == SIZES and report.disabled_cause is None and report.seconds >= 0
+
+
+def test_every_size_writes_its_output_into_one_shared_buffer():
+    # Per-graph outputs would each stay alive (logits: size x vocab floats per graph); one buffer serves all.
+    runner = make_runner(Step())
+    runner.capture()
+    ptrs = {runner.run(**batch(n)).data_ptr() for n in (1, 2, 3, 4, 8)}
+    assert len(ptrs) == 1
 
 
 def test_padding_rows_get_the_pad_value_and_output_is_the_static_view():

@@ -75,27 +75,30 @@ def _decode_inputs(runner, bs: int, context: int, gen):
         context_lens=torch.full((bs,), context + 1, dtype=torch.int32).to(dev))
 
 
-def _hf_step_ms(model_dir: str, dtype, device, bs: int, context: int, iters: int, warmup: int, vocab: int) -> float:
+def _load_hf(model_dir: str, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def _hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, vocab: int) -> float:
+    """transformers' own decode step: a one-token forward over a DynamicCache already holding `context`."""
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    try:
-        with torch.inference_mode():
-            ids = torch.randint(0, vocab, (bs, context), device=device)
-            cache = DynamicCache()
-            hf(input_ids=ids, past_key_values=cache, use_cache=True)
-            tok = torch.randint(0, vocab, (bs, 1), device=device)
+    with torch.inference_mode():
+        ids = torch.randint(0, vocab, (bs, context), device=device)
+        cache = DynamicCache()
+        hf(input_ids=ids, past_key_values=cache, use_cache=True)
+        tok = torch.randint(0, vocab, (bs, 1), device=device)
 
-            def step():
-                hf(input_ids=tok, past_key_values=cache, use_cache=True)
+        def step():
+            hf(input_ids=tok, past_key_values=cache, use_cache=True)
 
-            # The cache grows by one token per call: warm-up + iters tokens past `context` (a few %).
-            return _time_cuda(step, iters, warmup)
-    finally:
-        del hf
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        # The cache grows by one token per call: warm-up + iters tokens past `context` (a few %).
+        ms = _time_cuda(step, iters, warmup)
+    del cache
+    return ms
 
 
 def run(args) -> int:
@@ -111,6 +114,7 @@ def run(args) -> int:
     kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
     gen = torch.Generator().manual_seed(0)
     rows = []
+    hf = None if args.no_hf else _load_hf(args.model, runner.dtype, runner.device)
     print(f"model {args.model}: {weights / 1e9:.2f} GB weights, {runner.dtype}, graphs: {engine.graph_status}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
@@ -121,9 +125,8 @@ def run(args) -> int:
                 graph_ms = _time_cuda(lambda: runner.graphs.run(**inp), args.iters, args.warmup)
             floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
             hf_ms = None
-            if not args.no_hf:
-                hf_ms = _hf_step_ms(args.model, runner.dtype, runner.device, bs, args.context, args.iters,
-                                    args.warmup, mc.vocab_size)
+            if hf is not None:
+                hf_ms = _hf_step_ms(hf, runner.device, bs, args.context, args.iters, args.warmup, mc.vocab_size)
             best = graph_ms or eager_ms
             rows.append({
                 "batch": bs, "context": args.context, "graph_ms": graph_ms, "eager_ms": eager_ms, "hf_ms": hf_ms,
