@@ -119,7 +119,9 @@ def test_capture_breaking_op_fails_by_default_and_falls_back_visibly(ckpt, monke
     common = dict(model=str(ckpt), dtype="bfloat16", max_model_len=128, num_kv_blocks=64, cuda_graph_sizes=(1, 2, 4))
     with pytest.raises(CudaGraphCaptureError, match="batch size 4"):
         LLMEngine(EngineArgs(**common))
+    torch.randn(4, device="cuda")  # the failed capture must not leave the CUDA generator in capture mode
     engine = LLMEngine(EngineArgs(**common, cuda_graph_fallback="eager"))
+    torch.randn(4, device="cuda")
     assert any(r.levelname == "WARNING" and "CUDA graphs disabled" in r.message for r in caplog.records)
     assert engine.graph_status.startswith("disabled")
     engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -141,3 +143,28 @@ def test_verify_counts_one_graph_launch_per_decode_step(ckpt, tmp_path):
     for bs in (1, 3, 8):
         assert by[bs].ok and by[bs].graph_launches_per_step == 1.0
     assert by[9].expected == "eager" and by[9].graph_launches_per_step == 0 and by[9].ok
+
+
+def test_kv_pool_shrinks_by_what_the_graphs_take(ckpt):
+    import gc
+
+    def fresh():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    common = dict(model=str(ckpt), dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3)
+    fresh()
+    eager = LLMEngine(EngineArgs(**common, enforce_eager=True))
+    eager_blocks = eager.runner.cache_config.num_blocks
+    assert eager.runner.kv_plan.graph_blocks == 0
+    del eager
+    fresh()
+    graph = LLMEngine(EngineArgs(**common))
+    plan = graph.runner.kv_plan
+    displaced = eager_blocks - graph.runner.cache_config.num_blocks
+    assert plan.graph_estimate_bytes > 0 and plan.graph_blocks > 0
+    # The pool shrank by the graph estimate, give or take a few MiB of run-to-run noise (kernel modules
+    # loaded, the activation profile): blocks of this tiny model are only 4 KiB, so compare bytes.
+    slack_blocks = (8 << 20) // plan.block_bytes
+    assert abs(displaced - plan.graph_blocks) <= slack_blocks, (displaced, plan.graph_blocks, plan.block_bytes)
+    assert graph.stats().graph_memory_bytes > 0

@@ -161,6 +161,8 @@ class DecoderForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, meta)
         return self.model.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (for sampling and logprobs)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 for sampling and logprobs unless
+        float32=False (the decode graph keeps them in the model dtype: half the static output memory)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits

@@ -288,6 +288,7 @@ class CudaGraphBackend:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.zeros(1, device=self.device).add_(1).cpu()  # a launch and a copy must work again
+            self._reset_generators()
         except Exception as e:  # a sticky error (e.g. illegal memory access) poisons the CUDA context
             return f"CUDA is unusable after the failed capture ({_first_line(e)}); restart the process"
         return None
@@ -295,6 +296,22 @@ class CudaGraphBackend:
     def release(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+
+    def _reset_generators(self) -> None:
+        """A capture that failed after capture_begin leaves the default CUDA generator in capture mode
+        (capture_end, which would end it, never ran), and every later random op on the device fails with
+        "Offset increment outside graph capture". One small capture that completes resets it."""
+        probe = torch.cuda.CUDAGraph()
+        scratch = torch.zeros(1, device=self.device)
+        stream = self._capture_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            probe.capture_begin()
+            scratch.add_(1)
+            probe.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        del probe
 
 
 class RecordingGraphBackend:
@@ -521,7 +538,10 @@ class CudaGraphRunner:
         bytes_by_size: dict[int, int] = {}
         assert self._backend is not None
         pool = self._pool if self._pool is not None else self._backend.new_pool()
-        reserved_before = self._backend.memory_in_use().reserved_bytes
+        # The first (largest) size is charged from here, before its warm-up: what a graph set costs beyond its
+        # pool (e.g. the cuBLAS workspace of the capture stream) shows up once, not nowhere.
+        first_reading = self._backend.memory_in_use()
+        reserved_before = first_reading.reserved_bytes
         bar = tqdm(total=len(self._sizes), desc="Capturing CUDA graphs", unit="graph",
                    disable=not self.progress)
         try:
@@ -537,7 +557,7 @@ class CudaGraphRunner:
                         self._shared_out = torch.empty((size, *proto.shape[1:]), dtype=proto.dtype,
                                                        device=proto.device)
                         del proto
-                    before = self._backend.memory_in_use()
+                    before = first_reading if not self._graphs else self._backend.memory_in_use()
                     replay, out = self._backend.capture(functools.partial(self._step_into_shared, step, size),
                                                         pool)
                     after = self._backend.memory_in_use()

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import CacheConfig
-from .graphs import CaptureReport, CudaGraphRunner, StaticInput
+from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner, StaticInput
 from .inputs import build_prefill_inputs
-from .memory import graph_memory_report, kv_block_bytes, plan_kv_cache
+from .memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -37,6 +37,7 @@ class KVSetup:
     graph_runner: CudaGraphRunner
     capture: CaptureReport
     report: str  # the start-up memory report, already logged
+    plan: KVCachePlan | None  # the GPU budget split; None when the pool size was given (CPU, --num-kv-blocks)
 
 
 def allocate_kv_cache(runner: "ModelRunner", num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -55,7 +56,7 @@ def max_blocks_per_seq(runner: "ModelRunner") -> int:
 
 
 def make_graph_runner(runner: "ModelRunner", num_blocks: int, sizes: tuple[int, ...], enforce_eager: bool,
-                      fallback: str, progress: bool) -> CudaGraphRunner:
+                      fallback: str, progress: bool, backend: CudaGraphBackend | None = None) -> CudaGraphRunner:
     """The decode step's static inputs; padded rows point at the scratch block (index num_blocks)."""
     rows = max(sizes) if sizes else runner.scheduler_config.max_num_seqs
     scratch = num_blocks
@@ -67,7 +68,7 @@ def make_graph_runner(runner: "ModelRunner", num_blocks: int, sizes: tuple[int, 
         StaticInput("context_lens", (rows,), torch.int32, 1),
     ]
     return CudaGraphRunner(runner.decode_logits, inputs, sizes, runner.device, fallback=fallback,
-                           enforce_eager=enforce_eager, progress=progress)
+                           enforce_eager=enforce_eager, progress=progress, backend=backend)
 
 
 def _random_decode_inputs(runner: "ModelRunner", num_blocks: int, size: int) -> dict[str, torch.Tensor]:
@@ -120,11 +121,14 @@ def _profile_activation_peak(runner: "ModelRunner") -> int:
     return max(0, peak)
 
 
-def _estimate_graph_bytes(runner: "ModelRunner", largest: int) -> int:
-    """Capture the largest decode size once into a throwaway pool over a small temporary KV pool."""
+def _estimate_graph_bytes(runner: "ModelRunner", largest: int, backend: CudaGraphBackend) -> int:
+    """Capture the largest decode size once into a throwaway pool over a small temporary KV pool.
+
+    The probe shares the real runner's backend (its capture stream), so what a capture stream costs once
+    (its cuBLAS workspace) is counted in the estimate and not allocated a second time later."""
     tmp_blocks = max_blocks_per_seq(runner)
     caches = allocate_kv_cache(runner, tmp_blocks)
-    probe = make_graph_runner(runner, tmp_blocks, (largest,), False, "error", progress=False)
+    probe = make_graph_runner(runner, tmp_blocks, (largest,), False, "error", progress=False, backend=backend)
     try:
         report = probe.capture()
         return report.total_bytes
@@ -140,7 +144,9 @@ def allocate_kv_and_graphs(runner: "ModelRunner") -> KVSetup:
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.block_size,
                                  runner.dtype.itemsize)
     lines = []
+    plan = None
     sizes = gc_cfg.capture_sizes
+    backend = CudaGraphBackend(runner.device) if sizes else None
     estimate = 0
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
@@ -150,12 +156,13 @@ def allocate_kv_and_graphs(runner: "ModelRunner") -> KVSetup:
     else:
         t0 = time.perf_counter()
         activation = _profile_activation_peak(runner)
-        if not gc_cfg.enforce_eager:
-            estimate = _estimate_graph_bytes(runner, max(sizes))
         free, total = torch.cuda.mem_get_info()
         # Everything in use now except the allocator's cached free memory: weights, CUDA context, other
-        # processes. Charged as "weights" so the budget counts the whole device, as vLLM does.
+        # processes. Charged as "weights" so the budget counts the whole device, as vLLM does. Read before
+        # the graph probe: what the probe leaves behind (the capture stream's workspace) is in its estimate.
         in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+        if not gc_cfg.enforce_eager:
+            estimate = _estimate_graph_bytes(runner, max(sizes), backend)
         plan = plan_kv_cache(total, args.gpu_memory_utilization, in_use, activation, estimate, block_bytes,
                              runner.block_size, runner.scheduler_config.max_model_len)
         num_blocks = plan.num_blocks
@@ -165,7 +172,7 @@ def allocate_kv_and_graphs(runner: "ModelRunner") -> KVSetup:
                      f"graph estimate {estimate / 2**20:.0f} MiB)")
     caches = allocate_kv_cache(runner, num_blocks)
     graphs = make_graph_runner(runner, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
-                               progress=runner.device.type == "cuda")
+                               progress=runner.device.type == "cuda", backend=backend)
     capture = graphs.capture()
     if graphs.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
         with torch.inference_mode():
@@ -181,4 +188,4 @@ def allocate_kv_and_graphs(runner: "ModelRunner") -> KVSetup:
     report = "\n".join(lines)
     for line in report.splitlines():
         logger.info(line)
-    return KVSetup(CacheConfig(runner.block_size, num_blocks), caches, graphs, capture, report)
+    return KVSetup(CacheConfig(runner.block_size, num_blocks), caches, graphs, capture, report, plan)
