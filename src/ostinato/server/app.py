@@ -408,14 +408,15 @@ def _stream_error(exc: Exception) -> str:
     return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status)))
 
 
-async def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
-                             want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _choice_events(stream: RequestStream, make_choice, make_chunk, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body shared by completions and chat: one chunk per choice that advanced, then the usage chunk
+    when asked for, then [DONE]. make_choice(output, delta, tokens, cursor) builds a choice; make_chunk(choices,
+    usage) the chunk around it."""
     cursors: dict[int, _ChoiceCursor] = {}
     final = None
     try:
         async for out in stream:
             final = out
-            choices = []
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, _ChoiceCursor())
                 if cursor.done:
@@ -423,47 +424,42 @@ async def _completion_events(stream: RequestStream, request_id: str, model: str,
                 delta, tokens = cursor.advance(c)
                 if not delta and not cursor.done and tokens.start == tokens.stop:
                     continue
-                lp = fmt.completion_logprobs(c, tokens, cursor) if want_logprobs else None
-                choices.append(CompletionChoice(index=c.index, text=delta, logprobs=lp, finish_reason=c.finish_reason))
-            # One choice per chunk, as OpenAI and vLLM stream n > 1: clients read chunk.choices[0].
-            for choice in choices:
-                yield _sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                # One choice per chunk, as OpenAI and vLLM stream n > 1: clients read chunk.choices[0].
+                yield _sse(make_chunk([make_choice(c, delta, tokens, cursor)], None))
     except EngineDeadError as e:
         yield _stream_error(e)
     if include_usage and final is not None:
-        yield _sse(CompletionResponse(id=request_id, model=model, choices=[], usage=_usage(final)))
+        yield _sse(make_chunk([], _usage(final)))
     yield "data: [DONE]\n\n"
+
+
+def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
+                       want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    def choice(c, delta, tokens, cursor):
+        lp = fmt.completion_logprobs(c, tokens, cursor) if want_logprobs else None
+        return CompletionChoice(index=c.index, text=delta, logprobs=lp, finish_reason=c.finish_reason)
+
+    def chunk(choices, usage):
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    return _choice_events(stream, choice, chunk, include_usage)
 
 
 async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, n: int, include_usage: bool) -> AsyncIterator[str]:
+    def choice(c, delta, tokens, cursor):
+        lp = fmt.chat_logprobs(c, tokens) if want_logprobs else None
+        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta or None), logprobs=lp,
+                               finish_reason=c.finish_reason)
+
+    def chunk(choices, usage):
+        return ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage)
+
     # OpenAI opens each choice with a chunk carrying the role; clients rely on it.
     for i in range(n):
-        yield _sse(ChatCompletionChunk(id=request_id, model=model, choices=[
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
-    cursors: dict[int, _ChoiceCursor] = {}
-    final = None
-    try:
-        async for out in stream:
-            final = out
-            choices = []
-            for c in out.outputs:
-                cursor = cursors.setdefault(c.index, _ChoiceCursor())
-                if cursor.done:
-                    continue
-                delta, tokens = cursor.advance(c)
-                if not delta and not cursor.done and tokens.start == tokens.stop:
-                    continue
-                lp = fmt.chat_logprobs(c, tokens) if want_logprobs else None
-                choices.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta or None), logprobs=lp,
-                                               finish_reason=c.finish_reason))
-            for choice in choices:
-                yield _sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
-    except EngineDeadError as e:
-        yield _stream_error(e)
-    if include_usage and final is not None:
-        yield _sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=_usage(final)))
-    yield "data: [DONE]\n\n"
+        yield _sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None))
+    async for event in _choice_events(stream, choice, chunk, include_usage):
+        yield event
 
 
 # ---- the command -------------------------------------------------------------------------------------------
