@@ -35,3 +35,11 @@ class CudaGraphCaptureError(OstinatoError):
 
 class QueueFullError(OstinatoError):
     """The waiting queue is at --max-queued-requests. HTTP 429/503 with Retry-After."""
+
+
+class EngineDeadError(OstinatoError):
+    """The engine stopped (a step raised, start-up failed, or it was shut down); restart the server."""
+
+
+class EngineNotReadyError(OstinatoError):
+    """The engine is still loading; retry once it is ready."""

@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Union
 
-from ..errors import OstinatoError
+from ..errors import EngineDeadError, EngineNotReadyError  # noqa: F401 (re-exported for callers)
 from ..sampling_params import SamplingParams
 from .outputs import EngineStats, RequestOutput
 
@@ -34,14 +34,6 @@ if TYPE_CHECKING:
     from .engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(OstinatoError):
-    """The engine stopped (a step raised, start-up failed, or it was shut down); restart the server."""
-
-
-class EngineNotReadyError(OstinatoError):
-    """The engine is still loading (AsyncEngine built with a factory); retry once it is ready."""
 
 
 class StepObserver(Protocol):
