@@ -122,6 +122,12 @@ def test_capture_breaking_op_fails_by_default_and_falls_back_visibly(ckpt, monke
     torch.randn(4, device="cuda")  # the failed capture must not leave the CUDA generator in capture mode
     engine = LLMEngine(EngineArgs(**common, cuda_graph_fallback="eager"))
     torch.randn(4, device="cuda")
+    # Sizing the KV pool from GPU memory captures a probe graph first: with the fallback it must not stop
+    # start-up either, and no memory is set aside for graphs that will not exist.
+    sized = LLMEngine(EngineArgs(**{**common, "num_kv_blocks": None}, gpu_memory_utilization=0.2,
+                                 cuda_graph_fallback="eager"))
+    assert sized.graph_status.startswith("disabled") and sized.runner.kv_plan.graph_estimate_bytes == 0
+    del sized
     assert any(r.levelname == "WARNING" and "CUDA graphs disabled" in r.message for r in caplog.records)
     assert engine.graph_status.startswith("disabled")
     engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

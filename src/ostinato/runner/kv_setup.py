@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import CacheConfig
+from ..errors import CudaGraphCaptureError
 from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner, StaticInput
 from .inputs import build_prefill_inputs
 from .memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
@@ -162,7 +163,14 @@ def allocate_kv_and_graphs(runner: "ModelRunner") -> KVSetup:
         # the graph probe: what the probe leaves behind (the capture stream's workspace) is in its estimate.
         in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
         if not gc_cfg.enforce_eager:
-            estimate = _estimate_graph_bytes(runner, max(sizes), backend)
+            try:
+                estimate = _estimate_graph_bytes(runner, max(sizes), backend)
+            except CudaGraphCaptureError:
+                if gc_cfg.fallback == "error":
+                    raise
+                # Opted into eager fallback: the real capture below fails the same way, warns once and
+                # turns graphs off, so no memory is set aside for them.
+                estimate = 0
         plan = plan_kv_cache(total, args.gpu_memory_utilization, in_use, activation, estimate, block_bytes,
                              runner.block_size, runner.scheduler_config.max_model_len)
         num_blocks = plan.num_blocks
