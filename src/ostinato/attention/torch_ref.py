@@ -55,7 +55,7 @@ class TorchRefBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_heads = q.shape[1]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         # Prefill runs eager, so host-side lengths are fine; fall back to the tensors if not given.

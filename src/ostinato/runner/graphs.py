@@ -41,13 +41,15 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ..config import GraphConfig, default_capture_sizes, plan_capture_sizes  # noqa: F401 (re-exported)
+from ..config import GraphConfig, plan_capture_sizes  # noqa: F401 (re-exported)
 from ..errors import ConfigError, CudaGraphCaptureError
+from .graph_backends import (  # noqa: F401 (re-exported: the runner's public API)
+    CudaGraphBackend, GraphBackend, MemoryReading, RecordingGraphBackend, first_line)
 from .memory import MiB, capture_oom_message
 
 __all__ = [
@@ -164,205 +166,15 @@ class GraphStats:
         return self.padded_rows / rows if rows else 0.0
 
 
-# ---------------------------------------------------------------------------------------------- backends
-
-
-@dataclass(frozen=True)
-class MemoryReading:
-    device_bytes: int  # device memory in use (total - free), every process and the driver included
-    reserved_bytes: int  # bytes the caching allocator holds
-
-
-class GraphBackend(Protocol):
-    """Captures and replays. `CudaGraphRunner` holds all the policy; a backend only does these steps."""
-
-    def new_pool(self) -> Any: ...
-
-    def warmup(self, fn: Callable[[], torch.Tensor], iters: int) -> None: ...
-
-    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
-        """Record fn; return (replay, static output)."""
-        ...
-
-    def memory_in_use(self) -> MemoryReading: ...
-
-    def synchronize(self) -> None: ...
-
-    def recover(self) -> str | None:
-        """After a failed capture: bring the device back to a usable state. Returns why it could not."""
-        ...
-
-    def release(self) -> None:
-        """After the graphs were dropped: hand their memory back."""
-        ...
-
-
-class CudaGraphBackend:
-    """torch.cuda.CUDAGraph capture on one dedicated side stream (warm-up included, so lazily created
-    workspaces exist before capture), every size in one shared pool, replay on the current stream."""
-
-    def __init__(self, device: torch.device | str, capture_error_mode: str = "global"):
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ConfigError(f"CUDA graphs need a CUDA device, got {device}; run eager (--enforce-eager)")
-        self._device = device
-        self._capture_error_mode = capture_error_mode
-        self._stream: torch.cuda.Stream | None = None
-
-    @property
-    def device(self) -> torch.device:
-        if self._device.index is None:  # resolved lazily: torch.cuda must not be touched at construction
-            self._device = torch.device("cuda", torch.cuda.current_device())
-        return self._device
-
-    def _capture_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        return self._stream
-
-    def new_pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
-
-    def warmup(self, fn: Callable[[], torch.Tensor], iters: int) -> None:
-        stream, current = self._capture_stream(), torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for _ in range(iters):
-                fn()
-        current.wait_stream(stream)
-
-    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(self.device)
-        # Not torch.cuda.graph(): when capture_end fails there, its __exit__ skips restoring the stream.
-        with torch.cuda.device(self.device), torch.cuda.stream(self._capture_stream()):
-            graph.capture_begin(pool=pool, capture_error_mode=self._capture_error_mode)
-            try:
-                out = fn()
-            except BaseException:
-                self._close_failed_capture(graph, pool, still_capturing=True)
-                raise
-            try:
-                graph.capture_end()
-            except BaseException:
-                self._close_failed_capture(graph, pool, still_capturing=False)
-                raise
-        torch.cuda.synchronize(self.device)
-        return graph.replay, out
-
-    def _close_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any, still_capturing: bool) -> None:
-        """Take the stream out of capture mode and the allocator out of the graph pool.
-
-        An invalidated capture makes capture_end fail at cudaStreamEndCapture, before torch tells the
-        caching allocator the capture is over; we do that here (private torch calls, best effort)."""
-        if still_capturing:
-            try:
-                graph.capture_end()
-                return  # the capture was still valid: dropping `graph` releases its pool share
-            except Exception:
-                pass
-        end_to_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        release_pool = getattr(torch._C, "_cuda_releasePool", None)
-        if end_to_pool is None or release_pool is None:
-            return
-        try:
-            end_to_pool(self.device.index, pool)
-        except Exception:
-            return  # capture_end got that far itself: the graph object releases the pool
-        try:
-            release_pool(self.device.index, pool)
-        except Exception:
-            pass
-
-    def memory_in_use(self) -> MemoryReading:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # drop cached warm-up blocks so only what stays allocated is counted
-        free, total = torch.cuda.mem_get_info(self.device)
-        return MemoryReading(total - free, torch.cuda.memory_reserved(self.device))
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def recover(self) -> str | None:
-        try:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            torch.zeros(1, device=self.device).add_(1).cpu()  # a launch and a copy must work again
-            self._reset_generators()
-        except Exception as e:  # a sticky error (e.g. illegal memory access) poisons the CUDA context
-            return f"CUDA is unusable after the failed capture ({_first_line(e)}); restart the process"
-        return None
-
-    def release(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-
-    def _reset_generators(self) -> None:
-        """A capture that failed after capture_begin leaves the default CUDA generator in capture mode
-        (capture_end, which would end it, never ran), and every later random op on the device fails with
-        "Offset increment outside graph capture". One small capture that completes resets it."""
-        probe = torch.cuda.CUDAGraph()
-        scratch = torch.zeros(1, device=self.device)
-        stream = self._capture_stream()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            probe.capture_begin()
-            scratch.add_(1)
-            probe.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        del probe
-
-
-class RecordingGraphBackend:
-    """A stand-in for CUDA graphs on any device, for tests and CPU dry runs.
-
-    'Capture' runs fn once and records it; 'replay' runs it again and copies the result into the recorded
-    output, so the output is a static tensor exactly as with a CUDA graph. Unlike a real graph, Python in
-    fn runs on every replay: this checks the runner's bookkeeping, not whether a step is graph-safe.
-    Memory readings are zero; override memory_in_use to simulate growth.
-    """
-
-    def new_pool(self) -> Any:
-        return None
-
-    def warmup(self, fn: Callable[[], torch.Tensor], iters: int) -> None:
-        for _ in range(iters):
-            fn()
-
-    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
-        out = fn()
-        if not isinstance(out, torch.Tensor):
-            return (lambda: None), out  # the runner reports the bad return type
-        return (lambda: out.copy_(fn())), out
-
-    def memory_in_use(self) -> MemoryReading:
-        return MemoryReading(0, 0)
-
-    def synchronize(self) -> None:
-        pass
-
-    def recover(self) -> str | None:
-        return None
-
-    def release(self) -> None:
-        pass
-
-
 # ------------------------------------------------------------------------------------------------ runner
-
-
-def _first_line(e: BaseException) -> str:
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def describe_capture_failure(size: int, error: BaseException) -> str:
     """The message for a failed capture: size, original error, and a hint when the cause is known."""
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
     if isinstance(error, oom):
-        return capture_oom_message(size, _first_line(error))
-    msg = f"capturing the CUDA graph for batch size {size} failed: {_first_line(error)}."
+        return capture_oom_message(size, first_line(error))
+    msg = f"capturing the CUDA graph for batch size {size} failed: {first_line(error)}."
     if any(marker in str(error).lower() for marker in _HOST_SYNC_MARKERS):
         msg += " " + _HOST_SYNC_HINT
     return msg

@@ -96,9 +96,7 @@ def _hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, voca
             hf(input_ids=tok, past_key_values=cache, use_cache=True)
 
         # The cache grows by one token per call: warm-up + iters tokens past `context` (a few %).
-        ms = _time_cuda(step, iters, warmup)
-    del cache
-    return ms
+        return _time_cuda(step, iters, warmup)
 
 
 def run(args) -> int:
