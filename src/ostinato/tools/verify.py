@@ -138,8 +138,14 @@ def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> l
 
 
 def run(args) -> int:
+    import torch
+
     from ..cli_args import engine_args_from
     from ..engine.engine import LLMEngine
+
+    if not torch.cuda.is_available():
+        print("error: verify profiles CUDA kernel and graph launches and needs a CUDA GPU; torch sees none")
+        return 2
 
     engine = LLMEngine(engine_args_from(args))
     st = engine.stats()
