@@ -6,17 +6,22 @@ q/k RMSNorm before RoPE (Qwen3), tied embeddings, llama3 RoPE scaling. Parameter
 `qkv_proj` (rows q | k | v) and `gate_up_proj` (rows gate | up); `fused_shards` says where each HF
 tensor goes. Tokens of all sequences are flattened into one [num_tokens] batch; the attention backend
 separates them through AttentionMetadata.
+
+The steps between the GEMMs (norms with the residual add, q/k norm + RoPE, SiLU-and-mul) go through a
+`DecoderKernels` picked once at bind time: fused Triton kernels on CUDA, plain torch elsewhere
+(model/fused.py). On the GPU a layer is then 8 kernels (4 GEMMs, 4 fused) plus the attention backend's
+KV write and attention, where the torch ops take 13 (Llama) to 16 (Qwen3) plus the same attention.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
 from ..config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from .fused import TORCH_KERNELS, DecoderKernels, kernels_for
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 
 def projection_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -65,25 +70,18 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+                meta: AttentionMetadata, kernels: DecoderKernels) -> torch.Tensor:
+        """hidden [T, hidden] (already normalised) -> attention output after o_proj [T, hidden].
+        rope_cache: the model's [max_positions, 2 * head_dim] cos | signed-sin table."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("call DecoderForCausalLM.bind_kv_caches() before forward()")
         num_tokens = hidden.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
         heads = self.qkv_proj(hidden).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H + 2Hkv, D]
-        if self.qk_norm:
-            # Qwen3 RMS-normalises each q and k head before RoPE (q and k have their own weights). One
-            # weightless norm over all heads of the contiguous projection, then one multiply by the
-            # per-head weights: 3 kernels, where two norms on strided views cost two copies and a cat
-            # more. It is also exactly HF's order (normalise, round to the model dtype, scale).
-            normed = F.rms_norm(heads, (self.head_dim,), eps=self.norm_eps)[:, :h + kv]
-            weight = torch.cat((self.q_norm.weight.expand(h, -1), self.k_norm.weight.expand(kv, -1)))
-            qk = normed * weight  # [T, H + Hkv, D]
-        else:
-            qk = heads[:, :h + kv]
-        # One RoPE application for q and k together: [T, H + Hkv, D].
-        qk = apply_rope(qk, cos, sin)
+        q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
+        qk = kernels.qk_norm_rope(heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
         q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
 
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -93,7 +91,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block, with the residual stream carried between layers as vLLM does:
+
+        residual = residual + x;  normed = norm(residual)      (one fused add + norm)
+        x = attn(normed)
+        residual = residual + x;  normed = norm(residual)
+        x = mlp(normed)                                         -> (x, residual) to the next layer
+
+    which is HF's x + attn(norm(x)), then x + mlp(norm(x)), with each residual add moved into the
+    following norm's kernel. The first layer gets residual=None: its input is the residual.
+    """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
@@ -102,10 +109,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope_cache: torch.Tensor, meta: AttentionMetadata,
+                kernels: DecoderKernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, residual: [T, hidden] -> (mlp output, residual stream before it), both [T, hidden]."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual = hidden
+            normed = kernels.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(normed, positions, rope_cache, meta, kernels)
+        norm = self.post_attention_layernorm
+        normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(normed, kernels.silu_and_mul), residual
 
 
 class DecoderModel(nn.Module):
@@ -132,6 +149,8 @@ class DecoderForCausalLM(nn.Module):
             self.tie_weights()
         # Test hook: force a host sync inside forward so CUDA-graph capture must fail loudly.
         self.debug_host_sync = False
+        # Norm / activation / RoPE implementations; bind_kv_caches picks them for the caches' device.
+        self.kernels: DecoderKernels = TORCH_KERNELS
         for param in self.parameters():
             param.requires_grad_(False)
 
@@ -143,23 +162,32 @@ class DecoderForCausalLM(nn.Module):
     def tied(self) -> bool:
         return self.lm_head.weight is self.model.embed_tokens.weight
 
-    def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       kernels: DecoderKernels | None = None) -> None:
+        """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+
+        Also picks the norm / activation / RoPE kernels, once: `kernels`, or by default the fused Triton
+        ones when the caches are on CUDA and triton is importable, the torch ones otherwise.
+        """
         if len(caches) != len(self.model.layers):
             raise ValueError(f"got {len(caches)} KV caches for {len(self.model.layers)} layers")
         for layer, (k_cache, v_cache) in zip(self.model.layers, caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+        self.kernels = kernels if kernels is not None else kernels_for(caches[0][0].device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
+        kernels = self.kernels
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.debug_host_sync:
             hidden.sum().item()  # deliberate device->host sync; illegal while capturing a CUDA graph
-        cos, sin = self.model.rotary_emb(positions)  # [T, 1, D] each, shared by all layers
+        rope_cache = self.model.rotary_emb.cos_sin_cache  # [max_positions, 2 * head_dim], shared by all layers
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, rope_cache, meta, kernels)
+        norm = self.model.norm
+        return kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 for sampling and logprobs unless

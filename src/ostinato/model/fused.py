@@ -1,0 +1,337 @@
+"""Fused Triton kernels for the non-GEMM steps of a decoder layer, each with its plain-torch reference.
+
+Why: a decode step is one CUDA-graph replay, yet inside a graph every kernel still costs ~2 us, and at
+small models the step is mostly kernel count (Qwen3-0.6B shape: 2.0 ms per step against a 0.3 ms
+weight-read floor). These kernels fold the elementwise work around the GEMMs into one launch each:
+
+    rms_norm / fused_add_rms_norm   r = residual + x; y = rmsnorm(r) * weight; -> (y, r) (2 kernels -> 1)
+    silu_and_mul                    silu(gate) * up from the fused gate|up projection   (2 -> 1)
+    qk_norm_rope                    optional per-head q/k RMSNorm (Qwen3), then RoPE on q and k, reading
+                                    cos/sin straight from the table by position         (3-7 -> 1)
+
+`DecoderKernels` bundles one implementation of each step; the decoder picks `TRITON_KERNELS` for CUDA
+tensors when triton is importable and `TORCH_KERNELS` otherwise (`kernels_for`), once, when the KV
+caches are bound. The torch functions (`*_ref`) are the CPU path and the test oracle.
+
+Rounding (bf16/fp16): every kernel computes in fp32 and rounds to the model dtype exactly where the torch
+path stores an intermediate in that dtype, so results agree to the last bit except where fp32 reduction
+order or exp/rsqrt approximations move a value across a rounding boundary (1 ulp, rarely). One
+deliberate difference: the norm kernel follows HF's LlamaRMSNorm (normalise in fp32, round to the dtype,
+then multiply by the weight and round again), while torch's fused `F.rms_norm` (the reference) multiplies
+by the weight before its single rounding; the two differ by at most 1 ulp of the dtype, and not at all
+in fp32.
+
+CUDA graphs: launch grids depend on tensor shapes only, nothing reads a tensor value on the host, and
+outputs are allocated by shape. Triton compiles a kernel on its first call, so run a step eagerly before
+capturing (the graph runner's warm-up does). positions must lie in [0, cos_sin_cache.shape[0]); the
+scheduler guarantees it and the kernel does not check (that would need a host sync).
+
+Under TRITON_INTERPRET=1 (CPU tests) the interpreter truncates fp32 -> bf16 instead of rounding to nearest
+even, so the kernels round bf16 by hand there (EMULATE_BF16), making CPU results match the GPU's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .layers import apply_rope
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency (pip install ostinato[triton]); the torch path needs none
+    triton = None
+
+
+def _jit(fn):
+    """triton.jit when triton is installed; otherwise the kernel stays a plain, never-called function."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+# ---- plain-torch references (the CPU path) ---------------------------------------------------------------
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, N] -> rmsnorm(x) * weight [T, N], normalised in fp32 (torch's fused F.rms_norm)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(residual + x) * weight, residual + x), the sum rounded to the model dtype first."""
+    residual = residual + x  # [T, N]
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def qk_norm_rope_ref(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     eps: float) -> torch.Tensor:
+    """Rotated (and, with weights, per-head RMS-normalised) q and k from the fused qkv projection.
+
+    heads: [T, H + 2Hkv, D] (q | k | v heads); q_weight, k_weight: [D] each (Qwen3) or both None;
+    cos_sin_cache: [max_positions, 2D] = [cos | signed sin] (RotaryEmbedding); positions: [T] int64.
+    Returns a new contiguous [T, H + Hkv, D] tensor: q = out[:, :H], k = out[:, H:].
+    """
+    h, kv = num_heads, num_kv_heads
+    if q_weight is not None:
+        # Qwen3 RMS-normalises each q and k head before RoPE. One weightless norm over all heads of the
+        # contiguous projection, then one multiply by the per-head weights: HF's order (normalise, round
+        # to the model dtype, scale), in 3 kernels where two norms on strided views cost copies more.
+        normed = F.rms_norm(heads, (heads.shape[-1],), eps=eps)[:, :h + kv]
+        weight = torch.cat((q_weight.expand(h, -1), k_weight.expand(kv, -1)))  # [H + Hkv, D]
+        qk = normed * weight
+    else:
+        qk = heads[:, :h + kv]
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D] each
+    return apply_rope(qk, cos, sin)  # one RoPE application for q and k together
+
+
+# ---- Triton kernels --------------------------------------------------------------------------------------
+
+@_jit
+def _round_like(x, ptr, EMULATE_BF16: tl.constexpr):
+    """fp32 x rounded to ptr's element type and back to fp32: what storing it in the model dtype does.
+    EMULATE_BF16 rounds to nearest even by hand (the interpreter's own cast truncates)."""
+    if EMULATE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(ptr.dtype.element_ty).to(tl.float32)
+
+
+@_jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, eps,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    # One program per row. A whole row (hidden <= 16384) sits in registers, so x is read once.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        h = _round_like(h + r, residual_out_ptr, EMULATE_BF16)  # the sum lives in the model dtype
+        tl.store(residual_out_ptr + row * stride_ro + offs, h.to(residual_out_ptr.dtype.element_ty), mask=mask)
+    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # HF's order: normalise in fp32, round to the model dtype, multiply by the weight, round again.
+    y = _round_like(_round_like(h * rstd, out_ptr, EMULATE_BF16) * w, out_ptr, EMULATE_BF16)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, stride_in, stride_out,
+    I: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    # Grid (tokens, column blocks); the gate of column c is at c, its up at I + c.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + I + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch rounds silu(gate) to the model dtype before the multiply; so do we.
+    act = _round_like(gate / (1.0 + tl.exp(-gate)), out_ptr, EMULATE_BF16)
+    out = _round_like(act * up, out_ptr, EMULATE_BF16)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _qk_norm_rope_kernel(
+    heads_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, out_ptr,
+    stride_ht, stride_hh, stride_ot, stride_oh, stride_cs, eps,
+    NUM_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    # Grid (tokens, head blocks): BLOCK_H heads (q heads first, then k heads) of one token per program.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    # rotate_half pairs element d with d +- D/2; the signed-sin table carries rotate_half's minus sign.
+    partner = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+    mask = (head[:, None] < NUM_QK_HEADS) & (d[None, :] < HEAD_DIM)
+    row = heads_ptr + token * stride_ht + head[:, None] * stride_hh
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HEAD_DIM_PAD]
+    # The partner elements are read a second time rather than permuted in registers: same cache lines.
+    x_partner = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]  # [BLOCK_H, 1]
+        is_q = (head < NUM_HEADS)[:, None]
+        d_mask = d < HEAD_DIM
+        w = tl.where(is_q, tl.load(q_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                     tl.load(k_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        w_partner = tl.where(is_q, tl.load(q_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                             tl.load(k_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        # As the torch path: normalise, round, multiply by the head's weight, round (x and partner alike).
+        x = _round_like(_round_like(x * rstd, out_ptr, EMULATE_BF16) * w, out_ptr, EMULATE_BF16)
+        x_partner = _round_like(_round_like(x_partner * rstd, out_ptr, EMULATE_BF16) * w_partner,
+                                out_ptr, EMULATE_BF16)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    table = cos_sin_ptr + position * stride_cs
+    d_mask = d < HEAD_DIM
+    cos = tl.load(table + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    signed_sin = tl.load(table + HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    # apply_rope's order: x * cos rounded (a mul kernel), then one addcmul with the swapped halves.
+    out = _round_like(x * cos, out_ptr, EMULATE_BF16) + x_partner * signed_sin
+    out = _round_like(out, out_ptr, EMULATE_BF16)
+    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launchers -------------------------------------------------------------------------------------------
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_NORM_WIDTH = 32768  # one row per program in registers (Llama/Qwen hidden sizes are <= 16384)
+_SILU_BLOCK = 1024  # columns per silu_and_mul program
+_ROPE_ELEMENTS = 1024  # head elements per qk_norm_rope program (BLOCK_H * HEAD_DIM_PAD)
+
+
+# True when triton was imported with TRITON_INTERPRET=1: kernels then run on CPU tensors (tests, CI).
+_KERNELS_INTERPRETED = type(_rms_norm_kernel).__name__ == "InterpretedFunction"
+
+
+def _interpreted() -> bool:
+    return _KERNELS_INTERPRETED
+
+
+def _checked_flags(x: torch.Tensor, what: str) -> dict:
+    """Checks the activation tensor's attributes on the host (no sync: safe inside a capture) and returns
+    the constexprs every kernel takes."""
+    if triton is None:
+        raise ConfigError("the fused decoder kernels need triton; install it (pip install ostinato[triton])")
+    if not x.is_cuda and not _interpreted():
+        raise ConfigError(f"the fused Triton kernels run on CUDA tensors, got {what} on {x.device}; the "
+                          "decoder uses the torch kernels there (tests may set TRITON_INTERPRET=1)")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ConfigError(f"the fused kernels support float32, bfloat16 and float16, got {what} in {x.dtype}; "
+                          "pick one of those with --dtype")
+    assert x.stride(-1) == 1, f"{what}: the last dimension must be contiguous"
+    return {"EMULATE_BF16": _interpreted() and x.dtype == torch.bfloat16}
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    flags = _checked_flags(x, "x")
+    num_tokens, n = x.shape  # [T, N]
+    assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
+    assert n <= _MAX_NORM_WIDTH, f"rms_norm over {n} > {_MAX_NORM_WIDTH} features is not supported"
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+        residual_out = torch.empty_like(out)
+    if num_tokens == 0:
+        return out, residual_out
+    r, r_out = (residual, residual_out) if residual is not None else (x, out)  # unread placeholders
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(num_tokens,)](
+        x, r, weight, out, r_out,
+        x.stride(0), r.stride(0), out.stride(0), r_out.stride(0), eps,
+        N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block), **flags,
+    )
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, N] -> rmsnorm(x) * weight [T, N] in one kernel (HF's rounding order; see module doc)."""
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, N] -> (rmsnorm(residual + x) * weight, residual + x) in one kernel.
+
+    The sum is rounded to the model dtype (it is the next residual, as in HF) and normalised in fp32.
+    Both outputs are new tensors; the inputs are not modified.
+    """
+    normed, new_residual = _launch_rms_norm(x, residual, weight, eps)
+    return normed, new_residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up, the fused projection's output) -> silu(gate) * up [T, I], one kernel."""
+    flags = _checked_flags(gate_up, "gate_up")
+    num_tokens, two_i = gate_up.shape
+    assert two_i % 2 == 0, "gate_up must hold gate and up halves of equal width"
+    inter = two_i // 2
+    out = torch.empty(num_tokens, inter, device=gate_up.device, dtype=gate_up.dtype)  # [T, I]
+    if num_tokens == 0:
+        return out
+    block = min(_SILU_BLOCK, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), I=inter, BLOCK=block, num_warps=4, **flags,
+    )
+    return out
+
+
+def qk_norm_rope(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 eps: float) -> torch.Tensor:
+    """`qk_norm_rope_ref` in one kernel: heads [T, H + 2Hkv, D] -> new contiguous [T, H + Hkv, D].
+
+    With q_weight and k_weight ([D] each, Qwen3) each q and k head is RMS-normalised first; without
+    them only RoPE is applied. The v heads are not touched (the caller keeps heads[:, H + Hkv:] as a view).
+    """
+    flags = _checked_flags(heads, "heads")
+    num_tokens, total_heads, head_dim = heads.shape
+    qk_heads = num_heads + num_kv_heads
+    assert total_heads >= qk_heads and head_dim % 2 == 0
+    assert cos_sin_cache.shape[-1] == 2 * head_dim and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.dtype == heads.dtype and positions.shape == (num_tokens,)
+    qk_norm = q_weight is not None
+    assert qk_norm == (k_weight is not None), "pass both q and k norm weights or neither"
+    if qk_norm:
+        assert q_weight.shape == k_weight.shape == (head_dim,)
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    out = torch.empty(num_tokens, qk_heads, head_dim, device=heads.device, dtype=heads.dtype)
+    if num_tokens == 0:
+        return out
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(qk_heads), max(1, _ROPE_ELEMENTS // head_dim_pad))
+    weights = (q_weight, k_weight) if qk_norm else (heads, heads)  # unread placeholders without qk-norm
+    _qk_norm_rope_kernel[(num_tokens, triton.cdiv(qk_heads, block_h))](
+        heads, *weights, cos_sin_cache, positions, out,
+        heads.stride(0), heads.stride(1), out.stride(0), out.stride(1), cos_sin_cache.stride(0), eps,
+        NUM_HEADS=num_heads, NUM_QK_HEADS=qk_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_H=block_h, QK_NORM=qk_norm, num_warps=4, **flags,
+    )
+    return out
+
+
+# ---- choosing an implementation --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecoderKernels:
+    """One implementation of each non-GEMM decoder step; signatures as the functions above."""
+
+    name: str
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                                 tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    qk_norm_rope: Callable[..., torch.Tensor]
+
+
+TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref, qk_norm_rope_ref)
+TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and_mul, qk_norm_rope)
+
+
+def kernels_for(device: torch.device) -> DecoderKernels:
+    """Triton on CUDA when triton is importable; torch otherwise (CPU, where torch is the reference)."""
+    return TRITON_KERNELS if device.type == "cuda" and triton is not None else TORCH_KERNELS

@@ -1,0 +1,440 @@
+"""The fused Triton decoder kernels (model/fused.py) against their torch references, alone and in the model.
+
+On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before triton is
+imported) at small sizes; real shapes, the whole-model bf16 check, CUDA-graph capture and the kernel count
+per layer run on the GPU:
+`PYTHONPATH=src python3 -m pytest -m gpu -rA tests/test_fused_kernels.py` (-rA shows the printed counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from itertools import accumulate
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # tests/conftest.py does the same; kept so this file runs alone
+
+pytest.importorskip("triton")
+
+from ostinato.attention.base import AttentionMetadata  # noqa: E402
+from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
+from ostinato.config import ModelConfig  # noqa: E402
+from ostinato.errors import ConfigError  # noqa: E402
+from ostinato.model import fused  # noqa: E402
+from ostinato.model.decoder import DecoderLayer  # noqa: E402
+from ostinato.model.layers import RotaryEmbedding  # noqa: E402
+from ostinato.model.loader import load_model  # noqa: E402
+from ostinato.tools.checkpoint import hf_config_dict, make_checkpoint  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = [pytest.mark.gpu, requires_cuda]
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not fused._interpreted(), reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=gpu),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-6
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, ulps: float = 1.0,
+                 min_exact: float | None = 0.98) -> None:
+    """fp32: tight (reduction order only). 16-bit: within `ulps` units in the last place of the dtype, and
+    (when `expected` rounds where the kernel does) at least `min_exact` of the elements bit-identical:
+    only fp32 reduction order and exp/rsqrt approximations may move a value across a rounding boundary,
+    while a misplaced or missing rounding step changes a large fraction of them."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        return
+    eps = torch.finfo(actual.dtype).eps  # one ulp at 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ulps * eps, rtol=ulps * eps)
+    if min_exact is not None:
+        exact = (actual == expected).float().mean().item()
+        assert exact >= min_exact, f"only {exact:.1%} of the elements are bit-identical"
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in fp32, round to the input dtype, then scale by weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rand(*shape, dtype, device, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+
+
+def norm_weight(n, dtype, device, seed):
+    return (1 + 0.3 * rand(n, dtype=torch.float32, device="cpu", seed=seed)).to(device=device, dtype=dtype)
+
+
+# ---- rms_norm / fused_add_rms_norm -----------------------------------------------------------------------
+
+def check_norms(num_tokens, hidden, dtype, device):
+    x = rand(num_tokens, hidden, dtype=dtype, device=device, seed=1)
+    residual = rand(num_tokens, hidden, dtype=dtype, device=device, seed=2, scale=3.0)
+    weight = norm_weight(hidden, dtype, device, seed=3)
+    x_before, residual_before = x.clone(), residual.clone()
+
+    normed, new_residual = fused.fused_add_rms_norm(x, residual, weight, EPS)
+    ref_normed, ref_residual = fused.fused_add_rms_norm_ref(x, residual, weight, EPS)
+    assert torch.equal(new_residual, ref_residual)  # one rounded add, as torch's
+    assert_close(normed, hf_rms_norm(ref_residual, weight, EPS))  # HF's rounding order
+    # torch's F.rms_norm rounds once (after the weight); HF and the kernel twice: <= 1 ulp apart.
+    assert_close(normed, ref_normed, ulps=2.0, min_exact=None)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs untouched
+
+    plain = fused.rms_norm(x, weight, EPS)
+    assert_close(plain, hf_rms_norm(x, weight, EPS))
+    assert_close(plain, fused.rms_norm_ref(x, weight, EPS), ulps=2.0, min_exact=None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (3, 128), (17, 64), (3, 100)])
+def test_norms_match_reference(num_tokens, hidden, dtype, device):
+    check_norms(num_tokens, hidden, dtype, device)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 1024), (256, 1024), (7, 4096), (256, 4096)])
+def test_norms_match_reference_real_shapes(num_tokens, hidden, dtype):
+    check_norms(num_tokens, hidden, dtype, "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_of_a_strided_row_view(device):
+    """Rows may be a strided view (row stride > width): the kernel honours stride(0)."""
+    wide = rand(5, 96, dtype=torch.float32, device=device, seed=4)
+    x, residual = wide[:, :64], wide[:, 32:]
+    weight = norm_weight(64, torch.float32, device, seed=5)
+    normed, new_residual = fused.fused_add_rms_norm(x, residual, weight, EPS)
+    ref_normed, ref_residual = fused.fused_add_rms_norm_ref(x, residual, weight, EPS)
+    assert_close(normed, ref_normed)
+    assert torch.equal(new_residual, ref_residual)
+
+
+# ---- silu_and_mul ----------------------------------------------------------------------------------------
+
+def check_silu_and_mul(num_tokens, inter, dtype, device):
+    gate_up = rand(num_tokens, 2 * inter, dtype=dtype, device=device, seed=6, scale=3.0)  # [T, 2I]
+    out = fused.silu_and_mul(gate_up)
+    assert out.shape == (num_tokens, inter) and out.is_contiguous()
+    assert_close(out, fused.silu_and_mul_ref(gate_up))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,inter", [(1, 64), (3, 96), (17, 128), (2, 1500)])  # 1500: 2 blocks, ragged
+def test_silu_and_mul_matches_reference(num_tokens, inter, dtype, device):
+    check_silu_and_mul(num_tokens, inter, dtype, device)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens,inter", [(1, 3072), (256, 3072), (1, 14336), (64, 14336)])
+def test_silu_and_mul_real_shapes(num_tokens, inter, dtype):
+    check_silu_and_mul(num_tokens, inter, dtype, "cuda")
+
+
+# ---- qk_norm_rope ----------------------------------------------------------------------------------------
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device,
+                       rope_scaling=None, max_positions=512):
+    heads = rand(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device, seed=7)
+    with torch.device(device):
+        rope = RotaryEmbedding(head_dim, max_positions, 10000.0, rope_scaling)
+    rope.rebuild(torch.device(device), dtype)
+    gen = torch.Generator().manual_seed(8)
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(device)
+    positions[0] = max_positions - 1  # the table's last row
+    weights = (norm_weight(head_dim, dtype, device, 9), norm_weight(head_dim, dtype, device, 10)) \
+        if qk_norm else (None, None)
+    heads_before = heads.clone()
+
+    out = fused.qk_norm_rope(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS)
+    ref = fused.qk_norm_rope_ref(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS)
+    assert out.shape == (num_tokens, num_heads + num_kv_heads, head_dim) and out.is_contiguous()
+    assert_close(out, ref)
+    assert torch.equal(heads, heads_before)  # v (and q, k) left as they were
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [
+    (1, 4, 2, 16), (3, 8, 1, 64), (17, 4, 4, 128), (3, 6, 2, 48), (17, 2, 1, 16)])  # 48: padded tile
+def test_qk_norm_rope_matches_reference(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device):
+    check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_norm_rope_with_llama3_scaling_and_many_heads(device):
+    """A scaled table, and more heads than one program takes (several head blocks per token)."""
+    check_qk_norm_rope(3, 40, 8, 64, False, torch.float32, device, rope_scaling=LLAMA3_SCALING)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads", [(1, 16, 8), (256, 16, 8), (1, 32, 8), (100, 32, 8)])
+def test_qk_norm_rope_real_shapes(num_tokens, num_heads, num_kv_heads, qk_norm, dtype):
+    check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, 128, qk_norm, dtype, "cuda", max_positions=40960)
+
+
+# ---- dispatch and errors ---------------------------------------------------------------------------------
+
+def test_kernels_are_chosen_by_device():
+    assert fused.kernels_for(torch.device("cpu")) is fused.TORCH_KERNELS
+    assert fused.kernels_for(torch.device("cuda", 0)) is fused.TRITON_KERNELS  # triton is importable here
+    assert fused.TRITON_KERNELS.qk_norm_rope is fused.qk_norm_rope
+    assert fused.TORCH_KERNELS.silu_and_mul is fused.silu_and_mul_ref
+
+
+def test_cpu_tensors_without_the_interpreter_are_a_clear_error(monkeypatch):
+    monkeypatch.setattr(fused, "_interpreted", lambda: False)
+    with pytest.raises(ConfigError, match="CUDA tensors"):
+        fused.silu_and_mul(torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unsupported_dtype_is_a_clear_error(device):
+    x = torch.zeros(2, 8, dtype=torch.float64, device=device)
+    with pytest.raises(ConfigError, match="--dtype"):
+        fused.rms_norm(x, torch.ones(8, dtype=torch.float64, device=device), EPS)
+
+
+# ---- the whole model: Triton kernels vs torch kernels ----------------------------------------------------
+
+BLOCK_SIZE = 4
+
+
+class Pages:
+    """KV caches plus a toy block manager: each sequence's pages in shuffled order, the last block scratch."""
+
+    def __init__(self, model, dtype, device, num_blocks=32, width=8):
+        cfg = model.config
+        shape = (num_blocks + 1, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(cfg.num_layers)]
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        self.device, self.scratch, self.width = device, num_blocks, width
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, new_tokens: dict[int, int], is_prefill: bool) -> tuple[torch.Tensor, AttentionMetadata]:
+        positions, slots, tables, lens = [], [], [], []
+        for seq, n in new_tokens.items():
+            start = self.lens.get(seq, 0)
+            self.lens[seq] = start + n
+            table = self.tables.setdefault(seq, [])
+            while len(table) * BLOCK_SIZE < start + n:
+                table.append(self.free.pop())
+            positions += range(start, start + n)
+            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + n)]
+            tables.append(table + [self.scratch] * (self.width - len(table)))
+            lens.append(start + n)
+        query_lens = list(new_tokens.values())
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=is_prefill, slot_mapping=torch.tensor(slots, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device=dev),
+            query_lens=query_lens if is_prefill else None, context_lens_host=lens if is_prefill else None,
+            max_query_len=max(query_lens), max_context_len=max(lens))
+        return torch.tensor(positions, device=dev), meta
+
+
+def run_steps(model, kernels, dtype, device, prompts, decode_steps=3) -> list[torch.Tensor]:
+    """A ragged batched prefill, then greedy-free decode steps on fixed tokens: logits of every step."""
+    pages = Pages(model, dtype, device)
+    model.bind_kv_caches(pages.caches, kernels=kernels)
+    out = []
+    with torch.no_grad():
+        positions, meta = pages.step({i: len(p) for i, p in enumerate(prompts)}, is_prefill=True)
+        out.append(model.compute_logits(model(torch.cat(prompts).to(device), positions, meta)))
+        for step in range(decode_steps):
+            positions, meta = pages.step({i: 1 for i in range(len(prompts))}, is_prefill=False)
+            tokens = torch.tensor([(7 * step + 3 * i) % model.config.vocab_size for i in range(len(prompts))],
+                                  device=device)
+            out.append(model.compute_logits(model(tokens, positions, meta)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny qwen3 (qk-norm) and llama random checkpoints, in bf16 (loaded as any dtype)."""
+    return {family: make_checkpoint(tmp_path_factory.mktemp(family), shape="tiny", family=family,
+                                    dtype="bfloat16")
+            for family in ("qwen3", "llama")}
+
+
+def backend_for(device):
+    if device == "cuda":
+        from ostinato.attention.triton_paged import TritonPagedBackend
+        return TritonPagedBackend()
+    return TorchRefBackend()
+
+
+def hf_order_add_rms_norm(x, residual, weight, eps):
+    residual = residual + x
+    return hf_rms_norm(residual, weight, eps), residual
+
+
+# The torch path with HF's norm rounding order: what the Triton kernels compute, step for step.
+HF_ORDER_TORCH_KERNELS = dataclasses.replace(fused.TORCH_KERNELS, name="torch-hf-order", rms_norm=hf_rms_norm,
+                                             fused_add_rms_norm=hf_order_add_rms_norm)
+
+
+def load(checkpoints, family, dtype, device):
+    path = checkpoints[family]
+    return load_model(path, ModelConfig.from_dir(path), dtype, torch.device(device), backend_for(device),
+                      progress=False)
+
+
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float32, marks=DEVICES[0].marks),
+    pytest.param("cpu", torch.bfloat16, marks=DEVICES[0].marks),
+    pytest.param("cuda", torch.bfloat16, marks=gpu),
+    pytest.param("cuda", torch.float32, marks=gpu),
+])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, device, dtype):
+    """Prefill of a ragged batch, then decode steps: logits of the Triton path against the torch path."""
+    model = load(checkpoints, family, dtype, device)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (5, 9, 1)]
+    actual = run_steps(model, fused.TRITON_KERNELS, dtype, device, prompts)
+    if dtype == torch.float32:
+        expected = run_steps(model, fused.TORCH_KERNELS, dtype, device, prompts)
+        for step, (a, e) in enumerate(zip(actual, expected)):
+            torch.testing.assert_close(a, e, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
+        return
+    # bf16. Against torch with the kernels' rounding order: equal up to rare 1-ulp flips (bit-equal on CPU).
+    same_rounding = run_steps(model, HF_ORDER_TORCH_KERNELS, dtype, device, prompts)
+    for step, (a, e) in enumerate(zip(actual, same_rounding)):
+        torch.testing.assert_close(a, e, atol=0.125, rtol=0, msg=lambda m: f"step {step}: {m}")
+        assert (a - e).abs().mean() <= 0.02, f"step {step}"
+    # Against the plain torch path (F.rms_norm rounds once) the logits (std ~3) differ by bf16 noise
+    # (mean 0.03-0.07, max <= 0.55 on CPU), so both are held to the same distance from the fp32 model.
+    torch_path = run_steps(model, fused.TORCH_KERNELS, dtype, device, prompts)
+    fp32 = load(checkpoints, family, torch.float32, device)
+    gold = run_steps(fp32, fused.TORCH_KERNELS, torch.float32, device, prompts)
+    for step, (a, t, g) in enumerate(zip(actual, torch_path, gold)):
+        for name, logits in (("triton", a), ("torch", t)):
+            error = (logits - g).abs()
+            assert error.mean() <= 0.2 and error.max() <= 1.5, f"{name} step {step}: {error.mean():.3f}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_binding_cuda_caches_picks_the_triton_kernels(checkpoints):
+    model = load(checkpoints, "qwen3", torch.bfloat16, "cuda")
+    model.bind_kv_caches(Pages(model, torch.bfloat16, "cuda").caches)
+    assert model.kernels is fused.TRITON_KERNELS
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_decode_step_with_triton_kernels_replays_in_a_cuda_graph(checkpoints, family):
+    """Capture a decode forward, replay it on new inputs copied into the static tensors, compare to eager."""
+    model = load(checkpoints, family, torch.bfloat16, "cuda")
+    pages = Pages(model, torch.bfloat16, "cuda")
+    model.bind_kv_caches(pages.caches)
+    prompts = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([6, 7])]
+    with torch.no_grad():
+        positions, meta = pages.step({0: 5, 1: 2}, is_prefill=True)
+        model(torch.cat(prompts).cuda(), positions, meta)
+        static_ids = torch.tensor([8, 9], device="cuda")
+        static_pos, static_meta = pages.step({0: 1, 1: 1}, is_prefill=False)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up compiles every kernel outside the capture
+            for _ in range(2):
+                model(static_ids, static_pos, static_meta)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model.compute_logits(model(static_ids, static_pos, static_meta))
+        # The next step: new tokens, positions, slots and lengths, written into the captured tensors.
+        positions, meta = pages.step({0: 1, 1: 1}, is_prefill=False)
+        static_ids.copy_(torch.tensor([10, 11]))
+        static_pos.copy_(positions)
+        static_meta.slot_mapping.copy_(meta.slot_mapping)
+        static_meta.block_tables.copy_(meta.block_tables)
+        static_meta.context_lens.copy_(meta.context_lens)
+        graph.replay()
+        replayed = static_out.clone()
+        # Eager on the same inputs: rewrites the same K/V slots with the same values.
+        eager = model.compute_logits(model(static_ids, positions, meta))
+    torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
+
+
+# ---- kernel count per decoder layer (GPU) ----------------------------------------------------------------
+
+def count_cuda_kernels(fn) -> list[str]:
+    """Names of the GPU kernels (and memcpy/memset) `fn` launches, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape,min_saved", [("qwen3-0.6b", 9), ("llama-3.1-8b", 6)])
+def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
+    """One decoder layer at a real shape (random weights), a batch-1 decode step over 512 cached tokens:
+    the fused path launches each of its 4 kernels once and at least `min_saved` fewer kernels in all."""
+    from ostinato.attention.triton_paged import TritonPagedBackend
+
+    config = ModelConfig.from_hf_dict(hf_config_dict(shape))
+    context, num_blocks = 512, 64
+    with torch.device("cuda"):
+        layer = DecoderLayer(config, TritonPagedBackend()).to(torch.bfloat16)
+        rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                               config.rope_scaling)
+        rope.rebuild(torch.device("cuda"), torch.bfloat16)
+        cache_shape = (num_blocks + 1, 16, config.num_kv_heads, config.head_dim)
+        layer.self_attn.k_cache = torch.randn(cache_shape, dtype=torch.bfloat16)
+        layer.self_attn.v_cache = torch.randn(cache_shape, dtype=torch.bfloat16)
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=torch.tensor([context - 1]),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+            context_lens=torch.tensor([context], dtype=torch.int32))
+        hidden = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
+        residual = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
+        positions = torch.tensor([context - 1])
+
+    counts = {}
+    with torch.no_grad():
+        for kernels in (fused.TORCH_KERNELS, fused.TRITON_KERNELS):
+            def step(kernels=kernels):
+                return layer(hidden, residual, positions, rope.cos_sin_cache, meta, kernels)
+            step()  # compile / autotune outside the profile
+            names = count_cuda_kernels(step)
+            counts[kernels.name] = names
+            print(f"{shape} {kernels.name}: {len(names)} kernels per layer: {names}")
+    fused_names = counts["triton"]
+    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 1), ("_silu_and_mul_kernel", 1)]:
+        assert sum(kernel in name for name in fused_names) == per_layer, kernel
+    assert len(fused_names) <= len(counts["torch"]) - min_saved
