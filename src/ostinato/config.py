@@ -141,6 +141,16 @@ class SchedulerConfig:
     max_model_len: int
     max_queued_requests: int | None = None
 
+    def __post_init__(self) -> None:
+        # Checked here, once, for configs from EngineArgs and configs built by hand alike.
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            # Without chunked prefill a prompt (or a recompute) is fed in one step of up to max_model_len - 1.
+            raise ConfigError(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
+                f"{self.max_model_len}: a long prompt could never be prefilled; raise it or lower --max-model-len")
+
 
 @dataclass(frozen=True)
 class GraphConfig:
@@ -274,15 +284,9 @@ class EngineArgs:
                 f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                 f"{model.max_position_embeddings}; lower --max-model-len"
             )
-        batched = self.max_num_batched_tokens or max(8192, max_len)
-        if batched < max_len:
-            raise ConfigError(
-                f"--max-num-batched-tokens {batched} is smaller than --max-model-len {max_len}: "
-                "a long prompt could never be prefilled; raise it or lower --max-model-len"
-            )
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=batched,
+            max_num_batched_tokens=self.max_num_batched_tokens or max(8192, max_len),
             max_model_len=max_len,
             max_queued_requests=self.max_queued_requests,
         )

@@ -36,7 +36,7 @@ import logging
 from collections import deque
 
 from ..config import CacheConfig, SchedulerConfig
-from ..errors import ConfigError, InvalidRequestError, OutOfKVCacheError, QueueFullError
+from ..errors import InvalidRequestError, OutOfKVCacheError, QueueFullError
 from .blocks import BlockManager
 from .request import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
@@ -237,14 +237,7 @@ class Scheduler:
 
 
 def _check_configs(sched: SchedulerConfig, cache: CacheConfig) -> None:
-    """Refuse configurations under which some valid request could never run."""
-    if sched.max_num_seqs < 1:
-        raise ConfigError(f"--max-num-seqs must be >= 1, got {sched.max_num_seqs}")
-    if sched.max_num_batched_tokens < sched.max_model_len:
-        # Without chunked prefill a recompute feeds up to max_model_len - 1 tokens in one step.
-        raise ConfigError(
-            f"--max-num-batched-tokens {sched.max_num_batched_tokens} is smaller than --max-model-len "
-            f"{sched.max_model_len}: a long prompt could never be prefilled; raise it or lower --max-model-len")
+    """Refuse a KV cache under which some valid request could never run (SchedulerConfig checks itself)."""
     capacity = cache.num_blocks * cache.block_size
     if capacity < sched.max_model_len:
         fix = (f"lower --max-model-len to {capacity} or less, or " if capacity else "")
