@@ -127,12 +127,10 @@ class LLMEngine:
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if prompt == "":
+            if prompt == "":  # checked before encoding: a tokenizer that adds BOS would make it non-empty
                 raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -140,11 +138,9 @@ class LLMEngine:
         return None, ids
 
     def _validate_lengths(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        # The scheduler's rule (non-empty, shorter than max_model_len) first, before any sequence is queued.
+        self.scheduler.check_prompt_len(len(prompt_ids))
         max_len = self.scheduler_config.max_model_len
-        if len(prompt_ids) >= max_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: shorten the prompt "
-                f"below {max_len} tokens (or start the engine with a larger --max-model-len)", param="prompt")
         if len(prompt_ids) + params.max_tokens > max_len:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "

@@ -69,13 +69,7 @@ class Scheduler:
         Raises InvalidRequestError for a prompt that can never be served and QueueFullError when
         max_queued_requests sequences are already waiting.
         """
-        n, max_len = len(seq.prompt_token_ids), self.config.max_model_len
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
-        if n >= max_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but max_model_len is {max_len}: shorten the prompt below "
-                f"{max_len} tokens (or start the engine with a larger --max-model-len)", param="prompt")
+        self.check_prompt_len(len(seq.prompt_token_ids))
         limit = self.config.max_queued_requests
         if limit is not None and len(self._waiting) >= limit:
             raise QueueFullError(
@@ -86,6 +80,16 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._waiting.append(seq)
         self._live[seq.seq_id] = seq
+
+    def check_prompt_len(self, n: int) -> None:
+        """InvalidRequestError unless a prompt of n tokens can ever be scheduled (1 <= n < max_model_len)."""
+        max_len = self.config.max_model_len
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+        if n >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but max_model_len is {max_len}: shorten the prompt below "
+                f"{max_len} tokens (or start the engine with a larger --max-model-len)", param="prompt")
 
     def abort(self, seq_id: int) -> bool:
         """Drop a waiting or running sequence (FINISHED_ABORTED) and free its blocks.

@@ -92,9 +92,7 @@ class CompletionRequest(_SamplingFields):
                     f"got {len(p)} prompts in one request; ostinato takes one prompt per request, send one "
                     "request per prompt (they are batched on the server)", param="prompt")
             p = p[0]
-        if (isinstance(p, str) and p == "") or (isinstance(p, list) and not p):
-            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
-        return p
+        return p  # an empty prompt is the engine's to refuse (400), like every other prompt rule
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:
