@@ -53,6 +53,14 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_from(self, pos: int) -> list[int]:
+        """Tokens at positions [pos, num_tokens), without building the whole prompt + output list: a decode
+        step asks for one token, and copying every token of every sequence each step would be O(length)."""
+        n_prompt = len(self.prompt_token_ids)
+        if pos >= n_prompt:
+            return self.output_token_ids[pos - n_prompt:]
+        return self.prompt_token_ids[pos:] + self.output_token_ids
+
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -192,7 +192,7 @@ class Scheduler:
         """Feed every token from start_pos on (prefill: all not yet cached; decode: the last one)."""
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            token_ids=tuple(seq.all_token_ids[start_pos:]),
+            token_ids=tuple(seq.token_ids_from(start_pos)),
             start_pos=start_pos,
             block_table=tuple(seq.block_table),
             sampling_params=seq.sampling_params,
