@@ -115,7 +115,7 @@ class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (rows: gate then up).
 
     `silu_and_mul` maps gate_up [T, 2I] to silu(gate) * up [T, I]; the decoder passes the torch or the
-    fused Triton version (model/fused.py), F.silu(gate) * up when none is given.
+    fused Triton version (model/fused.py), so the activation is written once, there.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -124,10 +124,5 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor,
-                silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if silu_and_mul is not None:
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
