@@ -162,13 +162,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
-        self.scheduler.update(out, [s.token_id for s in sampled])
+        result = self.runner.execute(out)  # one sampled token per computed sequence, in the runner's order
+        self.scheduler.update(result.seq_ids, [t.token_id for t in result.tokens])
         now = time.monotonic()
-        self._generation_tokens_total += len(sampled)
+        self._generation_tokens_total += len(result.tokens)
         touched: dict[str, _RequestState] = {}
-        for sched, tok in zip(out.seqs, sampled):
-            state, st = self._seq_owner[sched.seq_id]
+        for seq_id, tok in zip(result.seq_ids, result.tokens):
+            state, st = self._seq_owner[seq_id]
             state.first_token_time = state.first_token_time or now
             self._process_token(st, tok)
             touched[state.request_id] = state

@@ -1,6 +1,8 @@
 """Continuous-batching scheduler: FCFS admission, all-prefill or all-decode steps, preemption by recompute.
 
-Pure Python (no torch import). It talks to the runner only through `SchedulerOutput`.
+Pure Python (no torch import). It talks to the runner only through `SchedulerOutput` (ostinato/contract.py):
+the runner keeps every running sequence's decode row, so a decode step reports only what changed since
+the previous step (rows that left, block ids appended), never the sequences themselves.
 
 Policy, one `schedule()` call at a time:
 
@@ -38,7 +40,8 @@ from collections import deque
 from ..config import CacheConfig, SchedulerConfig
 from ..errors import InvalidRequestError, OutOfKVCacheError, QueueFullError
 from .blocks import BlockManager
-from .request import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from ..contract import ScheduledSeq, SchedulerOutput
+from .request import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +49,8 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     """Owns the waiting and running queues and the block manager; decides what each step computes.
 
-    Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(out,
-    sampled_token_ids)`, then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
+    Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(seq_ids,
+    sampled_token_ids)` with the runner's StepResult, then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
     stop strings, max_tokens, or num_tokens >= max_model_len: the engine must stop a sequence there, the
     scheduler never grows one past max_model_len).
     """
@@ -61,6 +64,7 @@ class Scheduler:
         self._running: list[Sequence] = []  # admission order: the last one is preempted first
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
         self._num_preemptions = 0
+        self._left: list[int] = []  # running sequences removed since the last schedule(): their rows go
 
     # ---- queues ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,6 +116,7 @@ class Scheduler:
             return False
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
+            self._left.append(seq_id)
         else:
             self._waiting.remove(seq)
         self._block_manager.free(seq)
@@ -123,13 +128,18 @@ class Scheduler:
         """Decide the next step (see the module docstring for the policy)."""
         admitted = self._admit()
         if admitted:
-            return SchedulerOutput("prefill", tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted))
+            return SchedulerOutput("prefill", tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted),
+                                   left=self._take_left())
         if self._running:
             return self._schedule_decode()
         # With nothing running every block is free, so the head can only fail to fit if it breaks the
         # invariants add() checks; waiting for ever would hang the engine.
         assert not self._waiting, f"seq {self._waiting[0].seq_id} can never be admitted"
-        return SchedulerOutput("idle")
+        return SchedulerOutput("idle", left=self._take_left())
+
+    def _take_left(self) -> tuple[int, ...]:
+        left, self._left = tuple(self._left), []
+        return left
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -151,24 +161,35 @@ class Scheduler:
         return admitted
 
     def _schedule_decode(self) -> SchedulerOutput:
-        scheduled: list[ScheduledSeq] = []
+        new_blocks: list[tuple[int, int]] = []
         preempted: list[int] = []
-        # Oldest first: the victim (the newest) is never one already placed in this step.
+        block_size, max_len = self._block_manager.block_size, self.config.max_model_len
+        # Oldest first: the victim (the newest) is never one already placed in this step. Per sequence this
+        # is O(1) unless it crosses a block boundary (once every block_size steps).
         i = 0
         while i < len(self._running):
             seq = self._running[i]
-            assert seq.num_computed_tokens == seq.num_tokens - 1, f"seq {seq.seq_id}: update() was not called"
-            assert seq.num_tokens < self.config.max_model_len, _past_max_len(seq, self.config.max_model_len)
-            while not self._block_manager.ensure_slots(seq, seq.num_tokens):
+            num_tokens = seq.num_tokens
+            assert seq.num_computed_tokens == num_tokens - 1, f"seq {seq.seq_id}: update() was not called"
+            assert num_tokens < max_len, _past_max_len(seq, max_len)
+            if num_tokens <= len(seq.block_table) * block_size:
+                i += 1
+                continue
+            held = len(seq.block_table)
+            while not self._block_manager.ensure_slots(seq, num_tokens):
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
                 if victim is seq:
                     break
             else:  # no break: seq has its blocks (it was not the victim)
-                scheduled.append(self._scheduled(seq, seq.num_tokens - 1))
+                new_blocks.extend((seq.seq_id, b) for b in seq.block_table[held:])
                 i += 1
-        return SchedulerOutput("decode", tuple(scheduled), tuple(preempted))
+        # A victim's blocks were reported only if it had grown earlier in this loop; its row leaves anyway.
+        gone = set(preempted)
+        new_blocks = [nb for nb in new_blocks if nb[0] not in gone] if gone else new_blocks
+        return SchedulerOutput("decode", num_decode=len(self._running), left=self._take_left(),
+                               new_blocks=tuple(new_blocks), preempted_seq_ids=tuple(preempted))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, re-queue at the front."""
@@ -178,6 +199,7 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self._waiting.appendleft(seq)
+        self._left.append(seq.seq_id)
         self._num_preemptions += 1
         if self._num_preemptions == 1:
             logger.warning(
@@ -199,20 +221,22 @@ class Scheduler:
             num_generated=len(seq.output_token_ids),
         )
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> None:
-        """Record a finished step: one sampled token per scheduled sequence, in `out.seqs` order.
+    def update(self, seq_ids: list[int], sampled_token_ids: list[int]) -> None:
+        """Record a finished step: one sampled token per computed sequence (the runner's StepResult).
 
-        A sequence aborted while its step ran is skipped. Finishing is left to the engine (`finish()`),
-        which knows about EOS and stop strings.
+        Every token fed for those sequences is now in the cache. A sequence aborted while its step ran is
+        skipped. Finishing is left to the engine (`finish()`), which knows about EOS and stop strings.
         """
-        assert len(sampled_token_ids) == len(out.seqs), "one sampled token per scheduled sequence"
-        for sched, token_id in zip(out.seqs, sampled_token_ids):
-            seq = self._live.get(sched.seq_id)
+        assert len(sampled_token_ids) == len(seq_ids), "one sampled token per computed sequence"
+        live, running = self._live, SequenceStatus.RUNNING
+        for seq_id, token_id in zip(seq_ids, sampled_token_ids):
+            seq = live.get(seq_id)
             if seq is None:  # aborted while the step ran
                 continue
-            assert seq.status is SequenceStatus.RUNNING, f"seq {seq.seq_id} was not running in this step"
-            seq.num_computed_tokens = sched.context_len
-            seq.output_token_ids.append(token_id)
+            assert seq.status is running, f"seq {seq.seq_id} was not running in this step"
+            out = seq.output_token_ids
+            seq.num_computed_tokens = len(seq.prompt_token_ids) + len(out)
+            out.append(token_id)
 
     # ---- introspection -----------------------------------------------------------------------------
     @property

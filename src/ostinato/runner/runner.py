@@ -1,33 +1,32 @@
-"""ModelRunner: owns the model, the KV pool and the sampler; turns a SchedulerOutput into sampled tokens.
+"""ModelRunner: owns the model, the KV pool and the decode rows; turns a SchedulerOutput into sampled tokens.
 
-Prefill runs eager. Decode goes through the CudaGraphRunner (runner/graphs.py), which replays the graph of the
-smallest captured size >= batch and runs eager (counted) above the largest size or when graphs are off.
+Prefill runs eager; its sequences then join the persistent decode batch (runner/decode_batch.py). A decode
+step applies the step's changes to the rows (left, new blocks), copies the rows to the device once, and
+replays the graph of the smallest captured size >= batch (runner/graphs.py; eager, counted, above the largest
+size or when graphs are off), which samples inside; then one device-to-host copy of the tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ..attention.base import AttentionBackend
 from ..config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, SchedulerConfig
-from ..engine.request import SchedulerOutput
+from ..contract import SampledToken, SchedulerOutput, StepResult
 from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
-from .inputs import build_decode_inputs, build_prefill_inputs, decode_metadata
-from .sampler import Sampler
+from .decode_step import DecodeStep
+from .inputs import build_prefill_inputs, decode_metadata
+from .kv_setup import KVSpec, allocate_kv_and_graphs
+from .sampler import Sampler, SamplerOutput, finish_sampling
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
+# The decode annotation `ostinato verify` reads step boundaries from, recorded only while a profiler runs.
+_profiling = torch._C._autograd._profiler_enabled
 
 
 def pick_device(name: str) -> torch.device:
@@ -68,13 +67,19 @@ class ModelRunner:
         logger.info("loaded %s (%.2f GiB, %s) in %.1f s", args.model, self.weights_bytes / 2**30,
                     self.dtype, self.load_seconds)
         self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
-        from .kv_setup import allocate_kv_and_graphs
-
         # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
-        setup = allocate_kv_and_graphs(self)
+        setup = allocate_kv_and_graphs(KVSpec(
+            self.model, model_config, scheduler_config, self.graph_config, self.device, self.dtype, self.block_size,
+            self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
+            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed)))
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
         self.graphs = setup.graph_runner
+        self.decode_step = setup.decode_step
+        self.decode_batch = setup.decode_step.batch
+        # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
+        rows = self.decode_batch.layout.rows
+        self._tokens_host = torch.zeros(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.capture_report = setup.capture
         self.memory_report = setup.report
         self.kv_plan = setup.plan
@@ -127,28 +132,61 @@ class ModelRunner:
         return self.model.compute_logits(hidden, float32=False)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        batch = self.decode_batch
+        for seq_id in out.left:
+            batch.leave(seq_id)
         if out.kind == "prefill":
-            inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
-            hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
-            logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_seqs, vocab]
-            return self._sample(out, logits)
-        if out.kind == "decode":
-            # The annotation lets `ostinato verify` attribute launches to decode steps in a profiler trace.
-            with torch.profiler.record_function(f"ostinato.decode_step[{len(out.seqs)}]"):
-                inp = build_decode_inputs(out, self.block_size, self.scratch_block, self.device)
-                logits = self.graphs.run(**inp.as_dict()).float()  # [B, vocab]
-                return self._sample(out, logits)
-        return []
+            return self._prefill(out)
+        if out.kind != "decode":
+            return StepResult([], [])
+        for seq_id, block in out.new_blocks:
+            batch.add_block(seq_id, block)
+        n = len(batch)
+        assert n == out.num_decode, f"the scheduler decodes {out.num_decode} sequences, the runner holds {n}"
+        if _profiling():  # only then: the annotation costs a few microseconds per step
+            with torch.profiler.record_function(f"ostinato.decode_step[{n}]"):
+                return self._decode(n)
+        return self._decode(n)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
-        batch = self.sampler.prepare(out.seqs)
-        sampled = self.sampler(logits, batch).to_host()  # the step's one host sync
-        return [
-            SampledToken(
-                token_id=sampled.token_ids[i],
-                logprob=None if sampled.logprobs is None else sampled.logprobs[i],
-                top=None if sampled.top_ids is None else list(zip(sampled.top_ids[i], sampled.top_logprobs[i])),
-            )
-            for i in range(len(out.seqs))
-        ]
+    def _prefill(self, out: SchedulerOutput) -> StepResult:
+        inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
+        logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_seqs, vocab]
+        sampled = self.sampler(logits, self.sampler.prepare(out.seqs))
+        result = self._result([s.seq_id for s in out.seqs], sampled)
+        for seq, tok in zip(out.seqs, result.tokens):
+            self.decode_batch.join(seq, tok.token_id)
+        return result
+
+    def _decode(self, n: int) -> StepResult:
+        batch, step = self.decode_batch, self.decode_step
+        size = self.graphs.graph_size(n) or n
+        rows = batch.copy_to_device(size)  # the step's one host-to-device copy
+        logits = self.graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
+        seq_ids = list(batch.rows.seq_ids)
+        if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
+            sampled = finish_sampling(logits, step.sampled[:n], batch.sampling(rows[:n]))
+            result = self._result(seq_ids, sampled)
+            batch.advance(n, [t.token_id for t in result.tokens])
+            return result
+        if self.device.type == "cpu":
+            host = step.sampled[:n].numpy()
+        else:
+            host = self._tokens_host[:n]
+            host.copy_(step.sampled[:n], non_blocking=True)  # the one device-to-host copy
+            torch.cuda.current_stream(self.device).synchronize()
+            host = host.numpy()
+        batch.advance(n, host)
+        return StepResult(seq_ids, list(map(SampledToken, host.tolist())))
+
+    @staticmethod
+    def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
+        host = sampled.to_host()  # the step's one host sync
+        if host.logprobs is None:
+            return StepResult(seq_ids, [SampledToken(t) for t in host.token_ids])
+        return StepResult(seq_ids, [
+            SampledToken(token_id=host.token_ids[i], logprob=host.logprobs[i],
+                         top=None if host.top_ids is None else list(zip(host.top_ids[i], host.top_logprobs[i])))
+            for i in range(len(seq_ids))
+        ])
