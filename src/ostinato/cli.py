@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.register(sub)
     _register_generate(sub)
     for module in ("ostinato.server.app", "ostinato.tools.bench", "ostinato.tools.bench_serve",
-                   "ostinato.tools.bench_host", "ostinato.tools.verify"):
+                   "ostinato.tools.bench_host", "ostinato.tools.bench_engine", "ostinato.tools.verify"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError as e:  # a missing optional dependency must not hide the other commands
@@ -65,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `ostinato bench serve|host ...` is spelled like vLLM's; it is the bench-serve / bench-host command.
+    # `ostinato bench serve|host|engine|throughput ...` (spelled like vLLM's) are the bench-* commands.
     i = argv.index("bench") if "bench" in argv else -1
-    if i >= 0 and argv[i + 1:i + 2] in (["serve"], ["host"]):
+    if i >= 0 and argv[i + 1:i + 2] in (["serve"], ["host"], ["engine"], ["throughput"]):
         argv = argv[:i] + ["bench-" + argv[i + 1]] + argv[i + 2:]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

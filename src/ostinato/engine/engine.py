@@ -160,9 +160,9 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty and not out.left:
             return []
-        result = self.runner.execute(out)  # one sampled token per computed sequence, in the runner's order
+        result = self.runner.execute(out)  # one token per computed sequence (an idle step drops left rows)
         self.scheduler.update(result.seq_ids, [t.token_id for t in result.tokens])
         now = time.monotonic()
         self._generation_tokens_total += len(result.tokens)
