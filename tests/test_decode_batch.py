@@ -137,7 +137,8 @@ def _workload(n: int = 7):
     """Staggered requests: different prompt and output lengths, so rows join and leave between steps."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 20), ignore_eos=True) for _ in range(n)]
+    # Distinct lengths: the last requests finish one by one, so batches of 3 (padded to 4) occur.
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 9, 14, 20, 5, 11, 17)[:n]]
     return prompts, params
 
 
@@ -187,3 +188,29 @@ def test_seeded_request_same_tokens_alone_and_among_31_others(ckpt):
     assert len(set(alone)) > 3  # it sampled (a fresh draw per token), it did not repeat one token
     unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     assert llm.generate([prompt], unseeded)[0].outputs[0].token_ids != alone
+
+
+def test_async_scheduling_gives_the_same_outputs_and_never_an_extra_token(ckpt):
+    prompts, params = _workload()
+    sync = LLM(str(ckpt), device="cpu", dtype="float32", max_num_seqs=4, async_scheduling=False, num_kv_blocks=6,
+               max_model_len=96)
+    first = sync.generate(prompts, params)
+    # Stop on a token greedy decoding produces mid-way, so a sequence stops at a step the scheduler could not
+    # foresee (not max_tokens): its next row is wasted and its token must not appear.
+    stop = first[3].outputs[0].token_ids[6]
+    params[3] = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop], ignore_eos=True)
+    params.append(SamplingParams(temperature=0.9, seed=11, max_tokens=15, n=2, ignore_eos=True))
+    prompts.append([7, 8, 9])
+    runs = {}
+    for flag in (False, True):
+        llm = LLM(str(ckpt), device="cpu", dtype="float32", max_num_seqs=4, async_scheduling=flag,
+                  num_kv_blocks=6, max_model_len=96)  # 6 blocks of 16: preemptions happen
+        outs = llm.generate(prompts, params)
+        runs[flag] = ([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], llm.engine.stats())
+    assert runs[True][0] == runs[False][0]
+    (tokens, reason), = runs[True][0][3]
+    assert reason == "stop" and tokens[-1] == stop and stop not in tokens[:-1]
+    assert runs[False][1].num_preemptions > 0 and runs[True][1].num_preemptions > 0
+    # Overlap ran: decode steps launched before the previous one's tokens were read cost a few wasted steps.
+    assert runs[True][1].decode_steps_eager > runs[False][1].decode_steps_eager
+    assert runs[True][1].kv_blocks_free == 6 and runs[True][1].num_running == 0

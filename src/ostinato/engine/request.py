@@ -45,6 +45,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens sampled by a launched step whose value the engine has not read yet (overlapped scheduling:
+    # 0 or 1). The scheduler plans with num_tokens + num_inflight.
+    num_inflight: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

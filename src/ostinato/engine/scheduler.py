@@ -50,7 +50,8 @@ class Scheduler:
     """Owns the waiting and running queues and the block manager; decides what each step computes.
 
     Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(seq_ids,
-    sampled_token_ids)` with the runner's StepResult, then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
+    sampled_token_ids)` with the runner's StepResult (or, overlapped: `launched(seq_ids)` when the step is
+    launched and `resolve(seq_ids, tokens)` once its tokens are read, possibly after the next schedule()), then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
     stop strings, max_tokens, or num_tokens >= max_model_len: the engine must stop a sequence there, the
     scheduler never grows one past max_model_len).
     """
@@ -147,6 +148,7 @@ class Scheduler:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
             assert seq.num_tokens < self.config.max_model_len, _past_max_len(seq, self.config.max_model_len)
+            assert not seq.num_inflight, f"seq {seq.seq_id}: its last token was never resolved"
             new_tokens = seq.num_tokens - seq.num_computed_tokens
             if num_tokens + new_tokens > self.config.max_num_batched_tokens:
                 break
@@ -169,12 +171,17 @@ class Scheduler:
         i = 0
         while i < len(self._running):
             seq = self._running[i]
-            num_tokens = seq.num_tokens
+            num_tokens = seq.num_tokens + seq.num_inflight  # once the step in flight (if any) lands
             assert seq.num_computed_tokens == num_tokens - 1, f"seq {seq.seq_id}: update() was not called"
-            assert num_tokens < max_len, _past_max_len(seq, max_len)
             if num_tokens <= len(seq.block_table) * block_size:
                 i += 1
                 continue
+            if seq.num_inflight and self._finishing(seq, num_tokens):
+                # Its token in flight ends it: this step's row is wasted (at most one), and it writes to the
+                # scratch block its table holds past its end rather than taking a block from anyone.
+                i += 1
+                continue
+            assert num_tokens < max_len, _past_max_len(seq, max_len)
             held = len(seq.block_table)
             while not self._block_manager.ensure_slots(seq, num_tokens):
                 victim = self._running[-1]
@@ -221,22 +228,43 @@ class Scheduler:
             num_generated=len(seq.output_token_ids),
         )
 
+    def _finishing(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the token in flight certainly ends seq (max_model_len or max_tokens reached)."""
+        return (num_tokens >= self.config.max_model_len
+                or len(seq.output_token_ids) + seq.num_inflight >= seq.sampling_params.max_tokens)
+
     def update(self, seq_ids: list[int], sampled_token_ids: list[int]) -> None:
         """Record a finished step: one sampled token per computed sequence (the runner's StepResult).
 
-        Every token fed for those sequences is now in the cache. A sequence aborted while its step ran is
-        skipped. Finishing is left to the engine (`finish()`), which knows about EOS and stop strings.
+        A sequence aborted while its step ran is skipped. Finishing is left to the engine (`finish()`),
+        which knows about EOS and stop strings.
         """
-        assert len(sampled_token_ids) == len(seq_ids), "one sampled token per computed sequence"
+        self.launched(seq_ids)
+        self.resolve(seq_ids, sampled_token_ids)
+
+    def launched(self, seq_ids: list[int]) -> None:
+        """A step computing these sequences was launched: every token it feeds is cached, and each of them
+        has one more token in flight."""
         live, running = self._live, SequenceStatus.RUNNING
-        for seq_id, token_id in zip(seq_ids, sampled_token_ids):
+        for seq_id in seq_ids:
             seq = live.get(seq_id)
-            if seq is None:  # aborted while the step ran
+            if seq is None:  # aborted, or finished by the step before (overlap)
                 continue
             assert seq.status is running, f"seq {seq.seq_id} was not running in this step"
-            out = seq.output_token_ids
-            seq.num_computed_tokens = len(seq.prompt_token_ids) + len(out)
-            out.append(token_id)
+            seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_inflight
+            seq.num_inflight += 1
+
+    def resolve(self, seq_ids: list[int], sampled_token_ids: list[int]) -> None:
+        """A launched step's tokens, now read: append them. A sequence preempted meanwhile keeps its token
+        (its recompute feeds it); one that finished or was aborted meanwhile is skipped."""
+        assert len(sampled_token_ids) == len(seq_ids), "one sampled token per computed sequence"
+        live = self._live
+        for seq_id, token_id in zip(seq_ids, sampled_token_ids):
+            seq = live.get(seq_id)
+            if seq is None or not seq.num_inflight:
+                continue
+            seq.output_token_ids.append(token_id)
+            seq.num_inflight -= 1
 
     # ---- introspection -----------------------------------------------------------------------------
     @property

@@ -10,8 +10,13 @@ graph (context length = position + 1, slot = block_table[position // block_size]
 sequence holds which row). A row is written when its sequence joins (after its prefill), gets one block
 id when the sequence crosses a block boundary, and is replaced by the last row when its sequence leaves.
 Each step is then one copy of the occupied prefix (padded to the graph size) to the device, and after the
-step one vectorized advance of positions and counters plus the sampled tokens. Nothing per step is
-O(sequence length) and nothing is allocated.
+step one vectorized advance of positions and counters. Nothing per step is O(sequence length) and nothing
+is allocated.
+
+The token a row feeds next is not known on the host when the step after is prepared (overlapped
+scheduling), so `advance` writes a placeholder: -(r + 1) means "the token the previous decode step sampled
+in row r", which the step resolves on the device from its `sampled` buffer (runner/decode_step.py). A
+placeholder moves with its row when rows condense, so it stays right.
 """
 
 from __future__ import annotations
@@ -98,13 +103,18 @@ class DecodeBatch:
         self.host = self._pad.repeat(layout.rows, 1)
         if pin:
             self.host = self.host.pin_memory()
-        # On CPU the step reads the host rows directly: there is no copy to make.
+        # On CPU the step reads the host rows directly: there is no copy to make. On a GPU the rows go
+        # through two pinned staging buffers in turn, so the host can change rows (next step) while the
+        # copy of the step before may still be pending.
         self.dev = self.host.to(device) if device.type != "cpu" else self.host
+        self._staging = [self.host.clone().pin_memory() for _ in range(2)] if pin else []
+        self._turn = 0
         # Host writes go through numpy views of the same memory: a few rows change per step, and a numpy
         # op on them costs about a microsecond where a torch op costs ten.
         self.np = self.host.numpy()
         self.np_f = self.np.view(np.float32)  # the float columns
         self._pad_np = self._pad.numpy()
+        self._placeholders = -np.arange(1, layout.rows + 1, dtype=np.int32)  # row r feeds sampled[r]
         self.rows = DecodeRows()
         self._num_blocks: list[int] = []  # per row: block ids in its table
         self._num_logprobs: list[int | None] = []  # per row, as its request asked
@@ -161,14 +171,18 @@ class DecodeBatch:
     # ---- the step ----------------------------------------------------------------------------------
     def copy_to_device(self, size: int) -> torch.Tensor:
         """Rows [0, size) to the device in one copy (rows past len(self) are pad rows); returns them."""
-        if self.dev is not self.host:
-            self.dev[:size].copy_(self.host[:size], non_blocking=True)
+        if self._staging:
+            staging = self._staging[self._turn]
+            self._turn ^= 1
+            staging.numpy()[:size] = self.np[:size]
+            self.dev[:size].copy_(staging[:size], non_blocking=True)
         return self.dev[:size]
 
-    def advance(self, n: int, tokens: np.ndarray) -> None:
-        """After a decode step: every row feeds its sampled token next, one position on. tokens: [n] host."""
+    def advance(self, n: int, tokens: np.ndarray | None = None) -> None:
+        """After a decode step: every row one position on, feeding `tokens` ([n] host) or, by default, a
+        placeholder for the token the step sampled in that row."""
         self.np[:n, POS:CTR + 1] += 1
-        self.np[:n, TOKEN] = tokens
+        self.np[:n, TOKEN] = self._placeholders[:n] if tokens is None else tokens
 
     @property
     def needs_finish(self) -> bool:

@@ -29,8 +29,11 @@ class DecodeStep:
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         u = self.layout.unpack(batch)
-        logits = self.logits_fn(u["input_ids"], u["positions"], u["slot_mapping"], u["block_tables"],
-                                u["context_lens"])
+        ids = u["input_ids"]
+        # A placeholder -(r + 1) is the token the previous decode step sampled in row r (DecodeBatch.advance);
+        # it is read here, before this step overwrites `sampled`.
+        ids = torch.where(ids >= 0, ids, self.sampled.gather(0, (-ids - 1).clamp_(min=0)))
+        logits = self.logits_fn(ids, u["positions"], u["slot_mapping"], u["block_tables"], u["context_lens"])
         self.sampled[: batch.shape[0]].copy_(sample_tokens(logits, u["temperature"], u["key"], u["counter"]))
         return logits
 

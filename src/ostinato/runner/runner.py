@@ -79,7 +79,10 @@ class ModelRunner:
         self.decode_batch = setup.decode_step.batch
         # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
         rows = self.decode_batch.layout.rows
-        self._tokens_host = torch.zeros(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
+        self._tokens_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._turn = 0
         self.capture_report = setup.capture
         self.memory_report = setup.report
         self.kv_plan = setup.plan
@@ -133,60 +136,90 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run a step and wait for its tokens."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> "PendingStep":
+        """Run a step. A decode step is launched and not waited for: its tokens are read by
+        PendingStep.result(), which may come after the next step was launched (overlapped scheduling)."""
         batch = self.decode_batch
         for seq_id in out.left:
             batch.leave(seq_id)
         if out.kind == "prefill":
-            return self._prefill(out)
+            return PendingStep(self._prefill(out))
         if out.kind != "decode":
-            return StepResult([], [])
+            return PendingStep(StepResult([], []))
         for seq_id, block in out.new_blocks:
             batch.add_block(seq_id, block)
         n = len(batch)
         assert n == out.num_decode, f"the scheduler decodes {out.num_decode} sequences, the runner holds {n}"
         if _profiling():  # only then: the annotation costs a few microseconds per step
             with torch.profiler.record_function(f"ostinato.decode_step[{n}]"):
-                return self._decode(n)
-        return self._decode(n)
+                pending = self._launch_decode(n)
+                pending.result()  # inside the annotation: verify counts this step's launches
+                return pending
+        return self._launch_decode(n)
 
     def _prefill(self, out: SchedulerOutput) -> StepResult:
         inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_seqs, vocab]
         sampled = self.sampler(logits, self.sampler.prepare(out.seqs))
-        result = self._result([s.seq_id for s in out.seqs], sampled)
+        result = _result([s.seq_id for s in out.seqs], sampled)
         for seq, tok in zip(out.seqs, result.tokens):
             self.decode_batch.join(seq, tok.token_id)
         return result
 
-    def _decode(self, n: int) -> StepResult:
+    def _launch_decode(self, n: int) -> "PendingStep":
         batch, step = self.decode_batch, self.decode_step
         size = self.graphs.graph_size(n) or n
         rows = batch.copy_to_device(size)  # the step's one host-to-device copy
         logits = self.graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
         seq_ids = list(batch.rows.seq_ids)
+        batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
         if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
             sampled = finish_sampling(logits, step.sampled[:n], batch.sampling(rows[:n]))
-            result = self._result(seq_ids, sampled)
-            batch.advance(n, [t.token_id for t in result.tokens])
-            return result
+            step.sampled[:n].copy_(sampled.token_ids)  # the next step's placeholders read the final tokens
+            return PendingStep(seq_ids=seq_ids, sampled=sampled)
         if self.device.type == "cpu":
-            host = step.sampled[:n].numpy()
-        else:
-            host = self._tokens_host[:n]
-            host.copy_(step.sampled[:n], non_blocking=True)  # the one device-to-host copy
-            torch.cuda.current_stream(self.device).synchronize()
-            host = host.numpy()
-        batch.advance(n, host)
-        return StepResult(seq_ids, list(map(SampledToken, host.tolist())))
+            return PendingStep(StepResult(seq_ids, list(map(SampledToken, step.sampled[:n].tolist()))))
+        # The one device-to-host copy, into pinned memory used every other step: the step before may
+        # still be unread while this one is launched.
+        self._turn ^= 1
+        host, event = self._tokens_host[self._turn], self._events[self._turn]
+        host[:n].copy_(step.sampled[:n], non_blocking=True)
+        event.record()
+        return PendingStep(seq_ids=seq_ids, host=host[:n], event=event)
 
-    @staticmethod
-    def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
-        host = sampled.to_host()  # the step's one host sync
-        if host.logprobs is None:
-            return StepResult(seq_ids, [SampledToken(t) for t in host.token_ids])
-        return StepResult(seq_ids, [
-            SampledToken(token_id=host.token_ids[i], logprob=host.logprobs[i],
-                         top=None if host.top_ids is None else list(zip(host.top_ids[i], host.top_logprobs[i])))
-            for i in range(len(seq_ids))
-        ])
+
+class PendingStep:
+    """A launched step; result() waits for its tokens (once) and returns them."""
+
+    def __init__(self, done: StepResult | None = None, seq_ids: list[int] | None = None,
+                 sampled: SamplerOutput | None = None, host: torch.Tensor | None = None, event=None):
+        self._done, self._seq_ids, self._sampled, self._host, self._event = done, seq_ids, sampled, host, event
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return self._done.seq_ids if self._done is not None else self._seq_ids
+
+    def result(self) -> StepResult:
+        if self._done is None:
+            if self._sampled is not None:
+                self._done = _result(self._seq_ids, self._sampled)
+            else:
+                self._event.synchronize()
+                self._done = StepResult(self._seq_ids, list(map(SampledToken, self._host.tolist())))
+        return self._done
+
+
+def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
+    host = sampled.to_host()  # the step's one host sync
+    if host.logprobs is None:
+        return StepResult(seq_ids, list(map(SampledToken, host.token_ids)))
+    return StepResult(seq_ids, [
+        SampledToken(token_id=host.token_ids[i], logprob=host.logprobs[i],
+                     top=None if host.top_ids is None else list(zip(host.top_ids[i], host.top_logprobs[i])))
+        for i in range(len(seq_ids))
+    ])
