@@ -76,7 +76,8 @@ class StepResult:
     """The runner's answer: one sampled token per computed sequence, in the runner's row order."""
 
     seq_ids: list[int]
-    tokens: list[SampledToken]
+    token_ids: list[int]
+    tokens: list[SampledToken]  # the same token ids, with logprobs when asked
 
 
 class DecodeRows:

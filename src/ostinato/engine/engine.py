@@ -166,7 +166,6 @@ class LLMEngine:
         if out.is_empty and not out.left and self._inflight is None:
             return []
         pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
-        self.scheduler.launched(pending.seq_ids)
         if out.kind == "decode" and self.args.async_scheduling:
             ready = [self._inflight] if self._inflight is not None else []
             self._inflight = pending
@@ -177,7 +176,7 @@ class LLMEngine:
         touched: dict[str, _RequestState] = {}
         for p in ready:
             result = p.result()  # waits for that step's tokens
-            self.scheduler.resolve(result.seq_ids, [t.token_id for t in result.tokens])
+            self.scheduler.update(result.seq_ids, result.token_ids)
             for seq_id, tok in zip(result.seq_ids, result.tokens):
                 owner = self._seq_owner.get(seq_id)
                 if owner is None or owner[1].finish_reason is not None:

@@ -50,8 +50,8 @@ class Scheduler:
     """Owns the waiting and running queues and the block manager; decides what each step computes.
 
     Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(seq_ids,
-    sampled_token_ids)` with the runner's StepResult (or, overlapped: `launched(seq_ids)` when the step is
-    launched and `resolve(seq_ids, tokens)` once its tokens are read, possibly after the next schedule()), then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
+    sampled_token_ids)` with the runner's StepResult once its tokens are read (overlapped scheduling: after
+    the next schedule(); each scheduled sequence counts one token in flight until then), then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
     stop strings, max_tokens, or num_tokens >= max_model_len: the engine must stop a sequence there, the
     scheduler never grows one past max_model_len).
     """
@@ -129,8 +129,11 @@ class Scheduler:
         """Decide the next step (see the module docstring for the policy)."""
         admitted = self._admit()
         if admitted:
-            return SchedulerOutput("prefill", tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted),
-                                   left=self._take_left())
+            seqs = tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted)
+            for seq in admitted:  # every token is fed: all cached once the step runs, one token in flight
+                seq.num_computed_tokens = seq.num_tokens
+                seq.num_inflight = 1
+            return SchedulerOutput("prefill", seqs, left=self._take_left())
         if self._running:
             return self._schedule_decode()
         # With nothing running every block is free, so the head can only fail to fit if it breaks the
@@ -171,17 +174,19 @@ class Scheduler:
         i = 0
         while i < len(self._running):
             seq = self._running[i]
-            num_tokens = seq.num_tokens + seq.num_inflight  # once the step in flight (if any) lands
-            assert seq.num_computed_tokens == num_tokens - 1, f"seq {seq.seq_id}: update() was not called"
-            if num_tokens <= len(seq.block_table) * block_size:
-                i += 1
-                continue
-            if seq.num_inflight and self._finishing(seq, num_tokens):
-                # Its token in flight ends it: this step's row is wasted (at most one), and it writes to the
-                # scratch block its table holds past its end rather than taking a block from anyone.
+            # Tokens once the step in flight (if any) lands: num_computed_tokens counts every token fed so far
+            # and the last one (sampled, maybe still in flight) is fed now.
+            num_tokens = seq.num_computed_tokens + 1
+            if num_tokens <= len(seq.block_table) * block_size or (
+                    seq.num_inflight and self._finishing(seq, num_tokens)):
+                # A finishing one's row is wasted (at most one); it writes to the scratch block its table
+                # holds past its end rather than taking a block from anyone.
+                seq.num_computed_tokens = num_tokens
+                seq.num_inflight += 1
                 i += 1
                 continue
             assert num_tokens < max_len, _past_max_len(seq, max_len)
+            assert num_tokens == seq.num_tokens + seq.num_inflight, f"seq {seq.seq_id}: update() was not called"
             held = len(seq.block_table)
             while not self._block_manager.ensure_slots(seq, num_tokens):
                 victim = self._running[-1]
@@ -191,6 +196,8 @@ class Scheduler:
                     break
             else:  # no break: seq has its blocks (it was not the victim)
                 new_blocks.extend((seq.seq_id, b) for b in seq.block_table[held:])
+                seq.num_computed_tokens = num_tokens
+                seq.num_inflight += 1
                 i += 1
         # A victim's blocks were reported only if it had grown earlier in this loop; its row leaves anyway.
         gone = set(preempted)
@@ -234,29 +241,12 @@ class Scheduler:
                 or len(seq.output_token_ids) + seq.num_inflight >= seq.sampling_params.max_tokens)
 
     def update(self, seq_ids: list[int], sampled_token_ids: list[int]) -> None:
-        """Record a finished step: one sampled token per computed sequence (the runner's StepResult).
+        """Record a step's tokens: one sampled token per computed sequence (the runner's StepResult).
 
-        A sequence aborted while its step ran is skipped. Finishing is left to the engine (`finish()`),
-        which knows about EOS and stop strings.
+        A sequence aborted (or finished) while its step ran is skipped; one preempted meanwhile keeps its
+        token (its recompute feeds it). Finishing is left to the engine (`finish()`), which knows about EOS
+        and stop strings.
         """
-        self.launched(seq_ids)
-        self.resolve(seq_ids, sampled_token_ids)
-
-    def launched(self, seq_ids: list[int]) -> None:
-        """A step computing these sequences was launched: every token it feeds is cached, and each of them
-        has one more token in flight."""
-        live, running = self._live, SequenceStatus.RUNNING
-        for seq_id in seq_ids:
-            seq = live.get(seq_id)
-            if seq is None:  # aborted, or finished by the step before (overlap)
-                continue
-            assert seq.status is running, f"seq {seq.seq_id} was not running in this step"
-            seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_inflight
-            seq.num_inflight += 1
-
-    def resolve(self, seq_ids: list[int], sampled_token_ids: list[int]) -> None:
-        """A launched step's tokens, now read: append them. A sequence preempted meanwhile keeps its token
-        (its recompute feeds it); one that finished or was aborted meanwhile is skipped."""
         assert len(sampled_token_ids) == len(seq_ids), "one sampled token per computed sequence"
         live = self._live
         for seq_id, token_id in zip(seq_ids, sampled_token_ids):

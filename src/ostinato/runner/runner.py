@@ -83,6 +83,7 @@ class ModelRunner:
         self._tokens_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self._turn = 0
+        self._sampled_np = self.decode_step.sampled.numpy() if not cuda else None
         self.capture_report = setup.capture
         self.memory_report = setup.report
         self.kv_plan = setup.plan
@@ -149,7 +150,7 @@ class ModelRunner:
         if out.kind == "prefill":
             return PendingStep(self._prefill(out))
         if out.kind != "decode":
-            return PendingStep(StepResult([], []))
+            return PendingStep(StepResult([], [], []))
         for seq_id, block in out.new_blocks:
             batch.add_block(seq_id, block)
         n = len(batch)
@@ -182,8 +183,8 @@ class ModelRunner:
             sampled = finish_sampling(logits, step.sampled[:n], batch.sampling(rows[:n]))
             step.sampled[:n].copy_(sampled.token_ids)  # the next step's placeholders read the final tokens
             return PendingStep(seq_ids=seq_ids, sampled=sampled)
-        if self.device.type == "cpu":
-            return PendingStep(StepResult(seq_ids, list(map(SampledToken, step.sampled[:n].tolist()))))
+        if self._sampled_np is not None:  # CPU: the step ran, its tokens are in host memory already
+            return PendingStep(_plain(seq_ids, self._sampled_np[:n].tolist()))
         # The one device-to-host copy, into pinned memory used every other step: the step before may
         # still be unread while this one is launched.
         self._turn ^= 1
@@ -210,15 +211,19 @@ class PendingStep:
                 self._done = _result(self._seq_ids, self._sampled)
             else:
                 self._event.synchronize()
-                self._done = StepResult(self._seq_ids, list(map(SampledToken, self._host.tolist())))
+                self._done = _plain(self._seq_ids, self._host.tolist())
         return self._done
+
+
+def _plain(seq_ids: list[int], token_ids: list[int]) -> StepResult:
+    return StepResult(seq_ids, token_ids, list(map(SampledToken, token_ids)))
 
 
 def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
     host = sampled.to_host()  # the step's one host sync
     if host.logprobs is None:
-        return StepResult(seq_ids, list(map(SampledToken, host.token_ids)))
-    return StepResult(seq_ids, [
+        return _plain(seq_ids, host.token_ids)
+    return StepResult(seq_ids, host.token_ids, [
         SampledToken(token_id=host.token_ids[i], logprob=host.logprobs[i],
                      top=None if host.top_ids is None else list(zip(host.top_ids[i], host.top_logprobs[i])))
         for i in range(len(seq_ids))

@@ -6,9 +6,9 @@ checkpoint it writes itself (the model's size does not matter: the forward is go
 the engine's own overhead and nothing else.
 
 For each batch B and context C: B requests with prompts of C tokens (ignore_eos) are prefilled, then
-`--steps` decode steps are timed with time.perf_counter. "engine" is a whole LLMEngine.step(); "core" is
-its scheduling and runner part (schedule, execute, update), without the per-token output work
-(detokenization, stop checks, RequestOutput). Repeat `--repeats` times and take the median: the machine
+`--steps` decode steps are timed one by one with time.perf_counter (the median step counts). "engine" is a whole LLMEngine.step(); "core" is
+its scheduling and runner part (the Scheduler's and ModelRunner's calls), without the per-token output work
+(detokenization, stop checks, RequestOutput), which engine/outputs work owns. Repeat `--repeats` times and take the median: the machine
 may be shared.
 """
 
@@ -70,6 +70,8 @@ class _Timer:
 
     def __init__(self, owner, name: str):
         self.seconds = 0.0
+        self._owner, self._name = owner, name
+        self._saved = owner.__dict__.get(name)  # a class attribute is put back by restore()
         inner = getattr(owner, name)
 
         def timed(*a, **k):
@@ -80,6 +82,12 @@ class _Timer:
                 self.seconds += time.perf_counter() - t0
 
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            setattr(self._owner, self._name, self._saved)
+        else:
+            delattr(self._owner, self._name)
 
 
 def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs: dict | None = None) -> dict:
@@ -110,14 +118,27 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
         engine.add_request(f"r{i}", [(i + j) % 500 + 1 for j in range(context)], params)
     while engine.scheduler.num_waiting:  # prefill everything first
         engine.step()
-    engine.step()  # the first decode step (first-use costs)
-    timers = [_Timer(engine.scheduler, "schedule"), _Timer(engine.runner, "execute"),
-              _Timer(engine.scheduler, "update")]
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    engine.step()  # the first decode steps (first-use costs)
+    engine.step()
+    # The scheduler's and the runner's calls, whichever this engine makes (execute/update before overlapped
+    # scheduling; launch and the PendingStep's result after).
+    timers = [_Timer(owner, name) for owner, name in (
+        (engine.scheduler, "schedule"), (engine.scheduler, "update"), (runner, "launch"),
+        (runner, "execute")) if hasattr(owner, name)]
+    if hasattr(runner, "launch"):
+        from ..runner.runner import PendingStep
+
+        timers.append(_Timer(PendingStep, "result"))
+    engine_s, core_s = [], []
+    for _ in range(steps):  # per-step medians: a shared machine's hiccups do not move them
+        core_before = sum(t.seconds for t in timers)
+        t0 = time.perf_counter()
         engine.step()
-    total = time.perf_counter() - t0
-    core = sum(t.seconds for t in timers)
+        engine_s.append(time.perf_counter() - t0)
+        core_s.append(sum(t.seconds for t in timers) - core_before)
+    for t in timers:
+        t.restore()
+    total, core = statistics.median(engine_s) * steps, statistics.median(core_s) * steps
     return {"batch": batch, "context": context, "engine_us": total / steps * 1e6, "core_us": core / steps * 1e6}
 
 
@@ -137,7 +158,7 @@ def run(args) -> int:
                        "engine_us_runs": [round(r["engine_us"], 1) for r in runs]}
                 rows.append(row)
                 print(f"batch {bs:>4}  context {context:>5}  engine step {row['engine_us']:8.1f} us  "
-                      f"core (schedule+execute+update) {row['core_us']:8.1f} us  (median of {args.repeats})",
+                      f"core (scheduler + runner) {row['core_us']:8.1f} us  (median of {args.repeats})",
                       flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
