@@ -66,6 +66,9 @@ class Scheduler:
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
         self._num_preemptions = 0
         self._left: list[int] = []  # running sequences removed since the last schedule(): their rows go
+        # Overlapped scheduling: running sequences whose token in flight certainly ends them (max_tokens,
+        # max_model_len). They leave the decode rows at once and wait, blocks held, for the engine's finish().
+        self._finishing: dict[int, Sequence] = {}
 
     # ---- queues ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -116,8 +119,9 @@ class Scheduler:
         if seq is None:
             return False
         if seq.status is SequenceStatus.RUNNING:
-            self._running.remove(seq)
-            self._left.append(seq_id)
+            if self._finishing.pop(seq_id, None) is None:
+                self._running.remove(seq)
+                self._left.append(seq_id)
         else:
             self._waiting.remove(seq)
         self._block_manager.free(seq)
@@ -127,6 +131,8 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the policy)."""
+        assert all(s.num_inflight for s in self._finishing.values()), \
+            "a sequence whose last token was read must be finished (engine: finish() at max_tokens / max_model_len)"
         admitted = self._admit()
         if admitted:
             seqs = tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted)
@@ -136,9 +142,9 @@ class Scheduler:
             return SchedulerOutput("prefill", seqs, left=self._take_left())
         if self._running:
             return self._schedule_decode()
-        # With nothing running every block is free, so the head can only fail to fit if it breaks the
-        # invariants add() checks; waiting for ever would hang the engine.
-        assert not self._waiting, f"seq {self._waiting[0].seq_id} can never be admitted"
+        # With nothing running every block is free (once the finishing ones are finished), so the head can only
+        # fail to fit if it breaks the invariants add() checks; waiting for ever would hang the engine.
+        assert not self._waiting or self._finishing, f"seq {self._waiting[0].seq_id} can never be admitted"
         return SchedulerOutput("idle", left=self._take_left())
 
     def _take_left(self) -> tuple[int, ...]:
@@ -177,10 +183,13 @@ class Scheduler:
             # Tokens once the step in flight (if any) lands: num_computed_tokens counts every token fed so far
             # and the last one (sampled, maybe still in flight) is fed now.
             num_tokens = seq.num_computed_tokens + 1
-            if num_tokens <= len(seq.block_table) * block_size or (
-                    seq.num_inflight and self._finishing(seq, num_tokens)):
-                # A finishing one's row is wasted (at most one); it writes to the scratch block its table
-                # holds past its end rather than taking a block from anyone.
+            if seq.num_inflight and self._ends(seq, num_tokens):
+                # Its token in flight ends it: computing another would waste a row (and maybe a block).
+                self._running.pop(i)
+                self._finishing[seq.seq_id] = seq
+                self._left.append(seq.seq_id)
+                continue
+            if num_tokens <= len(seq.block_table) * block_size:
                 seq.num_computed_tokens = num_tokens
                 seq.num_inflight += 1
                 i += 1
@@ -202,6 +211,8 @@ class Scheduler:
         # A victim's blocks were reported only if it had grown earlier in this loop; its row leaves anyway.
         gone = set(preempted)
         new_blocks = [nb for nb in new_blocks if nb[0] not in gone] if gone else new_blocks
+        if not self._running:  # every one is finishing: nothing to compute, their rows go
+            return SchedulerOutput("idle", left=self._take_left())
         return SchedulerOutput("decode", num_decode=len(self._running), left=self._take_left(),
                                new_blocks=tuple(new_blocks), preempted_seq_ids=tuple(preempted))
 
@@ -235,7 +246,7 @@ class Scheduler:
             num_generated=len(seq.output_token_ids),
         )
 
-    def _finishing(self, seq: Sequence, num_tokens: int) -> bool:
+    def _ends(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the token in flight certainly ends seq (max_model_len or max_tokens reached)."""
         return (num_tokens >= self.config.max_model_len
                 or len(seq.output_token_ids) + seq.num_inflight >= seq.sampling_params.max_tokens)
@@ -263,7 +274,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._finishing)
 
     @property
     def num_preemptions(self) -> int:
@@ -275,7 +286,7 @@ class Scheduler:
         return self._block_manager
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._finishing)
 
     def get(self, seq_id: int) -> Sequence | None:
         """The waiting or running sequence with this id; None once finished or if unknown."""
