@@ -20,6 +20,12 @@ Policy, one `schedule()` call at a time:
    (checked at start-up: num_blocks * block_size >= max_model_len).
 3. Nothing running and nothing admissible: an "idle" step.
 
+Overlapped scheduling: schedule() may run before the previous step's tokens are read (update()). Each
+scheduled sequence counts one token in flight meanwhile (num_inflight), so block growth and positions are
+planned as if it had landed. A sequence whose token in flight certainly ends it (max_tokens or
+max_model_len) is not decoded again: its row leaves at once and it waits, blocks held, for finish(). One
+that ends on EOS or a stop string cannot be foreseen and costs one wasted row in the step after.
+
 Known limits:
 - Prefill is preferred over decode, so a steady stream of arrivals delays the decodes of running
   sequences (their inter-token latency grows while prompts keep arriving).
@@ -39,8 +45,8 @@ from collections import deque
 
 from ..config import CacheConfig, SchedulerConfig
 from ..errors import InvalidRequestError, OutOfKVCacheError, QueueFullError
-from .blocks import BlockManager
 from ..contract import ScheduledSeq, SchedulerOutput
+from .blocks import BlockManager
 from .request import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -51,9 +57,10 @@ class Scheduler:
 
     Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(seq_ids,
     sampled_token_ids)` with the runner's StepResult once its tokens are read (overlapped scheduling: after
-    the next schedule(); each scheduled sequence counts one token in flight until then), then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
-    stop strings, max_tokens, or num_tokens >= max_model_len: the engine must stop a sequence there, the
-    scheduler never grows one past max_model_len).
+    the next schedule(); each scheduled sequence counts one token in flight until then), then
+    `finish(seq_id, status)` for every sequence the engine decides is done (EOS, stop strings, max_tokens,
+    or num_tokens >= max_model_len: the engine must stop a sequence there, the scheduler never grows one
+    past max_model_len).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):

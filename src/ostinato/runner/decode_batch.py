@@ -107,8 +107,14 @@ class DecodeBatch:
         # through two pinned staging buffers in turn, so the host can change rows (next step) while the
         # copy of the step before may still be pending.
         self.dev = self.host.to(device) if device.type != "cpu" else self.host
-        self._staging = [self.host.clone().pin_memory() for _ in range(2)] if pin else []
+        flat = layout.rows * layout.width
+        self._staging = [torch.empty(flat, dtype=torch.int32).pin_memory() for _ in range(2)] if pin else []
+        self._dev_staging = torch.empty(flat, dtype=torch.int32, device=device) if pin else None
         self._turn = 0
+        # Columns any row has used since the batch was last empty: only those are copied. A block table is
+        # max_model_len / block_size wide (2,560 at 40k tokens); the rows rarely use more than a few hundred.
+        # A device row's columns past its own blocks may hold an earlier row's ids: never read.
+        self._width_used = BLOCKS + 1
         # Host writes go through numpy views of the same memory: a few rows change per step, and a numpy
         # op on them costs about a microsecond where a torch op costs ten.
         self.np = self.host.numpy()
@@ -141,6 +147,7 @@ class DecodeBatch:
         hf[TOP_P] = float(p.top_p) if filtered else 1.0
         table = seq.block_table
         h[BLOCKS:BLOCKS + len(table)] = table
+        self._width_used = max(self._width_used, BLOCKS + len(table))
         self._num_blocks.append(len(table))
         self._num_logprobs.append(p.logprobs)
         self._num_filtered += filtered
@@ -162,20 +169,27 @@ class DecodeBatch:
         h[last] = self._pad_np
         self._num_blocks.pop()
         self._num_logprobs.pop()
+        if not self._num_blocks:
+            self._width_used = BLOCKS + 1
 
     def add_block(self, seq_id: int, block: int) -> None:
         row = self.rows.row_of[seq_id]
         self.np[row, BLOCKS + self._num_blocks[row]] = block
         self._num_blocks[row] += 1
+        self._width_used = max(self._width_used, BLOCKS + self._num_blocks[row])
 
     # ---- the step ----------------------------------------------------------------------------------
     def copy_to_device(self, size: int) -> torch.Tensor:
         """Rows [0, size) to the device in one copy (rows past len(self) are pad rows); returns them."""
         if self._staging:
-            staging = self._staging[self._turn]
+            # Packed [size, width used] through pinned memory, then into the strided device rows.
+            w = self._width_used
+            staging = self._staging[self._turn][: size * w].view(size, w)
             self._turn ^= 1
-            staging.numpy()[:size] = self.np[:size]
-            self.dev[:size].copy_(staging[:size], non_blocking=True)
+            staging.numpy()[:] = self.np[:size, :w]
+            packed = self._dev_staging[: size * w].view(size, w)
+            packed.copy_(staging, non_blocking=True)
+            self.dev[:size, :w].copy_(packed)
         return self.dev[:size]
 
     def advance(self, n: int, tokens: np.ndarray | None = None) -> None:
@@ -199,6 +213,15 @@ class DecodeBatch:
             top_p=rows[:, TOP_P].view(torch.float32), key=u["key"], counter=u["counter"],
             any_filtered=self._num_filtered > 0, num_logprobs=tuple(self._num_logprobs) if asked else None,
             max_num_logprobs=max(asked) if asked else None)
+
+    def load_rows(self, rows: torch.Tensor | None) -> None:
+        """Bench only, on an empty batch: write rows [0, n) as given (`DecodeLayout.pack`), or None to put
+        the pad rows back. The rows bookkeeping is not touched: no sequence holds them."""
+        assert not len(self.rows), "load_rows() is for an idle engine"
+        self.np[:] = self._pad_np
+        if rows is not None:
+            self.np[: len(rows)] = rows.numpy()
+        self._width_used = self.layout.width
 
     def block_table(self, seq_id: int) -> list[int]:
         """A row's block ids (tests and debugging)."""

@@ -75,8 +75,7 @@ def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tu
     decode rows: the copy of the rows to the device plus the replay, as LLMEngine.step makes them. Graph is
     None above the largest captured size or with graphs off."""
     batch, step = runner.decode_batch, runner.decode_step
-    assert len(batch) == 0, "bench the rows of an idle engine"
-    batch.np[:bs] = _decode_rows(runner, bs, context, gen).numpy()
+    batch.load_rows(_decode_rows(runner, bs, context, gen))
     try:
         rows = batch.copy_to_device(bs)
         eager_ms = _time_cuda(lambda: step(rows), iters, warmup)
@@ -86,7 +85,7 @@ def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tu
             graph_ms = _time_cuda(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
                                   warmup)
     finally:
-        batch.np[:bs] = batch.layout.pad_row().numpy()  # the rows go back to padding
+        batch.load_rows(None)  # the rows go back to padding
         batch.copy_to_device(batch.layout.rows)
     return eager_ms, graph_ms
 
