@@ -112,6 +112,76 @@ def test_rows_stay_right_across_boundaries_preemption_and_reused_blocks(workload
     assert len(batch) == 0 and all(torch.equal(row, layout.pad_row()) for row in batch.host)
 
 
+@settings(max_examples=60, deadline=None)
+@given(workload=workloads(), seed=st.integers(0, 2**32 - 1))
+def test_overlapped_scheduling_keeps_rows_blocks_and_lengths_right(workload, seed):
+    """The engine's overlapped loop, simulated: decode step n+1 is scheduled and its rows prepared before
+    step n's tokens are read; random stops, aborts and preemptions on a tight cache."""
+    cfg, cache, arrivals = workload
+    rng = random.Random(seed)
+    sched = Scheduler(cfg, cache)
+    layout = DecodeLayout(cfg.max_num_seqs, -(-cfg.max_model_len // cache.block_size), cache.block_size,
+                          scratch_block=cache.num_blocks)
+    batch = DecodeBatch(layout, torch.device("cpu"), engine_seed=0)
+    pending, added, done, emitted = list(arrivals), {}, {}, {}
+    inflight = None
+    for t in range(3000):
+        while pending and pending[0][0] <= t:
+            _, prompt_len, max_tokens = pending.pop(0)
+            seq = Sequence(len(added), f"r{len(added)}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+            sched.add(seq)
+            added[seq.seq_id], emitted[seq.seq_id] = seq, 0
+        if not pending and not sched.has_unfinished() and inflight is None:
+            break
+        out = sched.schedule()
+        for seq_id in out.left:
+            batch.leave(seq_id)
+        step = None
+        if out.kind == "prefill":
+            step = ([s.seq_id for s in out.seqs], [rng.randrange(1, 500) for _ in out.seqs])
+            for s, tok in zip(out.seqs, step[1]):
+                batch.join(s, tok)
+        elif out.kind == "decode":
+            for seq_id, block in out.new_blocks:
+                batch.add_block(seq_id, block)
+            assert len(batch) == out.num_decode
+            for r, seq_id in enumerate(batch.rows.seq_ids):  # what the graph reads
+                seq = sched.get(seq_id)
+                assert batch.block_table(seq_id) == seq.block_table
+                assert int(batch.host[r, POS]) == seq.num_computed_tokens - 1
+                assert len(seq.block_table) == -(-seq.num_computed_tokens // cache.block_size)
+            step = (list(batch.rows.seq_ids), [rng.randrange(1, 500) for _ in range(len(batch))])
+            batch.advance(len(batch))
+        if out.kind == "decode":  # overlapped: read the step before, keep this one in flight
+            ready, inflight = [inflight], step
+        else:
+            ready, inflight = [inflight, step], None
+        for r in ready:
+            if r is None:
+                continue
+            sched.update(*r)
+            for seq_id in r[0]:
+                seq = sched.get(seq_id)
+                if seq is None:  # finished or aborted at the step before: a wasted row, no token
+                    continue
+                emitted[seq_id] += 1
+                if len(seq.output_token_ids) >= seq.sampling_params.max_tokens or seq.num_tokens >= cfg.max_model_len:
+                    assert sched.finish(seq_id, SequenceStatus.FINISHED_LENGTH)
+                    done[seq_id] = "length"
+                elif rng.random() < 0.03:
+                    assert sched.finish(seq_id, SequenceStatus.FINISHED_STOPPED)
+                    done[seq_id] = "stop"
+                elif rng.random() < 0.02:
+                    assert sched.abort(seq_id)
+                    done[seq_id] = "abort"
+    assert not sched.has_unfinished() and set(done) == set(added)
+    assert sched.block_manager.num_free_blocks == cache.num_blocks
+    for seq_id, seq in added.items():  # never an extra token; length means exactly max_tokens (or max_len)
+        assert emitted[seq_id] == len(seq.output_token_ids) <= seq.sampling_params.max_tokens
+        if done[seq_id] == "length":
+            assert len(seq.output_token_ids) == seq.sampling_params.max_tokens or seq.num_tokens == cfg.max_model_len
+
+
 # ---- the self-check's comparison -------------------------------------------------------------------------
 
 def test_compare_step_catches_wrong_sampled_tokens():
