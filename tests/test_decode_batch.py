@@ -56,15 +56,19 @@ def check_rows(batch: DecodeBatch, sched: Scheduler, layout: DecodeLayout) -> No
             assert int(u["context_lens"][r]) == seq.num_tokens
 
 
+def scheduler_and_rows(cfg: SchedulerConfig, cache: CacheConfig):
+    sched = Scheduler(cfg, cache)
+    layout = DecodeLayout(cfg.max_num_seqs, -(-cfg.max_model_len // cache.block_size), cache.block_size,
+                          scratch_block=cache.num_blocks)
+    return sched, layout, DecodeBatch(layout, torch.device("cpu"), engine_seed=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(workload=workloads(), seed=st.integers(0, 2**32 - 1))
 def test_rows_stay_right_across_boundaries_preemption_and_reused_blocks(workload, seed):
     cfg, cache, arrivals = workload
     rng = random.Random(seed)
-    sched = Scheduler(cfg, cache)
-    layout = DecodeLayout(cfg.max_num_seqs, -(-cfg.max_model_len // cache.block_size), cache.block_size,
-                          scratch_block=cache.num_blocks)
-    batch = DecodeBatch(layout, torch.device("cpu"), engine_seed=0)
+    sched, layout, batch = scheduler_and_rows(cfg, cache)
     pending = list(arrivals)
     next_id = 0
     for t in range(2000):
@@ -119,10 +123,7 @@ def test_overlapped_scheduling_keeps_rows_blocks_and_lengths_right(workload, see
     step n's tokens are read; random stops, aborts and preemptions on a tight cache."""
     cfg, cache, arrivals = workload
     rng = random.Random(seed)
-    sched = Scheduler(cfg, cache)
-    layout = DecodeLayout(cfg.max_num_seqs, -(-cfg.max_model_len // cache.block_size), cache.block_size,
-                          scratch_block=cache.num_blocks)
-    batch = DecodeBatch(layout, torch.device("cpu"), engine_seed=0)
+    sched, layout, batch = scheduler_and_rows(cfg, cache)
     pending, added, done, emitted = list(arrivals), {}, {}, {}
     inflight = None
     for t in range(3000):
