@@ -41,8 +41,30 @@ class GuardedH11Protocol(H11Protocol):
         self._watch_head()
 
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_too_large(data):
+            self._unset_keepalive_if_required()
+            self._refuse(431, "Request Header Fields Too Large", self._head_message())
+            return
         super().data_received(data)
         self._watch_head()
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """h11 bounds only a head that arrives in pieces; one that arrives whole is checked here."""
+        max_head = self.conn._max_incomplete_event_size  # h11 keeps the limit only here
+        buffered = self.conn.trailing_data[0]
+        if len(buffered) + len(data) <= max_head:
+            return False
+        end = (buffered + data).find(b"\r\n\r\n", 0, max_head + 4)
+        return end == -1 or end + 4 > max_head
+
+    def _head_message(self) -> str:
+        return (f"the request line and headers exceed the server's limit of {self.conn._max_incomplete_event_size} "
+                "bytes; send smaller headers (or restart the server with a larger --max-header-bytes)")
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        self.logger.warning("%s (%d)", message, status)
+        self.transport.write(_raw_error(status, reason, message))
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -72,17 +94,10 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        max_head = self.conn._max_incomplete_event_size  # h11 keeps the limit only here
-        if len(self.conn.trailing_data[0]) > max_head:
-            status, reason = 431, "Request Header Fields Too Large"
-            message = (f"the request line and headers exceed the server's limit of {max_head} bytes; send "
-                       "smaller headers (or restart the server with a larger --max-header-bytes)")
+        if len(self.conn.trailing_data[0]) > self.conn._max_incomplete_event_size:  # h11 gave up on its size
+            self._refuse(431, "Request Header Fields Too Large", self._head_message())
         else:
-            status, reason = 400, "Bad Request"
-            message = "invalid HTTP request: the request line or headers could not be parsed"
-        self.logger.warning("%s (%d)", message, status)
-        self.transport.write(_raw_error(status, reason, message))
-        self.transport.close()
+            self._refuse(400, "Bad Request", "invalid HTTP request: the request line or headers could not be parsed")
 
 
 def uvicorn_config(app, limits: ServerLimits, *, host: str, port: int, log_level: str = "info",
