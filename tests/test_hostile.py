@@ -125,6 +125,8 @@ HEAVY = [
     ("4MB-prompt", "/v1/completions", {"prompt": "x" * 4_000_000}, 413, None),
     ("1MB-chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}]}, 400,
      "messages"),
+    ("30k-messages", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 30_000}, 400,
+     "messages"),
     ("300k-token-ids", "/v1/completions", {"prompt": [1] * 300_000}, 400, "prompt"),
     ("n-1e6", "/v1/completions", {"prompt": "hi", "n": 1_000_000, "max_tokens": 1}, 400, "n"),
     ("100k-stops", "/v1/completions", {"prompt": "hi", "stop": ["ab"] * 100_000}, 400, "stop"),
