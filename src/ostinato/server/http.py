@@ -31,9 +31,10 @@ def _raw_error(status: int, reason: str, message: str) -> bytes:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """See the module docstring. `header_timeout` is set on the subclass that `uvicorn_config` makes."""
+    """See the module docstring. The class attributes are set on the subclass that `uvicorn_config` makes."""
 
     header_timeout: float = 10.0
+    max_head_bytes: int = 16 * 1024  # also given to h11 (h11_max_incomplete_event_size)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
@@ -48,27 +49,26 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         self._watch_head()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
     def _head_too_large(self, data: bytes) -> bool:
         """h11 bounds only a head that arrives in pieces; one that arrives whole is checked here."""
-        max_head = self.conn._max_incomplete_event_size  # h11 keeps the limit only here
         buffered = self.conn.trailing_data[0]
-        if len(buffered) + len(data) <= max_head:
+        if len(buffered) + len(data) <= self.max_head_bytes:
             return False
-        end = (buffered + data).find(b"\r\n\r\n", 0, max_head + 4)
-        return end == -1 or end + 4 > max_head
+        end = (buffered + data).find(b"\r\n\r\n", 0, self.max_head_bytes + 4)
+        return end == -1 or end + 4 > self.max_head_bytes
 
     def _head_message(self) -> str:
-        return (f"the request line and headers exceed the server's limit of {self.conn._max_incomplete_event_size} "
-                "bytes; send smaller headers (or restart the server with a larger --max-header-bytes)")
+        return (f"the request line and headers exceed the server's limit of {self.max_head_bytes} bytes; send "
+                "smaller headers (or restart the server with a larger --max-header-bytes)")
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
         self.logger.warning("%s (%d)", message, status)
         self.transport.write(_raw_error(status, reason, message))
         self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
 
     def _watch_head(self) -> None:
         """Arm the timer while a request head is awaited (once per head, so trickled bytes do not extend it);
@@ -94,7 +94,7 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        if len(self.conn.trailing_data[0]) > self.conn._max_incomplete_event_size:  # h11 gave up on its size
+        if len(self.conn.trailing_data[0]) > self.max_head_bytes:  # h11 gave up on the head's size
             self._refuse(431, "Request Header Fields Too Large", self._head_message())
         else:
             self._refuse(400, "Bad Request", "invalid HTTP request: the request line or headers could not be parsed")
@@ -103,7 +103,8 @@ class GuardedH11Protocol(H11Protocol):
 def uvicorn_config(app, limits: ServerLimits, *, host: str, port: int, log_level: str = "info",
                    **kwargs) -> uvicorn.Config:
     """A uvicorn.Config serving `app` with the guarded protocol and the limits' timeouts and header cap."""
-    protocol = type("Guarded", (GuardedH11Protocol,), {"header_timeout": limits.header_timeout})
+    protocol = type("Guarded", (GuardedH11Protocol,), {"header_timeout": limits.header_timeout,
+                                                       "max_head_bytes": limits.max_header_bytes})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                           h11_max_incomplete_event_size=limits.max_header_bytes,
                           timeout_keep_alive=limits.timeout_keep_alive, **kwargs)
