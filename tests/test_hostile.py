@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")  # the GPU machine has no server stack
-uvicorn = pytest.importorskip("uvicorn")
 
 from ostinato.engine.async_engine import AsyncEngine
 from ostinato.engine.engine import LLMEngine
@@ -41,16 +40,8 @@ class GuardedServer(TestServer):
         self.async_engine = AsyncEngine(engine)
         self.async_engine.start()
         self.app = build_app(self.async_engine, api_key=None, served_model_name=MODEL, limits=limits)
-        config = uvicorn_config(self.app, limits, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.base_url, self.port, self.headers = f"http://127.0.0.1:{port}", port, {}
+        self._start(uvicorn_config(self.app, limits, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        self.headers = {}
 
 
 @pytest.fixture(scope="module")
