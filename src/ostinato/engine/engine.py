@@ -132,6 +132,12 @@ class LLMEngine:
         if isinstance(prompt, str):
             if prompt == "":  # checked before encoding: a tokenizer that adds BOS would make it non-empty
                 raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+            if not prompt.isascii():
+                try:  # a lone surrogate makes the tokenizer raise a TypeError that says nothing useful
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise InvalidRequestError(f"the prompt contains a lone UTF-16 surrogate at character {e.start}; "
+                                              "send valid Unicode text", param="prompt") from None
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
         self.scheduler.check_prompt_len(len(ids))  # before the scan below, which is as long as the list

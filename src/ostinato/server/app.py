@@ -80,7 +80,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for err in errors[:5]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        parts.append(f"{'.'.join(loc) or 'body'}: {str(err.get('msg')).removeprefix('Value error, ')}")
     return "invalid request: " + "; ".join(parts), param
 
 
