@@ -28,8 +28,10 @@ from test_server import MAX_MODEL_LEN, MODEL, TestServer, ThrottledEngine, engin
 
 PROBE_SECONDS = 5.0  # /health and a small completion must answer within this while a hostile request runs
 HOSTILE_SECONDS = 30.0  # and the hostile request itself must be answered within this
-QUEUE_BOUND = 8
-LIMITS = ServerLimits(header_timeout=1.0, body_timeout=1.0, stream_send_timeout=0.5, timeout_keep_alive=1.0)
+QUEUE_BOUND = 16
+# max_n above the queue bound, so that n-over-queue-bound reaches the engine's check.
+LIMITS = ServerLimits(max_n=64, header_timeout=1.0, body_timeout=1.0, stream_send_timeout=0.5,
+                      timeout_keep_alive=1.0)
 CHAR_CAP = CHARS_PER_TOKEN * (MAX_MODEL_LEN - 1)
 
 
@@ -119,7 +121,7 @@ HEAVY = [
     ("30k-messages", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 30_000}, 400,
      "messages"),
     ("300k-token-ids", "/v1/completions", {"prompt": [1] * 300_000}, 400, "prompt"),
-    ("n-1e6", "/v1/completions", {"prompt": "hi", "n": 1_000_000, "max_tokens": 1}, 400, "n"),
+    ("n-1e6", "/v1/completions", {"prompt": "hi", "n": 1_000_000, "max_tokens": 1}, 400, "n"),  # over --max-n
     ("100k-stops", "/v1/completions", {"prompt": "hi", "stop": ["ab"] * 100_000}, 400, "stop"),
     ("long-stop", "/v1/completions", {"prompt": "hi", "stop": ["ab" * 50_000]}, 400, "stop"),
     ("100k-stop-ids", "/v1/completions", {"prompt": "hi", "stop_token_ids": [5] * 100_000}, 400, "stop_token_ids"),
@@ -329,6 +331,29 @@ def test_unread_stream_is_aborted_and_its_blocks_freed(server, engine):
         engine.delay = 0.0
     assert elapsed < 3.0, f"the unread stream held its request for {elapsed:.1f} s"
     assert stats.kv_blocks_free == stats.kv_blocks_total
+    probe(server)
+
+
+def test_unread_stream_over_a_real_socket(server):
+    """The same over TCP: a client with a 1 KiB receive buffer asks for 16 streamed completions with 20 logprobs
+    each (megabytes of events) and reads nothing. Once the socket buffers fill, the request must be aborted long
+    before it would finish, and its blocks freed."""
+    n, max_tokens = QUEUE_BOUND, 230
+    body = json.dumps({"model": MODEL, "messages": CHAT, "n": n, "logprobs": True, "top_logprobs": 20,
+                       "max_tokens": max_tokens, "ignore_eos": True, "stream": True}).encode()
+    before = server.stats().generation_tokens_total
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
+        while server.stats().generation_tokens_total == before:  # it started
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stats = server.wait_until_idle(timeout=30)
+    generated = stats.generation_tokens_total - before
+    assert generated < n * max_tokens, "the unread stream ran to the end"
     probe(server)
 
 
