@@ -1,4 +1,4 @@
-"""`ostinato` command line: make-checkpoint, generate, serve, bench, bench-serve, verify."""
+"""`ostinato` command line: make-checkpoint, generate, serve, bench, bench-serve, verify, advise."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.register(sub)
     _register_generate(sub)
     for module in ("ostinato.server.app", "ostinato.tools.bench", "ostinato.tools.bench_serve",
-                   "ostinato.tools.verify"):
+                   "ostinato.tools.verify", "ostinato.tools.advise"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError as e:  # a missing optional dependency must not hide the other commands
