@@ -126,7 +126,10 @@ class CostModel:
 
     def __init__(self, m: Measurements):
         self.m = m
+        # The largest captured size's increment is its first-capture cost (pool included), not what one
+        # more graph adds: leave it out of the incremental curve unless it is the only point.
         sizes = sorted(m.graph_incremental_bytes)
+        sizes = sizes[:-1] if len(sizes) > 1 else sizes
         self._inc = (sizes, [m.graph_incremental_bytes[s] for s in sizes])
         firsts = sorted(m.graph_first_bytes)
         self._first = (firsts, [m.graph_first_bytes[s] for s in firsts])

@@ -44,12 +44,12 @@ def write_plots(cost: CostModel, advice: Advice, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     weights = advice.default.steps_by_batch
     batches = sorted(weights)
-    for est, style in ((advice.default, "-"), (advice.recommended, "--")):
+    for est, style in ((advice.default, "-"), (advice.recommended, "x")):
         waste = []
         for n in batches:
             i = bisect.bisect_left(est.sizes, n)
             waste.append((est.sizes[i] - n) / est.sizes[i] if i < len(est.sizes) else float("nan"))
-        ax.plot(batches, waste, style, label=f"{est.name}: {est.padding_fraction:.1%} padded rows overall")
+        ax.plot(batches, waste, marker="o" if style == "-" else "x", ls="none", label=f"{est.name}: {est.padding_fraction:.1%} padded rows overall")
     ax.set(xlabel="decode batch size", ylabel="padded share of the replayed rows",
            title=f"Padding waste, workload: {advice.workload}")
     ax2 = ax.twinx()
