@@ -18,6 +18,7 @@ from typing import Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..engine.outputs import EngineStats, RequestOutput
 
@@ -98,7 +99,7 @@ def decode_batch_size_histogram(model_name: str, steps_by_batch: dict[int, int],
     buckets, seen = [], 0
     for size in range(1, top + 1):
         seen += steps_by_batch.get(size, 0)
-        buckets.append((str(size), seen))
+        buckets.append((floatToGoString(size), seen))  # le="8.0", as Histogram writes its bounds
     buckets.append(("+Inf", seen))
     hist.add_metric([model_name], buckets, sum_value=sum(n * c for n, c in steps_by_batch.items()))
     return hist
