@@ -105,10 +105,13 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
     incremental = dict(runner.capture_report.bytes_by_size)
     probe_sizes = sorted({s for s in sizes if s in (1, 8, 32, 128)} | {sizes[0], sizes[-1]})
     probes = _first_bytes(runner, probe_sizes)
-    # The real largest capture also paid what the probes share with it (the capture stream's workspace).
-    offset = incremental[sizes[-1]] - probes.get(sizes[-1], incremental[sizes[-1]])
-    first = {s: max(0, b + offset) for s, b in probes.items()} or {sizes[-1]: incremental[sizes[-1]]}
     plan, mc = runner.kv_plan, runner.model_config
+    # Calibrate the probes to what start-up charged the KV budget for the largest size (its estimate, which
+    # includes the capture stream's one-time workspace), so graph memory and KV blocks add up.
+    charged = plan.graph_estimate_bytes if plan is not None and plan.graph_estimate_bytes else \
+        incremental[sizes[-1]]
+    offset = charged - probes.get(sizes[-1], charged)
+    first = {s: max(0, b + offset) for s, b in probes.items()} or {sizes[-1]: charged}
     block_bytes = 2 * mc.num_layers * runner.block_size * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
     without = (plan.num_blocks + plan.graph_blocks if plan is not None
                else runner.cache_config.num_blocks + math.ceil(runner.graph_memory_bytes / block_bytes))
