@@ -81,8 +81,8 @@ def _first_bytes(runner, sizes: list[int]) -> dict[int, int]:
 def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, warmup: int) -> Measurements:
     """Time and weigh everything the estimator needs on `engine` (an LLMEngine built with graphs on)."""
     runner = engine.runner
-    if runner.device.type != "cuda" or not runner.graphs_enabled:
-        raise ConfigError(f"advise measures CUDA-graph replay on a GPU; here graphs are {runner.graph_status}")
+    if not runner.graphs_enabled:
+        raise ConfigError(f"advise measures CUDA-graph replay against eager; here graphs are {runner.graph_status}")
     sc = engine.scheduler_config
     sizes = list(runner.captured_sizes)
     contexts = sorted({c for c in contexts if 0 < c < sc.max_model_len})
@@ -117,7 +117,7 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
                else runner.cache_config.num_blocks + math.ceil(runner.graph_memory_bytes / block_bytes))
     return Measurements(
         model=engine.args.model,
-        device=torch.cuda.get_device_name(), dtype=str(runner.dtype).replace("torch.", ""),
+        device=torch.cuda.get_device_name(runner.device), dtype=str(runner.dtype).replace("torch.", ""),
         torch_version=torch.__version__, batch_sizes=tuple(sizes), contexts=tuple(contexts),
         eager_ms=tuple(eager), graph_ms=tuple(graph), prefill_lens=tuple(prefill_lens), prefill_ms=tuple(prefill),
         graph_first_bytes=first, graph_incremental_bytes=incremental, block_bytes=block_bytes,
