@@ -98,6 +98,7 @@ def test_advise_reads_a_live_servers_metrics(engine, tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert f"workload: metrics of {server.base_url}/metrics" in out
+    assert "prefill: 3 requests of" in out  # request and token counters read from the real exposition too
     # the recommended sizes cover only batch sizes the server ran
     sizes = [int(s) for s in (tmp_path / "cuda_graph_sizes.txt").read_text().split("\n")[1].split()]
     assert sizes and set(sizes) <= set(expected)

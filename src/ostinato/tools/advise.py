@@ -175,7 +175,7 @@ def render(cost: CostModel, a: Advice) -> str:
                      f"{e.mean_batch:>7.1f} {e.padding_fraction:>7.1%} {e.eager_steps:>8.0f}")
     lines.append(f"recommended sizes: {' '.join(map(str, a.recommended.sizes)) or '(none)'} "
                  f"(memory budget {a.budget_bytes / 2**20:.0f} MiB)")
-    lines += ["", "assumptions:"] + [f"  - {s}" for s in a.assumptions] + ["", "verdict: " + a.verdict]
+    lines += ["", "assumptions:"] + [f"  - {s}" for s in a.notes + a.assumptions] + ["", "verdict: " + a.verdict]
     return "\n".join(lines)
 
 
@@ -189,5 +189,5 @@ def _estimate_json(e: Estimate) -> dict:
 def to_json(m: Measurements, a: Advice, command: str) -> dict:
     return {"measurements": m.to_json(), "workload": a.workload, "enable_graphs": a.enable, "gain": a.gain,
             "recommended_sizes": list(a.recommended.sizes), "budget_bytes": a.budget_bytes, "verdict": a.verdict,
-            "command": command, "assumptions": list(a.assumptions),
+            "command": command, "notes": list(a.notes), "assumptions": list(a.assumptions),
             "estimates": {e.name: _estimate_json(e) for e in (a.eager, a.default, a.recommended)}}

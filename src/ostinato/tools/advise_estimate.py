@@ -87,6 +87,7 @@ class Advice:
     enable: bool
     gain: float  # recommended vs eager, end-to-end throughput ratio - 1
     verdict: str
+    notes: tuple[str, ...] = ()  # what this workload's estimate rests on beyond ASSUMPTIONS
     assumptions: tuple[str, ...] = field(default=ASSUMPTIONS)
 
 
@@ -146,8 +147,25 @@ def advise(cost: CostModel, w: Workload, budget_bytes: int | None = None, min_ga
         rec = second if second.total_s < rec.total_s else rec
     gain = eager.total_s / rec.total_s - 1 if rec.total_s > 0 else 0.0
     enable = bool(rec.sizes) and gain >= min_gain
-    return Advice(w.name, eager, default, rec, budget, enable, gain, _verdict(cost, eager, default, rec, gain,
-                                                                               enable, min_gain))
+    return Advice(w.name, eager, default, rec, budget, enable, gain,
+                  _verdict(cost, eager, default, rec, gain, enable, min_gain), _notes(cost, w))
+
+
+def _notes(cost: CostModel, w: Workload) -> tuple[str, ...]:
+    m = cost.m
+    if not w.from_histogram:
+        return (f"{len(w.requests)} requests simulated with max_num_seqs {m.max_num_seqs}, max_model_len "
+                f"{m.max_model_len}, max_num_batched_tokens {m.max_num_batched_tokens} (as measured); "
+                "requests longer than max_model_len are cut",)
+    notes = [f"decode batch sizes as the server ran them ({sum(w.batch_histogram.values()):.0f} steps); only "
+             "batches above a configuration's KV capacity are re-split"]
+    if w.mean_prompt_len is None or w.mean_output_len is None:
+        notes.append("the metrics carry no request counts: prefill is left out and steps are costed at context "
+                     f"{m.contexts[len(m.contexts) // 2]}")
+    else:
+        notes.append(f"prefill: {w.num_requests} requests of {w.mean_prompt_len:.0f} prompt tokens (the mean); "
+                     f"decode context {w.mean_prompt_len + w.mean_output_len / 2:.0f}")
+    return tuple(notes)
 
 
 def _verdict(cost: CostModel, eager: Estimate, default: Estimate, rec: Estimate, gain: float, enable: bool,

@@ -156,14 +156,16 @@ def workload_from_metrics(text: str, name: str = "server metrics") -> Workload:
     from prometheus_client.parser import text_string_to_metric_families
 
     buckets: list[tuple[float, float]] = []
-    totals = {"ostinato:prompt_tokens": 0.0, "ostinato:generation_tokens": 0.0, "ostinato:request_success": 0.0}
+    # by sample name: text exposition names a counter's family with or without _total, depending on the writer
+    totals = {"ostinato:prompt_tokens_total": 0.0, "ostinato:generation_tokens_total": 0.0,
+              "ostinato:request_success_total": 0.0}
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 if fam.name == METRIC and s.name == METRIC + "_bucket" and s.labels.get("le") != "+Inf":
                     buckets.append((float(s.labels["le"]), s.value))
-                elif fam.name in totals and s.name.endswith("_total"):
-                    totals[fam.name] += s.value
+                elif s.name in totals:
+                    totals[s.name] += s.value
     except ValueError as e:
         raise ConfigError(f"the metrics text is not Prometheus exposition format: {e}") from None
     if not buckets:
@@ -178,10 +180,10 @@ def workload_from_metrics(text: str, name: str = "server metrics") -> Workload:
         prev = cum
     if not hist:
         raise ConfigError(f"the {METRIC} histogram is empty: the server has run no decode step yet")
-    n = totals["ostinato:request_success"]
+    n = totals["ostinato:request_success_total"]
     return Workload(name, batch_histogram=hist, num_requests=int(n),
-                    mean_prompt_len=totals["ostinato:prompt_tokens"] / n if n else None,
-                    mean_output_len=totals["ostinato:generation_tokens"] / n if n else None)
+                    mean_prompt_len=totals["ostinato:prompt_tokens_total"] / n if n else None,
+                    mean_output_len=totals["ostinato:generation_tokens_total"] / n if n else None)
 
 
 # ---------------------------------------------------------------------------------------------- simulate
