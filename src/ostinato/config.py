@@ -231,7 +231,9 @@ def read_cuda_graph_sizes(text: str) -> tuple[int, ...]:
                 raise ConfigError(f"{source} is not valid JSON: {e}") from None
             if isinstance(value, dict):
                 value = value.get("cuda_graph_sizes")
-            text = " ".join(str(v) for v in value) if isinstance(value, list) else "?"
+            if not isinstance(value, list):
+                raise ConfigError(f'{source} must hold a JSON list of sizes or {{"cuda_graph_sizes": [...]}}')
+            text = " ".join(str(v) for v in value)
         text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
     words = text.replace(",", " ").split()
     try:

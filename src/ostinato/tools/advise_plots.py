@@ -29,7 +29,7 @@ def write_plots(cost: CostModel, advice: Advice, out_dir: Path) -> list[Path]:
     paths.append(_save(fig, out_dir / "speedup.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    tops = [s for s in m.default_sizes]
+    tops = list(m.default_sizes)
     ax.plot(tops, [cost.graph_bytes([s for s in m.default_sizes if s <= t]) / 2**20 for t in tops], marker=".",
             label="default sizes up to x")
     rec = advice.recommended
@@ -44,12 +44,14 @@ def write_plots(cost: CostModel, advice: Advice, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     weights = advice.default.steps_by_batch
     batches = sorted(weights)
-    for est, style in ((advice.default, "-"), (advice.recommended, "x")):
+    for est, marker in ((advice.default, "o"), (advice.recommended, "x")):
         waste = []
         for n in batches:
             i = bisect.bisect_left(est.sizes, n)
             waste.append((est.sizes[i] - n) / est.sizes[i] if i < len(est.sizes) else float("nan"))
-        ax.plot(batches, waste, marker="o" if style == "-" else "x", ls="none", label=f"{est.name}: {est.padding_fraction:.1%} padded rows overall")
+        # markers only: between two batch sizes the waste is a sawtooth, not a line
+        ax.plot(batches, waste, marker=marker, ls="none",
+                label=f"{est.name}: {est.padding_fraction:.1%} padded rows overall")
     ax.set(xlabel="decode batch size", ylabel="padded share of the replayed rows",
            title=f"Padding waste, workload: {advice.workload}")
     ax2 = ax.twinx()
