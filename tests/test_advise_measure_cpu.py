@@ -19,7 +19,7 @@ from ostinato.tools.checkpoint import make_checkpoint
 def test_measure_plumbing_on_cpu(tmp_path, monkeypatch):
     ckpt = make_checkpoint(tmp_path / "ckpt", shape="tiny", family="llama")
     engine = LLMEngine(EngineArgs(model=str(ckpt), device="cpu", dtype="float32", num_kv_blocks=40,
-                                  max_model_len=128, max_num_seqs=4))
+                                  max_model_len=64, max_num_seqs=4))
     runner = engine.runner
     graphs = make_graph_runner(runner, runner.cache_config.num_blocks, (1, 2, 4), False, "error", progress=False,
                                backend=RecordingGraphBackend())
@@ -33,9 +33,9 @@ def test_measure_plumbing_on_cpu(tmp_path, monkeypatch):
     real_bind = runner.model.bind_kv_caches
     monkeypatch.setattr(runner.model, "bind_kv_caches", lambda caches: (bound.append(caches), real_bind(caches)))
 
-    m = advise_measure.measure(engine, [8, 100, 500], [16, 64, 500], iters=2, warmup=1)
-    assert m.batch_sizes == (1, 2, 4) and m.contexts == (8, 100)  # 500 >= max_model_len: dropped
-    assert m.prefill_lens == (16, 64)
+    m = advise_measure.measure(engine, [8, 40, 500], [16, 32, 500], iters=1, warmup=0)
+    assert m.batch_sizes == (1, 2, 4) and m.contexts == (8, 40)  # 500 >= max_model_len: dropped
+    assert m.prefill_lens == (16, 32)
     assert all(t > 0 for row in m.eager_ms + m.graph_ms for t in row)
     assert m.graph_incremental_bytes == {4: 7000, 2: 300, 1: 200}
     # recording probes weigh nothing; calibrated to the real capture of the largest size (no KV plan on CPU)
