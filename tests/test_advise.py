@@ -270,3 +270,15 @@ def test_cli_needs_exactly_one_workload(tmp_path, capsys):
 
 def test_padded_rows_counts():
     assert padded_rows({1: 2, 3: 1, 9: 4}, (2, 4)) == (1 * 2 + 1 * 1, 1 * 2 + 3 * 1, 4)
+
+
+def test_host_overhead_dilutes_the_gain():
+    """Host work per step is paid with and without graphs: the same workload gains less with it counted."""
+    m = synthetic()
+    w = workload_from_params("100:200", "100:300", 32, None, 8)
+    bare = advise(CostModel(m), w)
+    with_host = advise(CostModel(m, host_ms=1.0, host_ms_per_seq=0.02), w)
+    assert 0 < with_host.gain < bare.gain
+    est = estimate(CostModel(m, host_ms=1.0), workload_from_params("100", "11", 1, None, None), "x", ())
+    assert est.decode_s == pytest.approx(estimate(CostModel(m), workload_from_params("100", "11", 1, None, None),
+                                                  "x", ()).decode_s + 10 * 1.0 / 1e3)

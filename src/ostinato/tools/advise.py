@@ -37,6 +37,18 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_overhead(text: str) -> tuple[float, float]:
+    """'0.3' -> (0.3, 0.0); '0.25:0.016' -> (0.25, 0.016): milliseconds per step and per sequence."""
+    try:
+        fixed, _, per_seq = text.partition(":")
+        values = (float(fixed), float(per_seq or 0.0))
+    except ValueError:
+        raise ConfigError(f"--host-overhead-ms must be A or A:B in milliseconds, got {text!r}") from None
+    if min(values) < 0:
+        raise ConfigError(f"--host-overhead-ms must not be negative, got {text!r}")
+    return values
+
+
 def register(sub) -> None:
     from ..cli_args import _int_list, add_engine_args
 
@@ -65,6 +77,9 @@ def register(sub) -> None:
     a.add_argument("--warmup", type=int, default=3)
     a.add_argument("--graph-memory-budget", type=parse_bytes, default=None,
                    help="most memory the recommended graphs may take, e.g. 512MiB (default: the default sizes')")
+    a.add_argument("--host-overhead-ms", default="0", help="host work per decode step, the same with and "
+                   "without graphs: A or A:B for A + B * batch ms (DESIGN.md, qwen3-0.6b on the H200: a whole engine "
+                   "step minus the forward is ~0.16 ms at batch 1 and ~0.87 ms at batch 64, so 0.15:0.0115)")
     a.add_argument("--min-gain", type=float, default=0.02, help="least throughput gain worth enabling graphs")
     a.add_argument("--out", default="advise-out", help=f"folder for {SIZES_FILE} and the plots")
     a.add_argument("--json", default=None, help="write the whole report as JSON")
@@ -131,7 +146,7 @@ def run(args) -> int:
     if args.save_measurements:
         m.save(args.save_measurements)
         print(f"measurements saved to {args.save_measurements}")
-    cost = CostModel(m)
+    cost = CostModel(m, *parse_overhead(args.host_overhead_ms))
     result = advise(cost, workload, args.graph_memory_budget, args.min_gain)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

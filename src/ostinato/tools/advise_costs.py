@@ -7,8 +7,8 @@ estimator asks, from those figures alone:
 - decode step time at batch n and mean context c, eager or as the replay of a graph captured at size s.
   Measured on a grid (batch sizes x contexts) and interpolated linearly in batch, then in context; beyond
   the grid it extrapolates from the last two points (never below zero). Times are forward-only (input copies
-  + replay, or the eager launches): host work around the step is the same with and without graphs and is
-  not counted, so the gain it reports is the gain on the forward.
+  + replay, or the eager launches). Host work around the step is the same with and without graphs: it is
+  not measured, and counts only when given (`--host-overhead-ms`); without it the gain is the forward's.
   A padded batch is charged the time of its graph's size at the real batch's context: padded rows carry
   context length 1, so they cost GEMM rows, not attention.
 - prefill time of one prompt of L tokens (eager in both modes), interpolated over the measured lengths;
@@ -124,8 +124,12 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 class CostModel:
     """Step times and graph memory from Measurements (see the module docstring for the assumptions)."""
 
-    def __init__(self, m: Measurements):
+    def __init__(self, m: Measurements, host_ms: float = 0.0, host_ms_per_seq: float = 0.0):
+        """host_ms + host_ms_per_seq * batch: host work around each decode step (scheduling, input building,
+        sampling, detokenizing), the same with and without graphs. Not measured here; 0 by default, so
+        the gain is the forward's. DESIGN.md has figures from the H200 to pass in."""
         self.m = m
+        self.host_ms, self.host_ms_per_seq = host_ms, host_ms_per_seq
         # The largest captured size's increment is its first-capture cost (pool included), not what one
         # more graph adds: leave it out of the incremental curve unless it is the only point.
         sizes = sorted(m.graph_incremental_bytes)
@@ -169,4 +173,5 @@ class CostModel:
         """A decode step of `batch` sequences with these graphs: the replay of the smallest size >= batch,
         or eager above the largest size (and always eager with no sizes)."""
         i = bisect.bisect_left(sizes, batch)
-        return self.graph_ms(sizes[i], context) if i < len(sizes) else self.eager_ms(batch, context)
+        forward = self.graph_ms(sizes[i], context) if i < len(sizes) else self.eager_ms(batch, context)
+        return forward + self.host_ms + self.host_ms_per_seq * batch

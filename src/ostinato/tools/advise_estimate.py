@@ -27,8 +27,8 @@ from .advise_sizes import choose_sizes, padded_rows
 from .advise_workload import EngineLimits, Workload, simulate
 
 ASSUMPTIONS = (
-    "step times are forward-only (input copies + replay, or eager launches); host work around a step is the "
-    "same with and without graphs and is not counted",
+    "decode step times are the measured forward (input copies + replay, or eager launches) plus the host "
+    "work given with --host-overhead-ms (default none): with none, the gain is the forward's gain",
     "decode times are measured on a grid of batch sizes and contexts and interpolated linearly between",
     "a padded batch costs the replay of its graph's size; a batch above the largest size runs eager",
     "graph memory = the largest size's capture alone + what each smaller size adds to the shared pool; it "
