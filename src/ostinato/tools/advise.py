@@ -155,8 +155,9 @@ def run(args) -> int:
         sizes_path.write_text(f"# ostinato advise for {m.model} on {m.device}, workload: {workload.name}\n"
                               + " ".join(str(s) for s in result.recommended.sizes) + "\n")
     print(render(cost, result))
-    command = (f"ostinato serve {args.model} --cuda-graph-sizes @{sizes_path}" if result.enable
-               else f"ostinato serve {args.model} --enforce-eager")
+    # the limits the estimate assumed, then the graph flags it recommends
+    command = (f"ostinato serve {args.model} --max-model-len {m.max_model_len} --max-num-seqs {m.max_num_seqs} "
+               + (f"--cuda-graph-sizes @{sizes_path}" if result.enable else "--enforce-eager"))
     print(f"\nrun it with:\n  {command}")
     if not args.no_plots:
         try:

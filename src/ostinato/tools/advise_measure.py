@@ -71,7 +71,7 @@ def _first_bytes(runner, sizes: list[int]) -> dict[int, int]:
         for size in sizes:
             try:
                 out[size] = _estimate_graph_bytes(runner, size, runner.graphs._backend)
-            except CudaGraphCaptureError as e:  # e.g. no room for a second pool: fewer probe points
+            except (CudaGraphCaptureError, torch.cuda.OutOfMemoryError) as e:  # no room: fewer probe points
                 logger.warning("graph memory probe of size %d failed (%s); interpolating without it", size, e)
     finally:
         runner.model.bind_kv_caches(runner.kv_caches)
