@@ -282,3 +282,34 @@ def test_host_overhead_dilutes_the_gain():
     est = estimate(CostModel(m, host_ms=1.0), workload_from_params("100", "11", 1, None, None), "x", ())
     assert est.decode_s == pytest.approx(estimate(CostModel(m), workload_from_params("100", "11", 1, None, None),
                                                   "x", ()).decode_s + 10 * 1.0 / 1e3)
+
+
+def test_simulation_matches_the_real_scheduler_when_kv_is_plentiful():
+    """The simulation's decode batch sizes are the real Scheduler's (pure Python, driven with dummy tokens)
+    on the same requests, when the cache never limits: same prefill-first policy, seats and token budget."""
+    from ostinato.config import CacheConfig, SchedulerConfig
+    from ostinato.engine.request import Sequence, SequenceStatus
+    from ostinato.engine.scheduler import Scheduler
+    from ostinato.sampling_params import SamplingParams
+
+    w = workload_from_params("5:120", "1:40", 40, None, None, seed=3)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256),
+                      CacheConfig(block_size=16, num_blocks=10_000))
+    seqs = {}
+    for i, r in enumerate(w.requests):
+        seqs[i] = Sequence(i, str(i), [1] * r.prompt_len, SamplingParams(max_tokens=r.output_len))
+        sched.add(seqs[i])
+    real: dict[int, int] = {}
+    for _ in range(100_000):
+        out = sched.schedule()
+        if out.kind == "idle":
+            break
+        if out.kind == "decode":
+            real[len(out.seqs)] = real.get(len(out.seqs), 0) + 1
+        sched.update(out, [7] * len(out.seqs))
+        for s in out.seqs:
+            seq = seqs[s.seq_id]
+            if len(seq.output_token_ids) >= w.requests[s.seq_id].output_len:
+                sched.finish(s.seq_id, SequenceStatus.FINISHED_LENGTH)
+    sim = simulate(w, EngineLimits(8, 10_000, 16, 256, 256), lambda n, c: 1.0, lambda L: 1.0)
+    assert dict(sim.steps_by_batch) == real and len(real) > 3
