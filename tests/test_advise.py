@@ -300,10 +300,12 @@ def test_simulation_matches_the_real_scheduler_when_kv_is_plentiful():
         seqs[i] = Sequence(i, str(i), [1] * r.prompt_len, SamplingParams(max_tokens=r.output_len))
         sched.add(seqs[i])
     real: dict[int, int] = {}
+    prefills = 0
     for _ in range(100_000):
         out = sched.schedule()
         if out.kind == "idle":
             break
+        prefills += out.kind == "prefill"
         if out.kind == "decode":
             real[len(out.seqs)] = real.get(len(out.seqs), 0) + 1
         sched.update(out, [7] * len(out.seqs))
@@ -313,3 +315,4 @@ def test_simulation_matches_the_real_scheduler_when_kv_is_plentiful():
                 sched.finish(s.seq_id, SequenceStatus.FINISHED_LENGTH)
     sim = simulate(w, EngineLimits(8, 10_000, 16, 256, 256), lambda n, c: 1.0, lambda L: 1.0)
     assert dict(sim.steps_by_batch) == real and len(real) > 3
+    assert sim.prefill_steps == prefills

@@ -207,6 +207,7 @@ class SimResult:
     steps_by_batch: Mapping[int, int]  # decode steps by batch size
     mean_context: float  # step-weighted mean context of decode steps
     truncated: int  # requests whose prompt + output exceeded max_model_len (output cut)
+    prefill_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -232,7 +233,7 @@ def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], 
     nxt = 0  # next request not yet arrived
     waiting: deque[int] = deque()
     finish: list[tuple[int, int]] = []  # heap of (decode step it finishes at, request index)
-    running = sum_ctx = step = tokens = done = 0
+    running = sum_ctx = step = tokens = done = prefill_steps = 0
     free = limits.kv_blocks
     steps: dict[int, int] = {}
     ctx_weighted = 0.0
@@ -256,6 +257,7 @@ def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], 
             free -= blocks
             batch_tokens += prompt
         if admitted:
+            prefill_steps += 1
             dt = sum(prefill_ms(reqs[i][0]) for i in admitted) / 1e3
             t += dt
             prefill_s += dt
@@ -288,4 +290,5 @@ def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], 
             sum_ctx -= prompt + out
             finished(blocks)
     n_steps = sum(steps.values())
-    return SimResult(t, prefill_s, decode_s, tokens, steps, ctx_weighted / n_steps if n_steps else 0.0, truncated)
+    return SimResult(t, prefill_s, decode_s, tokens, steps, ctx_weighted / n_steps if n_steps else 0.0, truncated,
+                     prefill_steps)
