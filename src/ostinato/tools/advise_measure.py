@@ -20,6 +20,7 @@ import torch
 
 from ..config import default_capture_sizes
 from ..errors import ConfigError, CudaGraphCaptureError
+from ..runner.memory import kv_block_bytes
 from .advise_costs import Measurements
 from .bench import _time_cuda
 
@@ -112,7 +113,8 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
         incremental[sizes[-1]]
     offset = charged - probes.get(sizes[-1], charged)
     first = {s: max(0, b + offset) for s, b in probes.items()} or {sizes[-1]: charged}
-    block_bytes = 2 * mc.num_layers * runner.block_size * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
+    block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.block_size,
+                                 runner.dtype.itemsize)
     without = (plan.num_blocks + plan.graph_blocks if plan is not None
                else runner.cache_config.num_blocks + math.ceil(runner.graph_memory_bytes / block_bytes))
     return Measurements(
