@@ -148,7 +148,7 @@ def advise(cost: CostModel, w: Workload, budget_bytes: int | None = None, min_ga
     gain = eager.total_s / rec.total_s - 1 if rec.total_s > 0 else 0.0
     enable = bool(rec.sizes) and gain >= min_gain
     return Advice(w.name, eager, default, rec, budget, enable, gain,
-                  _verdict(cost, eager, default, rec, gain, enable, min_gain), _notes(cost, w))
+                  _verdict(cost, eager, default, rec, gain, enable, min_gain, budget), _notes(cost, w))
 
 
 def _notes(cost: CostModel, w: Workload) -> tuple[str, ...]:
@@ -169,7 +169,7 @@ def _notes(cost: CostModel, w: Workload) -> tuple[str, ...]:
 
 
 def _verdict(cost: CostModel, eager: Estimate, default: Estimate, rec: Estimate, gain: float, enable: bool,
-             min_gain: float) -> str:
+             min_gain: float, budget_bytes: int) -> str:
     m = cost.m
     blocks = eager.kv_blocks - rec.kv_blocks
     mem = (f"{rec.graph_bytes / 2**20:.0f} MiB = {blocks} KV blocks = {blocks * m.block_size} tokens "
@@ -177,12 +177,13 @@ def _verdict(cost: CostModel, eager: Estimate, default: Estimate, rec: Estimate,
     prefill_share = eager.prefill_s / eager.total_s if eager.total_s else 0.0
     default_gain = eager.total_s / default.total_s - 1 if default.total_s else 0.0
     if enable:
-        return (f"ENABLE CUDA graphs with {len(rec.sizes)} sizes {_span(rec.sizes)}: estimated {gain:+.1%} "
+        count = f"{len(rec.sizes)} size{'s' if len(rec.sizes) > 1 else ''}"
+        return (f"ENABLE CUDA graphs with {count} {_span(rec.sizes)}: estimated {gain:+.1%} "
                 f"output throughput vs eager ({rec.tokens_per_s:.0f} vs {eager.tokens_per_s:.0f} tok/s; the "
                 f"default {len(default.sizes)} sizes: {default_gain:+.1%}). Cost: {mem}. Prefill is "
                 f"{prefill_share:.0%} of eager time.")
     if not rec.sizes:
-        why = "no size set within the memory budget beats eager"
+        why = f"no size set within the memory budget ({budget_bytes / 2**20:.0f} MiB) beats eager"
     else:
         why = f"the best size set gains only {gain:+.1%} (< {min_gain:.0%})"
     return (f"LEAVE CUDA graphs OFF (--enforce-eager): {why}; prefill is {prefill_share:.0%} of eager time. "
