@@ -52,8 +52,8 @@ def write_plots(cost: CostModel, advice: Advice, out_dir: Path) -> list[Path]:
         # markers only: between two batch sizes the waste is a sawtooth, not a line
         ax.plot(batches, waste, marker=marker, ls="none",
                 label=f"{est.name}: {est.padding_fraction:.1%} padded rows overall")
-    ax.set(xlabel="decode batch size", ylabel="padded share of the replayed rows",
-           title=f"Padding waste, workload: {advice.workload}")
+    ax.set(xlabel="decode batch size", ylabel="padded share of the replayed rows")
+    ax.set_title(f"Padding waste\nworkload: {advice.workload}", fontsize=9)
     ax2 = ax.twinx()
     ax2.bar(batches, [weights[n] for n in batches], alpha=0.25, color="grey", width=1.0)
     ax2.set_ylabel("decode steps at this batch (default sizes)")
