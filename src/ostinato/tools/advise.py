@@ -99,9 +99,8 @@ def load_workload(args) -> Workload:
     else:
         if args.prompt_len is None or args.output_len is None:
             raise ConfigError("a parameter workload needs both --prompt-len and --output-len")
-        rate = args.request_rate
-        w = workload_from_params(args.prompt_len, args.output_len, args.num_requests, rate, args.concurrency,
-                                 args.workload_seed, _describe(args))
+        w = workload_from_params(args.prompt_len, args.output_len, args.num_requests, args.request_rate,
+                                 args.concurrency, args.workload_seed, _describe(args))
     if args.name:
         w = Workload(args.name, w.requests, w.concurrency, w.batch_histogram, w.mean_prompt_len,
                      w.mean_output_len, w.num_requests)
@@ -151,6 +150,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes_path = out / SIZES_FILE
+    sizes_path.unlink(missing_ok=True)  # never leave an older run's sizes beside this report
     if result.recommended.sizes:
         sizes_path.write_text(f"# ostinato advise for {m.model} on {m.device}, workload: {workload.name}\n"
                               + " ".join(str(s) for s in result.recommended.sizes) + "\n")
