@@ -1,4 +1,4 @@
-"""`ostinato` command line: make-checkpoint, generate, serve, bench, bench serve, verify."""
+"""`ostinato` command line: make-checkpoint, generate, serve, bench, bench serve, verify, advise."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 # Commands in modules with optional dependencies: a missing one must not hide the other commands, and the
 # command itself must still say what to install.
 _OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench": "bench",
-                      "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.verify": "verify"}
+                      "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.verify": "verify",
+                      "ostinato.tools.advise": "advise"}
 _SPELLED = {"bench-serve": "bench serve"}  # how --help shows a command (vLLM's spelling)
 
 

@@ -248,4 +248,6 @@ class LLMEngine:
             graph_capture_seconds=self.runner.graph_capture_seconds,
             graphs_enabled=self.runner.graphs_enabled,
             graph_disabled_cause=self.runner.graph_disabled_cause,
+            decode_batch_sizes=dict(g.steps_by_batch),
+            max_num_seqs=self.scheduler_config.max_num_seqs,
         )
