@@ -68,10 +68,11 @@ class ModelRunner:
                     self.dtype, self.load_seconds)
         self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
         # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
-        setup = allocate_kv_and_graphs(KVSpec(
+        self.kv_spec = KVSpec(
             self.model, model_config, scheduler_config, self.graph_config, self.device, self.dtype, self.block_size,
             self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
-            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed)))
+            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed))
+        setup = allocate_kv_and_graphs(self.kv_spec)
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
         self.graphs = setup.graph_runner
