@@ -1,4 +1,5 @@
-"""`ostinato` command line: make-checkpoint, generate, serve, bench, bench serve, verify, advise."""
+"""`ostinato` command line: make-checkpoint, generate, serve, bench (serve, host, engine, throughput), verify,
+advise."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """`ostinato bench host`: host microseconds per decode step, with the model's forward replaced by a no-op.
 
-What is left is the Python around the graph: scheduling, preparing the step's inputs, the (no-op) forward,
-sampling from constant logits, reading the tokens back and recording them. It runs on CPU on a tiny random
-checkpoint it writes itself (the model's size does not matter: the forward is gone), so the figure measures
-the engine's own overhead and nothing else.
+What is left is the Python around the graph: scheduling, preparing the step's inputs, the (no-op) step,
+reading the tokens back and recording them. It runs on CPU on a tiny random checkpoint it writes itself (the
+model's size does not matter: the forward is gone), so the figure measures the engine's own overhead.
 
 For each batch B and context C: B requests with prompts of C tokens (ignore_eos) are prefilled, then
-`--steps` decode steps are timed one by one with time.perf_counter (the median step counts). "engine" is a whole LLMEngine.step(); "core" is
-its scheduling and runner part (the Scheduler's and ModelRunner's calls), without the per-token output work
-(detokenization, stop checks, RequestOutput), which engine/outputs work owns. Repeat `--repeats` times and take the median: the machine
-may be shared.
+`--steps` decode steps are timed one by one with time.perf_counter (the median step counts). "engine" is a
+whole LLMEngine.step(); "core" is its scheduling and runner part (the Scheduler's and ModelRunner's calls),
+without the per-token output work (detokenization, stop checks, RequestOutput), which the outputs work
+owns. Each point is the median of `--repeats` runs: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -36,12 +35,12 @@ def register(sub) -> None:
 class _NoOpModel:
     """Stands in for the decoder: hidden states and logits are constant zeros (greedy then picks token 0)."""
 
-    def __init__(self, real, max_rows: int):
+    def __init__(self, real, max_rows: int, vocab_size: int):
         import torch
 
         self._real = real
         self._hidden = torch.zeros(max_rows, 1)
-        self._logits = torch.zeros(max_rows, real.config.vocab_size if hasattr(real, "config") else 512)
+        self._logits = torch.zeros(max_rows, vocab_size)
 
     def __call__(self, input_ids, positions, meta):
         return self._hidden[: input_ids.shape[0]]
@@ -106,7 +105,7 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
     kwargs.update(engine_kwargs or {})
     engine = LLMEngine(EngineArgs(**kwargs))
     runner = engine.runner
-    runner.model = _NoOpModel(runner.model, max(batch, 1) * (context + 1))
+    runner.model = _NoOpModel(runner.model, max(batch, 1) * (context + 1), engine.model_config.vocab_size)
     if hasattr(runner, "decode_step"):
         # Sampling runs inside the graph: on a GPU the whole step (forward and sampling) is one replay, so
         # the no-op replaces all of it (the sampled tokens stay 0). Before, the sampler ran eagerly after
