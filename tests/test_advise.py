@@ -288,6 +288,7 @@ def test_simulation_matches_the_real_scheduler_when_kv_is_plentiful():
     """The simulation's decode batch sizes are the real Scheduler's (pure Python, driven with dummy tokens)
     on the same requests, when the cache never limits: same prefill-first policy, seats and token budget."""
     from ostinato.config import CacheConfig, SchedulerConfig
+    from ostinato.contract import DecodeRows
     from ostinato.engine.request import Sequence, SequenceStatus
     from ostinato.engine.scheduler import Scheduler
     from ostinato.sampling_params import SamplingParams
@@ -301,18 +302,25 @@ def test_simulation_matches_the_real_scheduler_when_kv_is_plentiful():
         sched.add(seqs[i])
     real: dict[int, int] = {}
     prefills = 0
+    rows = DecodeRows()
     for _ in range(100_000):
         out = sched.schedule()
         if out.kind == "idle":
             break
         prefills += out.kind == "prefill"
-        if out.kind == "decode":
-            real[len(out.seqs)] = real.get(len(out.seqs), 0) + 1
-        sched.update(out, [7] * len(out.seqs))
-        for s in out.seqs:
-            seq = seqs[s.seq_id]
-            if len(seq.output_token_ids) >= w.requests[s.seq_id].output_len:
-                sched.finish(s.seq_id, SequenceStatus.FINISHED_LENGTH)
+        for seq_id in out.left:  # the runner's decode rows, kept from the scheduler's changes
+            rows.remove(seq_id)
+        if out.kind == "prefill":
+            computed = [s.seq_id for s in out.seqs]
+            for seq_id in computed:
+                rows.add(seq_id)
+        else:
+            computed = list(rows.seq_ids)
+            real[len(computed)] = real.get(len(computed), 0) + 1
+        sched.update(computed, [7] * len(computed))
+        for seq_id in computed:
+            if len(seqs[seq_id].output_token_ids) >= w.requests[seq_id].output_len:
+                sched.finish(seq_id, SequenceStatus.FINISHED_LENGTH)
     sim = simulate(w, EngineLimits(8, 10_000, 16, 256, 256), lambda n, c: 1.0, lambda L: 1.0)
     assert dict(sim.steps_by_batch) == real and len(real) > 3
     assert sim.prefill_steps == prefills

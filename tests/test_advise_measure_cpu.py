@@ -10,7 +10,6 @@ import torch
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.runner.graphs import CaptureReport, RecordingGraphBackend
-from ostinato.runner.kv_setup import make_graph_runner
 from ostinato.sampling_params import SamplingParams
 from ostinato.tools import advise_measure
 from ostinato.tools.checkpoint import make_checkpoint
@@ -21,8 +20,8 @@ def test_measure_plumbing_on_cpu(tmp_path, monkeypatch):
     engine = LLMEngine(EngineArgs(model=str(ckpt), device="cpu", dtype="float32", num_kv_blocks=40,
                                   max_model_len=64, max_num_seqs=4))
     runner = engine.runner
-    graphs = make_graph_runner(runner, runner.cache_config.num_blocks, (1, 2, 4), False, "error", progress=False,
-                               backend=RecordingGraphBackend())
+    graphs = runner.decode_step.graph_runner((1, 2, 4), False, "error", progress=False,
+                                             backend=RecordingGraphBackend())
     graphs.capture()
     runner.graphs = graphs
     runner.capture_report = CaptureReport((1, 2, 4), {4: 7000, 2: 300, 1: 200}, 7000, 0.0)

@@ -28,14 +28,14 @@ def run_and_count(engine) -> collections.Counter:
     """Run requests of different lengths (so the batch shrinks as they finish) and count, independently of
     the engine's counters, the batch size of every decode step the runner executed."""
     seen: collections.Counter = collections.Counter()
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
     def counting(out):
         if out.kind == "decode":
-            seen[len(out.seqs)] += 1
-        return execute(out)
+            seen[out.num_decode] += 1
+        return launch(out)
 
-    engine.runner.execute = counting
+    engine.runner.launch = counting
     try:
         for i, n in enumerate((2, 5, 9, 9, 3)):
             engine.add_request(f"r{i}", [1, 2, 3, 4 + i], SamplingParams(temperature=0.0, max_tokens=n,
@@ -43,7 +43,7 @@ def run_and_count(engine) -> collections.Counter:
         while engine.has_unfinished():
             engine.step()
     finally:
-        engine.runner.execute = execute
+        engine.runner.launch = launch
     return seen
 
 

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ostinato import cli
 from ostinato.errors import ConfigError, InvalidRequestError
 from ostinato.runner import kv_setup
+from ostinato.runner.decode_batch import BLOCKS, DecodeLayout
 from ostinato.sampling_params import SamplingParams
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -83,17 +84,19 @@ class _LargestTensor(TorchDispatchMode):
 def test_self_check_inputs_cost_nothing_per_block():
     """A pool of millions of tiny blocks: the random block tables must not cost O(num_blocks) per row (one
     randperm(num_blocks) per row ran an H200 out of memory)."""
-    runner = SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=512), block_size=16,
-                             device=torch.device("cpu"), model_config=SimpleNamespace(vocab_size=1000))
+    spec = SimpleNamespace(block_size=16, device=torch.device("cpu"), model_config=SimpleNamespace(vocab_size=1000))
     num_blocks = 5_000_000
+    layout = DecodeLayout(rows=8, blocks_per_seq=32, block_size=16, scratch_block=num_blocks)
     with _LargestTensor() as mode:
-        inputs = kv_setup._random_decode_inputs(runner, num_blocks, 8)
-    tables = inputs["block_tables"]
+        rows = kv_setup._random_decode_rows(spec, layout, 8)["batch"]
+    tables = rows[:, BLOCKS:]
     assert tables.shape == (8, 32) and tables.dtype == torch.int32
-    assert 0 <= int(tables.min()) and int(tables.max()) < num_blocks
-    assert mode.largest <= 8 * 32, f"an op built a tensor of {mode.largest} elements"
-    small = kv_setup._random_decode_inputs(runner, 3, 4)["block_tables"]  # fewer blocks than a row is wide
-    assert small.shape == (4, 32) and int(small.max()) < 3
+    # real blocks, and the scratch block (index num_blocks) where each row writes its new token's K/V
+    assert 0 <= int(tables.min()) and int(tables.max()) <= num_blocks
+    assert mode.largest <= 8 * layout.width, f"an op built a tensor of {mode.largest} elements"
+    small_layout = DecodeLayout(rows=4, blocks_per_seq=32, block_size=16, scratch_block=3)
+    small = kv_setup._random_decode_rows(spec, small_layout, 4)["batch"][:, BLOCKS:]  # fewer blocks than a row
+    assert small.shape == (4, 32) and int(small.max()) <= 3
 
 
 # ---- the CLI keeps its word ---------------------------------------------------------------------------------

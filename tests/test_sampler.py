@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ostinato.engine.request import ScheduledSeq
-from ostinato.runner.sampler import Sampler, SamplingBatch, draw_seed
+from ostinato.runner.sampler import Sampler, SamplingBatch, draw_seed, row_key, uniform
 from ostinato.sampling_params import SamplingParams
 
 
@@ -77,14 +77,32 @@ def test_batch_flags_describe_the_rows():
     sampler = Sampler("cpu", 0)
     batch: SamplingBatch = sampler.prepare(seqs_for([
         SamplingParams(temperature=0.0, top_k=50),  # greedy: its top-k does not count
-        SamplingParams(top_k=7, logprobs=3),
+        SamplingParams(top_k=7, logprobs=3, temperature=0.5),
         SamplingParams(top_p=0.9, seed=5),
-    ]))
-    assert (batch.all_greedy, batch.any_greedy, batch.any_top_k, batch.any_top_p) == (False, True, True, True)
-    assert batch.max_top_k == 7 and batch.max_num_logprobs == 3 and batch.num_logprobs == (None, 3, None)
-    assert [row for row, _ in batch.seeded_rows] == [2]
-    assert batch.is_greedy.tolist() == [True, False, False]
-    assert batch.temperature.tolist() == [1.0, 1.0, 1.0] and batch.top_k.tolist() == [50, 7, 0]
+    ], num_generated=[0, 4, 9]))
+    assert batch.any_filtered and batch.max_num_logprobs == 3 and batch.num_logprobs == (None, 3, None)
+    assert batch.temperature.tolist() == [0.0, 0.5, 1.0] and batch.top_k.tolist() == [0, 7, 0]
+    assert batch.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9]) and batch.counter.tolist() == [0, 4, 9]
+    assert batch.key[2].item() == row_key(5, 12345, 99)  # a seeded key depends on the seed alone
+    plain = sampler.prepare(seqs_for([SamplingParams(temperature=0.0), SamplingParams()]))
+    assert not plain.any_filtered and plain.max_num_logprobs is None and plain.num_logprobs is None
+
+
+def test_device_hash_matches_its_host_reference():
+    # The decode graph draws u on the device; draw_seed is the same hash in Python integers.
+    seeds, counters = [0, 1, -1, 2**63 + 5, 12345], [0, 1, 7, 1000, 2**20]
+    keys = torch.tensor([row_key(s, 0, 0) for s in seeds for _ in counters])
+    ctr = torch.tensor([k for _ in seeds for k in counters])
+    expected = [(draw_seed(s, k) >> 40) / 2**24 for s in seeds for k in counters]
+    assert uniform(keys, ctr).tolist() == expected
+    assert len(set(expected)) == len(expected)
+
+
+def test_uniform_is_uniform():
+    u = uniform(torch.full((200_000,), row_key(3, 0, 0)), torch.arange(200_000))
+    assert 0.0 <= u.min() and u.max() < 1.0
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert (counts - 20_000).abs().max() < 600  # ~4 sigma
 
 
 # ---- seeds ----------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`ostinato` command line: make-checkpoint, generate, serve, bench, bench serve, verify, advise."""
+"""`ostinato` command line: make-checkpoint, generate, serve, bench (serve, host, engine, throughput), verify,
+advise."""
 
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 # Commands in modules with optional dependencies: a missing one must not hide the other commands, and the
 # command itself must still say what to install.
 _OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench": "bench",
-                      "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.verify": "verify",
+                      "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.bench_host": "bench-host",
+                      "ostinato.tools.bench_engine": "bench-engine", "ostinato.tools.verify": "verify",
                       "ostinato.tools.advise": "advise"}
-_SPELLED = {"bench-serve": "bench serve"}  # how --help shows a command (vLLM's spelling)
+# how --help shows a command (vLLM's spelling); main() maps `bench X` to `bench-X`
+_SPELLED = {f"bench-{x}": f"bench {x}" for x in ("serve", "host", "engine", "throughput")}
 
 
 def _log_level(text: str) -> str:
@@ -102,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `ostinato bench serve ...` is spelled like vLLM's; it is the bench-serve command.
-    if argv[:2] == ["bench", "serve"]:
-        argv = ["bench-serve"] + argv[2:]
+    # `ostinato bench serve|host|engine|throughput ...` (spelled like vLLM's) are the bench-* commands.
+    i = argv.index("bench") if "bench" in argv else -1
+    if i >= 0 and argv[i + 1:i + 2] in (["serve"], ["host"], ["engine"], ["throughput"]):
+        argv = argv[:i] + ["bench-" + argv[i + 1]] + argv[i + 2:]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap scheduling with the GPU: launch decode step n+1 before reading step n's tokens "
+                        "(--no-async-scheduling waits for each step)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -269,6 +269,8 @@ class EngineArgs:
     served_model_name: str | None = None
     max_queued_requests: int | None = None
     tokenizer: str | None = None
+    # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)

@@ -90,6 +90,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._inflight = None  # the launched decode step whose tokens are not read yet (async_scheduling)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -169,19 +170,32 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. With async_scheduling a decode step is launched and the tokens of the decode
+        step before it are read and returned instead: the CPU prepares step n+1 while the GPU runs step n."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty and not out.left and self._inflight is None:
             return []
-        sampled = self.runner.execute(out)
-        self.scheduler.update(out, [s.token_id for s in sampled])
+        pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
+        if out.kind == "decode" and self.args.async_scheduling:
+            ready = [self._inflight] if self._inflight is not None else []
+            self._inflight = pending
+        else:  # a prefill (or idle) step reads what is in flight too: the next step starts from settled tokens
+            ready = [p for p in (self._inflight, pending) if p is not None]
+            self._inflight = None
         now = time.monotonic()
-        self._generation_tokens_total += len(sampled)
         touched: dict[str, _RequestState] = {}
-        for sched, tok in zip(out.seqs, sampled):
-            state, st = self._seq_owner[sched.seq_id]
-            state.first_token_time = state.first_token_time or now
-            self._process_token(st, tok)
-            touched[state.request_id] = state
+        for p in ready:
+            result = p.result()  # waits for that step's tokens
+            self.scheduler.update(result.seq_ids, result.token_ids)
+            for seq_id, tok in zip(result.seq_ids, result.tokens):
+                owner = self._seq_owner.get(seq_id)
+                if owner is None or owner[1].finish_reason is not None:
+                    continue  # finished (or aborted) at the step before: a wasted row, never an extra token
+                state, st = owner
+                self._generation_tokens_total += 1
+                state.first_token_time = state.first_token_time or now
+                self._process_token(st, tok)
+                touched[state.request_id] = state
         outputs = []
         for state in touched.values():
             if state.finished:

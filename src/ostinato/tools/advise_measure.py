@@ -1,10 +1,10 @@
 """The GPU half of `ostinato advise`: time decode and prefill and read graph memory through the engine's own
 runner, into a `Measurements` record (advise_costs.py). Everything torch-specific of `advise` lives here.
 
-- Decode: at each captured batch size and each context, B sequences over random block tables of the real
-  KV pool (blocks shared between rows when the pool is too small: the time depends on bytes read, not on
-  which blocks); eager = `runner.decode_logits` launched op by op, graph = `runner.graphs.run` (input copies
-  + one replay), as `ostinato bench` times them: CUDA events, median of --iters after --warmup.
+- Decode: at each captured batch size and each context, B rows of the engine's persistent decode batch over
+  random block tables of the real KV pool; eager = the decode step launched op by op, graph = the rows'
+  copy + one replay (sampling inside), as `ostinato bench` times them (bench.replay_ms): CUDA events,
+  median of --iters after --warmup.
 - Prefill: one prompt of L tokens through the model up to its last token's logits, eager.
 - Graph memory: per-size increments from the engine's own start-up capture (CaptureReport.bytes_by_size,
   largest first); what a set whose largest size is s pays first (pool, shared output, capture workspace)
@@ -22,27 +22,9 @@ from ..config import default_capture_sizes
 from ..errors import ConfigError, CudaGraphCaptureError
 from ..runner.memory import kv_block_bytes
 from .advise_costs import Measurements
-from .bench import _time_cuda
+from .bench import _time_cuda, replay_ms
 
 logger = logging.getLogger(__name__)
-
-
-def _decode_inputs(runner, batch: int, context: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    num_blocks, block = runner.cache_config.num_blocks, runner.block_size
-    width = math.ceil((context + 1) / block)
-    if batch * width <= num_blocks:
-        tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
-    else:
-        tables = torch.randint(0, num_blocks, (batch, width), generator=gen)
-    dev = runner.device
-    return {
-        "input_ids": torch.randint(0, runner.model_config.vocab_size, (batch,), generator=gen).to(dev),
-        "positions": torch.full((batch,), context, dtype=torch.int64, device=dev),
-        # K/V of the new token go to the scratch slot: timing must not depend on (or disturb) real blocks
-        "slot_mapping": torch.full((batch,), num_blocks * block, dtype=torch.int64, device=dev),
-        "block_tables": tables.to(torch.int32).to(dev),
-        "context_lens": torch.full((batch,), context + 1, dtype=torch.int32, device=dev),
-    }
 
 
 def _prefill_ms(runner, length: int, iters: int, warmup: int) -> float:
@@ -71,7 +53,7 @@ def _first_bytes(runner, sizes: list[int]) -> dict[int, int]:
     try:
         for size in sizes:
             try:
-                out[size] = _estimate_graph_bytes(runner, size, runner.graphs._backend)
+                out[size] = _estimate_graph_bytes(runner.kv_spec, size, runner.graphs._backend)
             except (CudaGraphCaptureError, torch.cuda.OutOfMemoryError) as e:  # no room: fewer probe points
                 logger.warning("graph memory probe of size %d failed (%s); interpolating without it", size, e)
     finally:
@@ -96,9 +78,9 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
         for ctx in contexts:
             e_row, g_row = [], []
             for b in sizes:
-                inp = _decode_inputs(runner, b, ctx, gen)
-                e_row.append(_time_cuda(lambda: runner.decode_logits(**inp), iters, warmup))
-                g_row.append(_time_cuda(lambda: runner.graphs.run(**inp), iters, warmup))
+                e_ms, g_ms = replay_ms(runner, b, ctx, gen, iters, warmup)
+                e_row.append(e_ms)
+                g_row.append(g_ms)
                 logger.info("context %d batch %d: eager %.3f ms, graph %.3f ms", ctx, b, e_row[-1], g_row[-1])
             eager.append(tuple(e_row))
             graph.append(tuple(g_row))
