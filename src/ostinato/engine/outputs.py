@@ -28,16 +28,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
 
-    def add(self, later: "CompletionOutput") -> None:
-        """Append a later DELTA of the same completion (O(size of the delta))."""
-        self.text += later.text
-        self.token_ids.extend(later.token_ids)
-        if later.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(later.logprobs)
-        self.finish_reason = later.finish_reason
-
 
 @dataclass
 class RequestOutput:
@@ -53,21 +43,36 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
 
-    def add(self, later: "RequestOutput") -> None:
-        """Fold a later DELTA output of the same request into this one, in place: what a stream consumer that
-        fell behind does with the deltas that queued up, and how deltas reassemble into the whole output."""
-        by_index = {c.index: c for c in self.outputs}
-        for c in later.outputs:
-            mine = by_index.get(c.index)
-            if mine is None:
-                mine = CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None)
-                self.outputs.append(mine)
-                by_index[c.index] = mine
-            mine.add(c)
-        self.outputs.sort(key=lambda c: c.index)
-        self.finished = later.finished
-        self.first_token_time = self.first_token_time or later.first_token_time
-        self.finished_time = later.finished_time
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """Join consecutive DELTA outputs of one request into one output, in O(their total size).
+
+    A stream consumer that fell behind merges the deltas that queued up; merging all of a request's deltas
+    gives what a FINAL_ONLY request returns.
+    """
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
+    texts: dict[int, list[str]] = {}
+    merged: dict[int, CompletionOutput] = {}
+    for delta in deltas:
+        for c in delta.outputs:
+            m = merged.get(c.index)
+            if m is None:
+                m = merged[c.index] = CompletionOutput(c.index, "", [], None,
+                                                       [] if c.logprobs is not None else None)
+                texts[c.index] = []
+            texts[c.index].append(c.text)
+            m.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                m.logprobs.extend(c.logprobs)
+            m.finish_reason = c.finish_reason
+    for index, m in merged.items():
+        m.text = "".join(texts[index])
+    first_token_time = next((d.first_token_time for d in deltas if d.first_token_time is not None), None)
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
+                         [merged[i] for i in sorted(merged)], last.finished, last.arrival_time,
+                         first_token_time, last.finished_time)
 
 
 @dataclass(frozen=True)

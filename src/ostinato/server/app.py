@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -30,8 +31,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..cli_args import add_engine_args, engine_args_from
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
-from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.outputs import CompletionOutput, RequestOutput, merge_deltas
 from ..errors import InvalidRequestError, QueueFullError
+from ..sampling_params import RequestOutputKind
 from .metrics import ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
@@ -188,20 +190,12 @@ def _usage(out: RequestOutput) -> UsageInfo:
 
 
 class _ChoiceCursor:
-    """What of one completion was already sent in a stream: text, tokens, and whether it finished."""
+    """One completion of a stream: tokens sent so far (for usage) and the character offset of the next token
+    (completions logprobs' text_offset)."""
 
     def __init__(self) -> None:
-        self.text_len = 0
         self.num_tokens = 0
-        self.done = False
-        self.text_offset = 0  # completions logprobs: character offset of the next token
-
-    def advance(self, c: CompletionOutput) -> tuple[str, slice]:
-        """The new text and the slice of new tokens since the last call."""
-        delta, tokens = c.text[self.text_len:], slice(self.num_tokens, len(c.token_ids))
-        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
-        self.done = c.finish_reason is not None
-        return delta, tokens
+        self.text_offset = 0
 
 
 class _Formatter:
@@ -213,9 +207,9 @@ class _Formatter:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, c: CompletionOutput, tokens: slice, cursor: _ChoiceCursor) -> CompletionLogprobs:
+    def completion_logprobs(self, c: CompletionOutput, cursor: _ChoiceCursor) -> CompletionLogprobs:
         lp = CompletionLogprobs()
-        for entry in (c.logprobs or [])[tokens]:
+        for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
             lp.tokens.append(text)
             lp.token_logprobs.append(entry.logprob)
@@ -224,9 +218,9 @@ class _Formatter:
             cursor.text_offset += len(text)
         return lp
 
-    def chat_logprobs(self, c: CompletionOutput, tokens: slice) -> ChatLogprobs:
+    def chat_logprobs(self, c: CompletionOutput) -> ChatLogprobs:
         content = []
-        for entry in (c.logprobs or [])[tokens]:
+        for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
             top = [TopLogprob(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode())) for t, v in entry.top]
             content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
@@ -260,17 +254,16 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _final_output(request: Request, stream: RequestStream) -> RequestOutput | None:
-    """The request's last output, or None if the client disconnected first (the request is then aborted)."""
+    """The request's whole output (its DELTA outputs merged), or None if the client disconnected first (the
+    request is then aborted)."""
 
-    async def last() -> RequestOutput:
-        final = None
-        async for final in stream:
-            pass
-        if final is None or not final.finished:
+    async def collect() -> RequestOutput:
+        deltas = [out async for out in stream]
+        if not deltas or not deltas[-1].finished:
             raise EngineDeadError("the request was aborted before it finished")
-        return final
+        return merge_deltas(deltas)
 
-    consumer = asyncio.ensure_future(last())
+    consumer = asyncio.ensure_future(collect())
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -343,7 +336,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = serving_engine()
         check_model(body.model)
-        prompt, params = body.single_prompt(), body.to_sampling_params()
+        prompt, params = body.single_prompt(), _as_delta(body.to_sampling_params())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
@@ -356,8 +349,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
             return Response(status_code=499)  # nobody is listening any more
         choices = []
         for c in final.outputs:
-            cursor = _ChoiceCursor()
-            lp = fmt.completion_logprobs(c, slice(0, len(c.token_ids)), cursor) if want_logprobs else None
+            lp = fmt.completion_logprobs(c, _ChoiceCursor()) if want_logprobs else None
             choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
         return JSONResponse(CompletionResponse(id=request_id, model=served_model_name, choices=choices,
                                                usage=_usage(final)).model_dump())
@@ -367,7 +359,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
         engine = serving_engine()
         check_model(body.model)
         prompt_ids = _chat_prompt_ids(engine.tokenizer, body)
-        params = body.to_sampling_params(len(prompt_ids), engine.scheduler_config.max_model_len)
+        params = _as_delta(body.to_sampling_params(len(prompt_ids), engine.scheduler_config.max_model_len))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt_ids, params)
         fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
@@ -379,12 +371,17 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
         if final is None:
             return Response(status_code=499)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=fmt.chat_logprobs(c, slice(0, len(c.token_ids))) if want_logprobs else None,
+                              logprobs=fmt.chat_logprobs(c) if want_logprobs else None,
                               finish_reason=c.finish_reason) for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices,
                                                    usage=_usage(final)).model_dump())
 
     return app
+
+
+def _as_delta(params):
+    """The server streams (and merges non-streamed answers from) DELTA outputs: O(new tokens) per step."""
+    return replace(params, output_kind=RequestOutputKind.DELTA)
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
@@ -409,35 +406,36 @@ def _stream_error(exc: Exception) -> str:
 
 
 async def _choice_events(stream: RequestStream, make_choice, make_chunk, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body shared by completions and chat: one chunk per choice that advanced, then the usage chunk
-    when asked for, then [DONE]. make_choice(output, delta, tokens, cursor) builds a choice; make_chunk(choices,
-    usage) the chunk around it."""
+    """The SSE body shared by completions and chat: for every (merged) DELTA output, one chunk per completion
+    that advanced, sent together; then the usage chunk when asked for, then [DONE].
+    make_choice(completion, cursor) builds a choice; make_chunk(choices, usage) the chunk around it."""
     cursors: dict[int, _ChoiceCursor] = {}
-    final = None
+    prompt_len = 0
     try:
         async for out in stream:
-            final = out
+            prompt_len = len(out.prompt_token_ids)
+            events = []
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, _ChoiceCursor())
-                if cursor.done:
-                    continue
-                delta, tokens = cursor.advance(c)
-                if not delta and not cursor.done and tokens.start == tokens.stop:
-                    continue
+                cursor.num_tokens += len(c.token_ids)
                 # One choice per chunk, as OpenAI and vLLM stream n > 1: clients read chunk.choices[0].
-                yield _sse(make_chunk([make_choice(c, delta, tokens, cursor)], None))
+                events.append(_sse(make_chunk([make_choice(c, cursor)], None)))
+            if events:
+                yield "".join(events)
     except EngineDeadError as e:
         yield _stream_error(e)
-    if include_usage and final is not None:
-        yield _sse(make_chunk([], _usage(final)))
+    if include_usage and cursors:
+        completion = sum(c.num_tokens for c in cursors.values())
+        yield _sse(make_chunk([], UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
+                                            total_tokens=prompt_len + completion)))
     yield "data: [DONE]\n\n"
 
 
 def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, delta, tokens, cursor):
-        lp = fmt.completion_logprobs(c, tokens, cursor) if want_logprobs else None
-        return CompletionChoice(index=c.index, text=delta, logprobs=lp, finish_reason=c.finish_reason)
+    def choice(c, cursor):
+        lp = fmt.completion_logprobs(c, cursor) if want_logprobs else None
+        return CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)
 
     def chunk(choices, usage):
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
@@ -447,9 +445,9 @@ def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: 
 
 async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, n: int, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, delta, tokens, cursor):
-        lp = fmt.chat_logprobs(c, tokens) if want_logprobs else None
-        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta or None), logprobs=lp,
+    def choice(c, cursor):
+        lp = fmt.chat_logprobs(c) if want_logprobs else None
+        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None), logprobs=lp,
                                finish_reason=c.finish_reason)
 
     def chunk(choices, usage):
