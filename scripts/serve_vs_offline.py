@@ -31,10 +31,16 @@ import urllib.request
 
 def _noop_forward() -> None:
     """Replace the model step by a no-op that 'samples' each sequence's last fed token: everything around the
-    forward (scheduler, engine, outputs, server) still runs."""
+    forward (scheduler, engine, outputs, server) still runs. With OSTINATO_NOOP_FORWARD_MS set, the no-op
+    sleeps that long (releasing the GIL, as a GPU step's wait does), so the engine steps at a GPU's pace
+    instead of racing ahead of the server with batches of one or two."""
     from ostinato.runner import runner as runner_mod
 
+    delay = float(os.environ.get("OSTINATO_NOOP_FORWARD_MS", "0")) / 1000
+
     def execute(self, out):
+        if delay:
+            time.sleep(delay)
         return [runner_mod.SampledToken(token_id=s.token_ids[-1]) for s in out.seqs]
 
     runner_mod.ModelRunner.execute = execute
@@ -84,13 +90,36 @@ def _cpu_report(pid: int, before: dict[int, float], after: dict[int, float], tok
     return "CPU ms per 1k output tokens by server thread: " + ", ".join(parts)
 
 
-def _child_serve(ns, engine_argv: list[str]) -> None:
-    from ostinato.cli import main
+def _noop_engine(args):
+    """The server's engine factory under --noop-forward (module-level: the engine core process, started with
+    spawn, imports this script to find it)."""
+    from ostinato.engine.core_process import build_engine
 
-    if ns.noop_forward:
-        _noop_forward()
-    sys.exit(main(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port), "--host", "127.0.0.1",
-                   *engine_argv]))
+    _noop_forward()
+    return build_engine(args)
+
+
+def _child_serve(ns, engine_argv: list[str]) -> None:
+    import logging
+
+    from ostinato.cli import build_parser
+    from ostinato.server import app
+
+    try:
+        from ostinato.engine.core_process import build_engine
+    except ImportError:  # a tree from before the engine core process: the engine runs on a thread
+        if ns.noop_forward:
+            _noop_forward()
+        from ostinato.cli import main
+
+        sys.exit(main(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port), "--host", "127.0.0.1",
+                       *engine_argv]))
+
+    logging.basicConfig(level="WARNING")
+    serve_ns = build_parser().parse_args(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port),
+                                          "--host", "127.0.0.1", *engine_argv]
+                                         + (["--engine-thread"] if ns.engine_thread else []))
+    sys.exit(app.run(serve_ns, engine_factory=_noop_engine if ns.noop_forward else build_engine))
 
 
 def _bench_config(ns):
@@ -113,6 +142,14 @@ def _children(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+def _decode_steps(port: int) -> int:
+    """Decode steps the server ran so far (graph + eager), from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("ostinato:decode_steps_total{")))
 
 
 def _wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
@@ -142,6 +179,10 @@ def main() -> int:
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--noop-forward", action="store_true", help="replace the model step by a no-op (CPU runs)")
+    p.add_argument("--noop-forward-ms", type=float, default=0.0,
+                   help="with --noop-forward: each step sleeps this long, like a GPU forward (e.g. 3.5)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="serve with the engine on a thread of the server's process (serve --engine-thread)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--child", choices=["offline", "serve"], help=argparse.SUPPRESS)
     ns = p.parse_args(own)
@@ -153,6 +194,7 @@ def main() -> int:
         return 0
 
     me = [sys.executable, os.path.abspath(__file__), *own]
+    os.environ["OSTINATO_NOOP_FORWARD_MS"] = str(ns.noop_forward_ms)  # the children (and the core) read it
     res = subprocess.run([*me, "--child", "offline", "--", *engine_argv], check=True, stdout=subprocess.PIPE,
                          text=True)
     offline = json.loads(res.stdout.strip().splitlines()[-1])
@@ -166,7 +208,11 @@ def main() -> int:
 
         pids = [server.pid, *_children(server.pid)]
         before = {pid: _thread_cpu(pid) for pid in pids}
+        steps_before = _decode_steps(ns.port)
+        client_cpu = time.process_time()
         summary = asyncio.run(run_benchmark(_bench_config(ns)))
+        client_cpu = time.process_time() - client_cpu
+        steps = _decode_steps(ns.port) - steps_before
         cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
                      for pid in pids]
     finally:
@@ -176,9 +222,14 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
     print(format_table(summary))
+    if steps:  # counted by the model runner, so not under --noop-forward
+        print(f"server: {steps} decode steps, {summary['total_output_tokens'] / steps:.1f} output tokens per "
+              "decode step (prefill steps give a token each too)")
     print(f"offline CPU ms per 1k output tokens: {1e6 * offline['cpu_s'] / offline['output_tokens']:.0f}")
     for pid, line in zip(pids, cpu_lines):
         print(f"pid {pid}: {line}")
+    print(f"the load generator (bench serve, this process): "
+          f"{1e6 * client_cpu / max(summary['total_output_tokens'], 1):.0f} CPU ms per 1k output tokens")
     ratio = summary["output_throughput"] / offline["output_throughput"]
     print(f"\nLLM.generate {offline['output_throughput']:.0f} tok/s | server {summary['output_throughput']:.0f} "
           f"tok/s (median ITL {summary['itl_ms']['median']:.2f} ms) | server/offline = {ratio:.2f} "

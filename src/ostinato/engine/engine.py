@@ -96,7 +96,8 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> list[int]:
+        """Validate and queue a request; returns the prompt's token ids."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt)
@@ -118,6 +119,7 @@ class LLMEngine:
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
         self._prompt_tokens_total += len(prompt_ids)
+        return prompt_ids
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:

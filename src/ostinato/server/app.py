@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import os
 import uuid
@@ -31,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..cli_args import add_engine_args, engine_args_from
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
+from ..engine.core_process import ProcessAsyncEngine, build_engine
 from ..engine.outputs import CompletionOutput, RequestOutput, merge_deltas
 from ..errors import InvalidRequestError, QueueFullError
 from ..sampling_params import RequestOutputKind
@@ -275,7 +277,7 @@ async def _final_output(request: Request, stream: RequestStream) -> RequestOutpu
 
 
 # ---- the app -----------------------------------------------------------------------------------------------
-def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_model_name: str,
+def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | None = None, served_model_name: str,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `async_engine` (which may still be loading: /health says 503 until ready).
 
@@ -405,10 +407,25 @@ def _stream_error(exc: Exception) -> str:
     return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status)))
 
 
-async def _choice_events(stream: RequestStream, make_choice, make_chunk, include_usage: bool) -> AsyncIterator[str]:
+class _ChunkWriter:
+    """Writes a stream's SSE chunks as JSON directly: every chunk of a stream shares its envelope (id, object,
+    created, model), and building and validating pydantic models per token costs more than the rest of the
+    chunk's work. The envelope comes from the pydantic model once, so the fields and their order are the
+    model's; tests compare the two."""
+
+    def __init__(self, empty_chunk: BaseModel):
+        self._chunk = empty_chunk.model_dump()  # {"id", "object", "created", "model", "choices": [], "usage"}
+
+    def event(self, choice: dict) -> str:
+        self._chunk["choices"] = [choice]  # one choice per chunk, as OpenAI and vLLM stream n > 1
+        return f"data: {json.dumps(self._chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _choice_events(stream: RequestStream, writer: _ChunkWriter, make_choice, make_chunk,
+                         include_usage: bool) -> AsyncIterator[str]:
     """The SSE body shared by completions and chat: for every (merged) DELTA output, one chunk per completion
-    that advanced, sent together; then the usage chunk when asked for, then [DONE].
-    make_choice(completion, cursor) builds a choice; make_chunk(choices, usage) the chunk around it."""
+    that advanced, written together; then the usage chunk when asked for, then [DONE].
+    make_choice(completion, cursor) builds a choice as a dict; make_chunk(choices, usage) the usage chunk."""
     cursors: dict[int, _ChoiceCursor] = {}
     prompt_len = 0
     try:
@@ -418,8 +435,7 @@ async def _choice_events(stream: RequestStream, make_choice, make_chunk, include
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, _ChoiceCursor())
                 cursor.num_tokens += len(c.token_ids)
-                # One choice per chunk, as OpenAI and vLLM stream n > 1: clients read chunk.choices[0].
-                events.append(_sse(make_chunk([make_choice(c, cursor)], None)))
+                events.append(writer.event(make_choice(c, cursor)))
             if events:
                 yield "".join(events)
     except EngineDeadError as e:
@@ -433,22 +449,22 @@ async def _choice_events(stream: RequestStream, make_choice, make_chunk, include
 
 def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, cursor):
-        lp = fmt.completion_logprobs(c, cursor) if want_logprobs else None
-        return CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)
+    def choice(c, cursor) -> dict:  # CompletionChoice's fields, in its order
+        lp = fmt.completion_logprobs(c, cursor).model_dump() if want_logprobs else None
+        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     def chunk(choices, usage):
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    return _choice_events(stream, choice, chunk, include_usage)
+    return _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage)
 
 
 async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, n: int, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, cursor):
-        lp = fmt.chat_logprobs(c) if want_logprobs else None
-        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None), logprobs=lp,
-                               finish_reason=c.finish_reason)
+    def choice(c, cursor) -> dict:  # ChatChunkChoice's fields, in its order
+        lp = fmt.chat_logprobs(c).model_dump() if want_logprobs else None
+        return {"index": c.index, "delta": {"role": None, "content": c.text or None}, "logprobs": lp,
+                "finish_reason": c.finish_reason}
 
     def chunk(choices, usage):
         return ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage)
@@ -456,7 +472,7 @@ async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: 
     # OpenAI opens each choice with a chunk carrying the role; clients rely on it.
     for i in range(n):
         yield _sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None))
-    async for event in _choice_events(stream, choice, chunk, include_usage):
+    async for event in _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage):
         yield event
 
 
@@ -472,6 +488,9 @@ def register(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSTINATO_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; larger ones get HTTP 413")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of in its own process "
+                        "(slower: the engine and the HTTP work then share one GIL)")
     p.set_defaults(func=run)
 
 
@@ -479,15 +498,18 @@ _UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "war
                        "INFO": "info", "DEBUG": "debug"}
 
 
-def run(ns: argparse.Namespace) -> int:
-    """Load the model on the engine thread while uvicorn already answers /health (503), then serve."""
+def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
+    """Load the model in the engine core process (or on the engine thread, --engine-thread) while uvicorn
+    already answers /health (503), then serve. engine_factory(EngineArgs) builds the engine; for the core
+    process it must be a module-level function (spawn pickles it by name)."""
     import uvicorn
-
-    from ..engine.engine import LLMEngine
 
     args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
     name = args.served_model_name or Path(args.model).resolve().name  # the name LLMEngine gives it
-    async_engine = AsyncEngine(lambda: LLMEngine(args))
+    if getattr(ns, "engine_thread", False):
+        async_engine = AsyncEngine(lambda: engine_factory(args))
+    else:
+        async_engine = ProcessAsyncEngine(args, factory=engine_factory)
     app = build_app(async_engine, api_key=ns.api_key, served_model_name=name, max_body_bytes=ns.max_body_bytes)
     log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=log_level))
