@@ -8,7 +8,7 @@ the server's process only parses HTTP, routes outputs and writes JSON.
 
 Protocol (pickled tuples over two one-way pipes):
 - front -> core: ("add", request_id, prompt, params) | ("abort", request_id) | ("stats", call_id) | ("stop",)
-- core -> front: ("ready", graph_status) | ("added", request_id, prompt_token_ids, error) |
+- core -> front: ("ready", EngineInfo) | ("added", request_id, prompt_token_ids, error) |
   ("step", outputs, now) | ("stats", call_id, EngineStats) | ("dead", cause)
 
 Per step the core sends one message: the step's DELTA outputs (what the server asks for) without the prompt
@@ -34,7 +34,6 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from ..config import EngineArgs, ModelConfig
@@ -69,7 +68,9 @@ def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, c
     # poll system call (and a selector object) every step.
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_pump, args=(commands, inbox), name="ostinato-core-commands", daemon=True).start()
-    events.send(("ready", engine.graph_status))
+    # The engine's own tokenizer and configs, so the server formats with exactly what the engine uses.
+    events.send(("ready", EngineInfo(args, engine.tokenizer, engine.model_config, engine.scheduler_config,
+                                     engine.served_model_name, engine.graph_status)))
     while True:
         # Block for a command only when idle; otherwise take what has arrived and step.
         while not inbox.empty() or not engine.has_unfinished():
@@ -114,10 +115,12 @@ def _pump(commands, inbox: queue.SimpleQueue) -> None:
 # ---- the server's side --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the server reads of the engine (AsyncEngine.engine gives an LLMEngine with the same attributes)."""
+    """What the server may read of the engine, sent by the core once it is loaded (AsyncEngine.engine gives an
+    LLMEngine, which has the same attributes). graph_status is as of start-up."""
 
     args: EngineArgs
     tokenizer: object
+    model_config: ModelConfig
     scheduler_config: object
     served_model_name: str
     graph_status: str
@@ -316,18 +319,8 @@ class ProcessAsyncEngine:
         finally:
             self._ready.set()
 
-    def _on_ready(self, graph_status: str) -> None:
-        from .engine import load_tokenizer
-
-        args = self.args
-        try:  # the front's own tokenizer: chat templates and logprob token strings, without a round trip
-            tokenizer = load_tokenizer(args.tokenizer or args.model)
-            scheduler_config = args.scheduler_config(ModelConfig.from_dir(args.model))
-        except Exception as e:
-            self._die(f"the server could not load the tokenizer: {type(e).__name__}: {e}")
-            return
-        name = args.served_model_name or Path(args.model).resolve().name
-        self._info = EngineInfo(args, tokenizer, scheduler_config, name, graph_status)
+    def _on_ready(self, info: EngineInfo) -> None:
+        self._info = info
         self._ready.set()
 
     def _on_added(self, request_id: str, prompt_token_ids, error) -> None:
@@ -355,11 +348,12 @@ class ProcessAsyncEngine:
                 by_loop[pending.stream.loop].append((pending.stream, out))
                 if finished:
                     del self._requests[request_id]
-        if self.observer is not None:
-            try:
-                self.observer.on_step(outputs, now)
-            except Exception:  # metrics must never take the engine down
-                logger.exception("step observer failed")
+            # Under the lock, so an abort either comes before (its request is skipped above) or after.
+            if self.observer is not None:
+                try:
+                    self.observer.on_step(outputs, now)
+                except Exception:  # metrics must never take the engine down
+                    logger.exception("step observer failed")
         for loop, batch in by_loop.items():
             if not _call_soon(loop, _deliver, batch):  # that loop is closed: nobody is listening
                 for stream, _ in batch:

@@ -407,6 +407,10 @@ def _stream_error(exc: Exception) -> str:
     return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status)))
 
 
+# One encoder for every chunk (json.dumps with options builds a new one per call); compact, as pydantic writes.
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 class _ChunkWriter:
     """Writes a stream's SSE chunks as JSON directly: every chunk of a stream shares its envelope (id, object,
     created, model), and building and validating pydantic models per token costs more than the rest of the
@@ -418,7 +422,7 @@ class _ChunkWriter:
 
     def event(self, choice: dict) -> str:
         self._chunk["choices"] = [choice]  # one choice per chunk, as OpenAI and vLLM stream n > 1
-        return f"data: {json.dumps(self._chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"data: {_encode_json(self._chunk)}\n\n"
 
 
 async def _choice_events(stream: RequestStream, writer: _ChunkWriter, make_choice, make_chunk,
