@@ -2,6 +2,8 @@
 stop strings, logprobs); a stream never shows part of a stop string; and what the engine builds per step does
 not grow with the length of the output."""
 
+import json
+
 import pytest
 
 from ostinato import LLM, RequestOutputKind, SamplingParams
@@ -143,3 +145,58 @@ def test_what_a_step_builds_does_not_grow_with_the_output(llm, monkeypatch):
         temperature=0.0, max_tokens=n_tokens, ignore_eos=True, output_kind=FINAL))
     assert len(final) == 1 and len(final[0].outputs[0].token_ids) == n_tokens
     assert len(wholes) == 1 and len(joins) == 1  # built once, when the request finished
+
+
+def test_stream_chunks_written_directly_equal_the_pydantic_models():
+    """The server writes stream chunks as JSON itself (per-token pydantic models cost too much); each chunk must
+    be exactly what the response models would have written."""
+    import asyncio
+
+    from ostinato.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+    from ostinato.server.app import _chat_events, _completion_events, _Formatter
+    from ostinato.server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
+                                          CompletionResponse, DeltaMessage)
+
+    class Tokenizer:
+        def decode(self, ids):
+            return {5: "é", 6: " \"q\"\n", 7: "x"}[ids[0]]
+
+    fmt = _Formatter(Tokenizer())
+    steps = [RequestOutput("r", None, [1, 2], [CompletionOutput(0, "é", [5], None, [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)])])],
+                           False, 0.0),
+             RequestOutput("r", None, [1, 2], [CompletionOutput(0, ' "q"\n', [6], "stop", [TokenLogprob(6, -0.25, [(6, -0.25)])])],
+                           True, 0.0)]
+
+    async def stream():
+        for out in steps:
+            yield out
+
+    async def lines(events):
+        return [e async for e in events]
+
+    for want_lp in (False, True):
+        got = asyncio.run(lines(_completion_events(stream(), "cmpl-1", "m", fmt, want_lp, False)))
+        offset = _ChoiceCursorLike()
+        for event, out in zip(got, steps):
+            (c,) = out.outputs
+            lp = fmt.completion_logprobs(c, offset) if want_lp else None
+            model = CompletionResponse(id="cmpl-1", model="m", choices=[
+                CompletionChoice(index=0, text=c.text, logprobs=lp, finish_reason=c.finish_reason)])
+            created = json.loads(event[len("data: "):])["created"]
+            assert event == f"data: {model.model_copy(update={'created': created}).model_dump_json()}\n\n"
+        assert got[-1] == "data: [DONE]\n\n"
+        got = asyncio.run(lines(_chat_events(stream(), "chat-1", "m", fmt, want_lp, 1, False)))[1:]  # after the role
+        for event, out in zip(got, steps):
+            (c,) = out.outputs
+            model = ChatCompletionChunk(id="chat-1", model="m", choices=[
+                ChatChunkChoice(index=0, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                                logprobs=fmt.chat_logprobs(c) if want_lp else None)])
+            created = json.loads(event[len("data: "):])["created"]
+            assert event == f"data: {model.model_copy(update={'created': created}).model_dump_json()}\n\n"
+
+
+class _ChoiceCursorLike:
+    """A fresh text-offset counter, as the server's cursor keeps one per completion."""
+
+    num_tokens = 0
+    text_offset = 0
