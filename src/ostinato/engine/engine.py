@@ -103,6 +103,9 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_lengths(prompt_ids, params)
         limit = self.scheduler_config.max_queued_requests
+        if limit is not None and params.n > limit:  # no retry could ever queue it: 400, not 429
+            raise InvalidRequestError(f"n ({params.n}) exceeds the waiting queue's bound --max-queued-requests "
+                                      f"{limit}, so the request could never be queued whole: lower n", param="n")
         if limit is not None and self.scheduler.num_waiting + params.n > limit:
             # Checked up front so that a request with n > 1 is queued whole or not at all.
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} of {limit}); "
@@ -134,8 +137,15 @@ class LLMEngine:
         if isinstance(prompt, str):
             if prompt == "":  # checked before encoding: a tokenizer that adds BOS would make it non-empty
                 raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+            if not prompt.isascii():
+                try:  # a lone surrogate makes the tokenizer raise a TypeError that says nothing useful
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise InvalidRequestError(f"the prompt contains a lone UTF-16 surrogate at character {e.start}; "
+                                              "send valid Unicode text", param="prompt") from None
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
+        self.scheduler.check_prompt_len(len(ids))  # before the scan below, which is as long as the list
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -268,4 +278,6 @@ class LLMEngine:
             graph_capture_seconds=self.runner.graph_capture_seconds,
             graphs_enabled=self.runner.graphs_enabled,
             graph_disabled_cause=self.runner.graph_disabled_cause,
+            decode_batch_sizes=dict(g.steps_by_batch),
+            max_num_seqs=self.scheduler_config.max_num_seqs,
         )

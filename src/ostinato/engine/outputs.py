@@ -94,3 +94,6 @@ class EngineStats:
     graph_capture_seconds: float
     graphs_enabled: bool
     graph_disabled_cause: str | None
+    # Decode steps by their real batch size (graph and eager alike): the server's decode_batch_size histogram.
+    decode_batch_sizes: dict[int, int] = field(default_factory=dict)
+    max_num_seqs: int = 0

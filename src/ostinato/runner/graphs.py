@@ -40,7 +40,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -154,6 +154,7 @@ class GraphStats:
     padded_rows: int  # rows of graph steps computed only to fill the graph
     replays_by_size: Mapping[int, int]
     disabled_cause: str | None
+    steps_by_batch: Mapping[int, int] = field(default_factory=dict)  # real batch size -> decode steps (graph or eager)
 
     @property
     def graphs_enabled(self) -> bool:
@@ -291,6 +292,7 @@ class CudaGraphRunner:
         self._graph_steps = self._eager_steps = self._oversize_steps = 0
         self._real_rows = self._padded_rows = 0
         self._replays_by_size: dict[int, int] = {}
+        self._steps_by_batch: dict[int, int] = {}  # the server's decode_batch_size histogram
 
     @classmethod
     def from_config(cls, fn: Callable[..., torch.Tensor], inputs: Sequence[StaticInput], config: GraphConfig,
@@ -330,6 +332,7 @@ class CudaGraphRunner:
             captured_sizes=self.captured_sizes, graph_steps=self._graph_steps, eager_steps=self._eager_steps,
             oversize_steps=self._oversize_steps, real_rows=self._real_rows, padded_rows=self._padded_rows,
             replays_by_size=dict(self._replays_by_size), disabled_cause=self._disabled_cause,
+            steps_by_batch=dict(self._steps_by_batch),
         )
 
     # --------------------------------------------------------------------------------------- capture
@@ -471,6 +474,7 @@ class CudaGraphRunner:
         if self.graphs_enabled and not self._captured:
             raise RuntimeError("call capture() before run()")
         size = pick_graph_size(n, self._sizes) if self._graphs else None
+        self._steps_by_batch[n] = self._steps_by_batch.get(n, 0) + 1
         if size is None:
             self._eager_steps += 1
             self._oversize_steps += int(self.graphs_enabled)

@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..engine.outputs import EngineStats, RequestOutput
 
@@ -84,6 +85,24 @@ class _EngineStatsCollector(Collector):
         yield gauge("cuda_graph_memory_bytes", "Device memory held by the CUDA-graph pool.", s.graph_memory_bytes)
         yield gauge("cuda_graph_capture_seconds", "Time spent capturing graphs at start-up.", s.graph_capture_seconds)
         yield gauge("cuda_graphs_enabled", "1 when decode steps run as CUDA-graph replays.", int(s.graphs_enabled))
+        yield decode_batch_size_histogram(name, s.decode_batch_sizes, s.max_num_seqs)
+
+
+def decode_batch_size_histogram(model_name: str, steps_by_batch: dict[int, int], max_num_seqs: int) -> Metric:
+    """`ostinato:decode_batch_size`: sequences per decode step, one observation per step (graph or eager).
+
+    One bucket per possible batch size (le = 1, 2, ..., max_num_seqs): the exact distribution, which
+    `ostinato advise --from-metrics` turns into CUDA-graph capture sizes for the server's next start."""
+    hist = HistogramMetricFamily(PREFIX + "decode_batch_size", "Sequences in each decode step (one observation "
+                                 "per step; a bucket per batch size).", labels=["model_name"])
+    top = max([max_num_seqs, *steps_by_batch])
+    buckets, seen = [], 0
+    for size in range(1, top + 1):
+        seen += steps_by_batch.get(size, 0)
+        buckets.append((floatToGoString(size), seen))  # le="8.0", as Histogram writes its bounds
+    buckets.append(("+Inf", seen))
+    hist.add_metric([model_name], buckets, sum_value=sum(n * c for n, c in steps_by_batch.items()))
+    return hist
 
 
 class ServerMetrics:
