@@ -11,18 +11,19 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 
-from ostinato import RequestOutputKind, SamplingParams
-from ostinato.config import EngineArgs
-from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
-from ostinato.engine.engine import LLMEngine
-from ostinato.engine.outputs import merge_deltas
-from ostinato.errors import EngineDeadError
-from ostinato.server.app import build_app
-from ostinato.tools.checkpoint import make_checkpoint
+pytest.importorskip("fastapi")  # the server's dependencies (the GPU machine has none)
+httpx = pytest.importorskip("httpx")
 
+from ostinato import RequestOutputKind, SamplingParams  # noqa: E402
+from ostinato.config import EngineArgs  # noqa: E402
+from ostinato.engine.core_process import ProcessAsyncEngine, build_engine  # noqa: E402
+from ostinato.engine.engine import LLMEngine  # noqa: E402
+from ostinato.engine.outputs import merge_deltas  # noqa: E402
+from ostinato.errors import EngineDeadError  # noqa: E402
+from ostinato.server.app import build_app  # noqa: E402
+from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
 
 
 def _slow_engine(args: EngineArgs) -> LLMEngine:

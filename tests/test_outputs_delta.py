@@ -152,6 +152,7 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
     be exactly what the response models would have written."""
     import asyncio
 
+    pytest.importorskip("fastapi")
     from ostinato.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
     from ostinato.server.app import _chat_events, _completion_events, _Formatter
     from ostinato.server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
