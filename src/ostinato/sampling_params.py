@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import struct
 from dataclasses import dataclass
 
 from .errors import InvalidRequestError
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (as vLLM's SamplingParams.output_kind).
+
+    CUMULATIVE: everything generated so far, every step (each output copies the whole completion: O(length)).
+    DELTA: only what is new since the request's previous output; merge_deltas (engine/outputs.py) joins them.
+    FINAL_ONLY: one output, when the request finishes, holding everything. LLM.generate always uses this.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 def _as_float32(x: float) -> float:
@@ -47,6 +61,7 @@ class SamplingParams:
     # Keep the stop string in the returned text (OpenAI does not; vLLM's default is False too).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable-frozen.
@@ -87,6 +102,8 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..config import EngineArgs, ModelConfig
 from ..errors import InvalidRequestError, QueueFullError
-from ..sampling_params import SamplingParams
-from .detokenizer import IncrementalDetokenizer, StopChecker
+from ..sampling_params import RequestOutputKind, SamplingParams
+from .detokenizer import IncrementalDetokenizer, OutputText
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
 from .request import Sequence, SequenceStatus
 from .scheduler import Scheduler
@@ -26,15 +26,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _SeqState:
-    """Engine-side bookkeeping of one sequence: its text and logprobs."""
+    """Engine-side bookkeeping of one sequence: its text and logprobs, and how much of them the request's
+    DELTA outputs have handed out already."""
 
     seq: Sequence
     index: int
     detok: IncrementalDetokenizer
-    stop: StopChecker
-    text: str = ""  # output text, cut at a stop string once one is found
+    text: OutputText  # released text, cut at a stop string once one is found
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    sent_tokens: int = 0  # DELTA: output tokens (and logprobs) already in an output
+    sent_pieces: int = 0  # DELTA: pieces of text.pieces already in an output
+    sent_finish: bool = False  # DELTA: the finish reason went out
 
 
 @dataclass
@@ -94,7 +97,8 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> list[int]:
+        """Validate and queue a request; returns the prompt's token ids."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt)
@@ -113,12 +117,13 @@ class LLMEngine:
             self.scheduler.add(seq)  # may raise QueueFullError / InvalidRequestError
             st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                               params.skip_special_tokens),
-                           StopChecker(params.stop, params.include_stop_str_in_output),
+                           OutputText(params.stop, params.include_stop_str_in_output),
                            logprobs=[] if params.logprobs is not None else None)
             state.seqs.append(st)
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
         self._prompt_tokens_total += len(prompt_ids)
+        return prompt_ids
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -203,15 +208,18 @@ class LLMEngine:
                 self._requests.pop(state.request_id, None)
                 for st in state.seqs:
                     self._seq_owner.pop(st.seq.seq_id, None)
-            outputs.append(self._make_output(state))
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _process_token(self, st: _SeqState, tok) -> None:
+        """Take one sampled token: detokenize it, look for stop strings, decide whether the sequence ends.
+        O(1) in the sequence's length."""
         seq, params = st.seq, st.seq.sampling_params
         if st.logprobs is not None:
             st.logprobs.append(TokenLogprob(tok.token_id, tok.logprob, (tok.top or [])[: params.logprobs]))
-        delta = st.detok.append(tok.token_id)
-        st.text, hit = st.stop.check(st.detok.text, len(delta))
+        hit = st.text.append(st.detok.append(tok.token_id))
         reason = None
         if hit:
             reason = "stop"
@@ -223,18 +231,40 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             st.finish_reason = reason
+            st.text.finish()
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self.scheduler.finish(seq.seq_id, status)
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        comps = []
-        for st in state.seqs:
-            finished = st.finish_reason is not None
-            text = st.text if finished else st.stop.releasable(st.text)
-            comps.append(CompletionOutput(st.index, text, list(st.seq.output_token_ids), st.finish_reason,
-                                          list(st.logprobs) if st.logprobs is not None else None))
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        """The request's output for this step, as its output_kind asks; None when there is nothing to send."""
+        kind = state.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            comps = [c for c in map(self._delta, state.seqs) if c is not None]
+        else:
+            comps = [self._whole(st) for st in state.seqs]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, state.finished,
                              state.arrival_time, state.first_token_time, state.finished_time)
+
+    @staticmethod
+    def _whole(st: _SeqState) -> CompletionOutput:
+        """Everything so far: O(length), so built every step only for CUMULATIVE requests."""
+        return CompletionOutput(st.index, st.text.text, list(st.seq.output_token_ids), st.finish_reason,
+                                list(st.logprobs) if st.logprobs is not None else None)
+
+    @staticmethod
+    def _delta(st: _SeqState) -> CompletionOutput | None:
+        """What is new since this sequence's last delta (O(new tokens)); None if nothing is."""
+        tokens, pieces = st.seq.output_token_ids, st.text.pieces
+        if st.sent_tokens == len(tokens) and (st.finish_reason is None or st.sent_finish):
+            return None
+        out = CompletionOutput(st.index, "".join(pieces[st.sent_pieces:]), tokens[st.sent_tokens:],
+                               st.finish_reason,
+                               st.logprobs[st.sent_tokens:] if st.logprobs is not None else None)
+        st.sent_tokens, st.sent_pieces = len(tokens), len(pieces)
+        st.sent_finish = st.finish_reason is not None
+        return out
 
     # ---- introspection -----------------------------------------------------------------------------
     @property

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
 import os
 import uuid
@@ -37,8 +38,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..cli_args import add_engine_args, engine_args_from
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
-from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.core_process import ProcessAsyncEngine, build_engine
+from ..engine.outputs import CompletionOutput, RequestOutput, merge_deltas
 from ..errors import InvalidRequestError, QueueFullError
+from ..sampling_params import RequestOutputKind
 from .limits import ServerLimits, add_limit_args, limits_from
 from .metrics import ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -206,20 +209,12 @@ def _usage(out: RequestOutput) -> UsageInfo:
 
 
 class _ChoiceCursor:
-    """What of one completion was already sent in a stream: text, tokens, and whether it finished."""
+    """One completion of a stream: tokens sent so far (for usage) and the character offset of the next token
+    (completions logprobs' text_offset)."""
 
     def __init__(self) -> None:
-        self.text_len = 0
         self.num_tokens = 0
-        self.done = False
-        self.text_offset = 0  # completions logprobs: character offset of the next token
-
-    def advance(self, c: CompletionOutput) -> tuple[str, slice]:
-        """The new text and the slice of new tokens since the last call."""
-        delta, tokens = c.text[self.text_len:], slice(self.num_tokens, len(c.token_ids))
-        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
-        self.done = c.finish_reason is not None
-        return delta, tokens
+        self.text_offset = 0
 
 
 class _Formatter:
@@ -231,9 +226,9 @@ class _Formatter:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, c: CompletionOutput, tokens: slice, cursor: _ChoiceCursor) -> CompletionLogprobs:
+    def completion_logprobs(self, c: CompletionOutput, cursor: _ChoiceCursor) -> CompletionLogprobs:
         lp = CompletionLogprobs()
-        for entry in (c.logprobs or [])[tokens]:
+        for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
             lp.tokens.append(text)
             lp.token_logprobs.append(entry.logprob)
@@ -242,9 +237,9 @@ class _Formatter:
             cursor.text_offset += len(text)
         return lp
 
-    def chat_logprobs(self, c: CompletionOutput, tokens: slice) -> ChatLogprobs:
+    def chat_logprobs(self, c: CompletionOutput) -> ChatLogprobs:
         content = []
-        for entry in (c.logprobs or [])[tokens]:
+        for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
             top = [TopLogprob(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode())) for t, v in entry.top]
             content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
@@ -300,17 +295,16 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _final_output(request: Request, stream: RequestStream) -> RequestOutput | None:
-    """The request's last output, or None if the client disconnected first (the request is then aborted)."""
+    """The request's whole output (its DELTA outputs merged), or None if the client disconnected first (the
+    request is then aborted)."""
 
-    async def last() -> RequestOutput:
-        final = None
-        async for final in stream:
-            pass
-        if final is None or not final.finished:
+    async def collect() -> RequestOutput:
+        deltas = [out async for out in stream]
+        if not deltas or not deltas[-1].finished:
             raise EngineDeadError("the request was aborted before it finished")
-        return final
+        return merge_deltas(deltas)
 
-    consumer = asyncio.ensure_future(last())
+    consumer = asyncio.ensure_future(collect())
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -347,7 +341,7 @@ def _openapi_without_422(app: FastAPI) -> Callable[[], dict]:
     return openapi
 
 
-def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_model_name: str,
+def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | None = None, served_model_name: str,
               max_body_bytes: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` (which may still be loading: /health says 503 until ready).
 
@@ -440,7 +434,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = serving_engine()
         check_model(body.model)
-        params = body.to_sampling_params()
+        params = _as_delta(body.to_sampling_params())
         check_limits(body, params.logprobs)
         prompt = await prompt_ids(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -454,8 +448,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
             return Response(status_code=499)  # nobody is listening any more
         choices = []
         for c in final.outputs:
-            cursor = _ChoiceCursor()
-            lp = fmt.completion_logprobs(c, slice(0, len(c.token_ids)), cursor) if want_logprobs else None
+            lp = fmt.completion_logprobs(c, _ChoiceCursor()) if want_logprobs else None
             choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
         return JSONResponse(CompletionResponse(id=request_id, model=served_model_name, choices=choices,
                                                usage=_usage(final)).model_dump())
@@ -469,7 +462,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
         limits.check_prompt_chars(sum(len(m["content"]) for m in messages), max_len, param="messages")
         prompt = await off_loop(_chat_prompt_ids, engine.tokenizer, messages)
         limits.check_prompt_tokens(len(prompt), max_len, param="messages")
-        params = body.to_sampling_params(len(prompt), max_len)
+        params = _as_delta(body.to_sampling_params(len(prompt), max_len))
         check_limits(body, params.logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
@@ -481,12 +474,17 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
         if final is None:
             return Response(status_code=499)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=fmt.chat_logprobs(c, slice(0, len(c.token_ids))) if want_logprobs else None,
+                              logprobs=fmt.chat_logprobs(c) if want_logprobs else None,
                               finish_reason=c.finish_reason) for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices,
                                                    usage=_usage(final)).model_dump())
 
     return app
+
+
+def _as_delta(params):
+    """The server streams (and merges non-streamed answers from) DELTA outputs: O(new tokens) per step."""
+    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
 
 
 def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -508,49 +506,68 @@ def _stream_error(exc: EngineDeadError) -> str:
     return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="service_unavailable", code=503)))
 
 
-async def _choice_events(stream: RequestStream, make_choice, make_chunk, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body shared by completions and chat: one chunk per choice that advanced, then the usage chunk
-    when asked for, then [DONE]. make_choice(output, delta, tokens, cursor) builds a choice; make_chunk(choices,
-    usage) the chunk around it."""
+# One encoder for every chunk (json.dumps with options builds a new one per call); compact, as pydantic writes.
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class _ChunkWriter:
+    """Writes a stream's SSE chunks as JSON directly: every chunk of a stream shares its envelope (id, object,
+    created, model), and building and validating pydantic models per token costs more than the rest of the
+    chunk's work. The envelope comes from the pydantic model once, so the fields and their order are the
+    model's; tests compare the two."""
+
+    def __init__(self, empty_chunk: BaseModel):
+        self._chunk = empty_chunk.model_dump()  # {"id", "object", "created", "model", "choices": [], "usage"}
+
+    def event(self, choice: dict) -> str:
+        self._chunk["choices"] = [choice]  # one choice per chunk, as OpenAI and vLLM stream n > 1
+        return f"data: {_encode_json(self._chunk)}\n\n"
+
+
+async def _choice_events(stream: RequestStream, writer: _ChunkWriter, make_choice, make_chunk,
+                         include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body shared by completions and chat: for every (merged) DELTA output, one chunk per completion
+    that advanced, written together; then the usage chunk when asked for, then [DONE].
+    make_choice(completion, cursor) builds a choice as a dict; make_chunk(choices, usage) the usage chunk."""
     cursors: dict[int, _ChoiceCursor] = {}
-    final = None
+    prompt_len = 0
     try:
         async for out in stream:
-            final = out
+            prompt_len = len(out.prompt_token_ids)
+            events = []
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, _ChoiceCursor())
-                if cursor.done:
-                    continue
-                delta, tokens = cursor.advance(c)
-                if not delta and not cursor.done and tokens.start == tokens.stop:
-                    continue
-                # One choice per chunk, as OpenAI and vLLM stream n > 1: clients read chunk.choices[0].
-                yield _sse(make_chunk([make_choice(c, delta, tokens, cursor)], None))
+                cursor.num_tokens += len(c.token_ids)
+                events.append(writer.event(make_choice(c, cursor)))
+            if events:
+                yield "".join(events)
     except EngineDeadError as e:
         yield _stream_error(e)
-    if include_usage and final is not None:
-        yield _sse(make_chunk([], _usage(final)))
+    if include_usage and cursors:
+        completion = sum(c.num_tokens for c in cursors.values())
+        yield _sse(make_chunk([], UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
+                                            total_tokens=prompt_len + completion)))
     yield "data: [DONE]\n\n"
 
 
 def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, delta, tokens, cursor):
-        lp = fmt.completion_logprobs(c, tokens, cursor) if want_logprobs else None
-        return CompletionChoice(index=c.index, text=delta, logprobs=lp, finish_reason=c.finish_reason)
+    def choice(c, cursor) -> dict:  # CompletionChoice's fields, in its order
+        lp = fmt.completion_logprobs(c, cursor).model_dump() if want_logprobs else None
+        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     def chunk(choices, usage):
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    return _choice_events(stream, choice, chunk, include_usage)
+    return _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage)
 
 
 async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, n: int, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, delta, tokens, cursor):
-        lp = fmt.chat_logprobs(c, tokens) if want_logprobs else None
-        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta or None), logprobs=lp,
-                               finish_reason=c.finish_reason)
+    def choice(c, cursor) -> dict:  # ChatChunkChoice's fields, in its order
+        lp = fmt.chat_logprobs(c).model_dump() if want_logprobs else None
+        return {"index": c.index, "delta": {"role": None, "content": c.text or None}, "logprobs": lp,
+                "finish_reason": c.finish_reason}
 
     def chunk(choices, usage):
         return ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage)
@@ -558,7 +575,7 @@ async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: 
     # OpenAI opens each choice with a chunk carrying the role; clients rely on it.
     for i in range(n):
         yield _sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None))
-    async for event in _choice_events(stream, choice, chunk, include_usage):
+    async for event in _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage):
         yield event
 
 
@@ -573,6 +590,9 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("OSTINATO_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSTINATO_API_KEY)")
     add_limit_args(p)
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of in its own process "
+                        "(slower: the engine and the HTTP work then share one GIL)")
     p.set_defaults(func=run)
 
 
@@ -580,17 +600,21 @@ _UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "war
                        "INFO": "info", "DEBUG": "debug"}
 
 
-def run(ns: argparse.Namespace) -> int:
-    """Load the model on the engine thread while uvicorn already answers /health (503), then serve."""
+def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
+    """Load the model in the engine core process (or on the engine thread, --engine-thread) while uvicorn
+    already answers /health (503), then serve. engine_factory(EngineArgs) builds the engine; for the core
+    process it must be a module-level function (spawn pickles it by name)."""
     import uvicorn
 
-    from ..engine.engine import LLMEngine
     from .http import uvicorn_config
 
     args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
     limits = limits_from(ns)
     name = args.served_model_name or Path(args.model).resolve().name  # the name LLMEngine gives it
-    async_engine = AsyncEngine(lambda: LLMEngine(args))
+    if getattr(ns, "engine_thread", False):
+        async_engine = AsyncEngine(lambda: engine_factory(args))
+    else:
+        async_engine = ProcessAsyncEngine(args, factory=engine_factory)
     app = build_app(async_engine, api_key=ns.api_key, served_model_name=name, limits=limits)
     log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
     server = uvicorn.Server(uvicorn_config(app, limits, host=ns.host, port=ns.port, log_level=log_level))

@@ -122,28 +122,27 @@ class ServerMetrics:
         self.model_name = model_name
         self._engine = _EngineStatsCollector(model_name)
         self.registry.register(self._engine)
-        # request id -> (time it last got tokens, tokens so far over all n completions). Engine thread only.
-        self._progress: dict[str, tuple[float, int]] = {}
+        # request id -> time it last got tokens. Engine thread only.
+        self._progress: dict[str, float] = {}
 
     # ---- StepObserver (engine thread) -------------------------------------------------------------
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
+        # The engine outputs a request in a step only when the step sampled tokens for it (DELTA and
+        # CUMULATIVE requests every such step, FINAL_ONLY ones at the end), so each output is progress.
         for out in outputs:
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
-            last = self._progress.get(out.request_id)
+            last = self._progress.pop(out.request_id, None)
             if last is None:
-                if num_tokens:
-                    first = out.first_token_time if out.first_token_time is not None else now
-                    self.ttft.observe(max(0.0, first - out.arrival_time))
-            elif num_tokens > last[1]:
-                self.itl.observe(now - last[0])
+                first = out.first_token_time if out.first_token_time is not None else now
+                self.ttft.observe(max(0.0, first - out.arrival_time))
+            else:
+                self.itl.observe(now - last)
             if out.finished:
-                self._progress.pop(out.request_id, None)
                 end = out.finished_time if out.finished_time is not None else now
                 self.e2e.observe(max(0.0, end - out.arrival_time))
                 reason = out.outputs[0].finish_reason if out.outputs else None
                 self._success.labels(self.model_name, reason or "unknown").inc()
-            elif last is None or num_tokens > last[1]:
-                self._progress[out.request_id] = (now, num_tokens)
+            else:
+                self._progress[out.request_id] = now
 
     def on_request_aborted(self, request_id: str) -> None:
         self._progress.pop(request_id, None)
