@@ -317,7 +317,8 @@ def test_cuda_graphs_equal_eager_at_padded_sizes_while_rows_join_and_leave(ckpt,
     prompts, params = _workload()
     params[1] = SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True)  # seeded, in the graph
     params[2] = SamplingParams(temperature=0.8, top_k=20, seed=4, max_tokens=14, ignore_eos=True)  # after it
-    kw = dict(device="cuda", dtype="float32", max_num_seqs=4, num_kv_blocks=64, async_scheduling=async_scheduling)
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=4, num_kv_blocks=64, max_model_len=512,
+              async_scheduling=async_scheduling)
     eager = LLM(str(ckpt), enforce_eager=True, **kw)
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     graphed = LLM(str(ckpt), cuda_graph_sizes=(1, 2, 4), **kw)
