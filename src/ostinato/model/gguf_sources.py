@@ -203,6 +203,10 @@ def _convert(path: Path, out: Path, marker: dict) -> None:
         tied = bool(config.get("tie_word_embeddings"))
         weights = {name: t.contiguous() for name, t in model.state_dict().items()
                    if not (tied and name == "lm_head.weight")}  # a tied head shares embed_tokens' storage
+        kept = sorted(name for name, t in weights.items() if t.dtype != torch.float32)
+        if kept:  # newer transformers can keep GGUF blocks packed when a matmul kernel is installed
+            raise CheckpointError(f"transformers left {len(kept)} tensor(s) of {path.name} quantized (e.g. "
+                                  f"{kept[0]}); ostinato needs them dequantized: uninstall the `kernels` package")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         # The EOS the GGUF declares ends HF generate too (generation_config.json is what it reads).
