@@ -23,6 +23,7 @@ from ostinato.model.gguf_sources import gguf_to_hf_dir, short_name_path
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 24
+CHAT_TOKENS = 48
 QUESTIONS = [
     "What is the capital of France? Please answer in one short sentence.",
     "Name three primary colors and explain in one sentence why they are called primary.",
@@ -181,20 +182,23 @@ def _reply(seen: str) -> str:
 def test_terminal_chat_two_turns_then_interrupt(llm, cache_env):
     env = dict(os.environ, PYTHONPATH=str(SRC), OSTINATO_CACHE_DIR=cache_env, TERM="dumb")
     argv = ["-m", "ostinato", "--log-level", "WARNING", "chat", MODEL, "--device", "cpu", "--dtype", "float32",
-            "--temperature", "0", "--max-tokens", "200", "--max-model-len", "512", "--num-kv-blocks", "64"]
+            "--temperature", "0", "--max-tokens", str(CHAT_TOKENS), "--max-model-len", "512", "--num-kv-blocks", "64"]
+    params = SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS)
     child = _Pty(argv, env)
     try:
         child.expect(r"Chatting with smollm2-135m.*\n>>> ", timeout=300)
         history = []
-        for question in ("What is the capital of France?", "And what is the capital of Germany?"):
+        for question in ("My name is Ada. What is the capital of France?", "What is my name?"):
             child.send(question + "\n")
             reply = _reply(child.expect(r"\n>>> ", timeout=300))
             history.append({"role": "user", "content": question})
             # The conversation is kept: the reply is what LLM.chat gives for the whole history so far.
-            expected = llm.chat(history, SamplingParams(temperature=0.0, max_tokens=200))[0].outputs[0].text
+            expected = llm.chat(history, params)[0].outputs[0].text
             assert reply == expected.rstrip("\n")
             history.append({"role": "assistant", "content": expected})
         assert "Paris" in history[1]["content"]
+        # ... and that check has teeth: without the first turn, the second reply would differ.
+        assert llm.chat(history[2:3], params)[0].outputs[0].text != history[3]["content"]
 
         child.send("Write a very long story about a dragon who learns to bake bread.\n")
         child.expect(r"\n\S+", timeout=300)  # the reply has started streaming
@@ -204,3 +208,25 @@ def test_terminal_chat_two_turns_then_interrupt(llm, cache_env):
         assert child.wait(timeout=60) == 0
     finally:
         child.kill()
+
+
+def test_terminal_chat_prompt_keys(llm, monkeypatch, capsys):
+    """At the prompt: Ctrl-C does not leave (it says how to), /clear forgets the conversation, Ctrl-D leaves."""
+    from ostinato.chat_repl import TerminalChat
+
+    keys = iter([KeyboardInterrupt, "/clear", "   ", EOFError])
+
+    def fake_input(prompt):
+        key = next(keys)
+        if isinstance(key, type) and issubclass(key, BaseException):
+            raise key
+        return key
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    chat = TerminalChat(llm.engine, SamplingParams(max_tokens=1), system="Be brief.")
+    chat.history.append({"role": "user", "content": "an earlier turn"})
+    chat.loop()  # returns: Ctrl-D left the chat
+    out = capsys.readouterr().out
+    assert "(/exit or Ctrl-D leaves" in out and "(conversation cleared)" in out
+    assert chat.history == [{"role": "system", "content": "Be brief."}]
+    assert next(keys, None) is None  # every key was read: nothing left the loop early
