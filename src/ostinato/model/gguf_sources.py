@@ -198,6 +198,7 @@ def _convert(path: Path, out: Path, marker: dict) -> None:
         config.pop("quantization_config", None)  # the saved values are plain float32: nothing quantized
         config["architectures"] = [type(model).__name__]
         # What `--dtype auto` runs on a GPU (the stored values stay float32, the exact dequantized ones).
+        config.pop("torch_dtype", None)  # older transformers' name for it
         config["dtype"] = "bfloat16"
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         tied = bool(config.get("tie_word_embeddings"))
