@@ -50,8 +50,9 @@ def run(args) -> int:
 
 
 class TerminalChat:
-    def __init__(self, engine, params, system: str | None = None, out: TextIO = sys.stdout):
-        self.engine, self.params, self.out = engine, params, out
+    def __init__(self, engine, params, system: str | None = None, out: TextIO | None = None):
+        self.engine, self.params = engine, params
+        self.out = out or sys.stdout  # looked up per chat, not once at import (tests swap sys.stdout)
         self.start = [{"role": "system", "content": system}] if system else []
         self.history = list(self.start)
         self._turns = 0
