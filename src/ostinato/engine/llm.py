@@ -1,19 +1,22 @@
-"""The offline API: `LLM(model_dir, **engine_args).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)` and `.chat(messages)`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from ..config import EngineArgs
 from ..errors import ConfigError, InvalidRequestError
 from ..sampling_params import RequestOutputKind, SamplingParams
+from .chat_prompt import render_chat
 from .engine import LLMEngine
 from .outputs import RequestOutput
 
 
 class LLM:
-    """Loads a model folder and generates for a batch of prompts with continuous batching.
+    """Loads a model (HF folder, GGUF file or short name, e.g. "smollm2-135m") and generates for batches of
+    prompts or conversations with continuous batching.
 
     engine_args are EngineArgs fields (dtype, max_model_len, max_num_seqs, enforce_eager, ...).
     """
@@ -80,3 +83,23 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[rid] for rid in ids]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Like vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a batch of them,
+        each rendered by the model's chat template (or `chat_template`) and generated like a prompt.
+        One output per conversation, in order; its `prompt` is the rendered text."""
+        if not messages:
+            raise InvalidRequestError("messages is empty; pass a conversation or a list of them", param="messages")
+        batch = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        rendered = [render_chat(self.tokenizer, conv, chat_template=chat_template,
+                                add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                chat_template_kwargs=chat_template_kwargs) for conv in batch]
+        outs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text
+        return outs

@@ -127,7 +127,7 @@ def run(args) -> int:
     kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
     gen = torch.Generator().manual_seed(0)
     rows = []
-    hf = None if args.no_hf else _load_hf(args.model, runner.dtype, runner.device)
+    hf = None if args.no_hf else _load_hf(engine.model_dir, runner.dtype, runner.device)
     print(f"model {args.model}: {weights / 1e9:.2f} GB weights, {runner.dtype}, graphs: {engine.graph_status}")
     with torch.inference_mode():
         for bs in args.batch_sizes:

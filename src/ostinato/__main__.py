@@ -1,0 +1,7 @@
+"""`python -m ostinato ...` is the `ostinato` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

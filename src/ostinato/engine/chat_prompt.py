@@ -1,0 +1,35 @@
+"""A conversation rendered by the model's chat template, as the prompt text and its token ids.
+
+One place for LLM.chat and `ostinato chat`, so that both send exactly what the template writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import InvalidRequestError
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) for one conversation: a list of {"role": ..., "content": ...} messages."""
+    if not messages:
+        raise InvalidRequestError("a conversation needs at least one message", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}",
+                                      param="messages")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model has no chat template; pass chat_template=... or use generate() "
+                                  "with a plain prompt", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **dict(chat_template_kwargs or {}))
+    except Exception as e:  # jinja2 errors raised by the template itself (e.g. "roles must alternate")
+        raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
+    # The template writes any BOS token itself: encoding must not add another.
+    return text, tokenizer.encode(text, add_special_tokens=False)

