@@ -114,7 +114,6 @@ class LLMEngine:
             state.seqs.append(st)
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
-        self._prompt_tokens_total += len(prompt_ids)
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -169,7 +168,11 @@ class LLMEngine:
         touched: dict[str, _RequestState] = {}
         for sched, tok in zip(out.seqs, sampled):
             state, st = self._seq_owner[sched.seq_id]
-            state.first_token_time = state.first_token_time or now
+            if state.first_token_time is None:
+                # Its prefill ran: the prompt counts now, once per request as in vLLM (not when queued, and
+                # not again when a preempted sequence is recomputed; num_preemptions counts those).
+                state.first_token_time = now
+                self._prompt_tokens_total += len(state.prompt_token_ids)
             self._process_token(st, tok)
             touched[state.request_id] = state
         outputs = []
