@@ -71,3 +71,21 @@ def test_padded_rows_write_only_the_scratch_block(eager_and_graph):
     # ... and the padded rows did write somewhere: the scratch block, which eager never touches.
     assert any(k[-1].abs().sum() > 0 for k, _ in kv_pool(graph))
     assert all(k[-1].abs().sum() == 0 for k, _ in kv_pool(eager))
+
+
+@pytest.mark.gpu
+def test_real_cuda_graphs_pad_into_the_scratch_block_only(args):
+    """The same check with real CUDA graphs (the Triton backend) against --enforce-eager on the GPU, fp32."""
+    from dataclasses import replace
+
+    graph = LLMEngine(replace(args, device="cuda", cuda_graph_sizes=SIZES))
+    eager = LLMEngine(replace(args, device="cuda", enforce_eager=True))
+    for k, v in kv_pool(graph):
+        k[-1].zero_(), v[-1].zero_()
+    assert run(graph) == run(eager)
+    st = graph.stats()
+    assert st.decode_steps_eager == 0 and st.padded_rows > 0 and st.captured_sizes == SIZES
+    for (ke, ve), (kg, vg) in zip(kv_pool(eager), kv_pool(graph)):
+        torch.testing.assert_close(kg[:NUM_BLOCKS], ke[:NUM_BLOCKS], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(vg[:NUM_BLOCKS], ve[:NUM_BLOCKS], rtol=1e-4, atol=1e-4)
+    assert any(k[-1].abs().sum() > 0 for k, _ in kv_pool(graph))
