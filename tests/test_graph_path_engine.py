@@ -5,10 +5,8 @@ never into a real sequence's slots."""
 import pytest
 import torch
 
-from graph_engine import engine_with_recorded_graphs, kv_pool
-from ostinato.config import EngineArgs
-from ostinato.engine.engine import LLMEngine
-from ostinato.sampling_params import SamplingParams
+from graph_engine import kv_pool, recorded_graphs
+from ostinato import LLM, SamplingParams
 from ostinato.tools.checkpoint import make_checkpoint
 
 SIZES = (1, 2, 4, 8)
@@ -19,31 +17,29 @@ MAX_TOKENS = [6, 9, 12, 15, 20]
 
 
 @pytest.fixture(scope="module")
-def args(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("graph-path") / "ckpt", shape="tiny", family="llama", seed=3)
-    return EngineArgs(model=str(path), device="cpu", dtype="float32", num_kv_blocks=NUM_BLOCKS, max_model_len=64,
-                      max_num_seqs=8)
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("graph-path") / "ckpt", shape="tiny", family="llama", seed=3)
 
 
-def run(engine):
-    """Greedy outputs of PROMPTS, all submitted at once, by request id."""
-    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_TOKENS)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+def make_llm(checkpoint, **kw):
+    return LLM(str(checkpoint), dtype="float32", num_kv_blocks=NUM_BLOCKS, max_model_len=64, max_num_seqs=8, **kw)
+
+
+def run(llm):
+    """Greedy token ids of PROMPTS, submitted together (so decode batches shrink as they finish)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
 
 
 @pytest.fixture(scope="module")
-def eager_and_graph(args):
-    eager, graph = LLMEngine(args), engine_with_recorded_graphs(args, SIZES)
+def eager_and_graph(checkpoint):
+    eager = make_llm(checkpoint, device="cpu")
+    with recorded_graphs(SIZES):
+        graph = make_llm(checkpoint, device="cpu")
     # The self-check at start-up wrote to the scratch block; clear it to see what decode steps write there.
-    for k, v in kv_pool(graph):
+    for k, v in kv_pool(graph.engine):
         k[-1].zero_(), v[-1].zero_()
-    return eager, run(eager), graph, run(graph)
+    return eager.engine, run(eager), graph.engine, run(graph)
 
 
 def test_graph_path_is_active_and_pads(eager_and_graph):
@@ -59,7 +55,7 @@ def test_graph_path_is_active_and_pads(eager_and_graph):
 def test_padded_graph_steps_give_the_eager_tokens(eager_and_graph):
     _, eager_out, _, graph_out = eager_and_graph
     assert graph_out == eager_out
-    assert [len(graph_out[f"r{i}"]) for i in range(len(PROMPTS))] == MAX_TOKENS
+    assert [len(ids) for ids in graph_out] == MAX_TOKENS
 
 
 def test_padded_rows_write_only_the_scratch_block(eager_and_graph):
@@ -74,15 +70,14 @@ def test_padded_rows_write_only_the_scratch_block(eager_and_graph):
 
 
 @pytest.mark.gpu
-def test_real_cuda_graphs_pad_into_the_scratch_block_only(args):
+def test_real_cuda_graphs_pad_into_the_scratch_block_only(checkpoint):
     """The same check with real CUDA graphs (the Triton backend) against --enforce-eager on the GPU, fp32."""
-    from dataclasses import replace
-
-    graph = LLMEngine(replace(args, device="cuda", cuda_graph_sizes=SIZES))
-    eager = LLMEngine(replace(args, device="cuda", enforce_eager=True))
+    graph_llm = make_llm(checkpoint, device="cuda", cuda_graph_sizes=SIZES)
+    eager_llm = make_llm(checkpoint, device="cuda", enforce_eager=True)
+    graph, eager = graph_llm.engine, eager_llm.engine
     for k, v in kv_pool(graph):
         k[-1].zero_(), v[-1].zero_()
-    assert run(graph) == run(eager)
+    assert run(graph_llm) == run(eager_llm)
     st = graph.stats()
     assert st.decode_steps_eager == 0 and st.padded_rows > 0 and st.captured_sizes == SIZES
     for (ke, ve), (kg, vg) in zip(kv_pool(eager), kv_pool(graph)):

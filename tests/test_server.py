@@ -331,7 +331,7 @@ def test_idle_engine_thread_sleeps(server, engine):
     assert engine.polls_at_stats - before == 1
 
 
-def test_eos_ends_completions_and_chat_streams(tmp_path_factory, checkpoint, reference):
+def test_eos_ends_plain_and_streamed_completions(tmp_path_factory, checkpoint, reference):
     from test_eos import with_extra_eos
 
     free = run_offline(reference, "The end is near", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
