@@ -207,6 +207,29 @@ def test_preemption_order_newest_first_and_front_order_kept():
     assert ids(step(sched)) == [2, 3]  # original admission order restored at the front
 
 
+def test_first_preemption_warns_once_with_the_remedy(caplog):
+    sched = make_scheduler(num_blocks=6, block_size=2, max_num_seqs=4, max_model_len=12)
+    for i, n in enumerate([4, 4, 1, 1]):
+        sched.add(make_seq(i, n))
+    step(sched)
+    with caplog.at_level("DEBUG", logger="ostinato.engine.scheduler"):
+        step(sched)  # preempts 3, then 2
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1  # a full cache is worth one warning, not one per preemption
+    assert warnings[0].getMessage().startswith("KV cache full: preempted sequence 3 (it will be recomputed)")
+    assert "--num-kv-blocks" in warnings[0].getMessage()
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    assert debug == ["preempted sequence 2 (2 preemptions in total)"]
+
+
+def test_a_sequence_left_running_at_max_model_len_is_an_engine_bug_named_as_such():
+    sched = make_scheduler(max_model_len=8)
+    sched.add(make_seq(0, 7))
+    step(sched)  # 7 + 1 = 8 tokens: the engine had to finish it (FINISHED_LENGTH) and did not
+    with pytest.raises(AssertionError, match="seq 0 has 8 tokens, max_model_len is 8: the engine must finish"):
+        sched.schedule()
+
+
 def test_sequence_that_is_the_newest_preempts_itself():
     # 3 blocks of 2: A takes 2, B takes 1. B's position 2 needs a new block and B is the newest.
     sched = make_scheduler(num_blocks=3, block_size=2, max_model_len=6)
