@@ -1,5 +1,6 @@
 """Scheduler: one unit test per rule, then a hypothesis simulation that checks every invariant per step."""
 
+import os
 import random
 import subprocess
 import sys
@@ -14,6 +15,10 @@ from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
 from ostinato.errors import ConfigError, InvalidRequestError, OutOfKVCacheError, QueueFullError
 from ostinato.sampling_params import SamplingParams
+
+
+# The simulation's example count. Mutation testing (docs/TESTING.md) lowers it: each mutant runs this test.
+SIMULATION_EXAMPLES = int(os.environ.get("OSTINATO_SIMULATION_EXAMPLES", "200"))
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=None, max_model_len=32,
@@ -71,6 +76,14 @@ def test_add_rejects_prompts_that_can_never_run(prompt_len, match):
         sched.add(make_seq(0, prompt_len))
     assert e.value.param == "prompt"
     assert sched.num_waiting == 0 and not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("blocks, computed", [([3], 0), ([], 2)])
+def test_add_refuses_a_sequence_that_claims_cached_tokens(blocks, computed):
+    seq = make_seq(0, 4)
+    seq.block_table, seq.num_computed_tokens = blocks, computed
+    with pytest.raises(AssertionError, match="a new sequence holds no KV"):
+        make_scheduler().add(seq)
 
 
 def test_add_raises_queue_full_at_the_limit_and_accepts_again_once_drained():
@@ -443,7 +456,7 @@ class SimulatedEngine:
         assert sched.num_preemptions == sum(s.num_preemptions for s in self.added.values())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=SIMULATION_EXAMPLES, deadline=None)
 @given(workload=workloads(), seed=st.integers(0, 2**32 - 1))
 def test_simulated_engine_keeps_every_invariant(workload, seed):
     # A seeded Random rather than st.randoms(): hypothesis' own randoms lean towards 0.0, which would
