@@ -312,8 +312,9 @@ def test_stop_checker_streams_like_one_search_over_the_whole_text(pieces, stop, 
     assert text == (whole if first is None else whole[: first.keep_chars])
 
 
-def test_checker_defaults_cut_before_the_stop_string():
+def test_defaults_cut_before_the_stop_string_and_hold_back_prefixes():
     checker = StopChecker(["b"])
     assert checker.check("aab", 1) == ("aa", True)
     assert checker.check("aaa", 1) == ("aaa", False)
-    assert checker.releasable("aa") == "aa"
+    assert find_stop_string("aab", 1, ["b"]) == StopMatch("b", 2)  # include_stop_str_in_output defaults off
+    assert StopChecker(["ab"]).releasable("xa") == "x"  # unfinished unless told otherwise

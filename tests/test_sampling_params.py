@@ -39,6 +39,13 @@ def test_values_just_past_each_bound_name_the_parameter(kwargs, param):
     assert str(list(kwargs.values())[0]) in str(e.value) or param in ("stop", "stop_token_ids")
 
 
+def test_stop_messages_say_what_is_allowed():
+    with pytest.raises(InvalidRequestError, match=r"^stop strings must be non-empty strings$"):
+        SamplingParams(stop=[""])
+    with pytest.raises(InvalidRequestError, match=r"^stop_token_ids must be non-negative integers$"):
+        SamplingParams(stop_token_ids=[-1])
+
+
 def test_stop_and_stop_token_ids_are_coerced_to_tuples():
     assert SamplingParams(stop="END").stop == ("END",)  # one string is one stop string, not its characters
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
