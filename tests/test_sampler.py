@@ -87,6 +87,21 @@ def test_batch_flags_describe_the_rows():
     assert batch.temperature.tolist() == [1.0, 1.0, 1.0] and batch.top_k.tolist() == [50, 7, 0]
 
 
+def test_greedy_rows_draw_nothing_and_set_no_sampling_flags():
+    from ostinato.runner.sampler import GREEDY_TEMPERATURE
+
+    sampler = Sampler("cpu", 0)
+    greedy = sampler.prepare(seqs_for([
+        SamplingParams(temperature=0.0, top_p=0.5, top_k=5, seed=3),  # settings a greedy row ignores
+        SamplingParams(temperature=GREEDY_TEMPERATURE / 2),  # tiny temperature: greedy too
+    ]))
+    assert greedy.all_greedy and greedy.is_greedy.tolist() == [True, True]
+    assert not greedy.any_top_p and not greedy.any_top_k and greedy.max_top_k == 0
+    assert greedy.seeded_rows == ()  # no generator for a row that draws nothing
+    at_threshold = sampler.prepare(seqs_for([SamplingParams(temperature=GREEDY_TEMPERATURE)]))
+    assert not at_threshold.any_greedy and at_threshold.temperature.tolist() == pytest.approx([GREEDY_TEMPERATURE])
+
+
 # ---- seeds ----------------------------------------------------------------------------------------------
 
 
