@@ -87,6 +87,18 @@ def test_batch_flags_describe_the_rows():
     assert batch.temperature.tolist() == [1.0, 1.0, 1.0] and batch.top_k.tolist() == [50, 7, 0]
 
 
+def test_flags_at_their_edges_top_k_1_and_defaults():
+    sampler = Sampler("cpu", 0)
+    plain = sampler.prepare(seqs_for([SamplingParams(temperature=1.0)]))
+    assert not plain.any_top_k and not plain.any_top_p and not plain.any_greedy  # top_p 1.0 filters nothing
+    one = sampler.prepare(seqs_for([SamplingParams(temperature=1.0, top_k=1)]))
+    assert one.any_top_k and one.max_top_k == 1
+    # top_k=1 at temperature 1 is the argmax, every time.
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, top_k=1)] * 64
+    assert sample(sampler, logits, params).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
 def test_greedy_rows_draw_nothing_and_set_no_sampling_flags():
     from ostinato.runner.sampler import GREEDY_TEMPERATURE
 
