@@ -154,6 +154,16 @@ def test_recompute_after_preemption_redraws_the_same_token():
     assert torch.equal(sample(sampler, logits, params, num_generated=7).token_ids, first)
 
 
+def test_seed_mixing_is_splitmix64():
+    from ostinato.runner.sampler import _splitmix64
+
+    # The first three outputs of the reference SplitMix64 (Vigna's splitmix64.c) from state 0: each output
+    # mixes the state advanced by the golden-ratio increment, which _splitmix64 adds itself.
+    golden = 0x9E3779B97F4A7C15
+    assert [_splitmix64(k * golden & (2**64 - 1)) for k in range(3)] == [
+        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
 def test_draw_seed_accepts_any_int_and_separates_steps():
     seeds = {draw_seed(s, k) for s in (0, 1, -1, 2**63 + 5) for k in range(50)}
     assert len(seeds) == 200 and all(0 <= s < 2**64 for s in seeds)
