@@ -50,7 +50,8 @@ def test_generate_sampling_flags_reach_the_sampler(ckpt, llm, capsys):
 
 def test_generate_bad_sampling_flag_is_a_clear_error(ckpt, capsys):
     assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--prompt", "x", "--temperature", "-1"]) == 2
-    assert "error: temperature must be >= 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: temperature must be") and "got -1" in err
 
 
 def test_generate_needs_a_prompt(ckpt, capsys):
@@ -88,12 +89,9 @@ def test_bench_runs_eager_on_cpu_and_reports_consistent_figures(ckpt, tmp_path, 
         assert f"bs {r['batch']:>4}  graph - ms  eager {r['eager_ms']:.3f} ms  HF {r['hf_ms']:.3f} ms" in text
 
 
-def test_bench_without_hf_and_a_batch_the_pool_cannot_hold(ckpt, tmp_path, capsys):
+def test_bench_without_hf(ckpt, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     assert cli.main(["bench", str(ckpt), *ENGINE_FLAGS, "--batch-sizes", "1", "--context", "4", "--iters", "1",
                      "--warmup", "0", "--no-hf", "--output-json", str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())["rows"]
     assert row["hf_ms"] is None and row["speedup_vs_hf"] is None and row["eager_ms"] > 0
-    # 16 blocks of 16 tokens; 5 sequences at context 60 need 4 blocks each.
-    with pytest.raises(SystemExit, match="needs 20 KV blocks, the pool has 16"):
-        cli.main(["bench", str(ckpt), *ENGINE_FLAGS, "--batch-sizes", "5", "--context", "60", "--no-hf"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ostinato.engine.request import ScheduledSeq
-from ostinato.runner.sampler import Sampler, SamplingBatch, draw_seed
+from ostinato.runner.sampler import Sampler, SamplingBatch, draw_seed, row_key, uniform
 from ostinato.sampling_params import SamplingParams
 
 
@@ -77,22 +77,40 @@ def test_batch_flags_describe_the_rows():
     sampler = Sampler("cpu", 0)
     batch: SamplingBatch = sampler.prepare(seqs_for([
         SamplingParams(temperature=0.0, top_k=50),  # greedy: its top-k does not count
-        SamplingParams(top_k=7, logprobs=3),
+        SamplingParams(top_k=7, logprobs=3, temperature=0.5),
         SamplingParams(top_p=0.9, seed=5),
-    ]))
-    assert (batch.all_greedy, batch.any_greedy, batch.any_top_k, batch.any_top_p) == (False, True, True, True)
-    assert batch.max_top_k == 7 and batch.max_num_logprobs == 3 and batch.num_logprobs == (None, 3, None)
-    assert [row for row, _ in batch.seeded_rows] == [2]
-    assert batch.is_greedy.tolist() == [True, False, False]
-    assert batch.temperature.tolist() == [1.0, 1.0, 1.0] and batch.top_k.tolist() == [50, 7, 0]
+    ], num_generated=[0, 4, 9]))
+    assert batch.any_filtered and batch.max_num_logprobs == 3 and batch.num_logprobs == (None, 3, None)
+    assert batch.temperature.tolist() == [0.0, 0.5, 1.0] and batch.top_k.tolist() == [0, 7, 0]
+    assert batch.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9]) and batch.counter.tolist() == [0, 4, 9]
+    assert batch.key[2].item() == row_key(5, 12345, 99)  # a seeded key depends on the seed alone
+    plain = sampler.prepare(seqs_for([SamplingParams(temperature=0.0), SamplingParams()]))
+    assert not plain.any_filtered and plain.max_num_logprobs is None and plain.num_logprobs is None
+
+
+def test_device_hash_matches_its_host_reference():
+    # The decode graph draws u on the device; draw_seed is the same hash in Python integers.
+    seeds, counters = [0, 1, -1, 2**63 + 5, 12345], [0, 1, 7, 1000, 2**20]
+    keys = torch.tensor([row_key(s, 0, 0) for s in seeds for _ in counters])
+    ctr = torch.tensor([k for _ in seeds for k in counters])
+    expected = [(draw_seed(s, k) >> 40) / 2**24 for s in seeds for k in counters]
+    assert uniform(keys, ctr).tolist() == expected
+    assert len(set(expected)) == len(expected)
+
+
+def test_uniform_is_uniform():
+    u = uniform(torch.full((200_000,), row_key(3, 0, 0)), torch.arange(200_000))
+    assert 0.0 <= u.min() and u.max() < 1.0
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert (counts - 20_000).abs().max() < 600  # ~4 sigma
 
 
 def test_flags_at_their_edges_top_k_1_and_defaults():
     sampler = Sampler("cpu", 0)
     plain = sampler.prepare(seqs_for([SamplingParams(temperature=1.0)]))
-    assert not plain.any_top_k and not plain.any_top_p and not plain.any_greedy  # top_p 1.0 filters nothing
+    assert not plain.any_filtered and plain.top_p.tolist() == [1.0]  # top_p 1.0 filters nothing
     one = sampler.prepare(seqs_for([SamplingParams(temperature=1.0, top_k=1)]))
-    assert one.any_top_k and one.max_top_k == 1
+    assert one.any_filtered and one.top_k.tolist() == [1]
     # top_k=1 at temperature 1 is the argmax, every time.
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, top_k=1)] * 64
@@ -107,11 +125,10 @@ def test_greedy_rows_draw_nothing_and_set_no_sampling_flags():
         SamplingParams(temperature=0.0, top_p=0.5, top_k=5, seed=3),  # settings a greedy row ignores
         SamplingParams(temperature=GREEDY_TEMPERATURE / 2),  # tiny temperature: greedy too
     ]))
-    assert greedy.all_greedy and greedy.is_greedy.tolist() == [True, True]
-    assert not greedy.any_top_p and not greedy.any_top_k and greedy.max_top_k == 0
-    assert greedy.seeded_rows == ()  # no generator for a row that draws nothing
+    assert greedy.temperature.tolist() == [0.0, 0.0] and not greedy.any_filtered
+    assert greedy.top_k.tolist() == [0, 0] and greedy.top_p.tolist() == [1.0, 1.0]
     at_threshold = sampler.prepare(seqs_for([SamplingParams(temperature=GREEDY_TEMPERATURE)]))
-    assert not at_threshold.any_greedy and at_threshold.temperature.tolist() == pytest.approx([GREEDY_TEMPERATURE])
+    assert at_threshold.temperature.tolist() == pytest.approx([GREEDY_TEMPERATURE])
 
 
 # ---- seeds ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from ostinato.config import CacheConfig, SchedulerConfig
+from ostinato.contract import DecodeRows
 from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
 from ostinato.errors import ConfigError, InvalidRequestError, OutOfKVCacheError, QueueFullError
@@ -32,15 +33,51 @@ def make_seq(seq_id: int, prompt_len: int, **params) -> Sequence:
     return Sequence(seq_id, f"req-{seq_id}", [100 + seq_id] * prompt_len, SamplingParams(**params))
 
 
+class RunnerRows:
+    """The runner's side of the contract in pure Python: its decode rows and their block tables, fed
+    only by SchedulerOutputs (left, joined, new_blocks), as runner/decode_batch.py keeps them."""
+
+    def __init__(self):
+        self.rows = DecodeRows()
+        self.tables: dict[int, list[int]] = {}
+
+    def apply(self, out) -> list[int]:
+        """Apply one step's changes; returns the seq ids the step computes, in row order."""
+        for seq_id in out.left:
+            self.rows.remove(seq_id)
+            self.tables.pop(seq_id, None)
+        if out.kind == "prefill":
+            for s in out.seqs:
+                self.rows.add(s.seq_id)
+                self.tables[s.seq_id] = list(s.block_table)
+            return [s.seq_id for s in out.seqs]
+        if out.kind == "decode":
+            for seq_id, block in out.new_blocks:
+                self.tables[seq_id].append(block)
+            assert out.num_decode == len(self.rows), "every row decodes"
+            return list(self.rows.seq_ids)
+        assert not out.new_blocks
+        return []
+
+
+_COMPUTED: dict[int, tuple] = {}  # id(out) -> (out, the seq ids it computed)
+
+
+def rows_of(sched: Scheduler) -> RunnerRows:
+    return sched.__dict__.setdefault("_test_rows", RunnerRows())
+
+
 def step(sched: Scheduler, token: int = 7):
-    """Schedule one step and feed back one sampled token per scheduled sequence."""
+    """Schedule one step and feed back one sampled token per computed sequence."""
     out = sched.schedule()
-    sched.update(out, [token] * len(out.seqs))
+    computed = rows_of(sched).apply(out)
+    sched.update(computed, [token] * len(computed))
+    _COMPUTED[id(out)] = (out, computed)
     return out
 
 
 def ids(out) -> list[int]:
-    return [s.seq_id for s in out.seqs]
+    return _COMPUTED[id(out)][1]
 
 
 def test_scheduler_module_does_not_import_torch():
@@ -111,7 +148,7 @@ def test_prefill_step_feeds_whole_prompt_from_position_zero():
     assert s.block_table == tuple(seq.block_table) and len(s.block_table) == 2
     assert s.sampling_params is seq.sampling_params and s.num_generated == 0
     assert seq.status is SequenceStatus.RUNNING and sched.num_running == 1 and sched.num_waiting == 0
-    sched.update(out, [42])
+    sched.update([0], [42])
     assert seq.output_token_ids == [42] and seq.num_computed_tokens == 6
     seq.block_table.append(-1)
     assert s.block_table != tuple(seq.block_table)  # the output holds a copy
@@ -169,19 +206,32 @@ def test_idle_when_nothing_to_do():
 
 # ---- decode and preemption -----------------------------------------------------------------------------
 
-def test_decode_feeds_last_token_and_grows_blocks_at_boundaries():
+def test_decode_reports_only_the_blocks_added_at_boundaries():
     sched = make_scheduler(block_size=4)
     seq = make_seq(0, 3)
     sched.add(seq)
     step(sched, token=11)  # prefill: 3 prompt tokens cached, 4 tokens in all
     out = step(sched, token=12)
-    (s,) = out.seqs
-    assert out.kind == "decode" and s.token_ids == (11,) and s.start_pos == 3 and s.num_generated == 1
-    assert len(s.block_table) == 1  # positions 0..3 fit one block
-    out = step(sched, token=13)
-    (s,) = out.seqs
-    assert s.token_ids == (12,) and s.start_pos == 4 and len(s.block_table) == 2  # position 4 opens block 2
+    assert out.kind == "decode" and out.num_decode == 1 and out.new_blocks == () and out.left == ()
+    assert len(seq.block_table) == 1  # positions 0..3 fit one block
+    out = step(sched, token=13)  # position 4 opens block 2: the only change reported
+    assert len(seq.block_table) == 2 and out.new_blocks == ((0, seq.block_table[1]),)
     assert seq.output_token_ids == [11, 12, 13] and seq.num_computed_tokens == 5
+    assert rows_of(sched).tables[0] == seq.block_table
+
+
+def test_rows_that_leave_are_reported_once_at_the_next_step():
+    sched = make_scheduler(max_num_seqs=4)
+    for i in range(3):
+        sched.add(make_seq(i, 3))
+    step(sched)
+    sched.finish(1, SequenceStatus.FINISHED_STOPPED)
+    out = step(sched)
+    assert out.kind == "decode" and out.left == (1,) and out.num_decode == 2 and ids(out) == [0, 2]
+    assert sched.abort(0) and not sched.abort(0)
+    out = step(sched)
+    assert out.left == (0,) and ids(out) == [2]
+    assert step(sched).left == ()
 
 
 def test_preempts_most_recent_and_requeues_it_at_the_front():
@@ -236,10 +286,10 @@ def test_first_preemption_warns_once_with_the_remedy(caplog):
 
 
 def test_a_sequence_left_running_at_max_model_len_is_an_engine_bug_named_as_such():
-    sched = make_scheduler(max_model_len=8)
-    sched.add(make_seq(0, 7))
-    step(sched)  # 7 + 1 = 8 tokens: the engine had to finish it (FINISHED_LENGTH) and did not
-    with pytest.raises(AssertionError, match="seq 0 has 8 tokens, max_model_len is 8: the engine must finish"):
+    sched = make_scheduler(max_model_len=9)  # blocks of 4: the 9th token needs a third block
+    sched.add(make_seq(0, 8))
+    step(sched)  # 8 + 1 = 9 tokens: the engine had to finish it (FINISHED_LENGTH) and did not
+    with pytest.raises(AssertionError, match="seq 0 has 9 tokens, max_model_len is 9: the engine must finish"):
         sched.schedule()
 
 
@@ -258,9 +308,9 @@ def test_sequence_that_is_the_newest_preempts_itself():
 def test_update_skips_sequence_aborted_during_its_step():
     sched = make_scheduler()
     sched.add(make_seq(0, 3)), sched.add(make_seq(1, 3))
-    out = sched.schedule()
+    sched.schedule()
     assert sched.abort(0)
-    sched.update(out, [5, 6])
+    sched.update([0, 1], [5, 6])
     assert sched.get(0) is None and sched.get(1).output_token_ids == [6]
 
 
@@ -330,6 +380,7 @@ class SimulatedEngine:
         self.outputs: dict[int, list[int]] = {}  # what the "runner" sampled for each sequence
         self.waiting: deque[int] = deque()  # the FCFS order the scheduler must follow
         self.next_id = self.next_token = 0
+        self.rows = RunnerRows()  # the runner's rows, kept from the outputs alone
 
     def arrive(self, prompt_len: int, max_tokens: int) -> None:
         seq = make_seq(self.next_id, prompt_len, max_tokens=max_tokens)
@@ -361,21 +412,22 @@ class SimulatedEngine:
                 self.abort(rng.choice(live))
         running_before, free_before = sched.num_running, sched.block_manager.num_free_blocks
         out = sched.schedule()
-        self.check_output(out, running_before, free_before)
+        computed = self.rows.apply(out)
+        self.check_output(out, computed, running_before, free_before)
         sampled = []
-        for _ in out.seqs:
+        for _ in computed:
             self.next_token += 1
             sampled.append(self.next_token)
         in_flight_abort = None
-        if out.seqs and rng.random() < 0.01:  # a client goes away while the step runs
-            in_flight_abort = rng.choice(out.seqs).seq_id
+        if computed and rng.random() < 0.01:  # a client goes away while the step runs
+            in_flight_abort = rng.choice(computed)
             self.abort(in_flight_abort)
-        sched.update(out, sampled)
-        for s, tok in zip(out.seqs, sampled):
-            if s.seq_id == in_flight_abort:
+        sched.update(computed, sampled)
+        for seq_id, tok in zip(computed, sampled):
+            if seq_id == in_flight_abort:
                 continue
-            self.outputs[s.seq_id].append(tok)
-            seq = sched.get(s.seq_id)
+            self.outputs[seq_id].append(tok)
+            seq = sched.get(seq_id)
             if len(seq.output_token_ids) >= seq.sampling_params.max_tokens or \
                     seq.num_tokens >= self.cfg.max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
@@ -383,19 +435,25 @@ class SimulatedEngine:
                 status = SequenceStatus.FINISHED_STOPPED  # e.g. EOS or a stop string
             else:
                 continue
-            assert sched.finish(s.seq_id, status)
-            self.finished[s.seq_id] = status
+            assert sched.finish(seq_id, status)
+            self.finished[seq_id] = status
         self.check_state()
 
-    def check_output(self, out, running_before: int, free_before: int) -> None:
+    def check_output(self, out, scheduled: list[int], running_before: int, free_before: int) -> None:
         sched, bm = self.sched, self.sched.block_manager
-        scheduled = ids(out)
         assert len(set(scheduled)) == len(scheduled) <= self.cfg.max_num_seqs
         assert sched.num_running <= self.cfg.max_num_seqs
         for pid in out.preempted_seq_ids:
-            assert pid not in scheduled
+            assert pid not in scheduled and pid in out.left
         # Each victim goes to the front in turn (newest first), so the oldest victim ends up first.
         self.waiting.extendleft(out.preempted_seq_ids)
+        # The runner's rows, kept only from what the outputs reported, are exactly the running sequences,
+        # and each row's block table is the sequence's, across boundaries, preemption and freed blocks.
+        running = {i: s for i in self.added if i not in self.finished and
+                   (s := sched.get(i)).status is SequenceStatus.RUNNING}
+        assert set(self.rows.rows.seq_ids) == set(running)
+        for seq_id, seq in running.items():
+            assert self.rows.tables[seq_id] == seq.block_table
         if out.kind == "idle":
             assert not out.seqs and not out.preempted_seq_ids and not sched.has_unfinished()
             return
@@ -417,13 +475,11 @@ class SimulatedEngine:
                         or out.num_batched_tokens + head.num_tokens > self.cfg.max_num_batched_tokens
                         or bm.blocks_needed(head.num_tokens) > bm.num_free_blocks)
         else:
-            assert out.kind == "decode" and out.seqs, "the oldest running sequence always fits"
-            running_ids = {i for i in self.added if i not in self.finished and
-                           sched.get(i).status is SequenceStatus.RUNNING}
-            assert set(scheduled) == running_ids  # everyone decodes except the preempted
-            for s in out.seqs:
-                seq = sched.get(s.seq_id)
-                assert s.token_ids == (seq.last_token_id,) and s.start_pos == seq.num_tokens - 1
+            assert out.kind == "decode" and scheduled, "the oldest running sequence always fits"
+            assert set(scheduled) == set(running)  # everyone decodes except the preempted
+            for seq_id in scheduled:  # each table covers the position this step writes, no more
+                seq = sched.get(seq_id)
+                assert len(seq.block_table) == bm.blocks_needed(seq.num_tokens)
             head_index = len(out.preempted_seq_ids)  # the head before this step's preemptions
             if len(self.waiting) > head_index:  # why wasn't it admitted?
                 head = self.added[self.waiting[head_index]]

@@ -92,17 +92,20 @@ class TestServer:
         self.async_engine.start()
         self.app = build_app(self.async_engine, api_key=api_key, served_model_name=MODEL,
                              max_body_bytes=max_body_bytes)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                   lifespan="off"))
+        self._start(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def _start(self, config: uvicorn.Config) -> None:
+        """Run uvicorn with `config` in a daemon thread; sets base_url and port once it listens."""
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)

@@ -1,9 +1,9 @@
 """ostinato: an LLM inference engine whose decode step is one CUDA-graph replay."""
 
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -1,4 +1,5 @@
-"""`ostinato` command line: make-checkpoint, generate, serve, bench, bench-serve, verify."""
+"""`ostinato` command line: make-checkpoint, generate, serve, bench (serve, host, engine, throughput), verify,
+advise."""
 
 from __future__ import annotations
 
@@ -44,32 +45,72 @@ def _run_generate(args) -> int:
     return 0
 
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+# Commands in modules with optional dependencies: a missing one must not hide the other commands, and the
+# command itself must still say what to install.
+_OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench": "bench",
+                      "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.bench_host": "bench-host",
+                      "ostinato.tools.bench_engine": "bench-engine", "ostinato.tools.verify": "verify",
+                      "ostinato.tools.advise": "advise"}
+# how --help shows a command (vLLM's spelling); main() maps `bench X` to `bench-X`
+_SPELLED = {f"bench-{x}": f"bench {x}" for x in ("serve", "host", "engine", "throughput")}
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid log level {text!r}: choose one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def _register_unavailable(sub, command: str, error: ImportError) -> None:
+    """A stand-in for a command whose module cannot be imported: it says what is missing and exits 2."""
+    missing = error.name or str(error)
+    p = sub.add_parser(command, help=f"(unavailable: needs the Python package {missing!r})", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def explain(_args) -> int:
+        print(f"error: `ostinato {_SPELLED.get(command, command)}` needs the Python package {missing!r}, which "
+              f"is not installed ({error}). Install it with `pip install {missing}`, or install ostinato with its "
+              "dependencies: `pip install -e .` (or `bash scripts/setup.sh`).", file=sys.stderr)
+        return 2
+
+    p.set_defaults(func=explain)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ostinato", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--log-level", type=_log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from .tools import checkpoint
 
     checkpoint.register(sub)
     _register_generate(sub)
-    for module in ("ostinato.server.app", "ostinato.tools.bench", "ostinato.tools.bench_serve",
-                   "ostinato.tools.verify"):
+    for module, command in _OPTIONAL_COMMANDS.items():
         try:
             mod = __import__(module, fromlist=["register"])
-        except ImportError as e:  # a missing optional dependency must not hide the other commands
-            logging.getLogger(__name__).debug("command module %s unavailable: %s", module, e)
+        except ImportError as e:
+            _register_unavailable(sub, command, e)
             continue
         mod.register(sub)
+    for choice in sub._choices_actions:  # argparse has no public way to show a name other than the key
+        choice.metavar = _SPELLED.get(choice.dest, choice.dest)
+    for command_parser in sub.choices.values():
+        # Also accepted after the command; SUPPRESS keeps the top-level value when it is not given there.
+        if "--log-level" not in command_parser._option_string_actions:
+            command_parser.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
+                                        help=f"one of {', '.join(LOG_LEVELS)} (default: INFO)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `ostinato bench serve ...` is spelled like vLLM's; it is the bench-serve command.
-    if argv[:2] == ["bench", "serve"]:
-        argv = ["bench-serve"] + argv[2:]
+    # `ostinato bench serve|host|engine|throughput ...` (spelled like vLLM's) are the bench-* commands.
+    i = argv.index("bench") if "bench" in argv else -1
+    if i >= 0 and argv[i + 1:i + 2] in (["serve"], ["host"], ["engine"], ["throughput"]):
+        argv = argv[:i] + ["bench-" + argv[i + 1]] + argv[i + 2:]
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except OstinatoError as e:

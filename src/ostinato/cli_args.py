@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .config import EngineArgs
+from .config import EngineArgs, read_cuda_graph_sizes
+from .errors import ConfigError
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -12,6 +13,13 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.replace(",", " ").split())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like '1 2 4 8' or '1,2,4,8', got {text!r}") from None
+
+
+def _graph_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return read_cuda_graph_sizes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -29,8 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eager")
-    g.add_argument("--cuda-graph-sizes", type=_int_list, default=None,
-                   help="batch sizes to capture, e.g. '1 2 4 8 16'")
+    g.add_argument("--cuda-graph-sizes", type=_graph_sizes, default=None,
+                   help="batch sizes to capture, e.g. '1 2 4 8 16', or @FILE (as `ostinato advise` writes)")
     g.add_argument("--max-cuda-graph-size", type=int, default=None)
     g.add_argument("--cuda-graph-fallback", default="error", choices=["error", "eager"],
                    help="what a capture failure does: stop start-up (default) or run eager, visibly")
@@ -38,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap scheduling with the GPU: launch decode step n+1 before reading step n's tokens "
+                        "(--no-async-scheduling waits for each step)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -211,6 +211,40 @@ def plan_capture_sizes(
     return tuple(kept)
 
 
+def read_cuda_graph_sizes(text: str) -> tuple[int, ...]:
+    """--cuda-graph-sizes as the user wrote it: integers ('1 2 4 8' or '1,2,4,8'), or '@FILE' naming a file
+    that holds them (what `ostinato advise` writes): whitespace/comma separated, '#' starts a comment; a
+    JSON list or a JSON object with a "cuda_graph_sizes" list is accepted too."""
+    source = "--cuda-graph-sizes"
+    if text.startswith("@"):
+        path = Path(text[1:])
+        source = f"--cuda-graph-sizes file {str(path)!r}"
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read {source}: {e.strerror or e}; pass an existing file after '@'") from None
+        stripped = text.strip()
+        if stripped.startswith(("[", "{")):
+            try:
+                value = json.loads(stripped)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{source} is not valid JSON: {e}") from None
+            if isinstance(value, dict):
+                value = value.get("cuda_graph_sizes")
+            if not isinstance(value, list):
+                raise ConfigError(f'{source} must hold a JSON list of sizes or {{"cuda_graph_sizes": [...]}}')
+            text = " ".join(str(v) for v in value)
+        text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    words = text.replace(",", " ").split()
+    try:
+        sizes = tuple(int(w) for w in words)
+    except ValueError:
+        raise ConfigError(f"{source} must hold integers like '1 2 4 8' or '1,2,4,8', got {text.strip()!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise ConfigError(f"{source} must hold positive integers, got {list(sizes)}")
+    return sizes
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Every engine flag, as the CLI and `LLM(model, **kwargs)` take them (names follow vLLM)."""
@@ -235,8 +269,12 @@ class EngineArgs:
     served_model_name: str | None = None
     max_queued_requests: int | None = None
     tokenizer: str | None = None
+    # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
+            object.__setattr__(self, "cuda_graph_sizes", read_cuda_graph_sizes(self.cuda_graph_sizes))
         if self.cuda_graph_sizes is not None and not isinstance(self.cuda_graph_sizes, tuple):
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
         checks = [

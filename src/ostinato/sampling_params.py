@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
+import enum
+import math
+import struct
 from dataclasses import dataclass
 
 from .errors import InvalidRequestError
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (as vLLM's SamplingParams.output_kind).
+
+    CUMULATIVE: everything generated so far, every step (each output copies the whole completion: O(length)).
+    DELTA: only what is new since the request's previous output; merge_deltas (engine/outputs.py) joins them.
+    FINAL_ONLY: one output, when the request finishes, holding everything. LLM.generate always uses this.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+def _as_float32(x: float) -> float:
+    """x as the sampler sees it: a float32 (inf when x overflows float32)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not to a user
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -29,6 +61,7 @@ class SamplingParams:
     # Keep the stop string in the returned text (OpenAI does not; vLLM's default is False too).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable-frozen.
@@ -44,24 +77,33 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg, param=param)
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise bad("top_k", f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        # NaN compares false with everything, so finiteness is checked first; the sampler works in float32,
+        # where a tiny top_p becomes 0 and a huge temperature inf: both would give garbage tokens.
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"temperature must be a finite number >= 0 (0 means greedy), "
+                      f"got {self.temperature!r}")
+        if not math.isfinite(_as_float32(self.temperature)):
+            raise bad("temperature", f"temperature {self.temperature!r} overflows float32; use a value below 1e38")
+        if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
+        if _as_float32(self.top_p) == 0.0:
+            raise bad("top_p", f"top_p {self.top_p!r} rounds to 0 in float32; use a value >= 1e-38")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise bad("top_k", f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"n must be an integer >= 1, got {self.n}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", f"n must be an integer >= 1, got {self.n!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

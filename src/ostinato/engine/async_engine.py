@@ -6,9 +6,10 @@ then runs `engine.step()` while any request is unfinished, so every in-flight re
 (continuous batching). When nothing is queued and nothing is running the thread sleeps on a condition
 variable: an idle server burns no CPU.
 
-Outputs travel back per request through an asyncio.Queue, filled with `loop.call_soon_threadsafe` (one call
-per step and event loop, not one per request, so a step of 256 requests costs one loop wake-up). Outputs are
-cumulative (text and token ids so far), so a consumer that falls behind skips to the newest one.
+Outputs travel back per request through a RequestStream, filled with `loop.call_soon_threadsafe` (one call
+per step and event loop, not one per request, so a step of 256 requests costs one loop wake-up). They are what
+the request's SamplingParams.output_kind asks for: a consumer that falls behind gets the DELTA outputs that
+queued up merged into one (so a server sends one chunk for them), or the newest CUMULATIVE one.
 
 A consumer that stops early (client disconnect, task cancelled, `break`) aborts its request, which frees its
 KV blocks at once. If `engine.step()` raises, the engine is dead: every pending request gets an
@@ -22,13 +23,13 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Union
 
 from ..errors import EngineDeadError, EngineNotReadyError  # noqa: F401 (re-exported for callers)
-from ..sampling_params import SamplingParams
-from .outputs import EngineStats, RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
+from .outputs import EngineStats, RequestOutput, merge_deltas
 
 if TYPE_CHECKING:
     from .engine import LLMEngine
@@ -64,17 +65,21 @@ class RequestStream:
     frees the request's KV blocks.
     """
 
-    def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         self.request_id = request_id
         self.loop = loop
+        self.output_kind = output_kind
         self.finished = False
         self._owner = owner
-        # Items: RequestOutput, an exception to raise, or _ENDED (aborted: stop iterating).
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # Items: RequestOutput, an exception to raise, or _ENDED (aborted: stop iterating). Event-loop only.
+        self._items: deque = deque()
+        self._ready = asyncio.Event()
 
     # Called on the event loop (scheduled from the engine thread).
     def _put(self, item) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -82,11 +87,20 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        # Outputs are cumulative: skip to the newest one if several arrived (an exception or the end is always
-        # the last item, so nothing after it is lost).
-        while not self._queue.empty() and isinstance(item, RequestOutput) and not item.finished:
-            item = self._queue.get_nowait()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
+            # Several outputs queued up (an exception or the end stays queued for the next call).
+            if self.output_kind is RequestOutputKind.DELTA:
+                deltas = [item]
+                while self._items and isinstance(self._items[0], RequestOutput):
+                    deltas.append(self._items.popleft())
+                item = merge_deltas(deltas)
+            else:  # CUMULATIVE: the newest holds everything
+                while self._items and isinstance(self._items[0], RequestOutput):
+                    item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -186,7 +200,7 @@ class AsyncEngine:
         EngineDeadError if the engine is not serving.
         """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
+        stream = RequestStream(self, request_id, loop, params.output_kind)
         accepted: asyncio.Future = loop.create_future()
 
         def settle(exc: BaseException | None) -> None:
@@ -212,7 +226,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs until it finishes; aborts it if the consumer stops early."""
+        """Yield the request's outputs (of its params.output_kind) until it finishes; aborts it if the consumer
+        stops early."""
         stream = await self.add_request(request_id, prompt, params)
         async with stream:
             async for output in stream:

@@ -44,7 +44,8 @@ class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into text, one token at a time.
 
     `append(token_id)` returns the text that token completed ("" while a character is still incomplete
-    or for a skipped special token); `.text` is all output text so far. The result equals decoding the
+    or for a skipped special token); `.text` is all output text so far (joined when read: appending never
+    copies the text so far). The result equals decoding the
     prompt and the output together and removing the prompt's text, except that a trailing incomplete
     character is never emitted.
 
@@ -56,7 +57,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""
+        self._pieces: list[str] = []
         # The Rust tokenizer behind a fast HF tokenizer; None for slow (pure Python) tokenizers.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         # Context tokens, then every output token: what the offsets fallback decodes windows of.
@@ -95,8 +96,13 @@ class IncrementalDetokenizer:
         """Add one generated token; return the text it completed (possibly "")."""
         self._ids.append(token_id)
         new_text = self._stream_step(token_id) if self._stream is not None else self._offsets_step()
-        self.text += new_text
+        if new_text:
+            self._pieces.append(new_text)
         return new_text
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     def _stream_step(self, token_id: int) -> str:
         try:
@@ -176,6 +182,42 @@ class StopChecker:
     def releasable(self, text: str, finished: bool = False) -> str:
         """What a streaming client may see now: see `releasable_text`."""
         return releasable_text(text, self.stop, finished)
+
+
+class OutputText:
+    """One sequence's output text as it streams: finds stop strings and releases what a client may see.
+
+    Each `append` costs O(new text + stop strings), never O(text so far). Released text is final: a stop
+    string found later never starts inside it, because while the text ended with a prefix of a stop string
+    that prefix was held back (see `releasable_text`); so only the held tail is ever searched or cut.
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
+        self.stop = StopChecker(stop, include_stop_str_in_output)
+        self.pieces: list[str] = []  # released text, in order
+        self._held = ""  # text that may still turn out to be the start of a stop string
+
+    def append(self, new_text: str) -> bool:
+        """Add a token's new text; True if it completed a stop string (the text is then cut there and
+        everything up to the cut is released)."""
+        window, hit = self.stop.check(self._held + new_text, len(new_text))
+        keep = window if hit else self.stop.releasable(window)
+        if keep:
+            self.pieces.append(keep)
+        self._held = window[len(keep):]
+        return hit
+
+    def finish(self) -> None:
+        """The sequence ended (EOS, a stop token, length): what was held back can no longer become a stop
+        string, so release it."""
+        if self._held:
+            self.pieces.append(self._held)
+            self._held = ""
+
+    @property
+    def text(self) -> str:
+        """All released text (O(length): read it once, when the sequence finishes)."""
+        return "".join(self.pieces)
 
 
 def releasable_text(text: str, stop: Sequence[str], finished: bool) -> str:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..config import EngineArgs, ModelConfig
 from ..errors import InvalidRequestError, QueueFullError
-from ..sampling_params import SamplingParams
-from .detokenizer import IncrementalDetokenizer, StopChecker
+from ..sampling_params import RequestOutputKind, SamplingParams
+from .detokenizer import IncrementalDetokenizer, OutputText
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
 from .request import Sequence, SequenceStatus
 from .scheduler import Scheduler
@@ -26,15 +26,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _SeqState:
-    """Engine-side bookkeeping of one sequence: its text and logprobs."""
+    """Engine-side bookkeeping of one sequence: its text and logprobs, and how much of them the request's
+    DELTA outputs have handed out already."""
 
     seq: Sequence
     index: int
     detok: IncrementalDetokenizer
-    stop: StopChecker
-    text: str = ""  # output text, cut at a stop string once one is found
+    text: OutputText  # released text, cut at a stop string once one is found
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    sent_tokens: int = 0  # DELTA: output tokens (and logprobs) already in an output
+    sent_pieces: int = 0  # DELTA: pieces of text.pieces already in an output
+    sent_finish: bool = False  # DELTA: the finish reason went out
 
 
 @dataclass
@@ -90,15 +93,20 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._inflight = None  # the launched decode step whose tokens are not read yet (async_scheduling)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> list[int]:
+        """Validate and queue a request; returns the prompt's token ids."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_lengths(prompt_ids, params)
         limit = self.scheduler_config.max_queued_requests
+        if limit is not None and params.n > limit:  # no retry could ever queue it: 400, not 429
+            raise InvalidRequestError(f"n ({params.n}) exceeds the waiting queue's bound --max-queued-requests "
+                                      f"{limit}, so the request could never be queued whole: lower n", param="n")
         if limit is not None and self.scheduler.num_waiting + params.n > limit:
             # Checked up front so that a request with n > 1 is queued whole or not at all.
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} of {limit}); "
@@ -109,11 +117,12 @@ class LLMEngine:
             self.scheduler.add(seq)  # may raise QueueFullError / InvalidRequestError
             st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                               params.skip_special_tokens),
-                           StopChecker(params.stop, params.include_stop_str_in_output),
+                           OutputText(params.stop, params.include_stop_str_in_output),
                            logprobs=[] if params.logprobs is not None else None)
             state.seqs.append(st)
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
+        return prompt_ids
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -128,8 +137,15 @@ class LLMEngine:
         if isinstance(prompt, str):
             if prompt == "":  # checked before encoding: a tokenizer that adds BOS would make it non-empty
                 raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+            if not prompt.isascii():
+                try:  # a lone surrogate makes the tokenizer raise a TypeError that says nothing useful
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise InvalidRequestError(f"the prompt contains a lone UTF-16 surrogate at character {e.start}; "
+                                              "send valid Unicode text", param="prompt") from None
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
+        self.scheduler.check_prompt_len(len(ids))  # before the scan below, which is as long as the list
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -158,23 +174,36 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. With async_scheduling a decode step is launched and the tokens of the decode
+        step before it are read and returned instead: the CPU prepares step n+1 while the GPU runs step n."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty and not out.left and self._inflight is None:
             return []
-        sampled = self.runner.execute(out)
-        self.scheduler.update(out, [s.token_id for s in sampled])
+        pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
+        if out.kind == "decode" and self.args.async_scheduling:
+            ready = [self._inflight] if self._inflight is not None else []
+            self._inflight = pending
+        else:  # a prefill (or idle) step reads what is in flight too: the next step starts from settled tokens
+            ready = [p for p in (self._inflight, pending) if p is not None]
+            self._inflight = None
         now = time.monotonic()
-        self._generation_tokens_total += len(sampled)
         touched: dict[str, _RequestState] = {}
-        for sched, tok in zip(out.seqs, sampled):
-            state, st = self._seq_owner[sched.seq_id]
-            if state.first_token_time is None:
-                # Its prefill ran: the prompt counts now, once per request as in vLLM (not when queued, and
-                # not again when a preempted sequence is recomputed; num_preemptions counts those).
-                state.first_token_time = now
-                self._prompt_tokens_total += len(state.prompt_token_ids)
-            self._process_token(st, tok)
-            touched[state.request_id] = state
+        for p in ready:
+            result = p.result()  # waits for that step's tokens
+            self.scheduler.update(result.seq_ids, result.token_ids)
+            for seq_id, tok in zip(result.seq_ids, result.tokens):
+                owner = self._seq_owner.get(seq_id)
+                if owner is None or owner[1].finish_reason is not None:
+                    continue  # finished (or aborted) at the step before: a wasted row, never an extra token
+                state, st = owner
+                self._generation_tokens_total += 1
+                if state.first_token_time is None:
+                    # Its prefill ran: the prompt counts now, once per request as in vLLM (not when queued,
+                    # and not again when a preempted sequence is recomputed; num_preemptions counts those).
+                    state.first_token_time = now
+                    self._prompt_tokens_total += len(state.prompt_token_ids)
+                self._process_token(st, tok)
+                touched[state.request_id] = state
         outputs = []
         for state in touched.values():
             if state.finished:
@@ -182,15 +211,18 @@ class LLMEngine:
                 self._requests.pop(state.request_id, None)
                 for st in state.seqs:
                     self._seq_owner.pop(st.seq.seq_id, None)
-            outputs.append(self._make_output(state))
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _process_token(self, st: _SeqState, tok) -> None:
+        """Take one sampled token: detokenize it, look for stop strings, decide whether the sequence ends.
+        O(1) in the sequence's length."""
         seq, params = st.seq, st.seq.sampling_params
         if st.logprobs is not None:
             st.logprobs.append(TokenLogprob(tok.token_id, tok.logprob, (tok.top or [])[: params.logprobs]))
-        delta = st.detok.append(tok.token_id)
-        st.text, hit = st.stop.check(st.detok.text, len(delta))
+        hit = st.text.append(st.detok.append(tok.token_id))
         reason = None
         if hit:
             reason = "stop"
@@ -202,18 +234,40 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             st.finish_reason = reason
+            st.text.finish()
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self.scheduler.finish(seq.seq_id, status)
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        comps = []
-        for st in state.seqs:
-            finished = st.finish_reason is not None
-            text = st.text if finished else st.stop.releasable(st.text)
-            comps.append(CompletionOutput(st.index, text, list(st.seq.output_token_ids), st.finish_reason,
-                                          list(st.logprobs) if st.logprobs is not None else None))
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        """The request's output for this step, as its output_kind asks; None when there is nothing to send."""
+        kind = state.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            comps = [c for c in map(self._delta, state.seqs) if c is not None]
+        else:
+            comps = [self._whole(st) for st in state.seqs]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, state.finished,
                              state.arrival_time, state.first_token_time, state.finished_time)
+
+    @staticmethod
+    def _whole(st: _SeqState) -> CompletionOutput:
+        """Everything so far: O(length), so built every step only for CUMULATIVE requests."""
+        return CompletionOutput(st.index, st.text.text, list(st.seq.output_token_ids), st.finish_reason,
+                                list(st.logprobs) if st.logprobs is not None else None)
+
+    @staticmethod
+    def _delta(st: _SeqState) -> CompletionOutput | None:
+        """What is new since this sequence's last delta (O(new tokens)); None if nothing is."""
+        tokens, pieces = st.seq.output_token_ids, st.text.pieces
+        if st.sent_tokens == len(tokens) and (st.finish_reason is None or st.sent_finish):
+            return None
+        out = CompletionOutput(st.index, "".join(pieces[st.sent_pieces:]), tokens[st.sent_tokens:],
+                               st.finish_reason,
+                               st.logprobs[st.sent_tokens:] if st.logprobs is not None else None)
+        st.sent_tokens, st.sent_pieces = len(tokens), len(pieces)
+        st.sent_finish = st.finish_reason is not None
+        return out
 
     # ---- introspection -----------------------------------------------------------------------------
     @property
@@ -241,4 +295,6 @@ class LLMEngine:
             graph_capture_seconds=self.runner.graph_capture_seconds,
             graphs_enabled=self.runner.graphs_enabled,
             graph_disabled_cause=self.runner.graph_disabled_cause,
+            decode_batch_sizes=dict(g.steps_by_batch),
+            max_num_seqs=self.scheduler_config.max_num_seqs,
         )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..config import EngineArgs
 from ..errors import ConfigError, InvalidRequestError
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine import LLMEngine
 from .outputs import RequestOutput
 
@@ -37,7 +38,11 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in the order given. A prompt is a string or a list of token ids."""
+        """One output per prompt, in the order given, each complete. A prompt is a string or a list of token ids.
+
+        Requests run as RequestOutputKind.FINAL_ONLY whatever their output_kind says: the engine hands back
+        nothing per step and builds each output once, when its request finishes.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
@@ -45,6 +50,8 @@ class LLM:
             sampling_params = SamplingParams()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
+        params = [p if p.output_kind is RequestOutputKind.FINAL_ONLY
+                  else replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one "
                                       "SamplingParams or one per prompt", param="sampling_params")
@@ -66,11 +73,10 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         while len(results) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+            for out in self.engine.step():  # FINAL_ONLY: every output is a finished request
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
         return [results[rid] for rid in ids]

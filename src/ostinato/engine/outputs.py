@@ -14,7 +14,9 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's n completions. text and token_ids are cumulative.
+    """One of a request's n completions. What text, token_ids and logprobs hold depends on the request's
+    SamplingParams.output_kind: everything so far (CUMULATIVE, FINAL_ONLY) or what is new since the
+    request's previous output (DELTA).
 
     While unfinished, text holds back a tail that could still become a stop string, so a streaming client
     never sees part of one. finish_reason: None while running, then "stop", "length" or "abort".
@@ -29,6 +31,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """A request's output at one step. With DELTA, `outputs` holds only the completions that advanced this
+    step (match them by CompletionOutput.index); `finished` is True on the request's last output."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -37,6 +42,37 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """Join consecutive DELTA outputs of one request into one output, in O(their total size).
+
+    A stream consumer that fell behind merges the deltas that queued up; merging all of a request's deltas
+    gives what a FINAL_ONLY request returns.
+    """
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
+    texts: dict[int, list[str]] = {}
+    merged: dict[int, CompletionOutput] = {}
+    for delta in deltas:
+        for c in delta.outputs:
+            m = merged.get(c.index)
+            if m is None:
+                m = merged[c.index] = CompletionOutput(c.index, "", [], None,
+                                                       [] if c.logprobs is not None else None)
+                texts[c.index] = []
+            texts[c.index].append(c.text)
+            m.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                m.logprobs.extend(c.logprobs)
+            m.finish_reason = c.finish_reason
+    for index, m in merged.items():
+        m.text = "".join(texts[index])
+    first_token_time = next((d.first_token_time for d in deltas if d.first_token_time is not None), None)
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
+                         [merged[i] for i in sorted(merged)], last.finished, last.arrival_time,
+                         first_token_time, last.finished_time)
 
 
 @dataclass(frozen=True)
@@ -58,3 +94,6 @@ class EngineStats:
     graph_capture_seconds: float
     graphs_enabled: bool
     graph_disabled_cause: str | None
+    # Decode steps by their real batch size (graph and eager alike): the server's decode_batch_size histogram.
+    decode_batch_sizes: dict[int, int] = field(default_factory=dict)
+    max_num_seqs: int = 0

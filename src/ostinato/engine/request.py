@@ -1,6 +1,7 @@
-"""A sequence being served, and the plain SchedulerOutput that crosses from scheduler to runner.
+"""A sequence being served. Pure Python (no torch): the scheduler and block manager are tested on CPU.
 
-Pure Python (no torch): the scheduler and block manager are tested exhaustively on CPU.
+What crosses to the runner (ScheduledSeq, SchedulerOutput) lives in ostinato/contract.py; it is
+re-exported here for the engine's callers.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ..contract import ScheduledSeq, SchedulerOutput  # noqa: F401 (re-exported)
 from ..sampling_params import SamplingParams
 
 
@@ -43,6 +45,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens sampled by a launched step whose value the engine has not read yet (overlapped scheduling:
+    # 0 or 1). The scheduler plans with num_tokens + num_inflight.
+    num_inflight: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -64,42 +69,3 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """What the runner computes for one sequence in one step.
-
-    token_ids are the tokens fed this step (prefill: every token not yet in the cache; decode: the last
-    token). start_pos is the position of token_ids[0], which equals the number of tokens already cached.
-    block_table covers positions [0, start_pos + len(token_ids)). The runner samples one token per
-    scheduled sequence from the logits of its last fed token.
-    """
-
-    seq_id: int
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    sampling_params: SamplingParams
-    num_generated: int  # tokens generated before this step (offsets a seeded generator)
-
-    @property
-    def context_len(self) -> int:
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step. A step is all-prefill or all-decode: decode steps stay one graph replay."""
-
-    kind: str  # "prefill" | "decode" | "idle"
-    seqs: tuple[ScheduledSeq, ...] = ()
-    preempted_seq_ids: tuple[int, ...] = ()
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs

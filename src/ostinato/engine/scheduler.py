@@ -1,6 +1,8 @@
 """Continuous-batching scheduler: FCFS admission, all-prefill or all-decode steps, preemption by recompute.
 
-Pure Python (no torch import). It talks to the runner only through `SchedulerOutput`.
+Pure Python (no torch import). It talks to the runner only through `SchedulerOutput` (ostinato/contract.py):
+the runner keeps every running sequence's decode row, so a decode step reports only what changed since
+the previous step (rows that left, block ids appended), never the sequences themselves.
 
 Policy, one `schedule()` call at a time:
 
@@ -17,6 +19,12 @@ Policy, one `schedule()` call at a time:
    leaves this step instead. The oldest running sequence therefore always makes progress: alone, it fits
    (checked at start-up: num_blocks * block_size >= max_model_len).
 3. Nothing running and nothing admissible: an "idle" step.
+
+Overlapped scheduling: schedule() may run before the previous step's tokens are read (update()). Each
+scheduled sequence counts one token in flight meanwhile (num_inflight), so block growth and positions are
+planned as if it had landed. A sequence whose token in flight certainly ends it (max_tokens or
+max_model_len) is not decoded again: its row leaves at once and it waits, blocks held, for finish(). One
+that ends on EOS or a stop string cannot be foreseen and costs one wasted row in the step after.
 
 Known limits:
 - Prefill is preferred over decode, so a steady stream of arrivals delays the decodes of running
@@ -37,8 +45,9 @@ from collections import deque
 
 from ..config import CacheConfig, SchedulerConfig
 from ..errors import InvalidRequestError, OutOfKVCacheError, QueueFullError
+from ..contract import ScheduledSeq, SchedulerOutput
 from .blocks import BlockManager
-from .request import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from .request import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +55,12 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     """Owns the waiting and running queues and the block manager; decides what each step computes.
 
-    Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(out,
-    sampled_token_ids)`, then `finish(seq_id, status)` for every sequence the engine decides is done (EOS,
-    stop strings, max_tokens, or num_tokens >= max_model_len: the engine must stop a sequence there, the
-    scheduler never grows one past max_model_len).
+    Contract with the engine, per step: `out = schedule()`, run the model on `out`, `update(seq_ids,
+    sampled_token_ids)` with the runner's StepResult once its tokens are read (overlapped scheduling: after
+    the next schedule(); each scheduled sequence counts one token in flight until then), then
+    `finish(seq_id, status)` for every sequence the engine decides is done (EOS, stop strings, max_tokens,
+    or num_tokens >= max_model_len: the engine must stop a sequence there, the scheduler never grows one
+    past max_model_len).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
@@ -61,6 +72,10 @@ class Scheduler:
         self._running: list[Sequence] = []  # admission order: the last one is preempted first
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
         self._num_preemptions = 0
+        self._left: list[int] = []  # running sequences removed since the last schedule(): their rows go
+        # Overlapped scheduling: running sequences whose token in flight certainly ends them (max_tokens,
+        # max_model_len). They leave the decode rows at once and wait, blocks held, for the engine's finish().
+        self._finishing: dict[int, Sequence] = {}
 
     # ---- queues ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -111,7 +126,9 @@ class Scheduler:
         if seq is None:
             return False
         if seq.status is SequenceStatus.RUNNING:
-            self._running.remove(seq)
+            if self._finishing.pop(seq_id, None) is None:
+                self._running.remove(seq)
+                self._left.append(seq_id)
         else:
             self._waiting.remove(seq)
         self._block_manager.free(seq)
@@ -121,15 +138,25 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the policy)."""
+        assert all(s.num_inflight for s in self._finishing.values()), \
+            "a sequence whose last token was read must be finished (engine: finish() at max_tokens / max_model_len)"
         admitted = self._admit()
         if admitted:
-            return SchedulerOutput("prefill", tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted))
+            seqs = tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted)
+            for seq in admitted:  # every token is fed: all cached once the step runs, one token in flight
+                seq.num_computed_tokens = seq.num_tokens
+                seq.num_inflight = 1
+            return SchedulerOutput("prefill", seqs, left=self._take_left())
         if self._running:
             return self._schedule_decode()
-        # With nothing running every block is free, so the head can only fail to fit if it breaks the
-        # invariants add() checks; waiting for ever would hang the engine.
-        assert not self._waiting, f"seq {self._waiting[0].seq_id} can never be admitted"
-        return SchedulerOutput("idle")
+        # With nothing running every block is free (once the finishing ones are finished), so the head can only
+        # fail to fit if it breaks the invariants add() checks; waiting for ever would hang the engine.
+        assert not self._waiting or self._finishing, f"seq {self._waiting[0].seq_id} can never be admitted"
+        return SchedulerOutput("idle", left=self._take_left())
+
+    def _take_left(self) -> tuple[int, ...]:
+        left, self._left = tuple(self._left), []
+        return left
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -137,6 +164,7 @@ class Scheduler:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
             assert seq.num_tokens < self.config.max_model_len, _past_max_len(seq, self.config.max_model_len)
+            assert not seq.num_inflight, f"seq {seq.seq_id}: its last token was never resolved"
             new_tokens = seq.num_tokens - seq.num_computed_tokens
             if num_tokens + new_tokens > self.config.max_num_batched_tokens:
                 break
@@ -151,24 +179,49 @@ class Scheduler:
         return admitted
 
     def _schedule_decode(self) -> SchedulerOutput:
-        scheduled: list[ScheduledSeq] = []
+        new_blocks: list[tuple[int, int]] = []
         preempted: list[int] = []
-        # Oldest first: the victim (the newest) is never one already placed in this step.
+        block_size, max_len = self._block_manager.block_size, self.config.max_model_len
+        # Oldest first: the victim (the newest) is never one already placed in this step. Per sequence this
+        # is O(1) unless it crosses a block boundary (once every block_size steps).
         i = 0
         while i < len(self._running):
             seq = self._running[i]
-            assert seq.num_computed_tokens == seq.num_tokens - 1, f"seq {seq.seq_id}: update() was not called"
-            assert seq.num_tokens < self.config.max_model_len, _past_max_len(seq, self.config.max_model_len)
-            while not self._block_manager.ensure_slots(seq, seq.num_tokens):
+            # Tokens once the step in flight (if any) lands: num_computed_tokens counts every token fed so far
+            # and the last one (sampled, maybe still in flight) is fed now.
+            num_tokens = seq.num_computed_tokens + 1
+            if seq.num_inflight and self._ends(seq, num_tokens):
+                # Its token in flight ends it: computing another would waste a row (and maybe a block).
+                self._running.pop(i)
+                self._finishing[seq.seq_id] = seq
+                self._left.append(seq.seq_id)
+                continue
+            if num_tokens <= len(seq.block_table) * block_size:
+                seq.num_computed_tokens = num_tokens
+                seq.num_inflight += 1
+                i += 1
+                continue
+            assert num_tokens < max_len, _past_max_len(seq, max_len)
+            assert num_tokens == seq.num_tokens + seq.num_inflight, f"seq {seq.seq_id}: update() was not called"
+            held = len(seq.block_table)
+            while not self._block_manager.ensure_slots(seq, num_tokens):
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
                 if victim is seq:
                     break
             else:  # no break: seq has its blocks (it was not the victim)
-                scheduled.append(self._scheduled(seq, seq.num_tokens - 1))
+                new_blocks.extend((seq.seq_id, b) for b in seq.block_table[held:])
+                seq.num_computed_tokens = num_tokens
+                seq.num_inflight += 1
                 i += 1
-        return SchedulerOutput("decode", tuple(scheduled), tuple(preempted))
+        # A victim's blocks were reported only if it had grown earlier in this loop; its row leaves anyway.
+        gone = set(preempted)
+        new_blocks = [nb for nb in new_blocks if nb[0] not in gone] if gone else new_blocks
+        if not self._running:  # every one is finishing: nothing to compute, their rows go
+            return SchedulerOutput("idle", left=self._take_left())
+        return SchedulerOutput("decode", num_decode=len(self._running), left=self._take_left(),
+                               new_blocks=tuple(new_blocks), preempted_seq_ids=tuple(preempted))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, re-queue at the front."""
@@ -178,6 +231,7 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self._waiting.appendleft(seq)
+        self._left.append(seq.seq_id)
         self._num_preemptions += 1
         if self._num_preemptions == 1:
             logger.warning(
@@ -199,20 +253,26 @@ class Scheduler:
             num_generated=len(seq.output_token_ids),
         )
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> None:
-        """Record a finished step: one sampled token per scheduled sequence, in `out.seqs` order.
+    def _ends(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the token in flight certainly ends seq (max_model_len or max_tokens reached)."""
+        return (num_tokens >= self.config.max_model_len
+                or len(seq.output_token_ids) + seq.num_inflight >= seq.sampling_params.max_tokens)
 
-        A sequence aborted while its step ran is skipped. Finishing is left to the engine (`finish()`),
-        which knows about EOS and stop strings.
+    def update(self, seq_ids: list[int], sampled_token_ids: list[int]) -> None:
+        """Record a step's tokens: one sampled token per computed sequence (the runner's StepResult).
+
+        A sequence aborted (or finished) while its step ran is skipped; one preempted meanwhile keeps its
+        token (its recompute feeds it). Finishing is left to the engine (`finish()`), which knows about EOS
+        and stop strings.
         """
-        assert len(sampled_token_ids) == len(out.seqs), "one sampled token per scheduled sequence"
-        for sched, token_id in zip(out.seqs, sampled_token_ids):
-            seq = self._live.get(sched.seq_id)
-            if seq is None:  # aborted while the step ran
+        assert len(sampled_token_ids) == len(seq_ids), "one sampled token per computed sequence"
+        live = self._live
+        for seq_id, token_id in zip(seq_ids, sampled_token_ids):
+            seq = live.get(seq_id)
+            if seq is None or not seq.num_inflight:
                 continue
-            assert seq.status is SequenceStatus.RUNNING, f"seq {seq.seq_id} was not running in this step"
-            seq.num_computed_tokens = sched.context_len
             seq.output_token_ids.append(token_id)
+            seq.num_inflight -= 1
 
     # ---- introspection -----------------------------------------------------------------------------
     @property
@@ -221,7 +281,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._finishing)
 
     @property
     def num_preemptions(self) -> int:
@@ -233,7 +293,7 @@ class Scheduler:
         return self._block_manager
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._finishing)
 
     def get(self, seq_id: int) -> Sequence | None:
         """The waiting or running sequence with this id; None once finished or if unknown."""

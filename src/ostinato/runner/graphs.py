@@ -40,7 +40,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -154,6 +154,7 @@ class GraphStats:
     padded_rows: int  # rows of graph steps computed only to fill the graph
     replays_by_size: Mapping[int, int]
     disabled_cause: str | None
+    steps_by_batch: Mapping[int, int] = field(default_factory=dict)  # real batch size -> decode steps (graph or eager)
 
     @property
     def graphs_enabled(self) -> bool:
@@ -260,6 +261,7 @@ class CudaGraphRunner:
         progress: bool = False,
         enforce_eager: bool = False,
         backend: GraphBackend | None = None,
+        buffers: Mapping[str, torch.Tensor] | None = None,
     ):
         if fallback not in FALLBACK_POLICIES:
             raise ConfigError(f"fallback must be 'error' or 'eager', got {fallback!r}")
@@ -284,13 +286,21 @@ class CudaGraphRunner:
         if backend is None and not enforce_eager:
             backend = CudaGraphBackend(self.device)  # raises ConfigError for a non-CUDA device
         self._backend: GraphBackend | None = backend
-        self._buffers: dict[str, torch.Tensor] = {}  # name -> full static buffer
+        # name -> full static buffer. Given (`buffers`): the caller owns them and may fill them itself and call
+        # replay_filled(); otherwise capture() allocates them and run() copies into them.
+        self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
+        if buffers is not None:
+            for name, spec in self.inputs.items():
+                buf = self._buffers.get(name)
+                if buf is None or tuple(buf.shape) != spec.shape or buf.dtype != spec.dtype:
+                    raise ConfigError(f"buffer {name!r} must be {spec.shape} {spec.dtype}")
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # size -> (replay, output)
         self._shared_out: torch.Tensor | None = None  # [largest size, ...]: every graph's output rows
         self._captured = False
         self._graph_steps = self._eager_steps = self._oversize_steps = 0
         self._real_rows = self._padded_rows = 0
         self._replays_by_size: dict[int, int] = {}
+        self._steps_by_batch: dict[int, int] = {}  # the server's decode_batch_size histogram
 
     @classmethod
     def from_config(cls, fn: Callable[..., torch.Tensor], inputs: Sequence[StaticInput], config: GraphConfig,
@@ -330,6 +340,7 @@ class CudaGraphRunner:
             captured_sizes=self.captured_sizes, graph_steps=self._graph_steps, eager_steps=self._eager_steps,
             oversize_steps=self._oversize_steps, real_rows=self._real_rows, padded_rows=self._padded_rows,
             replays_by_size=dict(self._replays_by_size), disabled_cause=self._disabled_cause,
+            steps_by_batch=dict(self._steps_by_batch),
         )
 
     # --------------------------------------------------------------------------------------- capture
@@ -342,10 +353,11 @@ class CudaGraphRunner:
         self._captured = True
         if self._disabled_cause is not None:
             return CaptureReport((), {}, 0, 0.0, self._disabled_cause)
-        self._buffers = {
-            spec.name: torch.full(spec.shape, spec.pad_value, dtype=spec.dtype, device=self.device)
-            for spec in self.inputs.values()
-        }
+        if not self._buffers:
+            self._buffers = {
+                spec.name: torch.full(spec.shape, spec.pad_value, dtype=spec.dtype, device=self.device)
+                for spec in self.inputs.values()
+            }
         start = time.perf_counter()
         bytes_by_size: dict[int, int] = {}
         assert self._backend is not None
@@ -428,14 +440,17 @@ class CudaGraphRunner:
     def check(
         self,
         make_inputs: Callable[[int], Mapping[str, torch.Tensor]],
-        compare: Callable[[torch.Tensor, torch.Tensor], str | None] = default_compare,
+        compare: Callable[[Any, Any], str | None] = default_compare,
+        side_output: Callable[[int], torch.Tensor] | None = None,
     ) -> float:
         """Replay every captured size on make_inputs(size) and compare with fn run eagerly on the same
         inputs; a mismatch is handled like a capture failure. Returns the seconds it took.
 
         fn runs twice per size (its side effects too, e.g. KV writes): run the check before serving, with
         inputs that write only to scratch slots. Counters are not touched.
-        compare(graph_out, eager_out) returns None when they agree, else a description.
+        compare(graph_out, eager_out) returns None when they agree, else a description. With side_output
+        (size -> a tensor the step writes besides its output, e.g. sampled tokens), compare gets
+        (output, side output) pairs, the side output cloned right after each run.
         """
         if not self._captured:
             raise RuntimeError("call capture() before check()")
@@ -448,7 +463,11 @@ class CudaGraphRunner:
             if self._validate(inputs) != size:
                 raise GraphInputError(f"make_inputs({size}) must return inputs with {size} rows")
             eager_out = self.fn(**inputs)
+            if side_output is not None:
+                eager_out = (eager_out.clone(), side_output(size).clone())
             graph_out = self._replay(size, size, inputs)
+            if side_output is not None:
+                graph_out = (graph_out, side_output(size).clone())
             mismatch = compare(graph_out, eager_out)
             if mismatch is not None:
                 self._fail(size, f"CUDA graph self-check failed for batch size {size}: {mismatch}. The replay "
@@ -471,16 +490,39 @@ class CudaGraphRunner:
         if self.graphs_enabled and not self._captured:
             raise RuntimeError("call capture() before run()")
         size = pick_graph_size(n, self._sizes) if self._graphs else None
+        self._steps_by_batch[n] = self._steps_by_batch.get(n, 0) + 1
         if size is None:
             self._eager_steps += 1
             self._oversize_steps += int(self.graphs_enabled)
             return self.fn(**inputs)
         out = self._replay(size, n, inputs)
+        self._count_replay(size, n)
+        return out
+
+    def graph_size(self, n: int) -> int | None:
+        """The captured size a batch of n replays at, or None when it runs eager."""
+        return pick_graph_size(n, self._sizes) if self._graphs else None
+
+    def replay_filled(self, n: int) -> torch.Tensor:
+        """One step on rows [0, n) of the caller's buffers, already filled, rows [n, graph_size(n)) with
+        harmless padding. No validation and no copy: the caller owns the buffers (`buffers=`). Returns
+        output[:n] (a view into the static output for a replay)."""
+        size = self.graph_size(n)
+        self._steps_by_batch[n] = self._steps_by_batch.get(n, 0) + 1
+        if size is None:
+            self._eager_steps += 1
+            self._oversize_steps += int(self.graphs_enabled)
+            return self.fn(**{name: buf[:n] for name, buf in self._buffers.items()})
+        replay, out = self._graphs[size]
+        replay()
+        self._count_replay(size, n)
+        return out[:n]
+
+    def _count_replay(self, size: int, n: int) -> None:
         self._graph_steps += 1
         self._real_rows += n
         self._padded_rows += size - n
         self._replays_by_size[size] = self._replays_by_size.get(size, 0) + 1
-        return out
 
     def _validate(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Check every input against its static buffer before anything is copied; returns the batch size."""

@@ -1,4 +1,4 @@
-"""Turn a SchedulerOutput into the tensors one model step needs.
+"""Turn a prefill SchedulerOutput into the tensors one model step needs (decode rows: runner/decode_batch.py).
 
 Slot arithmetic: token at position p of a sequence lives in block block_table[p // block_size] at offset
 p % block_size, i.e. slot = block * block_size + p % block_size. Rows that pad a decode batch up to a captured
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.base import AttentionMetadata
-from ..engine.request import SchedulerOutput
+from ..contract import SchedulerOutput
 
 
 @dataclass
@@ -21,26 +21,6 @@ class PrefillInputs:
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     last_token_indices: torch.Tensor  # [num_seqs] int64: row of each sequence's last fed token
-
-
-@dataclass
-class DecodeInputs:
-    """Host-built decode inputs, named as the graph runner's static buffers."""
-
-    input_ids: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64
-    slot_mapping: torch.Tensor  # [B] int64
-    block_tables: torch.Tensor  # [B, W] int32, W = widest block table in this batch
-    context_lens: torch.Tensor  # [B] int32
-
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": self.input_ids,
-            "positions": self.positions,
-            "slot_mapping": self.slot_mapping,
-            "block_tables": self.block_tables,
-            "context_lens": self.context_lens,
-        }
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -93,21 +73,6 @@ def build_prefill_inputs(out: SchedulerOutput, block_size: int, scratch_block: i
         positions=_to_device(positions, torch.int64, device),
         meta=meta,
         last_token_indices=_to_device(last_rows, torch.int64, device),
-    )
-
-
-def build_decode_inputs(out: SchedulerOutput, block_size: int, scratch_block: int,
-                        device: torch.device) -> DecodeInputs:
-    positions = [s.start_pos for s in out.seqs]
-    slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(out.seqs, positions)]
-    width = max(len(s.block_table) for s in out.seqs)
-    return DecodeInputs(
-        input_ids=_to_device([s.token_ids[0] for s in out.seqs], torch.int64, device),
-        positions=_to_device(positions, torch.int64, device),
-        slot_mapping=_to_device(slots, torch.int64, device),
-        block_tables=_to_device(_pad_tables([s.block_table for s in out.seqs], width, scratch_block),
-                                torch.int32, device),
-        context_lens=_to_device([s.context_len for s in out.seqs], torch.int32, device),
     )
 
 

@@ -12,23 +12,41 @@ import gc
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import CacheConfig
+from ..config import CacheConfig, GraphConfig, ModelConfig, SchedulerConfig
+from ..contract import ScheduledSeq, SchedulerOutput
 from ..errors import CudaGraphCaptureError
-from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner, StaticInput
+from ..sampling_params import SamplingParams
+from .decode_batch import DecodeLayout
+from .decode_step import DecodeStep, compare_step
+from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
 from .inputs import build_prefill_inputs
 from .memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
-
-if TYPE_CHECKING:
-    from .runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 1 << 30  # default KV pool on CPU when --num-kv-blocks is not given
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What start-up needs from the runner, passed explicitly (kv_setup does not import the runner)."""
+
+    model: torch.nn.Module  # forward, compute_logits, bind_kv_caches
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    graph_config: GraphConfig
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    weights_bytes: int
+    num_kv_blocks: int | None  # --num-kv-blocks, or None to size from memory
+    gpu_memory_utilization: float
+    make_step: Callable[[DecodeLayout], DecodeStep]  # the decode step over a KV pool's layout
 
 
 @dataclass
@@ -36,74 +54,67 @@ class KVSetup:
     cache_config: CacheConfig
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     graph_runner: CudaGraphRunner
+    decode_step: DecodeStep
     capture: CaptureReport
     report: str  # the start-up memory report, already logged
     plan: KVCachePlan | None  # the GPU budget split; None when the pool size was given (CPU, --num-kv-blocks)
 
 
-def allocate_kv_cache(runner: "ModelRunner", num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(spec: KVSpec, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k, v) pair per layer, each [num_blocks + 1, block_size, num_kv_heads, head_dim]; the extra block is
     the scratch block padded rows use. Zeroed so that reads of never-written slots stay finite."""
-    mc = runner.model_config
-    pool = torch.zeros(mc.num_layers, 2, num_blocks + 1, runner.block_size, mc.num_kv_heads, mc.head_dim,
-                       dtype=runner.dtype, device=runner.device)
+    mc = spec.model_config
+    pool = torch.zeros(mc.num_layers, 2, num_blocks + 1, spec.block_size, mc.num_kv_heads, mc.head_dim,
+                       dtype=spec.dtype, device=spec.device)
     caches = [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
-    runner.model.bind_kv_caches(caches)
+    spec.model.bind_kv_caches(caches)
     return caches
 
 
-def max_blocks_per_seq(runner: "ModelRunner") -> int:
-    return math.ceil(runner.scheduler_config.max_model_len / runner.block_size)
+def max_blocks_per_seq(spec: KVSpec) -> int:
+    return math.ceil(spec.scheduler_config.max_model_len / spec.block_size)
 
 
-def make_graph_runner(runner: "ModelRunner", num_blocks: int, sizes: tuple[int, ...], enforce_eager: bool,
-                      fallback: str, progress: bool, backend: CudaGraphBackend | None = None) -> CudaGraphRunner:
-    """The decode step's static inputs; padded rows point at the scratch block (index num_blocks)."""
-    rows = max(sizes) if sizes else runner.scheduler_config.max_num_seqs
-    scratch = num_blocks
-    inputs = [
-        StaticInput("input_ids", (rows,), torch.int64, 0),
-        StaticInput("positions", (rows,), torch.int64, 0),
-        StaticInput("slot_mapping", (rows,), torch.int64, scratch * runner.block_size),
-        StaticInput("block_tables", (rows, max_blocks_per_seq(runner)), torch.int32, scratch),
-        StaticInput("context_lens", (rows,), torch.int32, 1),
-    ]
-    return CudaGraphRunner(runner.decode_logits, inputs, sizes, runner.device, fallback=fallback,
-                           enforce_eager=enforce_eager, progress=progress, backend=backend)
+def decode_layout(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...]) -> DecodeLayout:
+    """Rows for every running sequence (and the largest graph); pad rows use the scratch block num_blocks."""
+    rows = max(spec.scheduler_config.max_num_seqs, max(sizes, default=0))
+    return DecodeLayout(rows, max_blocks_per_seq(spec), spec.block_size, scratch_block=num_blocks)
 
 
-def _random_decode_inputs(runner: "ModelRunner", num_blocks: int, size: int) -> dict[str, torch.Tensor]:
-    """Self-check inputs: random tokens and context lengths over shuffled real blocks; K/V writes go to the
-    scratch slot only, so the check never changes a real sequence's cache."""
-    width = max_blocks_per_seq(runner)
-    dev = runner.device
-    ctx = torch.randint(1, width * runner.block_size + 1, (size,), device=dev, dtype=torch.int32)
-    tables = torch.stack([torch.randperm(num_blocks, device=dev)[:width] for _ in range(size)]).to(torch.int32) \
-        if num_blocks >= width else torch.randint(0, num_blocks, (size, width), device=dev, dtype=torch.int32)
-    return {
-        "input_ids": torch.randint(0, runner.model_config.vocab_size, (size,), device=dev),
-        "positions": (ctx - 1).to(torch.int64),
-        "slot_mapping": torch.full((size,), num_blocks * runner.block_size, dtype=torch.int64, device=dev),
-        "block_tables": tables,
-        "context_lens": ctx,
-    }
+def make_graph_runner(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], enforce_eager: bool,
+                      fallback: str, progress: bool,
+                      backend: CudaGraphBackend | None = None) -> tuple[DecodeStep, CudaGraphRunner]:
+    step = spec.make_step(decode_layout(spec, num_blocks, sizes))
+    return step, step.graph_runner(sizes, enforce_eager, fallback, progress, backend)
 
 
-def _profile_activation_peak(runner: "ModelRunner") -> int:
+def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[str, torch.Tensor]:
+    """Self-check rows: random greedy tokens and context lengths over random real blocks. The block that
+    holds each row's position is the scratch block, so K/V writes go to scratch only: the check never
+    changes a real sequence's cache."""
+    num_blocks, width, dev = layout.scratch_block, layout.blocks_per_seq, spec.device
+    ctx = torch.randint(1, width * spec.block_size + 1, (size,), device=dev)
+    # Random real blocks, drawn independently: O(size x width), never O(num_blocks) (a pool of tiny blocks can
+    # hold tens of millions). A block repeated within a row reads the same K/V in replay and eager alike.
+    tables = torch.randint(0, num_blocks, (size, width), device=dev)
+    pos = ctx - 1
+    tables.scatter_(1, (pos // spec.block_size)[:, None], num_blocks)
+    ids = torch.randint(0, spec.model_config.vocab_size, (size,), device=dev)
+    return {"batch": layout.pack(ids, pos, tables)}
+
+
+def _profile_activation_peak(spec: KVSpec) -> int:
     """Peak bytes a worst-case prefill (max_num_batched_tokens tokens in max_model_len-long sequences) adds on
     top of the weights, excluding the temporary KV pool it writes into."""
-    from ..engine.request import ScheduledSeq, SchedulerOutput
-    from ..sampling_params import SamplingParams
-
-    sc = runner.scheduler_config
+    sc = spec.scheduler_config
     tokens = sc.max_num_batched_tokens
     seq_len = min(sc.max_model_len, tokens)
     num_seqs = max(1, min(sc.max_num_seqs, tokens // seq_len))
-    per_seq = math.ceil(seq_len / runner.block_size)
+    per_seq = math.ceil(seq_len / spec.block_size)
     tmp_blocks = num_seqs * per_seq
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    caches = allocate_kv_cache(runner, tmp_blocks)
+    caches = allocate_kv_cache(spec, tmp_blocks)
     cache_bytes = torch.cuda.memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -111,9 +122,9 @@ def _profile_activation_peak(runner: "ModelRunner") -> int:
                  for i in range(num_seqs))
     out = SchedulerOutput("prefill", seqs)
     with torch.inference_mode():
-        inp = build_prefill_inputs(out, runner.block_size, tmp_blocks, runner.device)
-        hidden = runner.model(inp.input_ids, inp.positions, inp.meta)
-        runner.model.compute_logits(hidden[inp.last_token_indices])
+        inp = build_prefill_inputs(out, spec.block_size, tmp_blocks, spec.device)
+        hidden = spec.model(inp.input_ids, inp.positions, inp.meta)
+        spec.model.compute_logits(hidden[inp.last_token_indices])
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base - cache_bytes
     del caches, inp, hidden
@@ -122,41 +133,41 @@ def _profile_activation_peak(runner: "ModelRunner") -> int:
     return max(0, peak)
 
 
-def _estimate_graph_bytes(runner: "ModelRunner", largest: int, backend: CudaGraphBackend) -> int:
+def _estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) -> int:
     """Capture the largest decode size once into a throwaway pool over a small temporary KV pool.
 
     The probe shares the real runner's backend (its capture stream), so what a capture stream costs once
     (its cuBLAS workspace) is counted in the estimate and not allocated a second time later."""
-    tmp_blocks = max_blocks_per_seq(runner)
-    caches = allocate_kv_cache(runner, tmp_blocks)
-    probe = make_graph_runner(runner, tmp_blocks, (largest,), False, "error", progress=False, backend=backend)
+    tmp_blocks = max_blocks_per_seq(spec)
+    caches = allocate_kv_cache(spec, tmp_blocks)
+    step, probe = make_graph_runner(spec, tmp_blocks, (largest,), False, "error", progress=False, backend=backend)
     try:
         report = probe.capture()
         return report.total_bytes
     finally:
-        del probe, caches
+        del probe, step, caches
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
-def allocate_kv_and_graphs(runner: "ModelRunner") -> KVSetup:
-    args, gc_cfg, mc = runner.args, runner.graph_config, runner.model_config
-    block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.block_size,
-                                 runner.dtype.itemsize)
+def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
+    gc_cfg, mc = spec.graph_config, spec.model_config
+    block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
+    max_len = spec.scheduler_config.max_model_len
     lines = []
     plan = None
     sizes = gc_cfg.capture_sizes
-    backend = CudaGraphBackend(runner.device) if sizes else None
+    backend = CudaGraphBackend(spec.device) if sizes else None
     estimate = 0
-    if args.num_kv_blocks is not None:
-        num_blocks = args.num_kv_blocks
-    elif runner.device.type != "cuda":
-        want = runner.scheduler_config.max_num_seqs * max_blocks_per_seq(runner)
-        num_blocks = max(max_blocks_per_seq(runner), min(want, CPU_KV_BUDGET_BYTES // block_bytes))
+    if spec.num_kv_blocks is not None:
+        num_blocks = spec.num_kv_blocks
+    elif spec.device.type != "cuda":
+        want = spec.scheduler_config.max_num_seqs * max_blocks_per_seq(spec)
+        num_blocks = max(max_blocks_per_seq(spec), min(want, CPU_KV_BUDGET_BYTES // block_bytes))
     else:
         t0 = time.perf_counter()
-        activation = _profile_activation_peak(runner)
+        activation = _profile_activation_peak(spec)
         free, total = torch.cuda.mem_get_info()
         # Everything in use now except the allocator's cached free memory: weights, CUDA context, other
         # processes. Charged as "weights" so the budget counts the whole device, as vLLM does. Read before
@@ -164,36 +175,35 @@ def allocate_kv_and_graphs(runner: "ModelRunner") -> KVSetup:
         in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
         if not gc_cfg.enforce_eager:
             try:
-                estimate = _estimate_graph_bytes(runner, max(sizes), backend)
+                estimate = _estimate_graph_bytes(spec, max(sizes), backend)
             except CudaGraphCaptureError:
                 if gc_cfg.fallback == "error":
                     raise
                 # Opted into eager fallback: the real capture below fails the same way, warns once and
                 # turns graphs off, so no memory is set aside for them.
                 estimate = 0
-        plan = plan_kv_cache(total, args.gpu_memory_utilization, in_use, activation, estimate, block_bytes,
-                             runner.block_size, runner.scheduler_config.max_model_len)
+        plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation, estimate, block_bytes,
+                             spec.block_size, max_len)
         num_blocks = plan.num_blocks
         lines.append(plan.summary())
         lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
-                     f"{runner.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
+                     f"{spec.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
                      f"graph estimate {estimate / 2**20:.0f} MiB)")
-    caches = allocate_kv_cache(runner, num_blocks)
-    graphs = make_graph_runner(runner, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
-                               progress=runner.device.type == "cuda", backend=backend)
+    caches = allocate_kv_cache(spec, num_blocks)
+    step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
+                                     progress=spec.device.type == "cuda", backend=backend)
     capture = graphs.capture()
     if graphs.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
         with torch.inference_mode():
-            graphs.check(lambda n: _random_decode_inputs(runner, num_blocks, n))
+            graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
     if sizes and graphs.graphs_enabled:
-        lines.append(graph_memory_report(capture.bytes_by_size, estimate, block_bytes, runner.block_size,
-                                         runner.scheduler_config.max_model_len))
+        lines.append(graph_memory_report(capture.bytes_by_size, estimate, block_bytes, spec.block_size, max_len))
         lines.append(f"captured {len(capture.sizes)} decode graphs in {capture.seconds:.2f} s")
     elif graphs.disabled_cause:
         lines.append(f"CUDA graphs disabled: {graphs.disabled_cause}")
-    lines.append(f"KV cache: {num_blocks} blocks x {runner.block_size} tokens "
+    lines.append(f"KV cache: {num_blocks} blocks x {spec.block_size} tokens "
                  f"({num_blocks * block_bytes / 2**30:.3f} GiB)")
     report = "\n".join(lines)
     for line in report.splitlines():
         logger.info(line)
-    return KVSetup(CacheConfig(runner.block_size, num_blocks), caches, graphs, capture, report, plan)
+    return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, report, plan)

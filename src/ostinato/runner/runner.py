@@ -1,33 +1,32 @@
-"""ModelRunner: owns the model, the KV pool and the sampler; turns a SchedulerOutput into sampled tokens.
+"""ModelRunner: owns the model, the KV pool and the decode rows; turns a SchedulerOutput into sampled tokens.
 
-Prefill runs eager. Decode goes through the CudaGraphRunner (runner/graphs.py), which replays the graph of the
-smallest captured size >= batch and runs eager (counted) above the largest size or when graphs are off.
+Prefill runs eager; its sequences then join the persistent decode batch (runner/decode_batch.py). A decode
+step applies the step's changes to the rows (left, new blocks), copies the rows to the device once, and
+replays the graph of the smallest captured size >= batch (runner/graphs.py; eager, counted, above the largest
+size or when graphs are off), which samples inside; then one device-to-host copy of the tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ..attention.base import AttentionBackend
 from ..config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, SchedulerConfig
-from ..engine.request import SchedulerOutput
+from ..contract import SampledToken, SchedulerOutput, StepResult
 from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
-from .inputs import build_decode_inputs, build_prefill_inputs, decode_metadata
-from .sampler import Sampler
+from .decode_step import DecodeStep
+from .inputs import build_prefill_inputs, decode_metadata
+from .kv_setup import KVSpec, allocate_kv_and_graphs
+from .sampler import Sampler, SamplerOutput, finish_sampling
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
+# The decode annotation `ostinato verify` reads step boundaries from, recorded only while a profiler runs.
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
 
 
 def pick_device(name: str) -> torch.device:
@@ -68,13 +67,24 @@ class ModelRunner:
         logger.info("loaded %s (%.2f GiB, %s) in %.1f s", args.model, self.weights_bytes / 2**30,
                     self.dtype, self.load_seconds)
         self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
-        from .kv_setup import allocate_kv_and_graphs
-
         # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
-        setup = allocate_kv_and_graphs(self)
+        self.kv_spec = KVSpec(
+            self.model, model_config, scheduler_config, self.graph_config, self.device, self.dtype, self.block_size,
+            self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
+            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed))
+        setup = allocate_kv_and_graphs(self.kv_spec)
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
         self.graphs = setup.graph_runner
+        self.decode_step = setup.decode_step
+        self.decode_batch = setup.decode_step.batch
+        # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
+        rows = self.decode_batch.layout.rows
+        cuda = self.device.type == "cuda"
+        self._tokens_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._turn = 0
+        self._sampled_np = self.decode_step.sampled.numpy() if not cuda else None
         self.capture_report = setup.capture
         self.memory_report = setup.report
         self.kv_plan = setup.plan
@@ -127,28 +137,95 @@ class ModelRunner:
         return self.model.compute_logits(hidden, float32=False)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
-        if out.kind == "prefill":
-            inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
-            hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
-            logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_seqs, vocab]
-            return self._sample(out, logits)
-        if out.kind == "decode":
-            # The annotation lets `ostinato verify` attribute launches to decode steps in a profiler trace.
-            with torch.profiler.record_function(f"ostinato.decode_step[{len(out.seqs)}]"):
-                inp = build_decode_inputs(out, self.block_size, self.scratch_block, self.device)
-                logits = self.graphs.run(**inp.as_dict()).float()  # [B, vocab]
-                return self._sample(out, logits)
-        return []
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run a step and wait for its tokens."""
+        return self.launch(out).result()
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[SampledToken]:
-        batch = self.sampler.prepare(out.seqs)
-        sampled = self.sampler(logits, batch).to_host()  # the step's one host sync
-        return [
-            SampledToken(
-                token_id=sampled.token_ids[i],
-                logprob=None if sampled.logprobs is None else sampled.logprobs[i],
-                top=None if sampled.top_ids is None else list(zip(sampled.top_ids[i], sampled.top_logprobs[i])),
-            )
-            for i in range(len(out.seqs))
-        ]
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> "PendingStep":
+        """Run a step. A decode step is launched and not waited for: its tokens are read by
+        PendingStep.result(), which may come after the next step was launched (overlapped scheduling)."""
+        batch = self.decode_batch
+        for seq_id in out.left:
+            batch.leave(seq_id)
+        if out.kind == "prefill":
+            return PendingStep(self._prefill(out))
+        if out.kind != "decode":
+            return PendingStep(StepResult([], [], []))
+        for seq_id, block in out.new_blocks:
+            batch.add_block(seq_id, block)
+        n = len(batch)
+        assert n == out.num_decode, f"the scheduler decodes {out.num_decode} sequences, the runner holds {n}"
+        if _profiling():  # only then: the annotation costs a few microseconds per step
+            with torch.profiler.record_function(f"ostinato.decode_step[{n}]"):
+                pending = self._launch_decode(n)
+                pending.result()  # inside the annotation: verify counts this step's launches
+                return pending
+        return self._launch_decode(n)
+
+    def _prefill(self, out: SchedulerOutput) -> StepResult:
+        inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
+        logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_seqs, vocab]
+        sampled = self.sampler(logits, self.sampler.prepare(out.seqs))
+        result = _result([s.seq_id for s in out.seqs], sampled)
+        for seq, tok in zip(out.seqs, result.tokens):
+            self.decode_batch.join(seq, tok.token_id)
+        return result
+
+    def _launch_decode(self, n: int) -> "PendingStep":
+        batch, step = self.decode_batch, self.decode_step
+        size = self.graphs.graph_size(n) or n
+        rows = batch.copy_to_device(size)  # the step's one host-to-device copy
+        logits = self.graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
+        seq_ids = list(batch.rows.seq_ids)
+        batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
+        if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
+            sampled = finish_sampling(logits, step.sampled[:n], batch.sampling(rows[:n]))
+            step.sampled[:n].copy_(sampled.token_ids)  # the next step's placeholders read the final tokens
+            return PendingStep(seq_ids=seq_ids, sampled=sampled)
+        if self._sampled_np is not None:  # CPU: the step ran, its tokens are in host memory already
+            return PendingStep(_plain(seq_ids, self._sampled_np[:n].tolist()))
+        # The one device-to-host copy, into pinned memory used every other step: the step before may
+        # still be unread while this one is launched.
+        self._turn ^= 1
+        host, event = self._tokens_host[self._turn], self._events[self._turn]
+        host[:n].copy_(step.sampled[:n], non_blocking=True)
+        event.record()
+        return PendingStep(seq_ids=seq_ids, host=host[:n], event=event)
+
+
+class PendingStep:
+    """A launched step; result() waits for its tokens (once) and returns them."""
+
+    def __init__(self, done: StepResult | None = None, seq_ids: list[int] | None = None,
+                 sampled: SamplerOutput | None = None, host: torch.Tensor | None = None, event=None):
+        self._done, self._seq_ids, self._sampled, self._host, self._event = done, seq_ids, sampled, host, event
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return self._done.seq_ids if self._done is not None else self._seq_ids
+
+    def result(self) -> StepResult:
+        if self._done is None:
+            if self._sampled is not None:
+                self._done = _result(self._seq_ids, self._sampled)
+            else:
+                self._event.synchronize()
+                self._done = _plain(self._seq_ids, self._host.tolist())
+        return self._done
+
+
+def _plain(seq_ids: list[int], token_ids: list[int]) -> StepResult:
+    return StepResult(seq_ids, token_ids, list(map(SampledToken, token_ids)))
+
+
+def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
+    host = sampled.to_host()  # the step's one host sync
+    if host.logprobs is None:
+        return _plain(seq_ids, host.token_ids)
+    return StepResult(seq_ids, host.token_ids, [
+        SampledToken(token_id=host.token_ids[i], logprob=host.logprobs[i],
+                     top=None if host.top_ids is None else list(zip(host.top_ids[i], host.top_logprobs[i])))
+        for i in range(len(seq_ids))
+    ])

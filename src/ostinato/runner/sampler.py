@@ -1,15 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs. Device work only.
 
-One `Sampler` per runner. Each step: `batch = sampler.prepare(scheduled_seqs)` (host work and one
-host-to-device copy), `out = sampler(logits, batch)` (device work only: no .item(), no boolean indexing,
-no shape that depends on tensor values), then `out.to_host()` once, which is the step's only sync.
+Every row draws one uniform number u from a counter-based hash of (its key, its counter) computed on the
+device (`uniform`), and takes the token where u falls in its cumulative distribution (inverse CDF). No
+torch.Generator is involved, so the draw can sit inside a CUDA graph, and a row's token depends only on
+its own logits, key and counter: a seeded request gets the same tokens alone or among 31 others, and
+again after a preemption recomputes it. The key is the request's seed hashed (or, unseeded, the engine
+seed and the sequence id); the counter is the number of tokens the sequence generated before.
 
-The sampler runs eagerly after the model (inside or outside a CUDA-graph step): per-request generators
-cannot be captured, and sampling is a handful of kernels.
-
-Sampling uses the exponential race: argmax(p / E) with E ~ Exponential(1) i.i.d. picks token i with
-probability p_i (P(p_i/E_i is largest) = p_i / sum p). The noise is one [B, V] draw, so a row's draw
-depends only on its generator and its own probabilities; that is what makes per-request seeds work.
+`sample_tokens` (greedy, temperature, seeds) is what the decode graph captures. Rows with top-k or top-p
+need a sort of the vocabulary; a step that has such rows runs `sample_filtered` eagerly after the replay
+on the same device tensors and takes its tokens for those rows. Prefill steps run both eagerly.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.request import ScheduledSeq
+from ..contract import ScheduledSeq
 
 # Temperatures below this are greedy (dividing logits by ~0 overflows); vLLM uses the same cut-off.
 GREEDY_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
-# top_k travels in a float32 tensor with temperature and top_p: exact for integers below 2**24.
-_MAX_TOP_K = 1 << 24
+# top_k travels in an int32 column of the decode row.
+MAX_TOP_K = (1 << 31) - 1
+_UNIFORM_BITS = 24  # u = top 24 bits / 2**24: exact in float32, in [0, 1)
 
 
 def _splitmix64(x: int) -> int:
@@ -35,35 +36,53 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def draw_seed(seed: int, num_generated: int) -> int:
-    """The generator seed for a seeded request's token number `num_generated` (0-based).
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
 
-    Depends only on (seed, num_generated): the same request draws the same noise for its k-th token
-    whatever shares its batch, and again after a preemption recomputes it.
-    """
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ num_generated)
+
+def row_key(seed: int | None, engine_seed: int, seq_id: int) -> int:
+    """A row's 64-bit sampling key (as a signed int64): from the request's seed, else engine seed + seq id."""
+    if seed is not None:
+        return _signed(_splitmix64(seed & _MASK64))
+    return _signed(_splitmix64(_splitmix64(engine_seed & _MASK64) ^ _splitmix64(seq_id & _MASK64)))
+
+
+def draw_seed(seed: int, num_generated: int) -> int:
+    """Host reference of the device hash: the 64 bits a seeded request draws for its token number
+    `num_generated` (0-based). `uniform` computes the same on the device (tests compare them)."""
+    return _splitmix64((_splitmix64(seed & _MASK64) ^ num_generated) & _MASK64)
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def uniform(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """[B] int64 key and counter -> [B] float32 in [0, 1): splitmix64(key ^ counter), top 24 bits.
+    int64 arithmetic wraps on overflow, which is what the hash wants. Capturable."""
+    x = (key ^ counter) + _GOLDEN
+    x = (x ^ _lsr(x, 30)) * _MIX1
+    x = (x ^ _lsr(x, 27)) * _MIX2
+    x = x ^ _lsr(x, 31)
+    return _lsr(x, 64 - _UNIFORM_BITS).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling settings for one step, built by `Sampler.prepare`.
-
-    The tensors live on the sampler's device; the flags are host values computed from the requests, so
-    `Sampler.__call__` skips unused work without reading tensors back.
-    """
+    """Per-row sampling settings of one step, as device tensors, plus host flags that skip unused work."""
 
     num_rows: int
-    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows (their sampled token is discarded)
-    is_greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # [B] float32; 0 on greedy rows
     top_k: torch.Tensor  # [B] int64; 0 = off
     top_p: torch.Tensor  # [B] float32; 1.0 = off
-    all_greedy: bool
-    any_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
-    max_top_k: int  # largest k asked for, 0 when none: top-k alone needs only topk(max_top_k)
-    seeded_rows: tuple[tuple[int, torch.Generator], ...]  # (row, generator seeded for this draw)
-    num_logprobs: tuple[int | None, ...]  # per row, as the request asked (None = no logprobs)
+    key: torch.Tensor  # [B] int64
+    counter: torch.Tensor  # [B] int64: tokens the row generated before this draw
+    any_filtered: bool  # some row has top-k or top-p (and samples)
+    num_logprobs: tuple[int | None, ...] | None  # per row; None when no row asked
     max_num_logprobs: int | None  # largest N asked for; None when no row wants logprobs
 
 
@@ -113,119 +132,114 @@ class SamplerOutput:
         return SampledTokens(token_ids, logprobs, top_ids, top_logprobs)
 
 
-class Sampler:
-    """Samples one token per row from [B, V] logits. `seed` drives the rows without a request seed."""
-
-    def __init__(self, device: torch.device | str, seed: int):
-        self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed & _MASK64)
-        # Pinned host memory lets the per-step parameter copy run asynchronously.
-        self._pin = self.device.type == "cuda" and torch.cuda.is_available()
-
-    def prepare(self, seqs: Sequence[ScheduledSeq]) -> SamplingBatch:
-        """Gather the batch's sampling settings into device tensors and host flags."""
-        assert seqs, "a step samples at least one sequence"
-        temperature, top_k, top_p, seeded, num_logprobs = [], [], [], [], []
-        for row, seq in enumerate(seqs):
-            p = seq.sampling_params
-            temperature.append(0.0 if p.temperature < GREEDY_TEMPERATURE else float(p.temperature))
-            top_k.append(float(min(p.top_k, _MAX_TOP_K)) if p.top_k > 0 else 0.0)
-            top_p.append(float(p.top_p))
-            num_logprobs.append(p.logprobs)
-            if p.seed is not None and temperature[-1] > 0.0:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(draw_seed(p.seed, seq.num_generated))
-                seeded.append((row, generator))
-        host = torch.tensor([temperature, top_k, top_p], dtype=torch.float32)  # [3, B]
-        if self._pin:
-            host = host.pin_memory()
-        packed = host.to(self.device, non_blocking=self._pin)  # [3, B], the one host-to-device copy
-        is_greedy = packed[0] == 0.0
-        asked = [n for n in num_logprobs if n is not None]
-        greedy_rows = sum(t == 0.0 for t in temperature)
-        # top-k / top-p matter only on rows that sample.
-        sampling_k = [k for k, t in zip(top_k, temperature) if t > 0.0]
-        sampling_p = [p for p, t in zip(top_p, temperature) if t > 0.0]
-        return SamplingBatch(
-            num_rows=len(seqs),
-            temperature=torch.where(is_greedy, 1.0, packed[0]),
-            is_greedy=is_greedy,
-            top_k=packed[1].to(torch.int64),
-            top_p=packed[2],
-            all_greedy=greedy_rows == len(seqs),
-            any_greedy=greedy_rows > 0,
-            any_top_k=any(k > 0 for k in sampling_k),
-            any_top_p=any(p < 1.0 for p in sampling_p),
-            max_top_k=int(max(sampling_k, default=0)),
-            seeded_rows=tuple(seeded),
-            num_logprobs=tuple(num_logprobs),
-            max_num_logprobs=max(asked) if asked else None,
-        )
-
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample from logits [B, V] (float32; other dtypes are upcast). Device work only."""
-        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (tuple(logits.shape), batch.num_rows)
-        logits = logits.float()  # no copy when already float32
-        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # [B]
-        if batch.all_greedy:
-            token_ids = greedy_ids
-        else:
-            sampled_ids = self._sample(logits, batch)  # [B]
-            token_ids = torch.where(batch.is_greedy, greedy_ids, sampled_ids) if batch.any_greedy else sampled_ids
-
-        logprobs = top_ids = top_logprobs = None
-        if batch.max_num_logprobs is not None:
-            # Logprobs of the model's own distribution, as vLLM returns by default.
-            all_logprobs = logits.log_softmax(dim=-1)  # [B, V]
-            logprobs = all_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
-            if batch.max_num_logprobs > 0:
-                n = min(batch.max_num_logprobs, logits.shape[1])
-                top_logprobs, top_ids = all_logprobs.topk(n, dim=-1)  # [B, N], sorted descending
-        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, batch.num_logprobs)
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        scaled = logits / batch.temperature[:, None]  # [B, V]
-        if batch.any_top_k or batch.any_top_p:
-            scaled = mask_top_k_top_p(scaled, batch)
-        probs = scaled.softmax(dim=-1)  # [B, V]
-        noise = torch.empty_like(probs)  # [B, V]
-        if len(batch.seeded_rows) < batch.num_rows:
-            noise.exponential_(generator=self.generator)  # one draw for every unseeded row
-        for row, generator in batch.seeded_rows:
-            noise[row].exponential_(generator=generator)
-        # Exponential noise can round to 0; a 0 divisor would make a masked (p = 0) token NaN and win argmax.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index where u * total mass falls in each row's cumulative sum: a draw from the (unnormalized) probs.
+    right=True skips zero-probability entries; a rounding past the end clamps to the last index."""
+    cdf = probs.cumsum_(dim=-1)  # [B, V], in place
+    target = u[:, None] * cdf[:, -1:]  # [B, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def mask_top_k_top_p(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor,
+                  counter: torch.Tensor) -> torch.Tensor:
+    """Greedy rows (temperature 0) take the argmax; the others draw from softmax(logits / T). [B] int64.
+    No host sync, no data-dependent shape: the decode graph captures it."""
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)
+    is_greedy = temperature < GREEDY_TEMPERATURE
+    scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
+    probs = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # [B, V] unnormalized
+    sampled_ids = _inverse_cdf(probs, uniform(key, counter))
+    return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+
+def sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Like sample_tokens, after masking each row to its top-k and top-p: a sort of the vocabulary. [B]."""
+    logits = logits.float()
+    is_greedy = batch.temperature < GREEDY_TEMPERATURE
+    scaled = logits / torch.where(is_greedy, 1.0, batch.temperature)[:, None]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [B, V] each
+    sorted_logits = mask_sorted(sorted_logits, batch.top_k, batch.top_p)
+    probs = (sorted_logits - sorted_logits[:, :1]).exp_()
+    picked = _inverse_cdf(probs, uniform(batch.key, batch.counter))  # [B] index into the sorted order
+    return sorted_ids.gather(1, picked[:, None]).squeeze(1)
+
+
+def mask_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit (sorted descending per row) outside the row's top-k, then its top-p nucleus.
 
     top-k keeps the tokens whose logit is >= the k-th largest (tokens tied with it are kept too).
     top-p keeps the smallest set of most likely tokens whose probability (after top-k) reaches p; the
     most likely token always stays. Rows with k = 0 and p = 1 are left as they are.
     """
-    vocab = scaled.shape[-1]
+    vocab = sorted_logits.shape[-1]
     neg_inf = float("-inf")
-    if not batch.any_top_p:
-        # top-k alone: the k-th largest of topk(max k) is each row's threshold; no full sort.
-        k_max = min(batch.max_top_k, vocab)
-        top_values = scaled.topk(k_max, dim=-1).values  # [B, k_max], descending
-        kth = top_values.gather(1, (batch.top_k.clamp(1, k_max) - 1)[:, None])  # [B, 1]
-        threshold = torch.where(batch.top_k[:, None] > 0, kth, neg_inf)
-        return scaled.masked_fill(scaled < threshold, neg_inf)
-
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [B, V] each
-    if batch.any_top_k:
-        k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)  # [B]
-        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [B, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B]
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [B, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
     sorted_probs = sorted_logits.softmax(dim=-1)  # [B, V]
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V] mass of the more likely tokens
     # A token goes once the tokens ranked above it already reach p. Rows with p = 1 are exempt: rounding
     # can push the cumulative sum past 1 and would otherwise drop their tail.
-    top_p = batch.top_p[:, None]  # [B, 1]
-    outside = (mass_above >= top_p) & (top_p < 1.0)
-    sorted_logits = sorted_logits.masked_fill(outside, neg_inf)
-    return torch.empty_like(scaled).scatter_(1, sorted_ids, sorted_logits)
+    p = top_p[:, None]  # [B, 1]
+    return sorted_logits.masked_fill((mass_above >= p) & (p < 1.0), neg_inf)
+
+
+def finish_sampling(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """After sample_tokens: top-k / top-p rows re-drawn when the batch has any, logprobs when asked."""
+    if batch.any_filtered:
+        filtered = (batch.top_k > 0) | (batch.top_p < 1.0)
+        tokens = torch.where(filtered, sample_filtered(logits, batch), tokens)
+    logprobs = top_ids = top_logprobs = None
+    if batch.max_num_logprobs is not None:
+        # Logprobs of the model's own distribution, as vLLM returns by default.
+        all_logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
+        logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)  # [B]
+        if batch.max_num_logprobs > 0:
+            n = min(batch.max_num_logprobs, logits.shape[1])
+            top_logprobs, top_ids = all_logprobs.topk(n, dim=-1)  # [B, N], sorted descending
+    return SamplerOutput(tokens, logprobs, top_ids, top_logprobs, batch.num_logprobs or ())
+
+
+class Sampler:
+    """Eager sampling of a prefill step's rows. `seed` keys the rows whose request has no seed."""
+
+    def __init__(self, device: torch.device | str, seed: int):
+        self.device = torch.device(device)
+        self.seed = seed
+        self._pin = self.device.type == "cuda" and torch.cuda.is_available()
+
+    def prepare(self, seqs: Sequence[ScheduledSeq]) -> SamplingBatch:
+        """Gather the rows' settings into device tensors (one host-to-device copy) and host flags."""
+        assert seqs, "a step samples at least one sequence"
+        temperature, top_k, top_p, keys, counters, num_logprobs = [], [], [], [], [], []
+        any_filtered = False
+        for seq in seqs:
+            p = seq.sampling_params
+            greedy = p.temperature < GREEDY_TEMPERATURE
+            filtered = not greedy and (p.top_k > 0 or p.top_p < 1.0)
+            any_filtered |= filtered
+            temperature.append(0.0 if greedy else float(p.temperature))
+            top_k.append(min(p.top_k, MAX_TOP_K) if filtered and p.top_k > 0 else 0)
+            top_p.append(float(p.top_p) if filtered else 1.0)
+            keys.append(row_key(p.seed, self.seed, seq.seq_id))
+            counters.append(seq.num_generated)
+            num_logprobs.append(p.logprobs)
+        ints = torch.tensor([top_k, keys, counters], dtype=torch.int64)  # [3, B]
+        floats = torch.tensor([temperature, top_p], dtype=torch.float32)  # [2, B]
+        packed = torch.cat([ints, floats.view(torch.int32).to(torch.int64)])  # [5, B]: one copy
+        if self._pin:
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=self._pin)
+        floats = packed[3:].to(torch.int32).view(torch.float32)
+        asked = [n for n in num_logprobs if n is not None]
+        return SamplingBatch(
+            num_rows=len(seqs), temperature=floats[0], top_k=packed[0], top_p=floats[1], key=packed[1],
+            counter=packed[2], any_filtered=any_filtered, num_logprobs=tuple(num_logprobs) if asked else None,
+            max_num_logprobs=max(asked) if asked else None)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample from logits [B, V] (any float dtype). Device work only."""
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (tuple(logits.shape), batch.num_rows)
+        tokens = sample_tokens(logits, batch.temperature, batch.key, batch.counter)
+        return finish_sampling(logits, tokens, batch)

@@ -6,19 +6,27 @@ and /metrics (Prometheus). Errors carry OpenAI's body `{"error": {"message", "ty
 
 A client that goes away, also mid-stream, aborts its request so its KV blocks are freed at once: for streams
 Starlette cancels the response on disconnect (and a send to a closed socket fails); for plain requests a
-watcher on the ASGI receive channel cancels the wait.
+watcher on the ASGI receive channel cancels the wait. A client that stays connected but stops reading its
+stream is aborted the same way once a send has waited --stream-send-timeout seconds (backpressure).
+
+Hostile input (server/limits.py): every limit is checked before the work it bounds. A text prompt is measured
+in characters before it is tokenized, and tokenization (and chat templating) runs in a small thread pool, off
+the event loop and off the engine thread; the engine gets token ids.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
+import json
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,8 +38,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..cli_args import add_engine_args, engine_args_from
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
-from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.core_process import ProcessAsyncEngine, build_engine
+from ..engine.outputs import CompletionOutput, RequestOutput, merge_deltas
 from ..errors import InvalidRequestError, QueueFullError
+from ..sampling_params import RequestOutputKind
+from .limits import ServerLimits, add_limit_args, limits_from
 from .metrics import ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
@@ -40,8 +51,8 @@ from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatComple
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as JSON token ids is ~1 MiB
 RETRY_AFTER_SECONDS = 1
+TOKENIZER_THREADS = 4  # concurrent tokenizations; each is bounded by the prompt character cap
 _OPEN_PATHS = ("/health", "/metrics", "/version")  # never behind the API key (probes and scrapers)
 
 
@@ -72,7 +83,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for err in errors[:5]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        parts.append(f"{'.'.join(loc) or 'body'}: {str(err.get('msg')).removeprefix('Value error, ')}")
     return "invalid request: " + "; ".join(parts), param
 
 
@@ -102,8 +113,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises after answering, so uvicorn logs the traceback.
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
+        # Starlette re-raises after answering, so uvicorn logs the traceback; the client learns nothing of the
+        # internals (an exception's text may hold paths, tokens of other requests, or library details).
+        return error_response(500, "internal server error; the server log has the details", "internal_error")
 
     @app.exception_handler(EngineNotReadyError)
     async def _loading(_: Request, exc: EngineNotReadyError) -> JSONResponse:
@@ -137,37 +149,46 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Answers 413 for a body over `max_bytes`, by Content-Length or by counting a streamed (chunked) body.
+    """Answers 413 for a body over `max_bytes()`, by Content-Length or by counting a streamed (chunked) body,
+    and 408 for a body that does not arrive within `timeout` seconds (a slow client holds no request for ever).
 
     The body is read here (at most max_bytes are held) and replayed to the app; later `receive()` calls go to
     the server, so the app still sees the client's disconnect.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: Callable[[], int], timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
-    def _too_large(self) -> JSONResponse:
-        return error_response(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes; "
+    @staticmethod
+    def _too_large(limit: int) -> JSONResponse:
+        return error_response(413, f"the request body exceeds the server's limit of {limit} bytes; "
                               "send a smaller request (or restart the server with a larger --max-body-bytes)",
                               "invalid_request_error")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
+        limit = self.max_bytes()
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large()(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await self._too_large(limit)(scope, receive, send)
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._too_large()(scope, receive, send)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > limit:
+                        return await self._too_large(limit)(scope, receive, send)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            response = error_response(408, f"the request body did not arrive within {self.timeout:g} s; send it "
+                                      "at once", "invalid_request_error", headers={"Connection": "close"})
+            return await response(scope, receive, send)
         body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         async def replay() -> Message:
@@ -188,20 +209,12 @@ def _usage(out: RequestOutput) -> UsageInfo:
 
 
 class _ChoiceCursor:
-    """What of one completion was already sent in a stream: text, tokens, and whether it finished."""
+    """One completion of a stream: tokens sent so far (for usage) and the character offset of the next token
+    (completions logprobs' text_offset)."""
 
     def __init__(self) -> None:
-        self.text_len = 0
         self.num_tokens = 0
-        self.done = False
-        self.text_offset = 0  # completions logprobs: character offset of the next token
-
-    def advance(self, c: CompletionOutput) -> tuple[str, slice]:
-        """The new text and the slice of new tokens since the last call."""
-        delta, tokens = c.text[self.text_len:], slice(self.num_tokens, len(c.token_ids))
-        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
-        self.done = c.finish_reason is not None
-        return delta, tokens
+        self.text_offset = 0
 
 
 class _Formatter:
@@ -213,9 +226,9 @@ class _Formatter:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, c: CompletionOutput, tokens: slice, cursor: _ChoiceCursor) -> CompletionLogprobs:
+    def completion_logprobs(self, c: CompletionOutput, cursor: _ChoiceCursor) -> CompletionLogprobs:
         lp = CompletionLogprobs()
-        for entry in (c.logprobs or [])[tokens]:
+        for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
             lp.tokens.append(text)
             lp.token_logprobs.append(entry.logprob)
@@ -224,9 +237,9 @@ class _Formatter:
             cursor.text_offset += len(text)
         return lp
 
-    def chat_logprobs(self, c: CompletionOutput, tokens: slice) -> ChatLogprobs:
+    def chat_logprobs(self, c: CompletionOutput) -> ChatLogprobs:
         content = []
-        for entry in (c.logprobs or [])[tokens]:
+        for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
             top = [TopLogprob(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode())) for t, v in entry.top]
             content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
@@ -238,18 +251,40 @@ def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
-class _EngineStreamResponse(StreamingResponse):
-    """A StreamingResponse that aborts its request however the response ends (done, disconnect, error), even
-    if the body iterator never started."""
+class _StreamStalled(Exception):
+    """A stream's client read nothing for the send timeout."""
 
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream):
+
+def _bounded_send(send: Send, timeout: float) -> Send:
+    """`send` that gives up after `timeout` seconds. A send waits only while the socket's buffers are full,
+    that is while the client is not reading: backpressure then ends the stream instead of waiting for ever."""
+
+    async def send_within(message: Message) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await send(message)
+        except TimeoutError:
+            raise _StreamStalled(f"the client read nothing for {timeout:g} s") from None
+
+    return send_within
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """A StreamingResponse that aborts its request however the response ends (done, disconnect, error, a
+    client that stopped reading), even if the body iterator never started."""
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, send_timeout: float):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._request_stream = stream
+        self._send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, _bounded_send(send, self._send_timeout))
+        except _StreamStalled as e:
+            # Returning with the response unfinished makes uvicorn close the connection.
+            logger.warning("aborting stream %s: %s", self._request_stream.request_id, e)
         finally:
             self._request_stream.close()
 
@@ -260,17 +295,16 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _final_output(request: Request, stream: RequestStream) -> RequestOutput | None:
-    """The request's last output, or None if the client disconnected first (the request is then aborted)."""
+    """The request's whole output (its DELTA outputs merged), or None if the client disconnected first (the
+    request is then aborted)."""
 
-    async def last() -> RequestOutput:
-        final = None
-        async for final in stream:
-            pass
-        if final is None or not final.finished:
+    async def collect() -> RequestOutput:
+        deltas = [out async for out in stream]
+        if not deltas or not deltas[-1].finished:
             raise EngineDeadError("the request was aborted before it finished")
-        return final
+        return merge_deltas(deltas)
 
-    consumer = asyncio.ensure_future(last())
+    consumer = asyncio.ensure_future(collect())
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -282,19 +316,57 @@ async def _final_output(request: Request, stream: RequestStream) -> RequestOutpu
 
 
 # ---- the app -----------------------------------------------------------------------------------------------
-def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_model_name: str,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+_ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for status, text in (
+    (400, "invalid request (a bad value, a limit exceeded); names the parameter"),
+    (401, "missing or wrong API key"), (404, "unknown model"), (408, "the body arrived too slowly"),
+    (413, "the body exceeds --max-body-bytes"), (429, "the waiting queue is full (Retry-After)"),
+    (500, "internal error"), (503, "loading, or the engine stopped"))}
+
+
+def _openapi_without_422(app: FastAPI) -> Callable[[], dict]:
+    """FastAPI documents its 422 validation error on every route with a body; this server answers 400 (the
+    handler above), so the schema says 400 and drops the unused validation-error schemas."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
+def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | None = None, served_model_name: str,
+              max_body_bytes: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` (which may still be loading: /health says 503 until ready).
 
-    Installs a ServerMetrics as the engine's step observer; its registry is `app.state.metrics.registry`.
+    `limits` bounds what one request may ask (default: ServerLimits()); `max_body_bytes`, if given, overrides
+    its body cap. Installs a ServerMetrics as the engine's step observer; its registry is
+    `app.state.metrics.registry`.
     """
+    limits = limits or ServerLimits()
+    if max_body_bytes is not None:
+        limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
     app = FastAPI(title="ostinato", version=__version__)
+    app.openapi = _openapi_without_422(app)
     metrics = ServerMetrics(served_model_name)
     async_engine.observer = metrics
-    app.state.async_engine, app.state.metrics = async_engine, metrics
+    app.state.async_engine, app.state.metrics, app.state.limits = async_engine, metrics, limits
+    # Tokenizing and chat templating run here: never on the event loop, never on the engine thread.
+    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ostinato-tokenize")
     _install_error_handlers(app)
+
+    def model_len() -> int | None:
+        return async_engine.engine.scheduler_config.max_model_len if async_engine.is_ready else None
+
     # Added last = outermost: the key is checked before a body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=lambda: limits.body_bytes(model_len()),
+                       timeout=limits.body_timeout)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -307,6 +379,24 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
         if model is not None and model != served_model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r} "
                            "(see GET /v1/models)", "not_found_error", param="model")
+
+    def check_limits(body, logprobs: int | None) -> None:
+        limits.check_sampling(n=body.n, stop=body.stop, stop_token_ids=body.stop_token_ids, logprobs=logprobs)
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
+
+    async def prompt_ids(engine, prompt: str | list[int]) -> str | list[int]:
+        """The prompt as token ids, measured before and after tokenizing ("" is left to the engine's rule)."""
+        max_len = engine.scheduler_config.max_model_len
+        if isinstance(prompt, str) and prompt:
+            limits.check_prompt_chars(len(prompt), max_len)
+            prompt = await off_loop(engine.tokenizer.encode, prompt)  # as LLMEngine would encode it
+        limits.check_prompt_tokens(len(prompt), max_len)
+        return prompt
+
+    def stream_response(events: AsyncIterator[str], stream: RequestStream) -> Response:
+        return _EngineStreamResponse(events, stream, limits.stream_send_timeout)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -333,53 +423,58 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
         body, content_type = metrics.render(stats)
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERROR_RESPONSES)
     async def models() -> ModelList:
         engine = serving_engine()
-        return ModelList(data=[ModelCard(id=served_model_name, root=str(engine.args.model),
+        # root is the served name, never the model's folder: a client has no business knowing server paths.
+        return ModelList(data=[ModelCard(id=served_model_name, root=served_model_name,
                                          max_model_len=engine.scheduler_config.max_model_len)])
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = serving_engine()
         check_model(body.model)
-        prompt, params = body.single_prompt(), body.to_sampling_params()
+        params = _as_delta(body.to_sampling_params())
+        check_limits(body, params.logprobs)
+        prompt = await prompt_ids(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return _EngineStreamResponse(
-                _completion_events(stream, request_id, served_model_name, fmt, want_logprobs,
-                                   body.include_usage_chunk), stream)
+            return stream_response(_completion_events(stream, request_id, served_model_name, fmt, want_logprobs,
+                                                      body.include_usage_chunk), stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)  # nobody is listening any more
         choices = []
         for c in final.outputs:
-            cursor = _ChoiceCursor()
-            lp = fmt.completion_logprobs(c, slice(0, len(c.token_ids)), cursor) if want_logprobs else None
+            lp = fmt.completion_logprobs(c, _ChoiceCursor()) if want_logprobs else None
             choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
         return JSONResponse(CompletionResponse(id=request_id, model=served_model_name, choices=choices,
                                                usage=_usage(final)).model_dump())
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = serving_engine()
         check_model(body.model)
-        prompt_ids = _chat_prompt_ids(engine.tokenizer, body)
-        params = body.to_sampling_params(len(prompt_ids), engine.scheduler_config.max_model_len)
+        messages = body.template_messages()
+        max_len = engine.scheduler_config.max_model_len
+        limits.check_prompt_chars(sum(len(m["content"]) for m in messages), max_len, param="messages")
+        prompt = await off_loop(_chat_prompt_ids, engine.tokenizer, messages)
+        limits.check_prompt_tokens(len(prompt), max_len, param="messages")
+        params = _as_delta(body.to_sampling_params(len(prompt), max_len))
+        check_limits(body, params.logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await async_engine.add_request(request_id, prompt_ids, params)
+        stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return _EngineStreamResponse(
-                _chat_events(stream, request_id, served_model_name, fmt, want_logprobs, params.n,
-                             body.include_usage_chunk), stream)
+            return stream_response(_chat_events(stream, request_id, served_model_name, fmt, want_logprobs,
+                                                params.n, body.include_usage_chunk), stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=fmt.chat_logprobs(c, slice(0, len(c.token_ids))) if want_logprobs else None,
+                              logprobs=fmt.chat_logprobs(c) if want_logprobs else None,
                               finish_reason=c.finish_reason) for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices,
                                                    usage=_usage(final)).model_dump())
@@ -387,9 +482,15 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
     return app
 
 
-def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The chat rendered by the model's template (with the assistant turn opened), as token ids."""
-    messages = body.template_messages()
+def _as_delta(params):
+    """The server streams (and merges non-streamed answers from) DELTA outputs: O(new tokens) per step."""
+    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+
+
+def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The chat rendered by the model's template (with the assistant turn opened), as token ids. Runs in the
+    tokenizer pool: HF fast tokenizers mutate no state for encode/decode at fixed settings, so this is safe
+    beside the engine thread's decoding."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template (tokenizer_config.json); use /v1/completions "
                                   "with a plain prompt", param="messages")
@@ -397,60 +498,76 @@ def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja2 errors raised by the template itself (e.g. "roles must alternate")
         raise InvalidRequestError(f"the model's chat template rejected the messages: {e}", param="messages") from e
-    # The template already wrote any BOS token; do not add another. (Encoding here, on the event loop, while the
-    # engine thread decodes is safe: HF fast tokenizers mutate no state for encode/decode at fixed settings.)
+    # The template already wrote any BOS token; do not add another.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _stream_error(exc: Exception) -> str:
-    status = 503 if isinstance(exc, EngineDeadError) else 500
-    kind = "service_unavailable" if status == 503 else "internal_error"
-    return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status)))
+def _stream_error(exc: EngineDeadError) -> str:
+    return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="service_unavailable", code=503)))
 
 
-async def _choice_events(stream: RequestStream, make_choice, make_chunk, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body shared by completions and chat: one chunk per choice that advanced, then the usage chunk
-    when asked for, then [DONE]. make_choice(output, delta, tokens, cursor) builds a choice; make_chunk(choices,
-    usage) the chunk around it."""
+# One encoder for every chunk (json.dumps with options builds a new one per call); compact, as pydantic writes.
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class _ChunkWriter:
+    """Writes a stream's SSE chunks as JSON directly: every chunk of a stream shares its envelope (id, object,
+    created, model), and building and validating pydantic models per token costs more than the rest of the
+    chunk's work. The envelope comes from the pydantic model once, so the fields and their order are the
+    model's; tests compare the two."""
+
+    def __init__(self, empty_chunk: BaseModel):
+        self._chunk = empty_chunk.model_dump()  # {"id", "object", "created", "model", "choices": [], "usage"}
+
+    def event(self, choice: dict) -> str:
+        self._chunk["choices"] = [choice]  # one choice per chunk, as OpenAI and vLLM stream n > 1
+        return f"data: {_encode_json(self._chunk)}\n\n"
+
+
+async def _choice_events(stream: RequestStream, writer: _ChunkWriter, make_choice, make_chunk,
+                         include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body shared by completions and chat: for every (merged) DELTA output, one chunk per completion
+    that advanced, written together; then the usage chunk when asked for, then [DONE].
+    make_choice(completion, cursor) builds a choice as a dict; make_chunk(choices, usage) the usage chunk."""
     cursors: dict[int, _ChoiceCursor] = {}
-    final = None
+    prompt_len = 0
     try:
         async for out in stream:
-            final = out
+            prompt_len = len(out.prompt_token_ids)
+            events = []
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, _ChoiceCursor())
-                if cursor.done:
-                    continue
-                delta, tokens = cursor.advance(c)
-                if not delta and not cursor.done and tokens.start == tokens.stop:
-                    continue
-                # One choice per chunk, as OpenAI and vLLM stream n > 1: clients read chunk.choices[0].
-                yield _sse(make_chunk([make_choice(c, delta, tokens, cursor)], None))
+                cursor.num_tokens += len(c.token_ids)
+                events.append(writer.event(make_choice(c, cursor)))
+            if events:
+                yield "".join(events)
     except EngineDeadError as e:
         yield _stream_error(e)
-    if include_usage and final is not None:
-        yield _sse(make_chunk([], _usage(final)))
+    if include_usage and cursors:
+        completion = sum(c.num_tokens for c in cursors.values())
+        yield _sse(make_chunk([], UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
+                                            total_tokens=prompt_len + completion)))
     yield "data: [DONE]\n\n"
 
 
 def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, delta, tokens, cursor):
-        lp = fmt.completion_logprobs(c, tokens, cursor) if want_logprobs else None
-        return CompletionChoice(index=c.index, text=delta, logprobs=lp, finish_reason=c.finish_reason)
+    def choice(c, cursor) -> dict:  # CompletionChoice's fields, in its order
+        lp = fmt.completion_logprobs(c, cursor).model_dump() if want_logprobs else None
+        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     def chunk(choices, usage):
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    return _choice_events(stream, choice, chunk, include_usage)
+    return _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage)
 
 
 async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
                        want_logprobs: bool, n: int, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, delta, tokens, cursor):
-        lp = fmt.chat_logprobs(c, tokens) if want_logprobs else None
-        return ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta or None), logprobs=lp,
-                               finish_reason=c.finish_reason)
+    def choice(c, cursor) -> dict:  # ChatChunkChoice's fields, in its order
+        lp = fmt.chat_logprobs(c).model_dump() if want_logprobs else None
+        return {"index": c.index, "delta": {"role": None, "content": c.text or None}, "logprobs": lp,
+                "finish_reason": c.finish_reason}
 
     def chunk(choices, usage):
         return ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage)
@@ -458,7 +575,7 @@ async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: 
     # OpenAI opens each choice with a chunk carrying the role; clients rely on it.
     for i in range(n):
         yield _sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None))
-    async for event in _choice_events(stream, choice, chunk, include_usage):
+    async for event in _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage):
         yield event
 
 
@@ -472,8 +589,10 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("OSTINATO_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSTINATO_API_KEY)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="largest request body accepted; larger ones get HTTP 413")
+    add_limit_args(p)
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of in its own process "
+                        "(slower: the engine and the HTTP work then share one GIL)")
     p.set_defaults(func=run)
 
 
@@ -481,18 +600,24 @@ _UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "war
                        "INFO": "info", "DEBUG": "debug"}
 
 
-def run(ns: argparse.Namespace) -> int:
-    """Load the model on the engine thread while uvicorn already answers /health (503), then serve."""
+def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
+    """Load the model in the engine core process (or on the engine thread, --engine-thread) while uvicorn
+    already answers /health (503), then serve. engine_factory(EngineArgs) builds the engine; for the core
+    process it must be a module-level function (spawn pickles it by name)."""
     import uvicorn
 
-    from ..engine.engine import LLMEngine
+    from .http import uvicorn_config
 
     args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
+    limits = limits_from(ns)
     name = args.served_model_name or Path(args.model).resolve().name  # the name LLMEngine gives it
-    async_engine = AsyncEngine(lambda: LLMEngine(args))
-    app = build_app(async_engine, api_key=ns.api_key, served_model_name=name, max_body_bytes=ns.max_body_bytes)
+    if getattr(ns, "engine_thread", False):
+        async_engine = AsyncEngine(lambda: engine_factory(args))
+    else:
+        async_engine = ProcessAsyncEngine(args, factory=engine_factory)
+    app = build_app(async_engine, api_key=ns.api_key, served_model_name=name, limits=limits)
     log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
-    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=log_level))
+    server = uvicorn.Server(uvicorn_config(app, limits, host=ns.host, port=ns.port, log_level=log_level))
 
     async def main() -> int:
         async_engine.start()

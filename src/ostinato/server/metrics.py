@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..engine.outputs import EngineStats, RequestOutput
 
@@ -85,6 +86,24 @@ class _EngineStatsCollector(Collector):
         yield gauge("cuda_graph_memory_bytes", "Device memory held by the CUDA-graph pool.", s.graph_memory_bytes)
         yield gauge("cuda_graph_capture_seconds", "Time spent capturing graphs at start-up.", s.graph_capture_seconds)
         yield gauge("cuda_graphs_enabled", "1 when decode steps run as CUDA-graph replays.", int(s.graphs_enabled))
+        yield decode_batch_size_histogram(name, s.decode_batch_sizes, s.max_num_seqs)
+
+
+def decode_batch_size_histogram(model_name: str, steps_by_batch: dict[int, int], max_num_seqs: int) -> Metric:
+    """`ostinato:decode_batch_size`: sequences per decode step, one observation per step (graph or eager).
+
+    One bucket per possible batch size (le = 1, 2, ..., max_num_seqs): the exact distribution, which
+    `ostinato advise --from-metrics` turns into CUDA-graph capture sizes for the server's next start."""
+    hist = HistogramMetricFamily(PREFIX + "decode_batch_size", "Sequences in each decode step (one observation "
+                                 "per step; a bucket per batch size).", labels=["model_name"])
+    top = max([max_num_seqs, *steps_by_batch])
+    buckets, seen = [], 0
+    for size in range(1, top + 1):
+        seen += steps_by_batch.get(size, 0)
+        buckets.append((floatToGoString(size), seen))  # le="8.0", as Histogram writes its bounds
+    buckets.append(("+Inf", seen))
+    hist.add_metric([model_name], buckets, sum_value=sum(n * c for n, c in steps_by_batch.items()))
+    return hist
 
 
 class ServerMetrics:
@@ -104,28 +123,27 @@ class ServerMetrics:
         self.model_name = model_name
         self._engine = _EngineStatsCollector(model_name)
         self.registry.register(self._engine)
-        # request id -> (time it last got tokens, tokens so far over all n completions). Engine thread only.
-        self._progress: dict[str, tuple[float, int]] = {}
+        # request id -> time it last got tokens. Engine thread only.
+        self._progress: dict[str, float] = {}
 
     # ---- StepObserver (engine thread) -------------------------------------------------------------
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
+        # The engine outputs a request in a step only when the step sampled tokens for it (DELTA and
+        # CUMULATIVE requests every such step, FINAL_ONLY ones at the end), so each output is progress.
         for out in outputs:
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
-            last = self._progress.get(out.request_id)
+            last = self._progress.pop(out.request_id, None)
             if last is None:
-                if num_tokens:
-                    first = out.first_token_time if out.first_token_time is not None else now
-                    self.ttft.observe(max(0.0, first - out.arrival_time))
-            elif num_tokens > last[1]:
-                self.itl.observe(now - last[0])
+                first = out.first_token_time if out.first_token_time is not None else now
+                self.ttft.observe(max(0.0, first - out.arrival_time))
+            else:
+                self.itl.observe(now - last)
             if out.finished:
-                self._progress.pop(out.request_id, None)
                 end = out.finished_time if out.finished_time is not None else now
                 self.e2e.observe(max(0.0, end - out.arrival_time))
                 reason = out.outputs[0].finish_reason if out.outputs else None
                 self._success.labels(self.model_name, reason or "unknown").inc()
-            elif last is None or num_tokens > last[1]:
-                self._progress[out.request_id] = (now, num_tokens)
+            else:
+                self._progress[out.request_id] = now
 
     def on_request_aborted(self, request_id: str) -> None:
         self._progress.pop(request_id, None)

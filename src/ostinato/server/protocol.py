@@ -4,17 +4,36 @@ Field names and meanings follow the OpenAI API; `top_k`, `ignore_eos` and `stop_
 extensions. Unknown fields are ignored, as OpenAI clients send extra ones. OpenAI fields that ostinato does
 not implement (penalties, logit_bias, echo, best_of, tools) are accepted only at their no-op values, so a
 request never silently gets something other than what it asked for.
+
+Types are strict, as the OpenAI API's are: `"temperature": "0.5"`, `"stream": "yes"`, `"n": true` and
+`"max_tokens": "3"` are refused (400), not coerced. Every string must be valid Unicode: a lone UTF-16
+surrogate (`"\\ud800"` in JSON) is refused with the field named, before a tokenizer could choke on it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      field_validator)
 
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
+
+
+def _valid_unicode(text: str) -> str:
+    """Refuse lone surrogates: JSON can carry them, UTF-8 (and so every tokenizer) cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text contains a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                         "which is not valid Unicode; send valid UTF-8 text") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+_PROMPT_TYPES = "a string, a list of token ids (integers), or a list holding one of those"
 
 
 class _Lenient(BaseModel):
@@ -22,27 +41,27 @@ class _Lenient(BaseModel):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Lenient):
     """The fields both endpoints share, and their translation to SamplingParams."""
 
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    model: Text | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: Text | list[Text] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
     # Accepted at their defaults only (see _reject_unsupported).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
 
     def _reject_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -77,11 +96,27 @@ class _SamplingFields(_Lenient):
 # ---- requests ----------------------------------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, _handler) -> str | list:
+        # Checked by hand, not by pydantic's union: on a long list of the wrong type the union would build one
+        # error per element and alternative, seconds of work on the event loop for one request.
+        if isinstance(value, str):
+            return _valid_unicode(value)
+        if isinstance(value, list):
+            if all(type(t) is int for t in value):  # type(): bool is an int subclass, and no token id
+                return value
+            if all(isinstance(p, str) for p in value):
+                return [_valid_unicode(p) for p in value]
+            if all(isinstance(p, list) and all(type(t) is int for t in p) for p in value):
+                return value
+        raise ValueError(f"prompt must be {_PROMPT_TYPES}")
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: a string or token ids. Batched prompts are refused (400)."""
@@ -104,31 +139,36 @@ class CompletionRequest(_SamplingFields):
         return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
 
 
+class ContentPart(_Lenient):
+    type: Text
+    text: Text = ""
+
+
 class ChatMessage(_Lenient):
-    role: str
+    role: Text
     # A string, or OpenAI content parts; only {"type": "text"} parts are supported.
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.get("type") != "text":
+            if part.type != "text":
                 raise InvalidRequestError(
-                    f"content part type {part.get('type')!r} is not supported; ostinato serves text models, "
+                    f"content part type {part.type!r} is not supported; ostinato serves text models, "
                     "send only {'type': 'text'} parts", param="messages")
-            parts.append(str(part.get("text", "")))
+            parts.append(part.text)
         return "".join(parts)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 

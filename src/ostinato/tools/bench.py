@@ -2,8 +2,9 @@
 
 For each batch size, B sequences sit at `--context` tokens in the paged cache (random block tables drawn from
 the pool); the decode forward (inputs -> logits) is timed with CUDA events, median of `--iters` after warm-up:
-- ostinato graph: CudaGraphRunner.run (input copies + one replay);
-- ostinato eager: the same decode callable launched op by op;
+- ostinato graph: the engine's decode step without the scheduler: one copy of the persistent decode rows to
+  the device and one replay (forward and greedy sampling inside the graph);
+- ostinato eager: the same decode step launched op by op;
 - HF eager: transformers' own model class on the same checkpoint, one-token forward over a DynamicCache.
 The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (DESIGN.md: 4.13 TB/s on our H200).
 """
@@ -54,25 +55,39 @@ def _time_cuda(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _decode_inputs(runner, bs: int, context: int, gen):
+def _decode_rows(runner, bs: int, context: int, gen):
+    """B rows of the persistent decode batch at `context` cached tokens, greedy, over random blocks."""
     import torch
-
-    from ..runner.inputs import DecodeInputs
 
     block = runner.block_size
     nblk = -(-(context + 1) // block)
     total = runner.cache_config.num_blocks
-    if bs * nblk > total:
-        raise SystemExit(f"batch {bs} x context {context} needs {bs * nblk} KV blocks, the pool has {total}: "
-                         "lower --batch-sizes/--context or raise --gpu-memory-utilization")
-    perm = torch.randperm(total, generator=gen)[: bs * nblk].view(bs, nblk).to(torch.int32)
-    pos = torch.full((bs,), context, dtype=torch.int64)
-    slots = perm[:, context // block].to(torch.int64) * block + context % block
-    dev = runner.device
-    return DecodeInputs(
-        input_ids=torch.randint(0, runner.model_config.vocab_size, (bs,), generator=gen).to(dev),
-        positions=pos.to(dev), slot_mapping=slots.to(dev), block_tables=perm.to(dev),
-        context_lens=torch.full((bs,), context + 1, dtype=torch.int32).to(dev))
+    if bs * nblk <= total:
+        perm = torch.randperm(total, generator=gen)[: bs * nblk].view(bs, nblk)
+    else:  # rows share blocks: the time depends on the bytes read, not on which blocks
+        perm = torch.randint(0, total, (bs, nblk), generator=gen)
+    ids = torch.randint(0, runner.model_config.vocab_size, (bs,), generator=gen)
+    return runner.decode_batch.layout.pack(ids, torch.full((bs,), context), perm)
+
+
+def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tuple[float, float | None]:
+    """(eager, graph) milliseconds of one decode step (forward and in-graph sampling) on the engine's own
+    decode rows: the copy of the rows to the device plus the replay, as LLMEngine.step makes them. Graph is
+    None above the largest captured size or with graphs off."""
+    batch, step = runner.decode_batch, runner.decode_step
+    batch.load_rows(_decode_rows(runner, bs, context, gen))
+    try:
+        rows = batch.copy_to_device(bs)
+        eager_ms = _time_cuda(lambda: step(rows), iters, warmup)
+        graph_ms = None
+        size = runner.graphs.graph_size(bs)
+        if size is not None:
+            graph_ms = _time_cuda(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
+                                  warmup)
+    finally:
+        batch.load_rows(None)  # the rows go back to padding
+        batch.copy_to_device(batch.layout.rows)
+    return eager_ms, graph_ms
 
 
 def _load_hf(model_dir: str, dtype, device):
@@ -116,11 +131,7 @@ def run(args) -> int:
     print(f"model {args.model}: {weights / 1e9:.2f} GB weights, {runner.dtype}, graphs: {engine.graph_status}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
-            inp = _decode_inputs(runner, bs, args.context, gen).as_dict()
-            eager_ms = _time_cuda(lambda: runner.decode_logits(**inp), args.iters, args.warmup)
-            graph_ms = None
-            if runner.graphs_enabled and bs <= max(runner.captured_sizes):
-                graph_ms = _time_cuda(lambda: runner.graphs.run(**inp), args.iters, args.warmup)
+            eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup)
             floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
             hf_ms = None
             if hf is not None:

@@ -221,8 +221,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Add `bench-serve` to the CLI (the lead also mounts add_arguments/run as `ostinato bench serve`)."""
-    p = subparsers.add_parser("bench-serve", help="load-test a running server: TTFT, TPOT, ITL, throughput",
+    """Add `ostinato bench serve` to the CLI (parsed as `bench-serve`, which cli.main maps it to)."""
+    p = subparsers.add_parser("bench-serve", prog="ostinato bench serve",
+                              help="load-test a running server: TTFT, TPOT, ITL, throughput",
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)
     p.set_defaults(func=run)

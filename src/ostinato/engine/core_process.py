@@ -1,0 +1,393 @@
+"""The engine core in its own process, behind the AsyncEngine interface (vLLM v1's EngineCore, in small).
+
+Why: with the engine on a thread of the server, the engine loop, the event loop and the HTTP/JSON work share
+one GIL. Every step the engine thread waits for the GIL the loop holds (up to the 5 ms switch interval), and
+the loop's per-chunk work adds to the step instead of overlapping it. Here the engine core (scheduler, model,
+detokenizer, stop strings) runs in a process of its own, started with `spawn` (CUDA must not be forked), and
+the server's process only parses HTTP, routes outputs and writes JSON.
+
+Protocol (pickled tuples over two one-way pipes):
+- front -> core: ("add", request_id, prompt, params) | ("abort", request_id) | ("stats", call_id) | ("stop",)
+- core -> front: ("ready", EngineInfo) | ("added", request_id, prompt_token_ids, error) |
+  ("step", outputs, now) | ("stats", call_id, EngineStats) | ("dead", cause)
+
+Per step the core sends one message: the step's DELTA outputs (what the server asks for) without the prompt
+(sent once, with "added"). A reader thread in the front receives, rebuilds the outputs, runs the step observer
+(metrics) and hands each event loop its outputs with one `call_soon_threadsafe` per step.
+
+Failure: if a step raises, the core reports ("dead", cause) and exits; if the process dies outright the pipe
+closes. Either way the front marks itself dead: pending requests get EngineDeadError and /health says 503.
+An abort ends the stream at once in the front; the core frees the KV blocks when it reads the abort, before
+its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from ..config import EngineArgs, ModelConfig
+from ..errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
+from ..sampling_params import SamplingParams
+from .async_engine import _ENDED, RequestStream, StepObserver, _deliver
+from .outputs import CompletionOutput, EngineStats, RequestOutput
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(args: EngineArgs) -> "LLMEngine":
+    """The default engine factory (a module-level function, so `spawn` can pickle it by name)."""
+    from .engine import LLMEngine
+
+    return LLMEngine(args)
+
+
+# ---- the core process -------------------------------------------------------------------------------------
+def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, commands, events) -> None:
+    """The engine core's loop: apply commands between steps, step while anything is unfinished, send outputs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us in order
+    try:
+        engine = factory(args)
+    except BaseException as e:
+        events.send(("dead", f"engine start-up failed: {type(e).__name__}: {e}"))
+        return
+    # A thread blocks on the pipe so the loop checks for commands with a queue's cheap empty() instead of a
+    # poll system call (and a selector object) every step.
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_pump, args=(commands, inbox), name="ostinato-core-commands", daemon=True).start()
+    # The engine's own tokenizer and configs, so the server formats with exactly what the engine uses.
+    events.send(("ready", EngineInfo(args, engine.tokenizer, engine.model_config, engine.scheduler_config,
+                                     engine.served_model_name, engine.graph_status)))
+    while True:
+        # Block for a command only when idle; otherwise take what has arrived and step.
+        while not inbox.empty() or not engine.has_unfinished():
+            message = inbox.get()
+            kind = message[0]
+            if kind == "stop":
+                return
+            if kind == "add":
+                _, request_id, prompt, params = message
+                try:
+                    prompt_token_ids = engine.add_request(request_id, prompt, params)
+                except Exception as e:  # a typed error the client gets back (InvalidRequestError, QueueFullError)
+                    events.send(("added", request_id, None, e))
+                    continue
+                events.send(("added", request_id, prompt_token_ids, None))
+            elif kind == "abort":
+                engine.abort(message[1])
+            elif kind == "stats":
+                events.send(("stats", message[1], engine.stats()))
+        try:
+            outputs = engine.step()
+        except BaseException as e:
+            logger.exception("engine step failed; the engine core stops")
+            events.send(("dead", f"engine step failed: {type(e).__name__}: {e}"))
+            return
+        if outputs:
+            # Plain tuples pickle several times faster than dataclasses; the prompt went out once, with "added".
+            events.send(("step", [(o.request_id, [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
+                                                  for c in o.outputs], o.finished, o.first_token_time,
+                                   o.finished_time) for o in outputs], time.monotonic()))
+
+
+def _pump(commands, inbox: queue.SimpleQueue) -> None:
+    """Move commands from the pipe to the loop's queue; a closed pipe (the server is gone) stops the core."""
+    try:
+        while True:
+            inbox.put(commands.recv())
+    except (EOFError, OSError):
+        inbox.put(("stop",))
+
+
+# ---- the server's side --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server may read of the engine, sent by the core once it is loaded (AsyncEngine.engine gives an
+    LLMEngine, which has the same attributes). graph_status is as of start-up."""
+
+    args: EngineArgs
+    tokenizer: object
+    model_config: ModelConfig
+    scheduler_config: object
+    served_model_name: str
+    graph_status: str
+
+
+@dataclass
+class _Pending:
+    """A request the front has sent: its stream, and the prompt once the core accepted it."""
+
+    stream: RequestStream
+    accepted: asyncio.Future
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    arrival_time: float = 0.0
+
+
+class ProcessAsyncEngine:
+    """AsyncEngine's interface (start, wait_ready, add_request, generate, abort, get_stats, shutdown, is_ready,
+    dead_cause, engine, observer) over an engine core in its own process.
+
+    `factory(args)` builds the engine in the core process; it must be picklable by name (a module-level
+    function), as `spawn` requires.
+    """
+
+    def __init__(self, args: EngineArgs, *, factory: Callable[[EngineArgs], "LLMEngine"] = build_engine,
+                 observer: StepObserver | None = None):
+        self.args = args
+        self.observer = observer
+        self._factory = factory
+        # _lock guards _requests and _calls and is never held while blocking; _send_lock orders writes to the
+        # command pipe. (A send may block while the pipe is full; the reader thread must still be able to drain
+        # the core's events meanwhile, or both processes would wait on each other.)
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._requests: dict[str, _Pending] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._info: EngineInfo | None = None
+        self._ready = threading.Event()
+        self._dead_cause: str | None = None
+        self._stopping = False  # shutdown() was called: the core's exit is expected
+        self._process = None
+        self._reader: threading.Thread | None = None
+        self._commands = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._process is not None:
+            raise RuntimeError("ProcessAsyncEngine.start() was already called")
+        ctx = multiprocessing.get_context("spawn")
+        commands_recv, self._commands = ctx.Pipe(duplex=False)
+        self._events, events_send = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_core_main, name="ostinato-engine-core", daemon=True,
+                                    args=(self._factory, self.args, commands_recv, events_send))
+        self._process.start()
+        commands_recv.close()  # the core's ends: the front must see EOF when the core dies
+        events_send.close()
+        self._reader = threading.Thread(target=self._read, name="ostinato-engine-reader", daemon=True)
+        self._reader.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the core process; requests still pending get EngineDeadError."""
+        if self._process is None:
+            return
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except (EngineDeadError, OSError):
+            pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+        self._die("the engine was shut down")
+
+    async def wait_ready(self) -> None:
+        while not self._ready.is_set():
+            await asyncio.sleep(0.05)
+        if self._info is None:
+            raise EngineDeadError(self._dead_cause or "the engine did not start")
+
+    @property
+    def is_ready(self) -> bool:
+        return self._info is not None and self._dead_cause is None
+
+    @property
+    def dead_cause(self) -> str | None:
+        return self._dead_cause
+
+    @property
+    def engine(self) -> EngineInfo:
+        if self._info is None:
+            if self._dead_cause is not None:
+                raise EngineDeadError(f"the engine is not serving: {self._dead_cause}")
+            raise EngineNotReadyError("the engine is still loading")
+        return self._info
+
+    @property
+    def core_pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        loop = asyncio.get_running_loop()
+        pending = _Pending(RequestStream(self, request_id, loop, params.output_kind), loop.create_future(),
+                           arrival_time=time.monotonic())
+        with self._lock:
+            if self._dead_cause is not None:
+                raise EngineDeadError(f"the engine is not serving: {self._dead_cause}")
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            self._requests[request_id] = pending
+        pending.prompt = prompt if isinstance(prompt, str) else None
+        try:
+            self._send(("add", request_id, prompt, params))
+        except EngineDeadError:
+            with self._lock:
+                self._requests.pop(request_id, None)
+            raise
+        try:
+            await pending.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return pending.stream
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params)
+        async with stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once): its stream ends now; the core frees its blocks."""
+        with self._lock:
+            pending = self._requests.pop(request_id, None)
+        try:
+            self._send(("abort", request_id))
+        except EngineDeadError:
+            pass  # a dead core holds no KV blocks worth freeing
+        if pending is not None:
+            if self.observer is not None:
+                try:
+                    self.observer.on_request_aborted(request_id)
+                except Exception:
+                    logger.exception("step observer failed")
+            _call_soon(pending.stream.loop, _deliver, [(pending.stream, _ENDED)])
+
+    async def get_stats(self) -> EngineStats:
+        _ = self.engine  # raises unless the engine is serving
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._dead_cause is not None:
+                raise EngineDeadError(f"the engine is not serving: {self._dead_cause}")
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
+        self._send(("stats", call_id))
+        return await asyncio.wrap_future(fut)
+
+    def _send(self, message) -> None:
+        """Send a command to the core; EngineDeadError if it is gone (a request pending then fails by _die)."""
+        with self._send_lock:
+            if self._dead_cause is not None:
+                raise EngineDeadError(f"the engine is not serving: {self._dead_cause}")
+            try:
+                self._commands.send(message)
+            except OSError as e:  # the core's end is closed: it died; the reader reports why
+                raise EngineDeadError("the engine is not serving: the engine core process is gone") from e
+
+    # ---- the reader thread --------------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._events.recv()
+                kind = message[0]
+                if kind == "step":
+                    self._on_step(message[1], message[2])
+                elif kind == "added":
+                    self._on_added(*message[1:])
+                elif kind == "stats":
+                    fut = self._calls.pop(message[1], None)
+                    if fut is not None:
+                        fut.set_result(message[2])
+                elif kind == "ready":
+                    self._on_ready(message[1])
+                elif kind == "dead":
+                    self._die(message[1])
+                    return
+        except (EOFError, OSError):
+            if self._stopping:
+                self._die("the engine was shut down")
+            else:
+                self._process.join(5)  # reap it, for the exit code
+                self._die(f"the engine core process exited (exit code {self._process.exitcode})")
+        finally:
+            self._ready.set()
+
+    def _on_ready(self, info: EngineInfo) -> None:
+        self._info = info
+        self._ready.set()
+
+    def _on_added(self, request_id: str, prompt_token_ids, error) -> None:
+        with self._lock:
+            pending = self._requests.get(request_id)
+            if pending is not None and error is not None:
+                del self._requests[request_id]
+        if pending is None:
+            return
+        pending.prompt_token_ids = prompt_token_ids
+        if not _call_soon(pending.stream.loop, _settle, pending.accepted, error) and error is None:
+            self.abort(request_id)  # its caller's loop is gone: free the blocks
+
+    def _on_step(self, items: list, now: float) -> None:
+        outputs, by_loop = [], defaultdict(list)
+        with self._lock:
+            for request_id, comps, finished, first_token_time, finished_time in items:
+                pending = self._requests.get(request_id)
+                if pending is None:  # aborted in the front while the core was stepping
+                    continue
+                out = RequestOutput(request_id, pending.prompt, pending.prompt_token_ids,
+                                    [CompletionOutput(*c) for c in comps], finished, pending.arrival_time,
+                                    first_token_time, finished_time)
+                outputs.append(out)
+                by_loop[pending.stream.loop].append((pending.stream, out))
+                if finished:
+                    del self._requests[request_id]
+            # Under the lock, so an abort either comes before (its request is skipped above) or after.
+            if self.observer is not None:
+                try:
+                    self.observer.on_step(outputs, now)
+                except Exception:  # metrics must never take the engine down
+                    logger.exception("step observer failed")
+        for loop, batch in by_loop.items():
+            if not _call_soon(loop, _deliver, batch):  # that loop is closed: nobody is listening
+                for stream, _ in batch:
+                    self.abort(stream.request_id)
+
+    def _die(self, cause: str) -> None:
+        with self._lock:
+            if self._dead_cause is None:
+                self._dead_cause = cause
+            pending, self._requests = self._requests, {}
+            calls, self._calls = self._calls, {}
+        error = EngineDeadError(f"the engine is not serving: {self._dead_cause}")
+        for fut in calls.values():
+            fut.set_exception(error)
+        by_loop = defaultdict(list)
+        for p in pending.values():
+            if p.accepted.done():
+                by_loop[p.stream.loop].append((p.stream, error))
+            else:
+                _call_soon(p.stream.loop, _settle, p.accepted, error)
+        for loop, batch in by_loop.items():
+            _call_soon(loop, _deliver, batch)
+        self._ready.set()
+
+
+def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+    if not fut.done():
+        fut.set_result(None) if error is None else fut.set_exception(error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """loop.call_soon_threadsafe(fn, *args); False if the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,238 @@
+"""The persistent decode batch: one packed int32 row per running sequence, kept for the engine's life.
+
+The graph's static input is declared here once (`DecodeLayout`): one [rows, C] int32 tensor whose columns
+are the input token, its position, the sampling counter, the temperature (a float32 bit pattern), the
+sampling key (two int32 halves of an int64), top-k, top-p (float32 bits) and the block table. Capture,
+replay, the start-up self-check, `verify` and `bench` all go through it; the step unpacks it inside the
+graph (context length = position + 1, slot = block_table[position // block_size] * block_size + offset).
+
+`DecodeBatch` holds that tensor twice, pinned on the host and on the device, plus a `DecodeRows` (which
+sequence holds which row). A row is written when its sequence joins (after its prefill), gets one block
+id when the sequence crosses a block boundary, and is replaced by the last row when its sequence leaves.
+Each step is then one copy of the occupied prefix (padded to the graph size) to the device, and after the
+step one vectorized advance of positions and counters. Nothing per step is O(sequence length) and nothing
+is allocated.
+
+The token a row feeds next is not known on the host when the step after is prepared (overlapped
+scheduling), so `advance` writes a placeholder: -(r + 1) means "the token the previous decode step sampled
+in row r", which the step resolves on the device from its `sampled` buffer (runner/decode_step.py). A
+placeholder moves with its row when rows condense, so it stays right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..contract import DecodeRows, ScheduledSeq
+from .sampler import GREEDY_TEMPERATURE, MAX_TOP_K, SamplingBatch, row_key
+from .graphs import StaticInput
+
+# Column layout of a decode row. POS and CTR are adjacent: one slice advances both.
+TOKEN, POS, CTR, TEMP, KEY_LO, KEY_HI, TOP_K, TOP_P, BLOCKS = range(9)
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """The shape of a decode row and how the step reads it. Pad rows point at the scratch block."""
+
+    rows: int  # largest batch (max_num_seqs, >= the largest capture size)
+    blocks_per_seq: int  # ceil(max_model_len / block_size)
+    block_size: int
+    scratch_block: int
+
+    @property
+    def width(self) -> int:
+        return BLOCKS + self.blocks_per_seq
+
+    def static_inputs(self) -> list[StaticInput]:
+        """The graph's one static input. Pad value unused: DecodeBatch keeps pad rows filled itself."""
+        return [StaticInput("batch", (self.rows, self.width), torch.int32, 0)]
+
+    def pad_row(self) -> torch.Tensor:
+        """A row that computes nothing real: position 0 in the scratch block, greedy."""
+        row = torch.zeros(self.width, dtype=torch.int32)
+        row[BLOCKS:] = self.scratch_block
+        return row
+
+    def unpack(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Device tensors the model and the sampler need, from [B, width] int32. Capturable."""
+        positions = batch[:, POS].long()
+        block_tables = batch[:, BLOCKS:]
+        offset = positions % self.block_size
+        block = block_tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1).long()
+        key = (batch[:, KEY_HI].long() << 32) | (batch[:, KEY_LO].long() & 0xFFFFFFFF)
+        return {
+            "input_ids": batch[:, TOKEN].long(), "positions": positions,
+            "slot_mapping": block * self.block_size + offset, "block_tables": block_tables,
+            "context_lens": batch[:, POS] + 1,
+            "temperature": batch[:, TEMP].view(torch.float32),
+            "key": key, "counter": batch[:, CTR].long(),
+        }
+
+    def pack(self, input_ids, positions, block_tables, temperature=None, keys=None, counters=None) -> torch.Tensor:
+        """Rows built from whole tensors (self-check, bench, tests): [n, width] int32 on their device."""
+        n = len(input_ids)
+        dev = input_ids.device
+        out = self.pad_row().to(dev).repeat(n, 1)
+        out[:, TOKEN] = input_ids.to(torch.int32)
+        out[:, POS] = positions.to(torch.int32)
+        out[:, BLOCKS:BLOCKS + block_tables.shape[1]] = block_tables.to(torch.int32)
+        if temperature is not None:
+            out[:, TEMP] = temperature.to(torch.float32).view(torch.int32)
+        if keys is not None:
+            keys = keys.to(torch.int64)
+            out[:, KEY_LO] = (keys & 0xFFFFFFFF).to(torch.int32)  # wraps to the int32 bit pattern
+            out[:, KEY_HI] = (keys >> 32).to(torch.int32)
+        if counters is not None:
+            out[:, CTR] = counters.to(torch.int32)
+        return out
+
+
+class DecodeBatch:
+    """The running sequences' decode rows, on the host (pinned) and on the device."""
+
+    def __init__(self, layout: DecodeLayout, device: torch.device, engine_seed: int):
+        self.layout = layout
+        self.device = device
+        self.engine_seed = engine_seed
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self._pad = layout.pad_row()
+        self.host = self._pad.repeat(layout.rows, 1)
+        if pin:
+            self.host = self.host.pin_memory()
+        # On CPU the step reads the host rows directly: there is no copy to make. On a GPU the rows go
+        # through two pinned staging buffers in turn, so the host can change rows (next step) while the
+        # copy of the step before may still be pending.
+        self.dev = self.host.to(device) if device.type != "cpu" else self.host
+        flat = layout.rows * layout.width
+        self._staging = [torch.empty(flat, dtype=torch.int32).pin_memory() for _ in range(2)] if pin else []
+        self._dev_staging = torch.empty(flat, dtype=torch.int32, device=device) if pin else None
+        self._turn = 0
+        # Columns any row has used since the batch was last empty: only those are copied. A block table is
+        # max_model_len / block_size wide (2,560 at 40k tokens); the rows rarely use more than a few hundred.
+        # A device row's columns past its own blocks may hold an earlier row's ids: never read.
+        self._width_used = BLOCKS + 1
+        # Host writes go through numpy views of the same memory: a few rows change per step, and a numpy
+        # op on them costs about a microsecond where a torch op costs ten.
+        self.np = self.host.numpy()
+        self.np_f = self.np.view(np.float32)  # the float columns
+        self._pad_np = self._pad.numpy()
+        self._placeholders = -np.arange(1, layout.rows + 1, dtype=np.int32)  # row r feeds sampled[r]
+        self.rows = DecodeRows()
+        self._num_blocks: list[int] = []  # per row: block ids in its table
+        self._num_logprobs: list[int | None] = []  # per row, as its request asked
+        self._num_filtered = 0  # rows with top-k or top-p
+        self._num_logprob_rows = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # ---- rows change only here ---------------------------------------------------------------------
+    def join(self, seq: ScheduledSeq, first_token: int) -> None:
+        """A prefilled sequence becomes a decode row: it feeds `first_token` (just sampled) next."""
+        row = self.rows.add(seq.seq_id)
+        if row >= self.layout.rows:
+            raise RuntimeError(f"decode batch full ({self.layout.rows} rows): the scheduler admitted too many")
+        p = seq.sampling_params
+        h, hf = self.np[row], self.np_f[row]
+        h[TOKEN], h[POS], h[CTR] = first_token, seq.context_len, seq.num_generated + 1
+        hf[TEMP] = 0.0 if p.temperature < GREEDY_TEMPERATURE else float(p.temperature)
+        key = row_key(p.seed, self.engine_seed, seq.seq_id)
+        h[KEY_LO], h[KEY_HI] = _int32(key & 0xFFFFFFFF), _int32(key >> 32)
+        filtered = p.temperature >= GREEDY_TEMPERATURE and (p.top_k > 0 or p.top_p < 1.0)
+        h[TOP_K] = min(p.top_k, MAX_TOP_K) if filtered and p.top_k > 0 else 0
+        hf[TOP_P] = float(p.top_p) if filtered else 1.0
+        table = seq.block_table
+        h[BLOCKS:BLOCKS + len(table)] = table
+        self._width_used = max(self._width_used, BLOCKS + len(table))
+        self._num_blocks.append(len(table))
+        self._num_logprobs.append(p.logprobs)
+        self._num_filtered += filtered
+        self._num_logprob_rows += p.logprobs is not None
+
+    def leave(self, seq_id: int) -> None:
+        """Drop a sequence's row (finished, aborted, preempted); the last row moves into the hole."""
+        moved = self.rows.remove(seq_id)
+        if moved is None:
+            return  # never joined (e.g. aborted before its prefill)
+        hole, last = moved
+        h = self.np
+        self._num_filtered -= bool(self.np_f[hole, TOP_P] < 1.0 or h[hole, TOP_K] > 0)
+        self._num_logprob_rows -= self._num_logprobs[hole] is not None
+        if hole != last:
+            h[hole] = h[last]
+            self._num_blocks[hole] = self._num_blocks[last]
+            self._num_logprobs[hole] = self._num_logprobs[last]
+        h[last] = self._pad_np
+        self._num_blocks.pop()
+        self._num_logprobs.pop()
+        if not self._num_blocks:
+            self._width_used = BLOCKS + 1
+
+    def add_block(self, seq_id: int, block: int) -> None:
+        row = self.rows.row_of[seq_id]
+        self.np[row, BLOCKS + self._num_blocks[row]] = block
+        self._num_blocks[row] += 1
+        self._width_used = max(self._width_used, BLOCKS + self._num_blocks[row])
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def copy_to_device(self, size: int) -> torch.Tensor:
+        """Rows [0, size) to the device in one copy (rows past len(self) are pad rows); returns them."""
+        if self._staging:
+            # Packed [size, width used] through pinned memory, then into the strided device rows.
+            w = self._width_used
+            staging = self._staging[self._turn][: size * w].view(size, w)
+            self._turn ^= 1
+            staging.numpy()[:] = self.np[:size, :w]
+            packed = self._dev_staging[: size * w].view(size, w)
+            packed.copy_(staging, non_blocking=True)
+            self.dev[:size, :w].copy_(packed)
+        return self.dev[:size]
+
+    def advance(self, n: int, tokens: np.ndarray | None = None) -> None:
+        """After a decode step: every row one position on, feeding `tokens` ([n] host) or, by default, a
+        placeholder for the token the step sampled in that row."""
+        self.np[:n, POS:CTR + 1] += 1
+        self.np[:n, TOKEN] = self._placeholders[:n] if tokens is None else tokens
+
+    @property
+    def needs_finish(self) -> bool:
+        """Whether some row needs sampling work outside the graph (top-k / top-p, logprobs)."""
+        return self._num_filtered > 0 or self._num_logprob_rows > 0
+
+    def sampling(self, rows: torch.Tensor) -> SamplingBatch:
+        """The step's sampling settings, read from the device rows (no host work per row)."""
+        n = len(self.rows)
+        u = self.layout.unpack(rows)
+        asked = [k for k in self._num_logprobs if k is not None] if self._num_logprob_rows else []
+        return SamplingBatch(
+            num_rows=n, temperature=u["temperature"], top_k=rows[:, TOP_K].long(),
+            top_p=rows[:, TOP_P].view(torch.float32), key=u["key"], counter=u["counter"],
+            any_filtered=self._num_filtered > 0, num_logprobs=tuple(self._num_logprobs) if asked else None,
+            max_num_logprobs=max(asked) if asked else None)
+
+    def load_rows(self, rows: torch.Tensor | None) -> None:
+        """Bench only, on an empty batch: write rows [0, n) as given (`DecodeLayout.pack`), or None to put
+        the pad rows back. The rows bookkeeping is not touched: no sequence holds them."""
+        assert not len(self.rows), "load_rows() is for an idle engine"
+        self.np[:] = self._pad_np
+        if rows is not None:
+            self.np[: len(rows)] = rows.numpy()
+        self._width_used = self.layout.width
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """A row's block ids (tests and debugging)."""
+        row = self.rows.row_of[seq_id]
+        return self.np[row, BLOCKS:BLOCKS + self._num_blocks[row]].tolist()
+
+    def row(self, seq_id: int) -> torch.Tensor:
+        return self.host[self.rows.row_of[seq_id]]
+
+
+def _int32(x: int) -> int:
+    """The int32 with the same low 32 bits as x."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x

@@ -1,0 +1,64 @@
+"""The decode step the graphs capture: unpack the persistent rows, run the model, sample in the graph.
+
+`DecodeStep(batch)` takes the one static input (`DecodeLayout`), returns the logits [B, vocab] (the graph's
+static output, which the self-check compares with eager and logprobs read) and writes the sampled token
+ids into `sampled` (greedy, temperature and seeded rows; top-k / top-p rows are re-drawn after the replay,
+see runner/sampler.py). The same object runs eager on CPU, above the largest captured size, and in bench.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .decode_batch import DecodeBatch, DecodeLayout
+from .graphs import CudaGraphRunner, GraphBackend, default_compare
+from .sampler import sample_tokens
+
+# logits_fn(input_ids, positions, slot_mapping, block_tables, context_lens) -> [B, vocab] logits
+LogitsFn = Callable[..., torch.Tensor]
+
+
+class DecodeStep:
+    def __init__(self, logits_fn: LogitsFn, layout: DecodeLayout, device: torch.device, engine_seed: int):
+        self.logits_fn = logits_fn
+        self.layout = layout
+        self.batch = DecodeBatch(layout, device, engine_seed)
+        self.sampled = torch.zeros(layout.rows, dtype=torch.int64, device=device)  # written by every step
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        u = self.layout.unpack(batch)
+        ids = u["input_ids"]
+        # A placeholder -(r + 1) is the token the previous decode step sampled in row r (DecodeBatch.advance);
+        # it is read here, before this step overwrites `sampled`.
+        ids = torch.where(ids >= 0, ids, self.sampled.gather(0, (-ids - 1).clamp_(min=0)))
+        logits = self.logits_fn(ids, u["positions"], u["slot_mapping"], u["block_tables"], u["context_lens"])
+        self.sampled[: batch.shape[0]].copy_(sample_tokens(logits, u["temperature"], u["key"], u["counter"]))
+        return logits
+
+    def graph_runner(self, sizes: tuple[int, ...], enforce_eager: bool, fallback: str, progress: bool,
+                     backend: GraphBackend | None) -> CudaGraphRunner:
+        """Graphs over this step, reading the batch's device rows as their static input."""
+        return CudaGraphRunner(self, self.layout.static_inputs(), sizes, self.batch.device, fallback=fallback,
+                               enforce_eager=enforce_eager, progress=progress, backend=backend,
+                               buffers={"batch": self.batch.dev})
+
+    def sampled_rows(self, size: int) -> torch.Tensor:
+        return self.sampled[:size]
+
+
+def compare_step(graph: tuple[torch.Tensor, torch.Tensor], eager: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+    """Self-check of a step on greedy rows: logits as default_compare judges them, and the tokens sampled in
+    the graph equal to eager's on every row where the logits' argmax is not a tie (default_compare allows
+    those), and always equal to the graph's own argmax."""
+    (g_logits, g_tokens), (e_logits, e_tokens) = graph, eager
+    mismatch = default_compare(g_logits, e_logits)
+    if mismatch is not None:
+        return mismatch
+    if not torch.equal(g_tokens, g_logits.float().argmax(-1)):
+        return "the tokens sampled in the graph are not the argmax of its logits (greedy rows)"
+    same_top = g_logits.float().argmax(-1) == e_logits.float().argmax(-1)
+    if not torch.equal(g_tokens[same_top], e_tokens[same_top]):
+        return "the tokens sampled in the graph differ from eager's"
+    return None

@@ -1,0 +1,294 @@
+"""Workloads for `ostinato advise`, in three forms, and what they make the engine do. Pure Python.
+
+- parameters: prompt and output lengths (a number, or "A:B" drawn uniformly), and arrivals: a request rate
+  (Poisson), a concurrency (closed loop: a client sends its next request when one finishes), or neither
+  (every request at once, as `LLM.generate` does);
+- a JSONL trace, one request a line: {"prompt_len": 812, "output_len": 120, "arrival_s": 0.5} (also
+  accepted: prompt_tokens/input_len, output_tokens/max_tokens, arrival/timestamp);
+- a histogram of decode batch sizes, as a running server exports it (`ostinato:decode_batch_size` in
+  /metrics): read from a URL or a saved /metrics text file.
+
+`simulate` plays a request workload through a model of the engine's scheduler (engine/scheduler.py):
+prefill first (admit waiting prompts in order while seats, KV blocks and max_num_batched_tokens allow; the
+prefill step samples each prompt's first token), otherwise one decode step of every running sequence. Its
+assumptions: a sequence reserves the KV blocks of its final length when admitted, so there is no preemption
+(the engine reserves as it grows and preempts instead: the model is a little pessimistic about concurrency
+when the cache is tight); every request runs to its output length (ignore_eos); step times come from a
+CostModel (measured, forward-only).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+METRIC = "ostinato:decode_batch_size"
+
+
+@dataclass(frozen=True)
+class Request:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Either requests to simulate, or a measured decode batch-size histogram (then no simulation)."""
+
+    name: str
+    requests: tuple[Request, ...] = ()
+    concurrency: int | None = None  # closed loop; arrivals in `requests` are then ignored
+    batch_histogram: Mapping[int, float] = field(default_factory=dict)  # decode steps by batch size
+    mean_prompt_len: float | None = None
+    mean_output_len: float | None = None
+    num_requests: int = 0
+
+    @property
+    def from_histogram(self) -> bool:
+        return bool(self.batch_histogram)
+
+
+def parse_length(text: str, what: str) -> tuple[int, int]:
+    """'300' -> (300, 300); '50:500' -> (50, 500)."""
+    try:
+        lo, _, hi = text.partition(":")
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ConfigError(f"{what} must be a number or a range like 50:500, got {text!r}") from None
+    if bounds[0] < 1 or bounds[1] < bounds[0]:
+        raise ConfigError(f"{what} must be >= 1 with low <= high, got {text!r}")
+    return bounds
+
+
+def workload_from_params(prompt_len: str, output_len: str, num_requests: int, request_rate: float | None,
+                         concurrency: int | None, seed: int = 0, name: str = "parameters") -> Workload:
+    if num_requests < 1:
+        raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
+    if request_rate is not None and concurrency is not None:
+        raise ConfigError("give --request-rate or --concurrency, not both")
+    if request_rate is not None and request_rate <= 0:
+        raise ConfigError(f"--request-rate must be > 0 requests/s, got {request_rate}")
+    if concurrency is not None and concurrency < 1:
+        raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
+    p_lo, p_hi = parse_length(prompt_len, "--prompt-len")
+    o_lo, o_hi = parse_length(output_len, "--output-len")
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for _ in range(num_requests):
+        if request_rate is not None and not math.isinf(request_rate):
+            t += rng.expovariate(request_rate)
+        reqs.append(Request(t, rng.randint(p_lo, p_hi), rng.randint(o_lo, o_hi)))
+    return _with_means(Workload(name, tuple(reqs), concurrency))
+
+
+def _with_means(w: Workload) -> Workload:
+    n = len(w.requests)
+    return Workload(w.name, w.requests, w.concurrency, {}, sum(r.prompt_len for r in w.requests) / n,
+                    sum(r.output_len for r in w.requests) / n, n)
+
+
+def _field(row: dict, names: tuple[str, ...], line: int, required: bool = True) -> float | None:
+    for name in names:
+        if name in row:
+            return row[name]
+    if required:
+        raise ConfigError(f"trace line {line} lacks {names[0]!r} (or {', '.join(names[1:])})")
+    return None
+
+
+def workload_from_trace(path: str | Path, concurrency: int | None = None) -> Workload:
+    """One JSON object a line (blank lines skipped); arrivals made relative to the first."""
+    reqs = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read trace {str(path)!r}: {e.strerror or e}") from None
+    for i, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+            prompt = int(_field(row, ("prompt_len", "prompt_tokens", "input_len"), i))
+            output = int(_field(row, ("output_len", "output_tokens", "max_tokens"), i))
+            arrival = float(_field(row, ("arrival_s", "arrival", "timestamp"), i, required=False) or 0.0)
+        except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"trace {str(path)!r} line {i} is not a request object: {e}") from None
+        if prompt < 1 or output < 1:
+            raise ConfigError(f"trace line {i}: prompt and output lengths must be >= 1")
+        reqs.append(Request(arrival, prompt, output))
+    if not reqs:
+        raise ConfigError(f"trace {str(path)!r} holds no requests")
+    t0 = min(r.arrival_s for r in reqs)
+    reqs = sorted((Request(r.arrival_s - t0, r.prompt_len, r.output_len) for r in reqs), key=lambda r: r.arrival_s)
+    return _with_means(Workload(f"trace {Path(path).name}", tuple(reqs), concurrency))
+
+
+def read_metrics_text(source: str, timeout_s: float = 10.0) -> str:
+    """GET an http(s) URL (a server's /metrics), or read a saved /metrics text file."""
+    if source.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(source, timeout=timeout_s) as resp:
+                return resp.read().decode()
+        except OSError as e:
+            raise ConfigError(f"cannot read metrics from {source}: {e}; is the server running (ostinato "
+                              "serve) and is this its /metrics URL?") from None
+    try:
+        return Path(source).read_text()
+    except OSError as e:
+        raise ConfigError(f"--from-metrics {source!r} is neither an http(s) URL nor a readable file: "
+                          f"{e.strerror or e}") from None
+
+
+def workload_from_metrics(text: str, name: str = "server metrics") -> Workload:
+    """The decode batch-size histogram (per-size step counts from its cumulative buckets; a bucket wider
+    than one size is charged at its upper bound), plus mean prompt and output lengths when the request
+    and token counters are there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: list[tuple[float, float]] = []
+    # by sample name: text exposition names a counter's family with or without _total, depending on the writer
+    totals = {"ostinato:prompt_tokens_total": 0.0, "ostinato:generation_tokens_total": 0.0,
+              "ostinato:request_success_total": 0.0}
+    try:
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if fam.name == METRIC and s.name == METRIC + "_bucket" and s.labels.get("le") != "+Inf":
+                    buckets.append((float(s.labels["le"]), s.value))
+                elif s.name in totals:
+                    totals[s.name] += s.value
+    except ValueError as e:
+        raise ConfigError(f"the metrics text is not Prometheus exposition format: {e}") from None
+    if not buckets:
+        raise ConfigError(f"no {METRIC} histogram in the metrics: is this an ostinato server's /metrics, "
+                          "and has it served any request?")
+    hist: dict[int, float] = {}
+    prev = 0.0
+    for le, cum in sorted(buckets):
+        if cum - prev > 0:
+            size = max(1, math.floor(le))
+            hist[size] = hist.get(size, 0.0) + cum - prev
+        prev = cum
+    if not hist:
+        raise ConfigError(f"the {METRIC} histogram is empty: the server has run no decode step yet")
+    n = totals["ostinato:request_success_total"]
+    return Workload(name, batch_histogram=hist, num_requests=int(n),
+                    mean_prompt_len=totals["ostinato:prompt_tokens_total"] / n if n else None,
+                    mean_output_len=totals["ostinato:generation_tokens_total"] / n if n else None)
+
+
+# ---------------------------------------------------------------------------------------------- simulate
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_num_seqs: int
+    kv_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class SimResult:
+    total_s: float
+    prefill_s: float
+    decode_s: float
+    output_tokens: int
+    steps_by_batch: Mapping[int, int]  # decode steps by batch size
+    mean_context: float  # step-weighted mean context of decode steps
+    truncated: int  # requests whose prompt + output exceeded max_model_len (output cut)
+    prefill_steps: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.total_s if self.total_s > 0 else 0.0
+
+
+def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], float],
+             prefill_ms: Callable[[int], float]) -> SimResult:
+    """Play the requests through the scheduler model (module docstring) and add up measured step times."""
+    bs, cap_len = limits.block_size, limits.max_model_len
+    truncated = 0
+    reqs = []
+    for r in w.requests:
+        prompt = min(r.prompt_len, cap_len - 1)
+        out = max(1, min(r.output_len, cap_len - prompt))
+        truncated += int(prompt + out < r.prompt_len + r.output_len)
+        reqs.append((prompt, out, math.ceil((prompt + out) / bs)))
+    if any(blocks > limits.kv_blocks for _, _, blocks in reqs):
+        raise ConfigError(f"a request needs more KV blocks than the cache holds ({limits.kv_blocks})")
+    closed = w.concurrency is not None
+    arrivals = [0.0] * min(len(reqs), w.concurrency) if closed else [r.arrival_s for r in w.requests]
+    t = prefill_s = decode_s = 0.0
+    nxt = 0  # next request not yet arrived
+    waiting: deque[int] = deque()
+    finish: list[tuple[int, int]] = []  # heap of (decode step it finishes at, request index)
+    running = sum_ctx = step = tokens = done = prefill_steps = 0
+    free = limits.kv_blocks
+    steps: dict[int, int] = {}
+    ctx_weighted = 0.0
+
+    def finished(blocks: int) -> None:
+        nonlocal free, done
+        free += blocks
+        done += 1
+        if closed and len(arrivals) < len(reqs):  # that client sends its next request now
+            arrivals.append(t)
+    while done < len(reqs):
+        while nxt < len(arrivals) and arrivals[nxt] <= t:
+            waiting.append(nxt)
+            nxt += 1
+        admitted, batch_tokens = [], 0
+        while waiting and running + len(admitted) < limits.max_num_seqs:
+            prompt, out, blocks = reqs[waiting[0]]
+            if batch_tokens + prompt > limits.max_num_batched_tokens or blocks > free:
+                break
+            admitted.append(waiting.popleft())
+            free -= blocks
+            batch_tokens += prompt
+        if admitted:
+            prefill_steps += 1
+            dt = sum(prefill_ms(reqs[i][0]) for i in admitted) / 1e3
+            t += dt
+            prefill_s += dt
+            tokens += len(admitted)
+            for i in admitted:
+                prompt, out, blocks = reqs[i]
+                if out == 1:
+                    finished(blocks)
+                    continue
+                running += 1
+                sum_ctx += prompt + 1
+                heapq.heappush(finish, (step + out - 1, i))
+            continue
+        if not running:
+            assert nxt < len(arrivals), "nothing running, waiting or due: the simulation would stall"
+            t = max(t, arrivals[nxt])
+            continue
+        dt = step_ms(running, sum_ctx / running) / 1e3
+        steps[running] = steps.get(running, 0) + 1
+        ctx_weighted += sum_ctx / running
+        t += dt
+        decode_s += dt
+        tokens += running
+        sum_ctx += running
+        step += 1
+        while finish and finish[0][0] <= step:
+            _, i = heapq.heappop(finish)
+            prompt, out, blocks = reqs[i]
+            running -= 1
+            sum_ctx -= prompt + out
+            finished(blocks)
+    n_steps = sum(steps.values())
+    return SimResult(t, prefill_s, decode_s, tokens, steps, ctx_weighted / n_steps if n_steps else 0.0, truncated,
+                     prefill_steps)

@@ -1,0 +1,120 @@
+"""`ostinato bench engine` and `ostinato bench throughput`: whole engine steps, offline.
+
+bench engine: per batch B, a whole LLMEngine step, from two LLM.generate runs of B prompts of `--context`
+tokens (greedy, ignore_eos) that differ only in max_tokens: (t_long - t_short) / (long - short). Beside it,
+the forward-only replay of the same batch at the same context (`ostinato bench`'s graph figure: the
+copy of the decode rows and one replay), so the Python around the graph shows as their ratio.
+
+bench throughput: nano-vllm's workload: 256 sequences, prompt and output lengths uniform in [100, 1024],
+random prompt token ids, temperature 0.6, ignore_eos; output tokens per second of one LLM.generate call
+(after a short warm-up run).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+
+def register(sub) -> None:
+    from ..cli_args import _int_list, add_engine_args
+
+    p = sub.add_parser("bench-engine", help="whole engine step (LLM.generate) vs forward-only replay")
+    add_engine_args(p)
+    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64, 128, 256))
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--short", type=int, default=16, help="max_tokens of the short run")
+    p.add_argument("--long", type=int, default=144, help="max_tokens of the long run")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run_engine)
+
+    p = sub.add_parser("bench-throughput", help="nano-vllm's offline workload: output tokens per second")
+    add_engine_args(p)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run_throughput)
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _generate_seconds(llm, prompts, params) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    _sync()
+    return time.perf_counter() - t0
+
+
+def run_engine(args) -> int:
+    import torch
+
+    from ..cli_args import engine_args_from
+    from ..engine.llm import LLM
+    from ..sampling_params import SamplingParams
+    from .bench import replay_ms
+
+    llm = LLM.from_engine_args(engine_args_from(args))
+    runner = llm.engine.runner
+    vocab = runner.model_config.vocab_size
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"graphs: {llm.engine.graph_status}")
+    for bs in args.batch_sizes:
+        prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(bs)]
+        short = SamplingParams(temperature=0.0, max_tokens=args.short, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=args.long, ignore_eos=True)
+        _generate_seconds(llm, prompts, short)  # warm-up
+        t_short = min(_generate_seconds(llm, prompts, short) for _ in range(2))
+        t_long = min(_generate_seconds(llm, prompts, long) for _ in range(2))
+        step_ms = (t_long - t_short) / (args.long - args.short) * 1e3
+        mid = args.context + (args.short + args.long) // 2
+        llm.engine.step()  # an idle step: the runner drops the finished sequences' rows
+        with torch.inference_mode():
+            eager, graph = replay_ms(runner, bs, mid, gen, iters=50, warmup=10)
+        replay = graph if graph is not None else eager
+        rows.append({"batch": bs, "context": mid, "engine_step_ms": step_ms, "replay_ms": replay,
+                     "ratio": step_ms / replay})
+        print(f"bs {bs:>4}  engine step {step_ms:.3f} ms  replay {replay:.3f} ms ({'graph' if graph else 'eager'})"
+              f"  engine/replay {step_ms / replay:.3f}", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"model": args.model, "graphs": llm.engine.graph_status, "rows": rows}, f, indent=2)
+    return 0
+
+
+def run_throughput(args) -> int:
+    from ..cli_args import engine_args_from
+    from ..engine.llm import LLM
+    from ..sampling_params import SamplingParams
+
+    llm = LLM.from_engine_args(engine_args_from(args))
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(args.workload_seed)
+    prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True,
+                             max_tokens=rng.randint(args.min_len, args.max_len)) for _ in range(args.num_seqs)]
+    llm.generate(["warm-up"], SamplingParams(max_tokens=8))
+    seconds = _generate_seconds(llm, prompts, params)
+    out_tokens = sum(p.max_tokens for p in params)
+    result = {"model": args.model, "num_seqs": args.num_seqs, "output_tokens": out_tokens,
+              "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
+              "output_tokens_per_s": out_tokens / seconds, "graphs": llm.engine.graph_status,
+              "stats": {k: v for k, v in vars(llm.engine.stats()).items() if isinstance(v, (int, float))}}
+    print(f"{out_tokens} output tokens in {seconds:.2f} s: {out_tokens / seconds:.0f} tok/s "
+          f"({result['prompt_tokens']} prompt tokens; graphs {llm.engine.graph_status})")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

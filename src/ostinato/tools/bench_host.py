@@ -1,0 +1,164 @@
+"""`ostinato bench host`: host microseconds per decode step, with the model's forward replaced by a no-op.
+
+What is left is the Python around the graph: scheduling, preparing the step's inputs, the (no-op) step,
+reading the tokens back and recording them. It runs on CPU on a tiny random checkpoint it writes itself (the
+model's size does not matter: the forward is gone), so the figure measures the engine's own overhead.
+
+For each batch B and context C: B requests with prompts of C tokens (ignore_eos) are prefilled, then
+`--steps` decode steps are timed one by one with time.perf_counter (the median step counts). "engine" is a
+whole LLMEngine.step(); "core" is its scheduling and runner part (the Scheduler's and ModelRunner's calls),
+without the per-token output work (detokenization, stop checks, RequestOutput), which the outputs work
+owns. Each point is the median of `--repeats` runs: the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def register(sub) -> None:
+    from ..cli_args import _int_list
+
+    p = sub.add_parser("bench-host", help="host microseconds per decode step, forward replaced by a no-op (CPU)")
+    p.add_argument("--batch-sizes", type=_int_list, default=(1, 16, 64, 256))
+    p.add_argument("--contexts", type=_int_list, default=(128, 2048))
+    p.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
+    p.add_argument("--repeats", type=int, default=5, help="runs per point; the median is reported")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run)
+
+
+class _NoOpModel:
+    """Stands in for the decoder: hidden states and logits are constant zeros (greedy then picks token 0)."""
+
+    def __init__(self, real, max_rows: int, vocab_size: int):
+        import torch
+
+        self._real = real
+        self._hidden = torch.zeros(max_rows, 1)
+        self._logits = torch.zeros(max_rows, vocab_size)
+
+    def __call__(self, input_ids, positions, meta):
+        return self._hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden, float32: bool = True):
+        return self._logits[: hidden.shape[0]]
+
+    def __getattr__(self, name):  # anything else (bind_kv_caches, config) from the real model
+        return getattr(self._real, name)
+
+
+def _checkpoint(root: Path, max_len: int) -> str:
+    from .checkpoint import make_checkpoint
+
+    out = root / "tiny"
+    make_checkpoint(out, shape="tiny")
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["max_position_embeddings"] = max_len  # the tiny shape stops at 2048; the forward never runs anyway
+    cfg_path.write_text(json.dumps(cfg))
+    return str(out)
+
+
+class _Timer:
+    """Wraps a bound method and adds its wall time to `seconds`."""
+
+    def __init__(self, owner, name: str):
+        self.seconds = 0.0
+        self._owner, self._name = owner, name
+        self._saved = owner.__dict__.get(name)  # a class attribute is put back by restore()
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            setattr(self._owner, self._name, self._saved)
+        else:
+            delattr(self._owner, self._name)
+
+
+def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs: dict | None = None) -> dict:
+    """One run: microseconds per decode step (engine and core) at this batch and context."""
+    import torch
+
+    from ..config import EngineArgs
+    from ..engine.engine import LLMEngine
+    from ..sampling_params import SamplingParams
+
+    max_len = context + steps + 8
+    block = 16
+    kwargs = dict(model=model_dir, device="cpu", dtype="float32", max_model_len=max_len, max_num_seqs=batch,
+                  max_num_batched_tokens=max(max_len, batch * (context + 1)),
+                  num_kv_blocks=batch * (-(-max_len // block)) + 1, block_size=block)
+    kwargs.update(engine_kwargs or {})
+    engine = LLMEngine(EngineArgs(**kwargs))
+    runner = engine.runner
+    runner.model = _NoOpModel(runner.model, max(batch, 1) * (context + 1), engine.model_config.vocab_size)
+    if hasattr(runner, "decode_step"):
+        # Sampling runs inside the graph: on a GPU the whole step (forward and sampling) is one replay, so
+        # the no-op replaces all of it (the sampled tokens stay 0). Before, the sampler ran eagerly after
+        # the replay and only the forward was replaced.
+        logits = runner.model.compute_logits(torch.zeros(batch, 1))
+        runner.graphs.fn = lambda **inputs: logits[: next(iter(inputs.values())).shape[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [(i + j) % 500 + 1 for j in range(context)], params)
+    while engine.scheduler.num_waiting:  # prefill everything first
+        engine.step()
+    engine.step()  # the first decode steps (first-use costs)
+    engine.step()
+    # The scheduler's and the runner's calls, whichever this engine makes (execute/update before overlapped
+    # scheduling; launch and the PendingStep's result after).
+    timers = [_Timer(owner, name) for owner, name in (
+        (engine.scheduler, "schedule"), (engine.scheduler, "update"), (runner, "launch"),
+        (runner, "execute")) if hasattr(owner, name)]
+    if hasattr(runner, "launch"):
+        from ..runner.runner import PendingStep
+
+        timers.append(_Timer(PendingStep, "result"))
+    engine_s, core_s = [], []
+    for _ in range(steps):  # per-step medians: a shared machine's hiccups do not move them
+        core_before = sum(t.seconds for t in timers)
+        t0 = time.perf_counter()
+        engine.step()
+        engine_s.append(time.perf_counter() - t0)
+        core_s.append(sum(t.seconds for t in timers) - core_before)
+    for t in timers:
+        t.restore()
+    total, core = statistics.median(engine_s) * steps, statistics.median(core_s) * steps
+    return {"batch": batch, "context": context, "engine_us": total / steps * 1e6, "core_us": core / steps * 1e6}
+
+
+def run(args) -> int:
+    import torch
+
+    torch.set_num_threads(1)  # host overhead is single-threaded Python; keep the shared machine quiet
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _checkpoint(Path(tmp), max(args.contexts) + args.steps + 64)
+        for context in args.contexts:
+            for bs in args.batch_sizes:
+                runs = [measure(model_dir, bs, context, args.steps) for _ in range(args.repeats)]
+                row = {"batch": bs, "context": context,
+                       "engine_us": statistics.median(r["engine_us"] for r in runs),
+                       "core_us": statistics.median(r["core_us"] for r in runs),
+                       "engine_us_runs": [round(r["engine_us"], 1) for r in runs]}
+                rows.append(row)
+                print(f"batch {bs:>4}  context {context:>5}  engine step {row['engine_us']:8.1f} us  "
+                      f"core (scheduler + runner) {row['core_us']:8.1f} us  (median of {args.repeats})",
+                      flush=True)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
+    return 0

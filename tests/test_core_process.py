@@ -1,0 +1,161 @@
+"""The engine core in its own process (ProcessAsyncEngine): streams match the offline engine, an abort frees
+the KV blocks, a core that dies or fails a step turns the server's /health 503 and fails pending requests with
+EngineDeadError, and shutdown stops the process.
+
+Each test starts a real core process (spawn: a fresh interpreter importing torch), so they are few and share
+one where they can.
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")  # the server's dependencies (the GPU machine has none)
+httpx = pytest.importorskip("httpx")
+
+from ostinato import RequestOutputKind, SamplingParams  # noqa: E402
+from ostinato.config import EngineArgs  # noqa: E402
+from ostinato.engine.core_process import ProcessAsyncEngine, build_engine  # noqa: E402
+from ostinato.engine.engine import LLMEngine  # noqa: E402
+from ostinato.engine.outputs import merge_deltas  # noqa: E402
+from ostinato.errors import EngineDeadError  # noqa: E402
+from ostinato.server.app import build_app  # noqa: E402
+from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
+
+
+def _slow_engine(args: EngineArgs) -> LLMEngine:
+    """A real engine whose steps take 20 ms at least, so a request is still running when a test acts on it."""
+    engine = build_engine(args)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step
+    return engine
+
+
+def _failing_engine(args: EngineArgs) -> LLMEngine:
+    """A real engine whose fifth step raises."""
+    engine = build_engine(args)
+    step, count = engine.step, [0]
+
+    def failing_step():
+        count[0] += 1
+        if count[0] == 5:
+            raise RuntimeError("injected step failure")
+        return step()
+
+    engine.step = failing_step
+    return engine
+
+
+@pytest.fixture(scope="module")
+def args(tmp_path_factory):
+    path = tmp_path_factory.mktemp("core-ckpt")
+    make_checkpoint(path, shape="tiny", family="llama", seed=2)
+    return EngineArgs(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=256,
+                      max_num_seqs=8)
+
+
+async def _started(args, factory=_slow_engine) -> ProcessAsyncEngine:
+    core = ProcessAsyncEngine(args, factory=factory)
+    core.start()
+    await asyncio.wait_for(core.wait_ready(), 120)
+    return core
+
+
+async def _wait_idle(core: ProcessAsyncEngine, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await core.get_stats()
+        if stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
+            return stats
+        assert time.monotonic() < deadline, f"requests still hold KV blocks: {stats}"
+        await asyncio.sleep(0.02)
+
+
+def test_streams_match_offline_and_an_abort_frees_the_blocks(args):
+    offline = LLMEngine(args)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zz"], output_kind=RequestOutputKind.DELTA)
+    n_params = SamplingParams(temperature=1.0, n=2, seed=4, max_tokens=10, ignore_eos=True, logprobs=2,
+                              output_kind=RequestOutputKind.DELTA)
+    expected = {}
+    for rid, prompt, p in (("a", [5, 6, 7], params), ("b", "Hello there", n_params)):
+        offline.add_request(rid, prompt, p)
+        deltas = []
+        while offline.has_unfinished():
+            deltas += [o for o in offline.step() if o.request_id == rid]
+        expected[rid] = merge_deltas(deltas)
+
+    async def main():
+        core = await _started(args)
+        try:
+            async def collect(rid, prompt, p):
+                return merge_deltas([out async for out in core.generate(rid, prompt, p)])
+
+            got = await asyncio.gather(collect("a", [5, 6, 7], params), collect("b", "Hello there", n_params))
+            for out in got:
+                want = expected[out.request_id]
+                assert out.finished and out.prompt_token_ids == want.prompt_token_ids
+                assert [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs] == \
+                       [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in want.outputs]
+            # Abort mid-stream (the consumer stops early): the stream closes, the core frees the blocks.
+            stream = await core.add_request("long", [1, 2, 3], SamplingParams(
+                max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+            async with stream:
+                first = await stream.__anext__()
+                assert first.outputs and not first.finished
+                busy = await core.get_stats()
+                assert busy.num_running == 1 and busy.kv_blocks_free < busy.kv_blocks_total
+            stats = await _wait_idle(core)
+            assert stats.generation_tokens_total < 24 + 20 + 200  # "long" was cut short
+        finally:
+            core.shutdown(timeout=30)
+        assert core._process.exitcode == 0  # stopped in order, not killed
+        assert core.dead_cause == "the engine was shut down"
+
+    asyncio.run(main())
+
+
+def test_a_killed_core_fails_pending_requests_and_health_says_503(args):
+    async def main():
+        core = await _started(args)
+        app = build_app(core, served_model_name="m")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 200
+            stream = await core.add_request("x", [4, 5], SamplingParams(max_tokens=200, ignore_eos=True,
+                                                                        output_kind=RequestOutputKind.DELTA))
+            await stream.__anext__()
+            os.kill(core.core_pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exited"):
+                async for _ in stream:
+                    pass
+            health = await client.get("/health")
+            assert health.status_code == 503 and "exited" in health.json()["cause"]
+            with pytest.raises(EngineDeadError):
+                await core.add_request("y", [4], SamplingParams(max_tokens=2))
+            body = {"model": "m", "prompt": [1, 2], "max_tokens": 2}
+            assert (await client.post("/v1/completions", json=body)).status_code == 503
+        core.shutdown(timeout=10)
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_kills_the_engine_with_its_cause(args):
+    async def main():
+        core = await _started(args, factory=_failing_engine)
+        try:
+            with pytest.raises(EngineDeadError, match="injected step failure"):
+                async for _ in core.generate("f", [4, 5], SamplingParams(max_tokens=50, ignore_eos=True)):
+                    pass
+            assert "injected step failure" in core.dead_cause and not core.is_ready
+        finally:
+            core.shutdown(timeout=10)
+
+    asyncio.run(main())
