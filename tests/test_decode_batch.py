@@ -270,9 +270,11 @@ def test_async_scheduling_gives_the_same_outputs_and_never_an_extra_token(ckpt):
     # foresee (not max_tokens): its next row is wasted and its token must not appear.
     stop = first[3].outputs[0].token_ids[6]
     params[3] = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop], ignore_eos=True)
-    params.append(SamplingParams(temperature=0.9, seed=11, max_tokens=15, n=2, ignore_eos=True))
+    # Logprobs send decode steps through the eager finish after the replay, whose tokens must be read from
+    # a copy: the next replay overwrites the graph's sampled-token buffer before an overlapped read.
+    params.append(SamplingParams(temperature=0.9, seed=11, max_tokens=15, n=2, ignore_eos=True, logprobs=2))
     prompts.append([7, 8, 9])
-    runs, overlapped = {}, {}
+    runs, overlapped, logprobs = {}, {}, {}
     for flag in (False, True):
         llm = LLM(str(ckpt), device="cpu", dtype="float32", max_num_seqs=4, async_scheduling=flag,
                   num_kv_blocks=6, max_model_len=96)  # 6 blocks of 16: preemptions happen
@@ -290,8 +292,15 @@ def test_async_scheduling_gives_the_same_outputs_and_never_an_extra_token(ckpt):
         runner.launch = counting_launch
         outs = llm.generate(prompts, params)
         runs[flag] = ([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], llm.engine.stats())
+        logprobs[flag] = [lp for o in outs for c in o.outputs if c.logprobs for lp in c.logprobs]
         overlapped[flag] = sum(reads)
     assert runs[True][0] == runs[False][0]
+    # Logprobs: the same tokens; values equal up to fp32 rounding (preemption, hence recompute, falls on other
+    # steps with overlap, and a recomputed prefill sums in another order than the decode steps it replaces).
+    assert len(logprobs[True]) == len(logprobs[False]) == 30
+    for a, b in zip(logprobs[True], logprobs[False]):
+        assert a.token_id == b.token_id and [i for i, _ in a.top] == [i for i, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     (tokens, reason), = runs[True][0][3]
     assert reason == "stop" and tokens[-1] == stop and stop not in tokens[:-1]
     assert runs[False][1].num_preemptions > 0 and runs[True][1].num_preemptions > 0

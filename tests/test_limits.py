@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ostinato import cli
 from ostinato.errors import ConfigError, InvalidRequestError
 from ostinato.runner import kv_setup
-from ostinato.runner.decode_batch import BLOCKS, DecodeLayout
+from ostinato.runner.decode_batch import BLOCKS, POS, DecodeLayout
 from ostinato.sampling_params import SamplingParams
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -91,12 +91,32 @@ def test_self_check_inputs_cost_nothing_per_block():
         rows = kv_setup._random_decode_rows(spec, layout, 8)["batch"]
     tables = rows[:, BLOCKS:]
     assert tables.shape == (8, 32) and tables.dtype == torch.int32
-    # real blocks, and the scratch block (index num_blocks) where each row writes its new token's K/V
-    assert 0 <= int(tables.min()) and int(tables.max()) <= num_blocks
+    assert 0 <= int(tables.min()) and int(tables.max()) < num_blocks  # real blocks (see the test below)
     assert mode.largest <= 8 * layout.width, f"an op built a tensor of {mode.largest} elements"
     small_layout = DecodeLayout(rows=4, blocks_per_seq=32, block_size=16, scratch_block=3)
     small = kv_setup._random_decode_rows(spec, small_layout, 4)["batch"][:, BLOCKS:]  # fewer blocks than a row
     assert small.shape == (4, 32) and int(small.max()) <= 3
+
+
+@pytest.mark.parametrize("num_blocks,size", [(1000, 64), (40, 32), (8, 8), (3, 8), (1, 4)])
+def test_self_check_rows_never_read_what_another_row_writes(num_blocks, size):
+    """Rows run concurrently on a GPU: a row that read a slot another row writes in the same step would see
+    either value, and eager and replay would disagree for no fault of the graph (seen on the H200 at batch 8).
+    Each row's written slot must be outside every other row's read set, unless the two rows are identical."""
+    spec = SimpleNamespace(block_size=4, device=torch.device("cpu"), model_config=SimpleNamespace(vocab_size=50))
+    layout = DecodeLayout(rows=size, blocks_per_seq=6, block_size=4, scratch_block=num_blocks)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        rows = kv_setup._random_decode_rows(spec, layout, size)["batch"]
+        pos = rows[:, POS].tolist()
+        tables = rows[:, BLOCKS:].tolist()
+        assert max(max(t) for t in tables) < num_blocks  # real blocks only: the scratch block is for pad rows
+        written = [tables[r][p // 4] * 4 + p % 4 for r, p in enumerate(pos)]
+        for r, p in enumerate(pos):
+            reads = {tables[r][q // 4] * 4 + q % 4 for q in range(p + 1)}
+            for other, slot in enumerate(written):
+                if other != r and slot in reads:
+                    assert rows[other].tolist() == rows[r].tolist(), (seed, r, other)
 
 
 # ---- the CLI keeps its word ---------------------------------------------------------------------------------

@@ -89,18 +89,27 @@ def make_graph_runner(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], enf
 
 
 def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[str, torch.Tensor]:
-    """Self-check rows: random greedy tokens and context lengths over random real blocks. The block that
-    holds each row's position is the scratch block, so K/V writes go to scratch only: the check never
-    changes a real sequence's cache."""
-    num_blocks, width, dev = layout.scratch_block, layout.blocks_per_seq, spec.device
-    ctx = torch.randint(1, width * spec.block_size + 1, (size,), device=dev)
-    # Random real blocks, drawn independently: O(size x width), never O(num_blocks) (a pool of tiny blocks can
-    # hold tens of millions). A block repeated within a row reads the same K/V in replay and eager alike.
-    tables = torch.randint(0, num_blocks, (size, width), device=dev)
+    """Self-check rows: random greedy tokens and context lengths over random real blocks.
+
+    Rows run concurrently on the GPU, so no row may read a slot another row writes in the same step (the
+    order of those writes and reads differs between runs, and eager and replay would disagree for no fault
+    of the graph). Each row therefore writes its token's K/V into a block of its own, and reads its earlier
+    positions from blocks no row writes. Those are real blocks: the check runs at start-up, before any
+    sequence holds KV. With fewer blocks than rows, the extra rows repeat earlier ones (a repeated row writes
+    the very same values). O(size x width): a pool of tiny blocks can hold tens of millions."""
+    num_blocks, width, bs, dev = layout.scratch_block, layout.blocks_per_seq, spec.block_size, spec.device
+    distinct = min(size, num_blocks)
+    readable = num_blocks - distinct  # blocks no row writes
+    max_ctx = width * bs if readable else bs  # no block to read from: stay inside the own block
+    ctx = torch.randint(1, max_ctx + 1, (distinct,), device=dev)
     pos = ctx - 1
-    tables.scatter_(1, (pos // spec.block_size)[:, None], num_blocks)
-    ids = torch.randint(0, spec.model_config.vocab_size, (size,), device=dev)
-    return {"batch": layout.pack(ids, pos, tables)}
+    first = torch.randint(0, num_blocks, (1,), device=dev)
+    own = (first + torch.arange(distinct, device=dev)) % num_blocks  # [distinct], all different
+    tables = (first + distinct + torch.randint(0, max(readable, 1), (distinct, width), device=dev)) % num_blocks
+    tables.scatter_(1, (pos // bs)[:, None], own[:, None])
+    ids = torch.randint(0, spec.model_config.vocab_size, (distinct,), device=dev)
+    repeat = torch.arange(size, device=dev) % distinct
+    return {"batch": layout.pack(ids[repeat], pos[repeat], tables[repeat])}
 
 
 def _profile_activation_peak(spec: KVSpec) -> int:

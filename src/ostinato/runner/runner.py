@@ -181,7 +181,8 @@ class ModelRunner:
         seq_ids = list(batch.rows.seq_ids)
         batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
         if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
-            sampled = finish_sampling(logits, step.sampled[:n], batch.sampling(rows[:n]))
+            # A clone, not a view: the next step's replay overwrites step.sampled before these are read.
+            sampled = finish_sampling(logits, step.sampled[:n].clone(), batch.sampling(rows[:n]))
             step.sampled[:n].copy_(sampled.token_ids)  # the next step's placeholders read the final tokens
             return PendingStep(seq_ids=seq_ids, sampled=sampled)
         if self._sampled_np is not None:  # CPU: the step ran, its tokens are in host memory already
