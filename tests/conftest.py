@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 # Triton kernels run on CPU tensors under the interpreter; the variable must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Test modules skip themselves when these are missing (the GPU machine has no server stack), which in CI would
+# turn a broken install into a few SKIPPED lines and drop dozens of tests. With CI set, a missing or broken one
+# stops the run instead.
+CI_REQUIRED_MODULES = ("triton", "fastapi", "uvicorn", "openai", "httpx", "hypothesis")
+
+
+def pytest_configure(config):
+    if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
+        return
+    broken = []
+    for name in CI_REQUIRED_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # ImportError, or whatever a broken install raises on import
+            broken.append(f"{name} ({type(e).__name__}: {e})")
+    if broken:
+        raise pytest.UsageError(f"CI=true but these test dependencies do not import: {', '.join(broken)}. Their "
+                                "tests would be skipped, not run; install them (scripts/setup.sh), or unset CI "
+                                "to run what this machine can.")
 
 
 def pytest_collection_modifyitems(config, items):

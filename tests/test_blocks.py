@@ -169,3 +169,17 @@ def test_free_returns_blocks_and_clears_table():
 
 def test_usage_of_empty_pool_is_zero():
     assert BlockManager(0, 16).usage == 0.0
+
+
+def test_errors_name_the_operation_the_block_and_the_bad_value():
+    with pytest.raises(ValueError, match=r"^num_blocks must be >= 0, got -1$"):
+        BlockAllocator(-1)
+    with pytest.raises(ValueError, match=r"^block_size must be >= 1, got 0$"):
+        BlockManager(4, 0)
+    alloc = BlockAllocator(4)
+    with pytest.raises(RuntimeError, match=r"^free of KV block 2, which is free \(double free\?\)$"):
+        alloc.free(2)
+    with pytest.raises(RuntimeError, match=r"^incref of KV block 3, which is free \(double free\?\)$"):
+        alloc.incref(3)
+    with pytest.raises(RuntimeError, match=r"^KV block 4 is out of range \[0, 4\)$"):
+        alloc.free(4)

@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import time
 
 import pytest
 import torch
@@ -146,9 +145,7 @@ def test_sharded_layout_has_index_loads_and_matches_single_file(tmp_path, tiny_d
 
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     a = ck.make_checkpoint(tmp_path / "a", "tiny", "qwen3", seed=7, dtype="bfloat16")
-    start = time.perf_counter()  # after the first call's imports
     b = ck.make_checkpoint(tmp_path / "b", "tiny", "qwen3", seed=7, dtype="bfloat16")
-    elapsed = time.perf_counter() - start
     c = ck.make_checkpoint(tmp_path / "c", "tiny", "qwen3", seed=8, dtype="bfloat16")
     assert _all_files(a) == _all_files(b)
     wa, wc = load_file(a / "model.safetensors"), load_file(c / "model.safetensors")
@@ -156,7 +153,9 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     assert not torch.equal(wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"])
     norm = wa["model.layers.0.input_layernorm.weight"].float()
     assert 0.5 <= norm.min() and norm.max() <= 1.5 and norm.std() > 0.1
-    assert elapsed < 1.0  # tests build many of these (a warm call takes ~10 ms)
+    # Tests build many of these: what keeps one cheap is its size (a wall-clock bound would fail on a busy
+    # machine, and pass on a fast one whatever the size).
+    assert sum(f.stat().st_size for f in a.iterdir()) < 512 * 1024
 
 
 def test_chunked_threaded_draws_match_serial_and_fill_every_element(tmp_path, monkeypatch):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -243,3 +245,76 @@ def test_streaming_client_never_sees_part_of_a_stop_string(include):
             break
         assert not any(sent.endswith(stop[0][:n]) for n in range(1, len(stop[0])))
     assert sent == "The value </answer is < 3 " + ("</answer>" if include else "")
+
+
+# ---- stop strings against brute-force references, over random texts on a tiny alphabet (where matches,
+# overlaps and partial matches are frequent) ---------------------------------------------------------------
+ALPHABET = "ab"
+texts = st.text(ALPHABET, max_size=12)
+stops = st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3)
+
+
+def reference_find(text, num_new, stop, include):
+    """Every occurrence of every stop string that ends in the last num_new characters; the earliest end wins,
+    then the earliest start (the longer string)."""
+    if num_new <= 0:
+        return None
+    found = [(i + len(s), i, s) for s in stop for i in range(len(text) - len(s) + 1)
+             if text.startswith(s, i) and i + len(s) > len(text) - num_new]
+    if not found:
+        return None
+    end, start, s = min(found, key=lambda f: f[:2])
+    return StopMatch(s, end if include else start)
+
+
+def reference_releasable(text, stop, finished):
+    """Hold back the longest suffix of text that is a proper prefix of a stop string."""
+    if finished:
+        return text
+    held = max((n for s in stop for n in range(1, len(s)) if len(text) >= n and text.endswith(s[:n])), default=0)
+    return text[: len(text) - held]
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts, st.integers(-1, 14), stops, st.booleans())
+def test_find_stop_string_equals_brute_force(text, num_new, stop, include):
+    got = find_stop_string(text, num_new, stop, include)
+    want = reference_find(text, min(num_new, len(text)), stop, include)
+    # Several stop strings may be equal: only the cut and the matched text matter.
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert (got.keep_chars, got.stop_str) == (want.keep_chars, want.stop_str)
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts, stops, st.booleans())
+def test_releasable_text_equals_brute_force(text, stop, finished):
+    assert releasable_text(text, stop, finished) == reference_releasable(text, stop, finished)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=8), stops, st.booleans())
+def test_stop_checker_streams_like_one_search_over_the_whole_text(pieces, stop, include):
+    checker = StopChecker(stop, include)
+    assert checker.stop == tuple(stop) and checker.include_stop_str_in_output == include
+    text, sent, finished = "", "", False
+    for piece in pieces:
+        text, finished = checker.check(text + piece, len(piece))
+        visible = checker.releasable(text, finished)
+        assert visible.startswith(sent) and visible == reference_releasable(text, stop, finished)
+        sent = visible
+        if finished:
+            break
+    whole = "".join(pieces)
+    # Where the earliest-ending match over the whole text cuts it, streaming cut it too.
+    first = reference_find(whole, len(whole), stop, include)
+    assert finished == (first is not None)
+    assert text == (whole if first is None else whole[: first.keep_chars])
+
+
+def test_defaults_cut_before_the_stop_string_and_hold_back_prefixes():
+    checker = StopChecker(["b"])
+    assert checker.check("aab", 1) == ("aa", True)
+    assert checker.check("aaa", 1) == ("aaa", False)
+    assert find_stop_string("aab", 1, ["b"]) == StopMatch("b", 2)  # include_stop_str_in_output defaults off
+    assert StopChecker(["ab"]).releasable("xa") == "x"  # unfinished unless told otherwise

@@ -127,31 +127,3 @@ def test_n_completions_and_logprobs(llm):
             assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 3
             assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
     _assert_clean(llm)
-
-
-def test_verify_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):
-    import torch
-
-    from ostinato import cli
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["verify", str(tmp_path)]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().out
-
-
-def test_verify_counts_launches_per_annotated_step():
-    from ostinato.tools.verify import count_launches, judge
-
-    def ev(name, ts, dur=1, tid=1, cat="cuda_runtime"):
-        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "cat": cat}
-
-    trace = [ev("ostinato.decode_step[3]", 0, 100, cat="user_annotation"), ev("cudaLaunchKernel", 10),
-             ev("cudaGraphLaunch", 20), ev("cudaLaunchKernel", 150),  # outside any step: not counted
-             ev("ostinato.decode_step[9]", 200, 100, cat="user_annotation"), ev("cudaLaunchKernel", 210),
-             ev("cuLaunchKernel", 220), ev("cudaGraphLaunch", 230, tid=2)]  # other thread: not counted
-    counts = count_launches(trace)
-    assert [(c.batch_size, c.graph_launches, c.kernel_launches) for c in counts] == [(3, 1, 1), (9, 0, 2)]
-    verdicts = {v.batch_size: v for v in judge(counts, (1, 2, 4, 8), graphs_enabled=True)}
-    assert verdicts[3].ok and verdicts[3].expected == "graph"
-    assert verdicts[9].ok and verdicts[9].expected == "eager"  # above the largest captured size
-    assert not judge(counts, (), graphs_enabled=False)[0].ok  # a graph ran although graphs were off

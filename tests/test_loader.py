@@ -108,11 +108,17 @@ def test_checkpoint_without_lm_head_ties_even_if_config_does_not(tmp_path):
 
 
 def test_old_rotary_inv_freq_tensors_are_ignored(tmp_path):
-    save_tiny(tmp_path, LlamaConfig)
+    hf = save_tiny(tmp_path, LlamaConfig)
     tensors = load_file(tmp_path / "model.safetensors")
-    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # a wrong table, if it were used
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    load(tmp_path)
+    ours = load(tmp_path)
+    assert_weights_match(ours, hf)
+    # The rotary table is computed from config.json, not read from the stale tensor: HF's own forward agrees.
+    tokens = torch.arange(5, 60, 5)
+    with torch.no_grad():
+        expected = hf(tokens[None]).logits[0]
+    torch.testing.assert_close(prefill_logits(ours, tokens), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_folder_without_weights_names_the_file_it_looked_for(tmp_path):

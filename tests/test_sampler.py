@@ -105,6 +105,32 @@ def test_uniform_is_uniform():
     assert (counts - 20_000).abs().max() < 600  # ~4 sigma
 
 
+def test_flags_at_their_edges_top_k_1_and_defaults():
+    sampler = Sampler("cpu", 0)
+    plain = sampler.prepare(seqs_for([SamplingParams(temperature=1.0)]))
+    assert not plain.any_filtered and plain.top_p.tolist() == [1.0]  # top_p 1.0 filters nothing
+    one = sampler.prepare(seqs_for([SamplingParams(temperature=1.0, top_k=1)]))
+    assert one.any_filtered and one.top_k.tolist() == [1]
+    # top_k=1 at temperature 1 is the argmax, every time.
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, top_k=1)] * 64
+    assert sample(sampler, logits, params).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_draw_nothing_and_set_no_sampling_flags():
+    from ostinato.runner.sampler import GREEDY_TEMPERATURE
+
+    sampler = Sampler("cpu", 0)
+    greedy = sampler.prepare(seqs_for([
+        SamplingParams(temperature=0.0, top_p=0.5, top_k=5, seed=3),  # settings a greedy row ignores
+        SamplingParams(temperature=GREEDY_TEMPERATURE / 2),  # tiny temperature: greedy too
+    ]))
+    assert greedy.temperature.tolist() == [0.0, 0.0] and not greedy.any_filtered
+    assert greedy.top_k.tolist() == [0, 0] and greedy.top_p.tolist() == [1.0, 1.0]
+    at_threshold = sampler.prepare(seqs_for([SamplingParams(temperature=GREEDY_TEMPERATURE)]))
+    assert at_threshold.temperature.tolist() == pytest.approx([GREEDY_TEMPERATURE])
+
+
 # ---- seeds ----------------------------------------------------------------------------------------------
 
 
@@ -143,6 +169,16 @@ def test_recompute_after_preemption_redraws_the_same_token():
     for _ in range(3):  # the engine generator has moved on meanwhile
         sample(sampler, logits, [SamplingParams()])
     assert torch.equal(sample(sampler, logits, params, num_generated=7).token_ids, first)
+
+
+def test_seed_mixing_is_splitmix64():
+    from ostinato.runner.sampler import _splitmix64
+
+    # The first three outputs of the reference SplitMix64 (Vigna's splitmix64.c) from state 0: each output
+    # mixes the state advanced by the golden-ratio increment, which _splitmix64 adds itself.
+    golden = 0x9E3779B97F4A7C15
+    assert [_splitmix64(k * golden & (2**64 - 1)) for k in range(3)] == [
+        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
 
 
 def test_draw_seed_accepts_any_int_and_separates_steps():

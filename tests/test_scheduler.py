@@ -1,5 +1,6 @@
 """Scheduler: one unit test per rule, then a hypothesis simulation that checks every invariant per step."""
 
+import os
 import random
 import subprocess
 import sys
@@ -15,6 +16,10 @@ from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
 from ostinato.errors import ConfigError, InvalidRequestError, OutOfKVCacheError, QueueFullError
 from ostinato.sampling_params import SamplingParams
+
+
+# The simulation's example count. Mutation testing (docs/TESTING.md) lowers it: each mutant runs this test.
+SIMULATION_EXAMPLES = int(os.environ.get("OSTINATO_SIMULATION_EXAMPLES", "200"))
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=None, max_model_len=32,
@@ -108,6 +113,14 @@ def test_add_rejects_prompts_that_can_never_run(prompt_len, match):
         sched.add(make_seq(0, prompt_len))
     assert e.value.param == "prompt"
     assert sched.num_waiting == 0 and not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("blocks, computed", [([3], 0), ([], 2)])
+def test_add_refuses_a_sequence_that_claims_cached_tokens(blocks, computed):
+    seq = make_seq(0, 4)
+    seq.block_table, seq.num_computed_tokens = blocks, computed
+    with pytest.raises(AssertionError, match="a new sequence holds no KV"):
+        make_scheduler().add(seq)
 
 
 def test_add_raises_queue_full_at_the_limit_and_accepts_again_once_drained():
@@ -255,6 +268,29 @@ def test_preemption_order_newest_first_and_front_order_kept():
     sched.finish(0, SequenceStatus.FINISHED_STOPPED)
     sched.finish(1, SequenceStatus.FINISHED_STOPPED)
     assert ids(step(sched)) == [2, 3]  # original admission order restored at the front
+
+
+def test_first_preemption_warns_once_with_the_remedy(caplog):
+    sched = make_scheduler(num_blocks=6, block_size=2, max_num_seqs=4, max_model_len=12)
+    for i, n in enumerate([4, 4, 1, 1]):
+        sched.add(make_seq(i, n))
+    step(sched)
+    with caplog.at_level("DEBUG", logger="ostinato.engine.scheduler"):
+        step(sched)  # preempts 3, then 2
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1  # a full cache is worth one warning, not one per preemption
+    assert warnings[0].getMessage().startswith("KV cache full: preempted sequence 3 (it will be recomputed)")
+    assert "--num-kv-blocks" in warnings[0].getMessage()
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    assert debug == ["preempted sequence 2 (2 preemptions in total)"]
+
+
+def test_a_sequence_left_running_at_max_model_len_is_an_engine_bug_named_as_such():
+    sched = make_scheduler(max_model_len=9)  # blocks of 4: the 9th token needs a third block
+    sched.add(make_seq(0, 8))
+    step(sched)  # 8 + 1 = 9 tokens: the engine had to finish it (FINISHED_LENGTH) and did not
+    with pytest.raises(AssertionError, match="seq 0 has 9 tokens, max_model_len is 9: the engine must finish"):
+        sched.schedule()
 
 
 def test_sequence_that_is_the_newest_preempts_itself():
@@ -476,7 +512,7 @@ class SimulatedEngine:
         assert sched.num_preemptions == sum(s.num_preemptions for s in self.added.values())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=SIMULATION_EXAMPLES, deadline=None)
 @given(workload=workloads(), seed=st.integers(0, 2**32 - 1))
 def test_simulated_engine_keeps_every_invariant(workload, seed):
     # A seeded Random rather than st.randoms(): hypothesis' own randoms lean towards 0.0, which would

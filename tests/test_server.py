@@ -61,6 +61,7 @@ class ThrottledEngine:
         self.delay = 0.0
         self.fail = False
         self.polls = 0  # has_unfinished() calls: the engine thread's loop iterations
+        self.polls_at_stats = 0  # `polls` when stats() last ran (on the engine thread, between loop turns)
 
     def has_unfinished(self) -> bool:
         self.polls += 1
@@ -72,6 +73,10 @@ class ThrottledEngine:
         if self.delay:
             time.sleep(self.delay)
         return self._engine.step()
+
+    def stats(self):
+        self.polls_at_stats = self.polls
+        return self._engine.stats()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -244,6 +249,21 @@ def test_streaming_chat(server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_streaming_chat_with_usage(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Count to ten"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == 12
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage_chunk.usage.total_tokens == whole.usage.prompt_tokens + 12
+    assert all(c.usage is None for c in chunks[:-1])  # usage only in the last chunk, as OpenAI sends it
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+
+
 def test_n_choices(server):
     result = server.client().completions.create(model=MODEL, prompt="Colors:", n=3, temperature=1.0, seed=7,
                                                 max_tokens=6, extra_body={"ignore_eos": True})
@@ -256,9 +276,20 @@ def test_n_choices(server):
         assert "".join(parts) == c.text  # same seed, same draws: streaming changes nothing
 
 
-def test_logprobs(server):
+def test_logprobs(server, reference):
     result = server.client().completions.create(model=MODEL, prompt="Numbers:", logprobs=2, **GREEDY)
     lp = result.choices[0].logprobs
+    offline = run_offline(reference, "Numbers:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                logprobs=2)).outputs[0]
+    # The server's numbers are the offline engine's: the sampled token's logprob and its top-2 alternatives.
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in offline.logprobs], abs=1e-5)
+    assert lp.tokens == [reference.tokenizer.decode([t]) for t in offline.token_ids]
+    for top, entry in zip(lp.top_logprobs, offline.logprobs):
+        strings = [reference.tokenizer.decode([tid]) for tid, _ in entry.top]
+        assert set(top) == set(strings)
+        for text, (_, value) in zip(strings, entry.top):
+            if strings.count(text) == 1:  # two ids that decode alike share one key: which value wins is moot
+                assert top[text] == pytest.approx(value, abs=1e-5)
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
     assert all(v <= 0.0 for v in lp.token_logprobs)
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)  # two ids may decode to the same string
@@ -293,10 +324,40 @@ def test_32_concurrent_requests_equal_offline_greedy(server, reference):
 def test_idle_engine_thread_sleeps(server, engine):
     server.client().completions.create(model=MODEL, prompt="wake up", max_tokens=2)
     server.wait_until_idle()
-    time.sleep(0.05)  # let the engine thread finish the loop turn of the last stats() call
-    polls = engine.polls
+    # stats() runs as a command on the engine thread, so each call reads the loop count between two turns.
+    # An idle thread turns exactly once per command (it runs it, polls once, and waits again); a busy loop
+    # would turn many times while we sleep. The count does not depend on how long anything takes.
+    server.stats()
+    before = engine.polls_at_stats
     time.sleep(0.3)
-    assert engine.polls == polls  # no busy loop: the thread waits for a command
+    server.stats()
+    assert engine.polls_at_stats - before == 1
+
+
+def test_eos_ends_plain_and_streamed_completions(tmp_path_factory, checkpoint, reference):
+    from test_eos import with_extra_eos
+
+    free = run_offline(reference, "The end is near", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    ids = free.outputs[0].token_ids
+    eos = ids[8]
+    first = ids.index(eos)
+    assert 0 < first < 15 and reference.eos_ids.isdisjoint(ids), ids  # an earlier stop is the new EOS's doing
+    path = with_extra_eos(checkpoint, tmp_path_factory.mktemp("server-eos") / "ckpt", eos)
+    srv = TestServer(LLMEngine(engine_args(path)))
+    try:
+        client = srv.client()
+        plain = client.completions.create(model=MODEL, prompt="The end is near", max_tokens=16, temperature=0)
+        assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == first + 1
+        chunks = list(client.completions.create(model=MODEL, prompt="The end is near", max_tokens=16,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == first + 1
+        assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "stop"
+        ignored = client.completions.create(model=MODEL, prompt="The end is near", max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 16
+        srv.wait_until_idle()
+    finally:
+        srv.stop()
 
 
 # ---- disconnects free KV blocks --------------------------------------------------------------------------
@@ -327,7 +388,8 @@ def test_client_disconnect_while_waiting_for_a_plain_response(server, engine):
 
 
 def test_breaking_out_of_generate_aborts(server, engine):
-    engine.delay = 0.01
+    engine.delay = 0.01  # 200 tokens would take >= 2 s
+    before = server.stats()
 
     async def consume_two():
         agen = server.async_engine.generate("gen-break", "Hello", SamplingParams(max_tokens=200, ignore_eos=True))
@@ -340,7 +402,11 @@ def test_breaking_out_of_generate_aborts(server, engine):
         await agen.aclose()
 
     asyncio.run(asyncio.wait_for(consume_two(), timeout=20))
-    server.wait_until_idle(timeout=5)
+    # aclose() posted the abort before this stats command, and the engine thread runs commands in order: the
+    # request is gone and its blocks are free now, long before it could have finished on its own.
+    stats = server.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.generation_tokens_total - before.generation_tokens_total < 200
 
 
 def test_generate_raises_add_errors_before_any_output(server):
@@ -355,25 +421,50 @@ def test_generate_raises_add_errors_before_any_output(server):
 
 
 # ---- health, metrics, version ---------------------------------------------------------------------------
-def test_health_reports_graph_status(server, engine):
+def test_health_reports_graph_status(server):
     r = httpx.get(server.base_url + "/health")  # no API key needed
     assert r.status_code == 200
     body = r.json()
-    assert body["status"] == "ok" and body["cuda_graphs"] == engine.graph_status
-    assert body["cuda_graphs_enabled"] is False  # CPU: graphs are off, and /health says so
+    # engine_args() asks for device="cpu": no graphs can exist, whatever the engine reports about itself.
+    assert body["status"] == "ok" and body["model"] == MODEL
+    assert body["cuda_graphs_enabled"] is False and body["captured_sizes"] == []
+    assert body["cuda_graphs"].startswith("disabled (") and "CPU" in body["cuda_graphs"]
+
+
+def test_health_reports_active_graphs(checkpoint):
+    from graph_engine import engine_with_recorded_graphs
+
+    srv = TestServer(engine_with_recorded_graphs(engine_args(checkpoint, num_kv_blocks=32), (1, 2, 4)))
+    try:
+        body = httpx.get(srv.base_url + "/health").json()
+        assert body["cuda_graphs_enabled"] is True and body["captured_sizes"] == [1, 2, 4]
+        assert body["cuda_graphs"] == "active (3 sizes, 1..4)"
+    finally:
+        srv.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of the first sample of `name` (a bare name, or a name with the start of its labels)."""
+    prefix = name if "{" in name else name + "{"
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(prefix)))
 
 
 def test_metrics_expose_vllm_style_names(server):
-    server.client().completions.create(model=MODEL, prompt="metrics", **GREEDY)
+    before = httpx.get(server.base_url + "/metrics").text
+    result = server.client().completions.create(model=MODEL, prompt="metrics", **GREEDY)
+    server.wait_until_idle()
     text = httpx.get(server.base_url + "/metrics").text
     for name in METRIC_NAMES:
         assert name in text, name
     assert 'ostinato:decode_steps_total{model_name="tiny-llama",path="eager"}' in text
-    generated = float(next(line.split()[-1] for line in text.splitlines()
-                           if line.startswith("ostinato:generation_tokens_total")))
-    assert generated == server.stats().generation_tokens_total >= 12
-    ttft_count = float(next(line.split()[-1] for line in text.splitlines()
-                            if line.startswith("ostinato:time_to_first_token_seconds_count")))
+    # The counters moved by what the response itself reports (usage), not by what the engine says of itself.
+    for counter, expected in (("ostinato:generation_tokens_total", result.usage.completion_tokens),
+                              ("ostinato:prompt_tokens_total", result.usage.prompt_tokens)):
+        assert _metric(text, counter) - _metric(before, counter) == expected, counter
+    eager_steps = 'ostinato:decode_steps_total{model_name="tiny-llama",path="eager"'
+    assert _metric(text, eager_steps) - _metric(before, eager_steps) == 11  # 12 tokens: a prefill, 11 decodes
+    assert _metric(text, "ostinato:num_requests_running") == 0 and _metric(text, "ostinato:kv_cache_usage_perc") == 0
+    ttft_count = _metric(text, "ostinato:time_to_first_token_seconds_count")
     assert ttft_count >= 1
 
 

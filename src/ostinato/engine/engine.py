@@ -126,7 +126,6 @@ class LLMEngine:
             state.seqs.append(st)
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
-        self._prompt_tokens_total += len(prompt_ids)
         return prompt_ids
 
     @staticmethod
@@ -202,7 +201,11 @@ class LLMEngine:
                     continue  # finished (or aborted) at the step before: a wasted row, never an extra token
                 state, st = owner
                 self._generation_tokens_total += 1
-                state.first_token_time = state.first_token_time or now
+                if state.first_token_time is None:
+                    # Its prefill ran: the prompt counts now, once per request as in vLLM (not when queued,
+                    # and not again when a preempted sequence is recomputed; num_preemptions counts those).
+                    state.first_token_time = now
+                    self._prompt_tokens_total += len(state.prompt_token_ids)
                 self._process_token(st, tok)
                 touched[state.request_id] = state
         outputs = []

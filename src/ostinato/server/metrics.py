@@ -61,7 +61,8 @@ class _EngineStatsCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_usage)
         yield gauge("kv_cache_total_blocks", "Usable KV-cache blocks.", s.kv_blocks_total)
         yield gauge("kv_cache_free_blocks", "Free KV-cache blocks.", s.kv_blocks_free)
-        yield counter("prompt_tokens", "Prefilled prompt tokens (recomputed tokens after preemption count again).",
+        yield counter("prompt_tokens", "Prompt tokens of requests whose prefill ran, once per request as in vLLM "
+                      "(a prefill recomputed after preemption does not count again: see num_preemptions).",
                       s.prompt_tokens_total)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)
         yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).", s.num_preemptions)
