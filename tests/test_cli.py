@@ -26,7 +26,7 @@ def llm(ckpt):
 
 def test_generate_prints_the_offline_greedy_text_per_prompt(ckpt, llm, capsys):
     prompts = ["Hello world", "The sky"]
-    assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--prompt", prompts[0], "--prompt", prompts[1],
+    assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", prompts[0], "--prompt", prompts[1],
                      "--max-tokens", "7"]) == 0
     out = capsys.readouterr().out
     expected = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=7))
@@ -38,8 +38,18 @@ def test_generate_prints_the_offline_greedy_text_per_prompt(ckpt, llm, capsys):
     assert f"--- {total} tokens in " in out and "decode graphs: disabled (" in out
 
 
+def test_generate_sends_a_prompt_through_the_chat_template_by_default(ckpt, llm, capsys):
+    assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--prompt", "Hello world", "--max-tokens", "7"]) == 0
+    out = capsys.readouterr().out
+    ref = llm.chat([{"role": "user", "content": "Hello world"}], SamplingParams(temperature=0.0, max_tokens=7))
+    raw = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=7))[0].outputs[0]
+    c = ref[0].outputs[0]
+    assert c.token_ids != raw.token_ids  # the template changes what the model sees: the check can fail
+    assert f"'Hello world'\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]" in out
+
+
 def test_generate_sampling_flags_reach_the_sampler(ckpt, llm, capsys):
-    assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--prompt", "Once", "--max-tokens", "8",
+    assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", "Once", "--max-tokens", "8",
                      "--temperature", "1.0", "--top-p", "0.9", "--top-k", "50", "--sample-seed", "11"]) == 0
     ref = llm.generate(["Once"], SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=8,
                                                 seed=11))[0].outputs[0]

@@ -217,11 +217,20 @@ class DecodeBatch:
     def load_rows(self, rows: torch.Tensor | None) -> None:
         """Bench only, on an empty batch: write rows [0, n) as given (`DecodeLayout.pack`), or None to put
         the pad rows back. The rows bookkeeping is not touched: no sequence holds them."""
-        assert not len(self.rows), "load_rows() is for an idle engine"
-        self.np[:] = self._pad_np
+        self.reset()
         if rows is not None:
             self.np[: len(rows)] = rows.numpy()
-        self._width_used = self.layout.width
+            self._width_used = self.layout.width
+
+    def reset(self) -> None:
+        """Every row back to padding, on the host and the device. Needed after anything wrote the graph's
+        static rows directly (the start-up self-check, bench): on CPU they are the host rows themselves, and
+        a stale row there would be a live pad row writing K/V into a real block."""
+        assert not len(self.rows), "reset() is for an idle engine"
+        self.np[:] = self._pad_np
+        self._width_used = BLOCKS + 1
+        if self.dev is not self.host:
+            self.dev.copy_(self.host)
 
     def block_table(self, seq_id: int) -> list[int]:
         """A row's block ids (tests and debugging)."""

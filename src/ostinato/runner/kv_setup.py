@@ -205,6 +205,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     if graphs.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
         with torch.inference_mode():
             graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
+        step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
     if sizes and graphs.graphs_enabled:
         lines.append(graph_memory_report(capture.bytes_by_size, estimate, block_bytes, spec.block_size, max_len))
         lines.append(f"captured {len(capture.sizes)} decode graphs in {capture.seconds:.2f} s")
