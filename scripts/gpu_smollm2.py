@@ -96,7 +96,7 @@ def compare(a, b) -> dict:
         first_diffs.append(i)
         tx = x[i] if i < len(x) else None
         ty = y[i] if i < len(y) else None
-        ok = (ty is None or i >= len(xt) or ty in xt) and (tx is None or i >= len(yt) or tx in yt)
+        ok = (ty is None or i >= len(xt) or ty in xt[i]) and (tx is None or i >= len(yt) or tx in yt[i])
         close += ok
     return {"identical": identical, "close": close, "n": len(a_ids), "first_diffs": first_diffs}
 
