@@ -324,3 +324,13 @@ def test_simulation_matches_the_real_scheduler_when_kv_is_plentiful():
     sim = simulate(w, EngineLimits(8, 10_000, 16, 256, 256), lambda n, c: 1.0, lambda L: 1.0)
     assert dict(sim.steps_by_batch) == real and len(real) > 3
     assert sim.prefill_steps == prefills
+
+
+def test_a_set_that_fits_the_budget_exactly_is_chosen():
+    """Seen on the H200: the first graph took 113,246,208 bytes and the budget was exactly that (the default
+    sizes' memory); costs rounded up to units and the budget rounded down left no set, so advise said OFF."""
+    first = 113_246_208
+    choice = choose_sizes({1: 5.0, 2: 3.0, 7: 1.0}, lambda s: 0.1 + 0.01 * s, lambda n: 1.7,
+                          lambda s: first, lambda s: 0, first)
+    assert choice.sizes == (1, 2, 7) and choice.memory_bytes == first
+    assert not choose_sizes({1: 5.0}, lambda s: 0.1, lambda n: 1.7, lambda s: first, lambda s: 0, first - 1).sizes

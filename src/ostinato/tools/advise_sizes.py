@@ -79,7 +79,10 @@ def choose_sizes(
     weights = {int(n): float(w) for n, w in weights.items() if w > 0}
     cands = sorted(set(candidates if candidates is not None else weights))
     unit = max(1, math.ceil(budget_bytes / max_units)) if budget_bytes > 0 else 1
-    budget_u = budget_bytes // unit if budget_bytes > 0 else -1
+    # Costs are rounded up to units and the budget down, so a set that fits exactly (the default sizes under
+    # the default budget) could look over it by up to one unit per size: the DP gets that much slack, and
+    # every set it proposes is checked against the budget in bytes below.
+    budget_u = budget_bytes // unit + len(cands) + 1 if budget_bytes > 0 else -1
     best = SizeChoice((), expected_cost(weights, (), graph_cost, eager_cost), 0)
     if not cands or budget_u < 0:
         return best
@@ -116,15 +119,18 @@ def choose_sizes(
         if limit < 0:
             continue
         row = D[j, : min(width, limit + 1)]
-        if not np.isfinite(row).any():
-            continue
-        u = int(np.argmin(row))
-        cost = float(row[u]) + tail[j]
-        sizes = _walk_back(parent, inc_u, j, u, cands)
-        mem = set_memory(sizes, first_bytes, inc_bytes)
-        if cost < best.expected_cost - 1e-12 or (abs(cost - best.expected_cost) <= 1e-12
-                                                 and mem < best.memory_bytes):
-            best = SizeChoice(sizes, cost, mem)
+        for u in np.argsort(row, kind="stable"):  # cheapest first; the first set that truly fits
+            if not np.isfinite(row[u]):
+                break
+            sizes = _walk_back(parent, inc_u, j, int(u), cands)
+            mem = set_memory(sizes, first_bytes, inc_bytes)
+            if mem > budget_bytes:
+                continue
+            cost = float(row[u]) + tail[j]
+            if cost < best.expected_cost - 1e-12 or (abs(cost - best.expected_cost) <= 1e-12
+                                                     and mem < best.memory_bytes):
+                best = SizeChoice(sizes, cost, mem)
+            break
     return best
 
 
