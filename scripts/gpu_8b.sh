@@ -2,7 +2,7 @@
 # The llama-3.1-8b shape on the GPU machine: start-up memory report, generate, verify, bench vs eager vs HF.
 set -uo pipefail
 OUT=${OUT:-/tmp/ostinato-gpu}; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SHAPE=${SHAPE:-llama-3.1-8b}
 CK=/tmp/ck-$SHAPE
 [ -d "$CK" ] || python3 -m ostinato.cli make-checkpoint "$CK" --shape "$SHAPE" --dtype bfloat16 2>&1 | tail -1 | tee "$OUT/ckpt_$SHAPE.log"

@@ -6,7 +6,7 @@
 # Run from the repo root; OUT = a folder for reports, plots and the recommended sizes files.
 set -euo pipefail
 OUT=${OUT:-/tmp/ostinato-advise}; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SHAPE=${SHAPE:-qwen3-0.6b}
 CK=${CK:-/tmp/ck-$SHAPE}
 ENGINE="--max-model-len 8192 --max-num-seqs 256"

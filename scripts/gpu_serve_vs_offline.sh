@@ -5,7 +5,7 @@
 # the engine core in its own process (the default), then with the engine on a thread of the server (before).
 set -uo pipefail
 OUT=${OUT:-/tmp/ostinato-gpu}; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SHAPE=${SHAPE:-qwen3-0.6b}
 CK=/tmp/ck-$SHAPE
 [ -d "$CK" ] || python3 -m ostinato.cli make-checkpoint "$CK" --shape "$SHAPE" --dtype bfloat16 2>&1 | tail -1

@@ -3,7 +3,7 @@
 # the gpu-marked tests, then generate / verify / bench on a random checkpoint of a public shape.
 set -uo pipefail
 OUT=${OUT:-/tmp/ostinato-gpu}; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SHAPE=${SHAPE:-qwen3-0.6b}
 CK=/tmp/ck-$SHAPE
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
