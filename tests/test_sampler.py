@@ -194,6 +194,23 @@ def test_unseeded_rows_are_reproducible_per_engine_seed():
     assert not torch.equal(a, sample(Sampler("cpu", 12), logits, params).token_ids)
 
 
+def test_unseeded_row_key_mixes_engine_seed_and_seq_id():
+    from ostinato.runner.sampler import _signed, _splitmix64
+
+    m = 2**64 - 1
+    assert row_key(None, 11, 3) == _signed(_splitmix64(_splitmix64(11) ^ _splitmix64(3)))
+    keys = {row_key(None, e, s) for e in (0, 11, -1) for s in (0, 1, 2, 2**40)}
+    assert len(keys) == 12 and all(-2**63 <= k < 2**63 for k in keys)  # every row its own stream
+    assert row_key(None, -1, 5) == row_key(None, m, 5) and row_key(None, 7, -2) == row_key(None, 7, m - 1)
+
+
+def test_signed_maps_the_top_half_of_uint64_to_negatives():
+    from ostinato.runner.sampler import _signed
+
+    assert _signed(2**63 - 1) == 2**63 - 1 and _signed(2**63) == -2**63 and _signed(m := 2**64 - 1) == -1
+    assert _signed(0) == 0 and m > 0
+
+
 # ---- distributions ------------------------------------------------------------------------------------
 
 

@@ -560,3 +560,12 @@ class _NeverRandom(random.Random):
 
     def random(self) -> float:
         return 1.0
+
+
+def test_decode_rows_condense_and_ignore_unknown_sequences():
+    rows = DecodeRows()
+    assert [rows.add(s) for s in (10, 11, 12)] == [0, 1, 2]
+    assert rows.remove(99) is None  # never joined (aborted before its prefill)
+    assert rows.remove(12) == (2, 2) and rows.seq_ids == [10, 11]  # the last row: nothing moves
+    assert rows.remove(10) == (0, 1) and rows.seq_ids == [11] and rows.row_of == {11: 0}  # 11 fills the hole
+    assert rows.add(13) == 1 and rows.row_of == {11: 0, 13: 1} and len(rows) == 2
