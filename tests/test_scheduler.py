@@ -597,3 +597,14 @@ def test_overlap_only_ending_sequences_left_is_an_idle_step_that_drops_their_row
     out = s.schedule()  # the 32nd token reaches max_model_len: nothing more to compute
     assert out.kind == "idle" and out.left == (0,) and out.num_decode == 0
     assert s.get(0).num_inflight == 1
+
+
+def test_overlap_a_step_that_crosses_a_block_boundary_with_a_token_in_flight():
+    s = make_scheduler(block_size=4)
+    s.add(make_seq(0, 3, max_tokens=10))
+    step(s)  # prefill 3 tokens (one block of 4) + 1 sampled
+    assert s.schedule().new_blocks == ()  # feeds token 4: still in the first block
+    out = s.schedule()  # token 5 needs a second block while token 4's sample is still in flight
+    seq = s.get(0)
+    assert out.kind == "decode" and out.new_blocks == ((0, seq.block_table[1]),) and len(seq.block_table) == 2
+    assert seq.num_inflight == 2 and seq.num_computed_tokens == 5
