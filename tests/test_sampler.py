@@ -117,6 +117,12 @@ def test_flags_at_their_edges_top_k_1_and_defaults():
     assert sample(sampler, logits, params).token_ids.tolist() == logits.argmax(-1).tolist()
 
 
+def test_top_k_0_and_minus_1_both_mean_no_filter():
+    off = Sampler("cpu", 0).prepare(seqs_for([SamplingParams(temperature=1.0, top_k=0),
+                                              SamplingParams(temperature=1.0, top_k=-1)]))
+    assert not off.any_filtered and off.top_k.tolist() == [0, 0] and off.top_p.tolist() == [1.0, 1.0]
+
+
 def test_greedy_rows_draw_nothing_and_set_no_sampling_flags():
     from ostinato.runner.sampler import GREEDY_TEMPERATURE
 
