@@ -117,6 +117,12 @@ def test_flags_at_their_edges_top_k_1_and_defaults():
     assert sample(sampler, logits, params).token_ids.tolist() == logits.argmax(-1).tolist()
 
 
+def test_top_k_0_and_minus_1_both_mean_no_filter():
+    off = Sampler("cpu", 0).prepare(seqs_for([SamplingParams(temperature=1.0, top_k=0),
+                                              SamplingParams(temperature=1.0, top_k=-1)]))
+    assert not off.any_filtered and off.top_k.tolist() == [0, 0] and off.top_p.tolist() == [1.0, 1.0]
+
+
 def test_greedy_rows_draw_nothing_and_set_no_sampling_flags():
     from ostinato.runner.sampler import GREEDY_TEMPERATURE
 
@@ -192,6 +198,23 @@ def test_unseeded_rows_are_reproducible_per_engine_seed():
     a = sample(Sampler("cpu", 11), logits, params).token_ids
     assert torch.equal(a, sample(Sampler("cpu", 11), logits, params).token_ids)
     assert not torch.equal(a, sample(Sampler("cpu", 12), logits, params).token_ids)
+
+
+def test_unseeded_row_key_mixes_engine_seed_and_seq_id():
+    from ostinato.runner.sampler import _signed, _splitmix64
+
+    m = 2**64 - 1
+    assert row_key(None, 11, 3) == _signed(_splitmix64(_splitmix64(11) ^ _splitmix64(3)))
+    keys = {row_key(None, e, s) for e in (0, 11, -1) for s in (0, 1, 2, 2**40)}
+    assert len(keys) == 12 and all(-2**63 <= k < 2**63 for k in keys)  # every row its own stream
+    assert row_key(None, -1, 5) == row_key(None, m, 5) and row_key(None, 7, -2) == row_key(None, 7, m - 1)
+
+
+def test_signed_maps_the_top_half_of_uint64_to_negatives():
+    from ostinato.runner.sampler import _signed
+
+    assert _signed(2**63 - 1) == 2**63 - 1 and _signed(2**63) == -2**63 and _signed(m := 2**64 - 1) == -1
+    assert _signed(0) == 0 and m > 0
 
 
 # ---- distributions ------------------------------------------------------------------------------------

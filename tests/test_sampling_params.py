@@ -66,3 +66,16 @@ def test_greedy_means_temperature_zero_only():
     assert SamplingParams(temperature=0).greedy
     assert not SamplingParams(temperature=1e-6).greedy
     assert not SamplingParams().greedy
+
+
+@pytest.mark.parametrize("kwargs, param, match", [
+    (dict(temperature=1e39), "temperature", r"^temperature 1e\+39 overflows float32; use a value below 1e38$"),
+    (dict(temperature=3.5e38), "temperature", "overflows float32"),  # finite in float64, rounds to inf in float32
+    (dict(top_p=1e-46), "top_p", r"^top_p 1e-46 rounds to 0 in float32; use a value >= 1e-38$"),
+    (dict(top_p="0.5"), "top_p", r"^top_p must be a finite number in \(0, 1\], got '0.5'$"),
+    (dict(output_kind="delta"), "output_kind", r"^output_kind must be a RequestOutputKind, got 'delta'$"),
+])
+def test_float32_edges_and_wrong_types_name_the_parameter(kwargs, param, match):
+    with pytest.raises(InvalidRequestError, match=match) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param

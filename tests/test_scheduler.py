@@ -560,3 +560,51 @@ class _NeverRandom(random.Random):
 
     def random(self) -> float:
         return 1.0
+
+
+def test_decode_rows_condense_and_ignore_unknown_sequences():
+    rows = DecodeRows()
+    assert [rows.add(s) for s in (10, 11, 12)] == [0, 1, 2]
+    assert rows.remove(99) is None  # never joined (aborted before its prefill)
+    assert rows.remove(12) == (2, 2) and rows.seq_ids == [10, 11]  # the last row: nothing moves
+    assert rows.remove(10) == (0, 1) and rows.seq_ids == [11] and rows.row_of == {11: 0}  # 11 fills the hole
+    assert rows.add(13) == 1 and rows.row_of == {11: 0, 13: 1} and len(rows) == 2
+
+
+# ---- overlapped scheduling: the next step is scheduled before the previous one's tokens land ----------------
+
+def test_overlap_a_token_in_flight_that_ends_a_sequence_frees_its_row():
+    s = make_scheduler()
+    s.add(make_seq(0, 4, max_tokens=2))
+    s.add(make_seq(1, 4, max_tokens=10))
+    step(s)  # prefill: one token each
+    first = s.schedule()  # decode 1, not yet updated
+    assert first.kind == "decode" and first.num_decode == 2 and first.left == ()
+    second = s.schedule()  # seq 0's token in flight is its 2nd (max_tokens): it leaves before computing a 3rd
+    assert second.kind == "decode" and second.num_decode == 1 and second.left == (0,)
+    assert s.get(1).num_inflight == 2 and s.get(0).num_inflight == 1
+    s.update([0, 1], [7, 7])
+    s.update([1], [8])
+    assert s.get(0).output_token_ids == [7, 7] and s.get(1).output_token_ids == [7, 7, 8]
+    assert s.finish(0, SequenceStatus.FINISHED_LENGTH) and s.get(0) is None and s.has_unfinished()
+
+
+def test_overlap_only_ending_sequences_left_is_an_idle_step_that_drops_their_rows():
+    s = make_scheduler(max_model_len=32)
+    s.add(make_seq(0, 30, max_tokens=100))
+    step(s)  # prefill 30 tokens + 1 sampled: 31
+    assert s.schedule().kind == "decode"  # feeds token 31 (position 30); its sample would be the 32nd
+    out = s.schedule()  # the 32nd token reaches max_model_len: nothing more to compute
+    assert out.kind == "idle" and out.left == (0,) and out.num_decode == 0
+    assert s.get(0).num_inflight == 1
+
+
+def test_overlap_a_step_that_crosses_a_block_boundary_with_a_token_in_flight():
+    s = make_scheduler(block_size=4)
+    s.add(make_seq(0, 3, max_tokens=10))
+    step(s)  # prefill 3 tokens (one block of 4) + 1 sampled
+    assert s.schedule().new_blocks == ()  # feeds token 4: still in the first block
+    out = s.schedule()  # token 5 needs a second block while token 4's sample is still in flight
+    seq = s.get(0)
+    assert out.kind == "decode" and out.new_blocks == ((0, seq.block_table[1]),) and len(seq.block_table) == 2
+    assert seq.num_inflight == 2 and seq.num_computed_tokens == 5
