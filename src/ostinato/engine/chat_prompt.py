@@ -1,6 +1,7 @@
 """A conversation rendered by the model's chat template, as the prompt text and its token ids.
 
-One place for LLM.chat and `ostinato chat`, so that both send exactly what the template writes.
+One place for LLM.chat, `ostinato chat` and the server's /v1/chat/completions, so that all send exactly what
+the template writes.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_templa
             raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}",
                                       param="messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template; pass chat_template=... or use generate() "
-                                  "with a plain prompt", param="messages")
+        raise InvalidRequestError("this model has no chat template (tokenizer_config.json); pass chat_template=... "
+                                  "or send a plain prompt (generate() offline, /v1/completions on the server)",
+                                  param="messages")
     try:
         text = tokenizer.apply_chat_template(
             [dict(m) for m in messages], chat_template=chat_template, tokenize=False,

@@ -39,6 +39,7 @@ from .. import __version__
 from ..cli_args import add_engine_args, engine_args_from
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
 from ..engine.core_process import ProcessAsyncEngine, build_engine
+from ..engine.chat_prompt import render_chat
 from ..engine.outputs import CompletionOutput, RequestOutput, merge_deltas
 from ..errors import InvalidRequestError, QueueFullError
 from ..sampling_params import RequestOutputKind
@@ -491,15 +492,7 @@ def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The chat rendered by the model's template (with the assistant turn opened), as token ids. Runs in the
     tokenizer pool: HF fast tokenizers mutate no state for encode/decode at fixed settings, so this is safe
     beside the engine thread's decoding."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template (tokenizer_config.json); use /v1/completions "
-                                  "with a plain prompt", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # jinja2 errors raised by the template itself (e.g. "roles must alternate")
-        raise InvalidRequestError(f"the model's chat template rejected the messages: {e}", param="messages") from e
-    # The template already wrote any BOS token; do not add another.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return render_chat(tokenizer, messages)[1]
 
 
 def _stream_error(exc: EngineDeadError) -> str:
