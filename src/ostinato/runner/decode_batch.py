@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..contract import DecodeRows, ScheduledSeq
-from .sampler import GREEDY_TEMPERATURE, MAX_TOP_K, SamplingBatch, row_key
+from .sampler import SamplingBatch, row_key, row_settings
 from .graphs import StaticInput
 
 # Column layout of a decode row. POS and CTR are adjacent: one slice advances both.
@@ -139,18 +139,16 @@ class DecodeBatch:
         p = seq.sampling_params
         h, hf = self.np[row], self.np_f[row]
         h[TOKEN], h[POS], h[CTR] = first_token, seq.context_len, seq.num_generated + 1
-        hf[TEMP] = 0.0 if p.temperature < GREEDY_TEMPERATURE else float(p.temperature)
+        settings = row_settings(p)
+        hf[TEMP], h[TOP_K], hf[TOP_P] = settings.temperature, settings.top_k, settings.top_p
         key = row_key(p.seed, self.engine_seed, seq.seq_id)
         h[KEY_LO], h[KEY_HI] = _int32(key & 0xFFFFFFFF), _int32(key >> 32)
-        filtered = p.temperature >= GREEDY_TEMPERATURE and (p.top_k > 0 or p.top_p < 1.0)
-        h[TOP_K] = min(p.top_k, MAX_TOP_K) if filtered and p.top_k > 0 else 0
-        hf[TOP_P] = float(p.top_p) if filtered else 1.0
         table = seq.block_table
         h[BLOCKS:BLOCKS + len(table)] = table
         self._width_used = max(self._width_used, BLOCKS + len(table))
         self._num_blocks.append(len(table))
         self._num_logprobs.append(p.logprobs)
-        self._num_filtered += filtered
+        self._num_filtered += settings.filtered
         self._num_logprob_rows += p.logprobs is not None
 
     def leave(self, seq_id: int) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..contract import ScheduledSeq
+from ..sampling_params import SamplingParams
 
 # Temperatures below this are greedy (dividing logits by ~0 overflows); vLLM uses the same cut-off.
 GREEDY_TEMPERATURE = 1e-5
@@ -203,6 +205,26 @@ def finish_sampling(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingB
     return SamplerOutput(tokens, logprobs, top_ids, top_logprobs, batch.num_logprobs or ())
 
 
+class RowSettings(NamedTuple):
+    """A request's sampling settings as a row carries them: temperature 0 on greedy rows, and top-k / top-p
+    switched off (0 / 1.0) unless the row samples and asks for them."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    filtered: bool  # the row samples with top-k or top-p: it needs the eager finish after a decode replay
+
+
+def row_settings(p: SamplingParams) -> RowSettings:
+    """The one rule for a row's settings, shared by prefill rows (Sampler.prepare) and decode rows
+    (DecodeBatch.join)."""
+    greedy = p.temperature < GREEDY_TEMPERATURE
+    filtered = not greedy and (p.top_k > 0 or p.top_p < 1.0)
+    return RowSettings(0.0 if greedy else float(p.temperature),
+                       min(p.top_k, MAX_TOP_K) if filtered and p.top_k > 0 else 0,
+                       float(p.top_p) if filtered else 1.0, filtered)
+
+
 class Sampler:
     """Eager sampling of a prefill step's rows. `seed` keys the rows whose request has no seed."""
 
@@ -218,12 +240,11 @@ class Sampler:
         any_filtered = False
         for seq in seqs:
             p = seq.sampling_params
-            greedy = p.temperature < GREEDY_TEMPERATURE
-            filtered = not greedy and (p.top_k > 0 or p.top_p < 1.0)
-            any_filtered |= filtered
-            temperature.append(0.0 if greedy else float(p.temperature))
-            top_k.append(min(p.top_k, MAX_TOP_K) if filtered and p.top_k > 0 else 0)
-            top_p.append(float(p.top_p) if filtered else 1.0)
+            row = row_settings(p)
+            any_filtered |= row.filtered
+            temperature.append(row.temperature)
+            top_k.append(row.top_k)
+            top_p.append(row.top_p)
             keys.append(row_key(p.seed, self.seed, seq.seq_id))
             counters.append(seq.num_generated)
             num_logprobs.append(p.logprobs)
