@@ -47,6 +47,9 @@ class KVSpec:
     num_kv_blocks: int | None  # --num-kv-blocks, or None to size from memory
     gpu_memory_utilization: float
     make_step: Callable[[DecodeLayout], DecodeStep]  # the decode step over a KV pool's layout
+    # Tensor parallelism: every rank's pool must hold the same blocks; this returns the smallest count any
+    # rank can hold (a collective, called once by every rank). None for a single rank.
+    agree_num_blocks: Callable[[int], int] | None = None
 
 
 @dataclass
@@ -198,6 +201,11 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
                      f"{spec.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
                      f"graph estimate {estimate / 2**20:.0f} MiB)")
+    if spec.agree_num_blocks is not None:
+        fits = num_blocks
+        num_blocks = spec.agree_num_blocks(fits)
+        lines.append(f"KV blocks: this rank fits {fits}, every rank uses {num_blocks} (the smallest over the "
+                     "tensor-parallel ranks)")
     caches = allocate_kv_cache(spec, num_blocks)
     step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
                                      progress=spec.device.type == "cuda", backend=backend)
