@@ -75,6 +75,12 @@ def init_group(info: RankInfo, device_type: str, store: Any = None) -> tuple[TPG
     else:  # ranks share the host's cores: N ranks each spinning on all of them run many times slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
     backend = "nccl" if device_type == "cuda" else "gloo"
+    if dist.is_initialized():  # torchrun users may have set up the group themselves: use theirs
+        if info.launched_by_us or dist.get_world_size() != info.world_size:
+            raise ConfigError("a torch.distributed process group already exists in this process (another "
+                              "tensor-parallel engine still running?); shut it down (llm.engine.shutdown()) first")
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        return TPGroup(info.rank, info.world_size, dist.group.WORLD), cpu_group
     kwargs: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
     if device_type == "cuda":
         kwargs["device_id"] = torch.device("cuda", info.local_rank)

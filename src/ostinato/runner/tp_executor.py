@@ -17,6 +17,7 @@ Failure handling, so that no rank hangs:
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -25,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -35,16 +35,25 @@ from ..errors import TensorParallelError
 from ..model.parallel import check_tp_size
 from .distributed import PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group, timeout_seconds
 from .runner import ModelRunner, pick_device
-from .tp_worker import BroadcastChannel, engine_args_json, resolve_call
+from .distributed import BroadcastChannel
+from .tp_worker import engine_args_json, resolve_call, run_worker
 
 logger = logging.getLogger(__name__)
 
 
 def make_runner(args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig):
-    """The engine's runner: ModelRunner for --tensor-parallel-size 1, TensorParallelRunner above."""
+    """The engine's runner: ModelRunner for --tensor-parallel-size 1, TensorParallelRunner above.
+
+    Under torchrun-style variables (RANK > 0) this process is a worker: it serves rank 0 until rank 0 stops,
+    then exits (SystemExit(0)), so the same command or script runs on every rank."""
     if args.tensor_parallel_size == 1:
         return ModelRunner(args, model_config, scheduler_config)
     check_tp_size(model_config, args.tensor_parallel_size)
+    info = env_rank_info()
+    if info is not None and info.rank > 0:
+        check_world(info, args.tensor_parallel_size)
+        run_worker(args, info)
+        raise SystemExit(0)
     return TensorParallelRunner(args, model_config, scheduler_config)
 
 
@@ -73,6 +82,7 @@ class TensorParallelRunner:
         self._failure: str | None = None
         self._busy = 0  # > 0 while the main thread is inside a call that may wait on other ranks
         self._closed = False
+        self._owns_group = False
         info = env_rank_info()
         device_type = pick_device(args.device).type
         try:
@@ -85,13 +95,14 @@ class TensorParallelRunner:
                 store = None
                 self._channel_for = lambda group: BroadcastChannel(group, 0)
             with self._guard():
+                self._owns_group = not _group_exists()
                 tp, cpu_group = init_group(info, device_type, store)
                 self.runner = ModelRunner(args, model_config, scheduler_config, tp, lambda n: agree_min(n, cpu_group))
             self.channel = self._channel_for(cpu_group)
         except BaseException:
             self.shutdown()
             raise
-        weakref.finalize(self, _stop_processes, list(self._workers))  # also runs at interpreter exit
+        atexit.register(self.shutdown)  # a script or CLI command that never calls shutdown() stops every rank too
 
     # ---- start-up ------------------------------------------------------------------------------------
     def _start_workers(self, args: EngineArgs):
@@ -217,6 +228,13 @@ class TensorParallelRunner:
             except Exception:  # noqa: BLE001 - a worker already gone
                 pass
         _stop_processes(self._workers, wait=5.0)
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            try:  # frees the group, so that this process can start another tensor-parallel engine
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - after an abort the group may be half torn down
+                logger.debug("destroy_process_group: %s", e)
 
     def __getattr__(self, name: str):  # everything else is rank 0's runner's (graph state, KV config, ...)
         if name == "runner":
@@ -237,6 +255,12 @@ class _GuardedStep:
     def result(self):
         with self._owner._guard():
             return self._pending.result()
+
+
+def _group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
 
 
 def _stop_processes(workers: list[_Worker], wait: float = 2.0) -> None:

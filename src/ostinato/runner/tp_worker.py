@@ -44,19 +44,32 @@ def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None)
     args = replace(args, model=str(model_dir))
     model_config = ModelConfig.from_dir(model_dir)
     tp, cpu_group = init_group(info, pick_device(args.device).type, store)
+    fail_at = _injected_failure(info.rank)
+    if fail_at == "load":
+        raise RuntimeError(f"failure injected on rank {info.rank} by $OSTINATO_TP_INJECT_FAILURE")
     runner = ModelRunner(args, model_config, args.scheduler_config(model_config), tp,
                          lambda n: agree_min(n, cpu_group))
     channel = channel_for(cpu_group)
-    pending = None
+    steps = 0
     while True:
         message = channel.recv()
         if message[0] == "stop":
             break
         if message[0] == "step":
-            pending = runner.launch(message[1])
-            del pending  # rank 0 reads the tokens; this rank's copy of them is not needed
+            steps += 1
+            if fail_at == f"step{steps}":
+                raise RuntimeError(f"failure injected on rank {info.rank} at step {steps} by $OSTINATO_TP_INJECT_FAILURE")
+            runner.launch(message[1])  # rank 0 reads the tokens; this rank's copy of them is not needed
         elif message[0] == "call":
             resolve_call(message[1])(runner, *message[2])
+
+
+def _injected_failure(rank: int) -> str | None:
+    """Test hook: $OSTINATO_TP_INJECT_FAILURE="RANK:load" or "RANK:stepN" makes that rank raise there, so
+    tests can prove that one rank's failure stops every rank with its cause."""
+    where = os.environ.get("OSTINATO_TP_INJECT_FAILURE", "")
+    target, _, phase = where.partition(":")
+    return phase if target == str(rank) else None
 
 
 def run_worker(args: EngineArgs, info: RankInfo) -> None:

@@ -1,0 +1,208 @@
+"""Tensor parallelism on CPU (gloo): the split model gives what the whole model gives, and one rank's failure
+stops every rank with its cause, in bounded time.
+
+Weight sharding is checked in-process (loading needs no collective); everything else starts real worker
+processes through `--tensor-parallel-size`, exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ostinato import LLM, SamplingParams
+from ostinato.attention.torch_ref import TorchRefBackend
+from ostinato.config import EngineArgs, ModelConfig
+from ostinato.errors import ConfigError, TensorParallelError
+from ostinato.model.loader import load_model
+from ostinato.model.parallel import TPGroup, check_tp_size
+from ostinato.tools.checkpoint import make_checkpoint
+
+ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64, max_num_seqs=8)
+PROMPTS = ["hello there", "the quick brown fox", [5, 6, 7, 8, 9], "a"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _checkpoint(tmp_path_factory, shape: str, family: str) -> str:
+    return str(make_checkpoint(tmp_path_factory.mktemp(f"{shape}-{family}"), shape=shape, family=family, seed=1))
+
+
+def _tokens(llm: LLM, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def _run_tp(path: str, tp: int, params=GREEDY, **extra):
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE, **extra)
+    try:
+        outs = llm.generate(PROMPTS, params)
+        workers = list(llm.engine.runner._workers)
+    finally:
+        llm.engine.shutdown()
+    assert all(w.proc.poll() is not None for w in workers), "shutdown left a worker rank running"
+    return outs
+
+
+# ---- sharding, in-process ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, tp", [("tiny", 2), ("tiny", 4), ("tiny-mqa", 2), ("tiny-mqa", 4)])
+def test_rank_shards_reassemble_the_whole_weights(tmp_path_factory, shape, tp):
+    """Each rank's parts, put back together by the split rule, are the unsplit model's weights: q and gate/up
+    rows, o/down columns, vocabulary rows (the padding rows zero), KV heads split or replicated."""
+    path = _checkpoint(tmp_path_factory, shape, "qwen2")  # qwen2: q/k/v biases are split too
+    config = ModelConfig.from_dir(path)
+    load = lambda tp_group: load_model(path, config, torch.float32, torch.device("cpu"), TorchRefBackend(),
+                                       progress=False, tp=tp_group)
+    whole = dict(load(TPGroup()).named_parameters())
+    ranks = [dict(load(TPGroup(r, tp, None)).named_parameters()) for r in range(tp)]
+    h, kv, d, inter = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    hl, kvl, il = h // tp, max(1, kv // tp), inter // tp
+    layer = "model.layers.1."
+    for suffix in ("weight", "bias"):
+        full = whole[f"{layer}self_attn.qkv_proj.{suffix}"]
+        parts = [r[f"{layer}self_attn.qkv_proj.{suffix}"] for r in ranks]
+        assert torch.equal(torch.cat([p[:hl * d] for p in parts]), full[:h * d])
+        for r, p in enumerate(parts):
+            kv_head = r * kv // tp if kv < tp else r * kvl
+            k_full = full[h * d + kv_head * d: h * d + (kv_head + kvl) * d]
+            assert torch.equal(p[hl * d:(hl + kvl) * d], k_full), f"rank {r} holds the wrong K head(s)"
+    full = whole[f"{layer}mlp.gate_up_proj.weight"]
+    parts = [r[f"{layer}mlp.gate_up_proj.weight"] for r in ranks]
+    assert torch.equal(torch.cat([p[:il] for p in parts]), full[:inter])
+    assert torch.equal(torch.cat([p[il:] for p in parts]), full[inter:])
+    for name in (f"{layer}self_attn.o_proj.weight", f"{layer}mlp.down_proj.weight"):
+        assert torch.equal(torch.cat([r[name] for r in ranks], dim=1), whole[name])
+    table = torch.cat([r["model.embed_tokens.weight"] for r in ranks])
+    assert torch.equal(table[:config.vocab_size], whole["model.embed_tokens.weight"])
+    assert not table[config.vocab_size:].any(), "vocabulary padding rows must be zero"
+
+
+def test_sizes_that_do_not_split_are_refused_with_the_sizes_that_do(tmp_path_factory):
+    config = ModelConfig.from_dir(_checkpoint(tmp_path_factory, "tiny", "llama"))  # 4 heads, 2 KV heads
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 does not divide num_attention_heads 4.*\[1, 2, 4\]"):
+        check_tp_size(config, 3)
+    with pytest.raises(ConfigError, match="cuda-graph-fallback eager cannot be used"):
+        EngineArgs(model="x", tensor_parallel_size=2, cuda_graph_fallback="eager")
+    with pytest.raises(ConfigError, match="tensor-parallel-size must be an integer >= 1"):
+        EngineArgs(model="x", tensor_parallel_size=0)
+
+
+# ---- TP=2 and TP=4 against TP=1, real worker processes ----------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tp2_greedy_matches_tp1(tmp_path_factory, family):
+    path = _checkpoint(tmp_path_factory, "tiny", family)
+    expected = _tokens(LLM(path, **ENGINE))
+    got = [o.outputs[0].token_ids for o in _run_tp(path, 2)]
+    assert got == expected
+
+
+def test_tp2_one_kv_head_padded_vocab_tied_head_and_sampling_match_tp1(tmp_path_factory):
+    """One KV head replicated on both ranks, a 509-token vocabulary (padding on rank 1), a tied lm_head; seeded
+    sampling, top-k/top-p and logprobs (computed from the gathered logits) agree with TP=1 too."""
+    path = _checkpoint(tmp_path_factory, "tiny-mqa", "llama")
+    params = [GREEDY, SamplingParams(temperature=1.0, seed=3, max_tokens=10, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=4, max_tokens=10, ignore_eos=True), GREEDY]
+    expected = LLM(path, **ENGINE).generate(PROMPTS, params)
+    got = _run_tp(path, 2, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    for a, b in zip(got[1].outputs[0].logprobs, expected[1].outputs[0].logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_tp4_with_fewer_kv_heads_than_ranks_matches_tp1(tmp_path_factory):
+    path = _checkpoint(tmp_path_factory, "tiny", "qwen3")  # 2 KV heads, each on 2 of the 4 ranks
+    expected = _tokens(LLM(path, **ENGINE))
+    assert [o.outputs[0].token_ids for o in _run_tp(path, 4)] == expected
+
+
+# ---- failures stop every rank -----------------------------------------------------------------------------
+
+def test_a_rank_failing_at_start_up_stops_every_rank_with_its_cause(tmp_path_factory, monkeypatch):
+    path = _checkpoint(tmp_path_factory, "tiny", "llama")
+    monkeypatch.setenv("OSTINATO_TP_INJECT_FAILURE", "1:load")
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 failed: RuntimeError: failure injected on rank 1"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_rank_failing_mid_generation_stops_every_rank_with_its_cause(tmp_path_factory, monkeypatch):
+    path = _checkpoint(tmp_path_factory, "tiny", "llama")
+    monkeypatch.setenv("OSTINATO_TP_INJECT_FAILURE", "1:step4")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    workers = list(llm.engine.runner._workers)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: failure injected on rank 1 at step 4"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - t0 < 60
+    deadline = time.monotonic() + 10
+    while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(w.proc.poll() is not None for w in workers), "a worker rank outlived the failure"
+    with pytest.raises(TensorParallelError, match="rank 1 failed"):  # the engine stays stopped, saying why
+        llm.generate(PROMPTS, GREEDY)
+
+
+def test_a_killed_worker_is_reported_and_rank_0_does_not_hang(tmp_path_factory):
+    path = _checkpoint(tmp_path_factory, "tiny", "llama")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    llm.engine.runner._workers[0].proc.send_signal(signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match=r"rank 1 failed: the process exited with code -9"):
+        llm.generate(PROMPTS, GREEDY)
+
+
+_RANK0_DIES = """
+import os, sys, time
+from ostinato import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64)
+print(llm.engine.runner._workers[0].proc.pid, flush=True)
+os._exit(0)  # rank 0 vanishes without shutting anything down
+"""
+
+
+def test_workers_exit_when_rank_0_dies_without_a_shutdown(tmp_path_factory):
+    path = _checkpoint(tmp_path_factory, "tiny", "llama")
+    out = subprocess.run([sys.executable, "-c", _RANK0_DIES, path], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=SRC))
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "a worker rank outlived rank 0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+# ---- torchrun-style launch: every rank runs the same command -------------------------------------------------
+
+def test_torchrun_style_variables_run_the_same_cli_command_on_every_rank(tmp_path_factory):
+    path = _checkpoint(tmp_path_factory, "tiny", "llama")
+    expected = LLM(path, **ENGINE).generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=8))
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ostinato", "generate", path, "--prompt", "hello there", "--raw", "--max-tokens",
+           "8", "--temperature", "0", "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
+           "--num-kv-blocks", "64", "--max-model-len", "64"]
+    env = dict(os.environ, PYTHONPATH=SRC, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert expected[0].outputs[0].text in outs[0][0]
+    assert outs[1][0].strip() == "", "a worker rank printed a completion"
