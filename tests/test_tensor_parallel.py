@@ -152,12 +152,40 @@ def test_a_rank_failing_mid_generation_stops_every_rank_with_its_cause(tmp_path_
         llm.generate(PROMPTS, GREEDY)
 
 
-def test_a_killed_worker_is_reported_and_rank_0_does_not_hang(tmp_path_factory):
+def test_a_killed_worker_turns_health_503_and_the_next_step_names_it(tmp_path_factory):
+    """The server's /health lists every rank; a worker killed while serving turns it 503 (rank 1 not alive),
+    and the engine's next step raises with the cause instead of waiting on the dead rank."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from ostinato.engine.engine import LLMEngine
+    from test_server import TestServer, engine_args
+
     path = _checkpoint(tmp_path_factory, "tiny", "llama")
-    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
-    llm.engine.runner._workers[0].proc.send_signal(signal.SIGKILL)
-    with pytest.raises(TensorParallelError, match=r"rank 1 failed: the process exited with code -9"):
-        llm.generate(PROMPTS, GREEDY)
+    expected = LLM(path, **ENGINE).generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=6))
+    engine = LLMEngine(engine_args(path, tensor_parallel_size=2, num_kv_blocks=64))
+    server = TestServer(engine)
+    try:
+        health = httpx.get(server.base_url + "/health", timeout=10)
+        assert health.status_code == 200
+        assert [(r["rank"], r["alive"]) for r in health.json()["ranks"]] == [(0, True), (1, True)]
+        done = server.post("/v1/completions", {"model": "tiny-llama", "prompt": "hello there", "max_tokens": 6,
+                                               "temperature": 0})
+        assert done.json()["choices"][0]["text"] == expected[0].outputs[0].text
+        engine.runner._workers[0].proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(server.base_url + "/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "/health still says ok after a rank died"
+            time.sleep(0.1)
+        assert health.status_code == 503
+        assert [r["alive"] for r in health.json()["ranks"]] == [False, False]  # rank 0 stopped too
+        with pytest.raises(TensorParallelError, match=r"rank 1 failed: the process exited with code -9"):
+            engine.add_request("after", "hello", GREEDY)
+            engine.step()
+    finally:
+        server.stop()
+        engine.shutdown()
 
 
 _RANK0_DIES = """

@@ -307,4 +307,5 @@ class LLMEngine:
             graph_disabled_cause=self.runner.graph_disabled_cause,
             decode_batch_sizes=dict(g.steps_by_batch),
             max_num_seqs=self.scheduler_config.max_num_seqs,
+            ranks=tuple(self.runner.rank_health()) if hasattr(self.runner, "rank_health") else (),
         )

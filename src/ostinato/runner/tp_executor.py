@@ -206,10 +206,13 @@ class TensorParallelRunner:
             return resolve_call(target)(self.runner, *args)
 
     def rank_health(self) -> list[dict]:
-        """Per rank: alive or not, and the failure cause."""
-        ranks = [{"rank": 0, "alive": self._failure is None}]
+        """Per rank: alive or not, and its failure cause. Ranks started by torchrun are not ours to watch: they
+        count as alive until a collective with them fails."""
+        ranks = [{"rank": 0, "alive": self._failure is None, "error": self._failure}]
         for w in self._workers:
             ranks.append({"rank": w.rank, "alive": w.proc.poll() is None, "error": w.error})
+        for rank in range(len(ranks), self.world_size):
+            ranks.append({"rank": rank, "alive": self._failure is None, "error": None})
         return ranks
 
     @property
