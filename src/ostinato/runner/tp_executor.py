@@ -114,6 +114,7 @@ class TensorParallelRunner:
         src = str(Path(__file__).resolve().parents[2])  # the folder holding this ostinato package
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world_size),
                    OSTINATO_TP_LAUNCHED="1", OSTINATO_TP_ARGS=engine_args_json(args),
+                   OSTINATO_LOG_LEVEL=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                    PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
         for rank in range(1, self.world_size):
             proc = subprocess.Popen([sys.executable, "-m", "ostinato.runner.tp_worker"],

@@ -47,6 +47,16 @@ def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None)
     fail_at = _injected_failure(info.rank)
     if fail_at == "load":
         raise RuntimeError(f"failure injected on rank {info.rank} by $OSTINATO_TP_INJECT_FAILURE")
+    if fail_at == "capture":  # a host sync inside the model: this rank's CUDA-graph capture fails
+        from ..model import decoder
+
+        build = decoder.DecoderForCausalLM.__init__
+
+        def build_with_sync(model, *a, **k):
+            build(model, *a, **k)
+            model.debug_host_sync = True
+
+        decoder.DecoderForCausalLM.__init__ = build_with_sync
     runner = ModelRunner(args, model_config, args.scheduler_config(model_config), tp,
                          lambda n: agree_min(n, cpu_group))
     channel = channel_for(cpu_group)
@@ -65,8 +75,9 @@ def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None)
 
 
 def _injected_failure(rank: int) -> str | None:
-    """Test hook: $OSTINATO_TP_INJECT_FAILURE="RANK:load" or "RANK:stepN" makes that rank raise there, so
-    tests can prove that one rank's failure stops every rank with its cause."""
+    """Test hook: $OSTINATO_TP_INJECT_FAILURE="RANK:load", "RANK:capture" (its graph capture fails) or
+    "RANK:stepN" makes that rank fail there, so tests prove that one rank's failure stops every rank with its
+    cause."""
     where = os.environ.get("OSTINATO_TP_INJECT_FAILURE", "")
     target, _, phase = where.partition(":")
     return phase if target == str(rank) else None
