@@ -50,6 +50,9 @@ class KVSpec:
     # Tensor parallelism: every rank's pool must hold the same blocks; this returns the smallest count any
     # rank can hold (a collective, called once by every rank). None for a single rank.
     agree_num_blocks: Callable[[int], int] | None = None
+    # "thread_local" under tensor parallelism: NCCL's watchdog thread queries events while this thread
+    # captures, which the global mode would count as an error; a host sync in the step still fails capture.
+    capture_error_mode: str = "global"
 
 
 @dataclass
@@ -170,7 +173,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     lines = []
     plan = None
     sizes = gc_cfg.capture_sizes
-    backend = CudaGraphBackend(spec.device) if sizes else None
+    backend = CudaGraphBackend(spec.device, spec.capture_error_mode) if sizes else None
     estimate = 0
     if spec.num_kv_blocks is not None:
         num_blocks = spec.num_kv_blocks

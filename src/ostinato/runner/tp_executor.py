@@ -202,7 +202,9 @@ class TensorParallelRunner:
 
     def call_all(self, target: str, *args: Any) -> Any:
         """Run `target` ("module:function", taking the runner first) on every rank; rank 0's result."""
-        with self._guard():
+        import torch
+
+        with self._guard(), torch.inference_mode():
             self.channel.send(("call", target, args))
             return resolve_call(target)(self.runner, *args)
 

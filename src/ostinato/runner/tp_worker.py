@@ -71,7 +71,10 @@ def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None)
                 raise RuntimeError(f"failure injected on rank {info.rank} at step {steps} by $OSTINATO_TP_INJECT_FAILURE")
             runner.launch(message[1])  # rank 0 reads the tokens; this rank's copy of them is not needed
         elif message[0] == "call":
-            resolve_call(message[1])(runner, *message[2])
+            import torch
+
+            with torch.inference_mode():  # as rank 0's callers (bench, verify) run them
+                resolve_call(message[1])(runner, *message[2])
 
 
 def _injected_failure(rank: int) -> str | None:
