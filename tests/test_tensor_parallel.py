@@ -29,6 +29,7 @@ ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64,
 PROMPTS = ["hello there", "the quick brown fox", [5, 6, 7, 8, 9], "a"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+AGREE = "ostinato.runner.distributed:check_ranks_agree"
 
 
 def _checkpoint(tmp_path_factory, shape: str, family: str) -> str:
@@ -43,6 +44,7 @@ def _run_tp(path: str, tp: int, params=GREEDY, **extra):
     llm = LLM(path, tensor_parallel_size=tp, **ENGINE, **extra)
     try:
         outs = llm.generate(PROMPTS, params)
+        llm.engine.runner.call_all(AGREE)  # every rank sampled the same tokens and holds the same rows
         workers = list(llm.engine.runner._workers)
     finally:
         llm.engine.shutdown()
@@ -116,6 +118,19 @@ def test_tp2_one_kv_head_padded_vocab_tied_head_and_sampling_match_tp1(tmp_path_
     for a, b in zip(got[1].outputs[0].logprobs, expected[1].outputs[0].logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_ranks_that_disagree_are_caught_and_stop_every_rank(tmp_path_factory):
+    """The agreement check can fail: rank 0's rows changed behind the others' backs is reported."""
+    path = _checkpoint(tmp_path_factory, "tiny", "llama")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        llm.engine.runner.runner.decode_batch.host[0, 0] += 1  # only on rank 0
+        with pytest.raises((RuntimeError, TensorParallelError), match=r"ranks \[1\] hold decode state different"):
+            llm.engine.runner.call_all(AGREE)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_tp4_with_fewer_kv_heads_than_ranks_matches_tp1(tmp_path_factory):

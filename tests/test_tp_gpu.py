@@ -42,6 +42,7 @@ def test_tp2_bf16_is_logprob_close_to_tp1_and_holds_half_the_weights(ckpt):
     try:
         assert two.graph_status.startswith("active")  # captured on both ranks and self-checked vs eager
         got = run_schedule(two, 7)
+        two.runner.call_all("ostinato.runner.distributed:check_ranks_agree")  # both ranks sampled the same
         assert got.keys() == expected.keys()
         compared = sum(close_until_divergence(got[k].token_ids, got[k].logprobs, expected[k].token_ids,
                                               expected[k].logprobs) for k in got)
@@ -59,6 +60,7 @@ def test_tp2_graph_replay_equals_eager_at_padded_sizes(ckpt, batch):
     graph = _engine(ckpt, **common)
     try:
         g = run_schedule(graph, batch)
+        graph.runner.call_all("ostinato.runner.distributed:check_ranks_agree")
         gs = graph.stats()
     finally:
         graph.shutdown()

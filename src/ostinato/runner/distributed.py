@@ -124,3 +124,23 @@ class BroadcastChannel:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
+
+
+def check_ranks_agree(runner) -> None:
+    """Diagnostic, run on every rank through call_all: raise when this rank's decode state (the rows it feeds
+    and the tokens it sampled last) differs from the other ranks'. Every rank must sample the same tokens for
+    the split model to stay one model; this proves it after a run (tests, `ostinato verify`)."""
+    import torch
+
+    tp = runner.tp
+    rows = runner.decode_batch.host.long()
+    sampled = runner.decode_step.sampled.long().cpu()
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64).view_as(rows)
+    state = torch.stack([rows.sum(), (rows * weights).sum(), sampled.sum(),
+                         (sampled * torch.arange(1, sampled.numel() + 1)).sum()])
+    device = runner.decode_step.sampled.device
+    gathered = tp.gather_columns(state.to(device)[None, :]).view(tp.world_size, -1).cpu()  # [ranks, 4]
+    differ = [r for r in range(tp.world_size) if not torch.equal(gathered[r], gathered[0])]
+    if differ:
+        raise RuntimeError(f"tensor-parallel ranks {differ} hold decode state different from rank 0's: the ranks "
+                           "sampled different tokens (please report this)")
