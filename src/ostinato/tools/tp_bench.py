@@ -14,7 +14,8 @@ OUT_DIR/summary.json, and prints a table. Per batch size it reports:
 - collectives_per_step: NCCL kernels per step (2 all-reduces per layer, one for the embedding, one all-gather
   of the logits);
 - engine_step_ms: a whole LLMEngine.step in generation (scheduler, the step sent to every rank, detokenizer),
-  from two runs of different lengths.
+  from two runs of different lengths;
+and per TP size step_channel_us: what sending one message to the other ranks costs rank 0.
 """
 
 from __future__ import annotations
@@ -75,6 +76,20 @@ def nccl_share(runner, bs: int, context: int, seed: int, steps: int) -> dict:
     return out
 
 
+def noop(runner) -> None:
+    """Nothing, on every rank: call_all of this times the step channel alone."""
+
+
+def channel_us(runner, n: int = 2000) -> float | None:
+    """Microseconds rank 0 spends sending one message to every other rank (what each step pays)."""
+    if not hasattr(runner, "call_all"):
+        return None
+    t0 = time.perf_counter()
+    for _ in range(n):
+        runner.call_all(f"{MODULE}:noop")
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def engine_step_ms(engine, bs: int, context: int) -> float:
     """Milliseconds per engine step in decode: (long run - short run) / extra steps, `bs` sequences at once."""
     from ..sampling_params import SamplingParams
@@ -125,7 +140,8 @@ def measure_one(args) -> dict:
         for bs in sizes:
             step = engine_step_ms(engine, bs, min(args.context, 128))
             next(r for r in rows if r["batch"] == bs)["engine_step_ms"] = step
-    result = {"tp": args.one, "checkpoint": args.checkpoint, "torch": torch.__version__,
+    send_us = channel_us(runner)
+    result = {"tp": args.one, "checkpoint": args.checkpoint, "step_channel_us": send_us, "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "graph_status": engine.graph_status,
               "weights_bytes_rank0": runner.weights_bytes, "rows": rows}
@@ -193,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"TP={tp} measured in {time.perf_counter() - t0:.0f} s", flush=True)
         results[tp] = json.loads((out / f"tp{tp}.json").read_text())
     print(table(results))
+    for tp, r in results.items():
+        if r.get("step_channel_us") is not None:
+            print(f"TP={tp}: sending a step to the other ranks costs rank 0 {r['step_channel_us']:.1f} us")
     summary = {"results": results}
     if 1 in results and 2 in results:
         g1 = next(r["graph_ms"] for r in results[1]["rows"] if r["batch"] == 1)
