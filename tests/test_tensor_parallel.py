@@ -32,6 +32,12 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 AGREE = "ostinato.runner.distributed:check_ranks_agree"
 
 
+@pytest.fixture(autouse=True)
+def _bounded_waits(monkeypatch):
+    """A broken failure path must fail these tests in a minute, not hang for the default 10."""
+    monkeypatch.setenv("OSTINATO_TP_TIMEOUT_S", "60")
+
+
 def _checkpoint(tmp_path_factory, shape: str, family: str) -> str:
     return str(make_checkpoint(tmp_path_factory.mktemp(f"{shape}-{family}"), shape=shape, family=family, seed=1))
 
@@ -106,6 +112,26 @@ def test_tp2_greedy_matches_tp1(tmp_path_factory, family):
     assert got == expected
 
 
+def test_tp2_with_biases_on_every_projection_and_llama3_rope_matches_tp1(tmp_path_factory):
+    """An HF-saved Llama with q/k/v and o_proj biases (o_proj's is added once, on rank 0) and tied embeddings,
+    and one with llama3 RoPE scaling (the families' remaining config switches)."""
+    from test_model_vs_hf import VARIANTS, save_random_checkpoint
+
+    from ostinato.tools.checkpoint import write_tokenizer
+
+    for variant in ("llama-tied-bias", "llama3-rope"):
+        path = tmp_path_factory.mktemp(variant)
+        save_random_checkpoint(VARIANTS[variant](), path)
+        write_tokenizer(path, vocab_size=300)
+        prompts = [[5, 6, 7, 8, 9], [17, 3], [250, 251, 252, 1, 2, 3, 4]]
+        expected = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE).generate(prompts, GREEDY)]
+        llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+        try:
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected, variant
+        finally:
+            llm.engine.shutdown()
+
+
 def test_tp2_one_kv_head_padded_vocab_tied_head_and_sampling_match_tp1(tmp_path_factory):
     """One KV head replicated on both ranks, a 509-token vocabulary (padding on rank 1), a tied lm_head; seeded
     sampling, top-k/top-p and logprobs (computed from the gathered logits) agree with TP=1 too."""
@@ -154,17 +180,20 @@ def test_a_rank_failing_mid_generation_stops_every_rank_with_its_cause(tmp_path_
     path = _checkpoint(tmp_path_factory, "tiny", "llama")
     monkeypatch.setenv("OSTINATO_TP_INJECT_FAILURE", "1:step4")
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
-    workers = list(llm.engine.runner._workers)
-    t0 = time.monotonic()
-    with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: failure injected on rank 1 at step 4"):
-        llm.generate(PROMPTS, GREEDY)
-    assert time.monotonic() - t0 < 60
-    deadline = time.monotonic() + 10
-    while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(w.proc.poll() is not None for w in workers), "a worker rank outlived the failure"
-    with pytest.raises(TensorParallelError, match="rank 1 failed"):  # the engine stays stopped, saying why
-        llm.generate(PROMPTS, GREEDY)
+    try:
+        workers = list(llm.engine.runner._workers)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: failure injected on rank 1 at step 4"):
+            llm.generate(PROMPTS, GREEDY)
+        assert time.monotonic() - t0 < 60
+        deadline = time.monotonic() + 10
+        while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(w.proc.poll() is not None for w in workers), "a worker rank outlived the failure"
+        with pytest.raises(TensorParallelError, match="rank 1 failed"):  # the engine stays stopped, saying why
+            llm.generate(PROMPTS, GREEDY)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_a_killed_worker_turns_health_503_and_the_next_step_names_it(tmp_path_factory):
