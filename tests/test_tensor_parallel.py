@@ -262,7 +262,7 @@ def _alive(pid: int) -> bool:
 
 # ---- torchrun-style launch: every rank runs the same command -------------------------------------------------
 
-def test_torchrun_style_variables_run_the_same_cli_command_on_every_rank(tmp_path_factory):
+def test_torchrun_style_variables_make_rank_1_a_worker_of_rank_0(tmp_path_factory):
     path = _checkpoint(tmp_path_factory, "tiny", "llama")
     expected = LLM(path, **ENGINE).generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=8))
     with __import__("socket").socket() as s:
@@ -271,9 +271,12 @@ def test_torchrun_style_variables_run_the_same_cli_command_on_every_rank(tmp_pat
     cmd = [sys.executable, "-m", "ostinato", "generate", path, "--prompt", "hello there", "--raw", "--max-tokens",
            "8", "--temperature", "0", "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
            "--num-kv-blocks", "64", "--max-model-len", "64"]
+    # Rank 1 runs a Python script instead: LLM(...) on a rank > 0 serves rank 0, then exits with code 0.
+    script = [sys.executable, "-c", "import sys; from ostinato import LLM; LLM(sys.argv[1], tensor_parallel_size=2, "
+              "device='cpu', dtype='float32', num_kv_blocks=64, max_model_len=64); print('unreachable')", path]
     env = dict(os.environ, PYTHONPATH=SRC, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [subprocess.Popen(c, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r, c in enumerate((cmd, script))]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert expected[0].outputs[0].text in outs[0][0]

@@ -21,7 +21,6 @@ import atexit
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -46,21 +45,16 @@ def make_runner(args: EngineArgs, model_config: ModelConfig, scheduler_config: S
 
     Under torchrun-style variables (RANK > 0) this process is a worker: it serves rank 0 until rank 0 stops,
     then exits (SystemExit(0)), so the same command or script runs on every rank."""
-    if args.tensor_parallel_size == 1:
+    size = args.parallel_config().tensor_parallel_size
+    if size == 1:
         return ModelRunner(args, model_config, scheduler_config)
-    check_tp_size(model_config, args.tensor_parallel_size)
+    check_tp_size(model_config, size)
     info = env_rank_info()
     if info is not None and info.rank > 0:
-        check_world(info, args.tensor_parallel_size)
+        check_world(info, size)
         run_worker(args, info)
         raise SystemExit(0)
     return TensorParallelRunner(args, model_config, scheduler_config)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Worker:
@@ -108,9 +102,10 @@ class TensorParallelRunner:
     def _start_workers(self, args: EngineArgs):
         import torch.distributed as dist
 
-        port = int(os.environ.get("MASTER_PORT") or _free_port())
-        store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=True, wait_for_workers=False,
+        # Port 0: the store picks a free port itself (no race with other processes picking one).
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
                               timeout=_timedelta(timeout_seconds()))
+        port = store.port
         src = str(Path(__file__).resolve().parents[2])  # the folder holding this ostinato package
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world_size),
                    OSTINATO_TP_LAUNCHED="1", OSTINATO_TP_ARGS=engine_args_json(args),

@@ -25,7 +25,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..config import EngineArgs, ModelConfig
-from .distributed import BroadcastChannel, PipeChannel, RankInfo, agree_min, init_group
+from ..errors import ConfigError
+from .distributed import ENV_VARS, BroadcastChannel, PipeChannel, RankInfo, agree_min, init_group
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,20 @@ def _injected_failure(rank: int) -> str | None:
 def run_worker(args: EngineArgs, info: RankInfo) -> None:
     """A torchrun-style worker: steps come over a gloo broadcast from rank 0."""
     serve_rank(args, info, lambda cpu_group: BroadcastChannel(cpu_group, info.rank))
+
+
+def run_env_worker(ns) -> int:
+    """A CLI command (its parsed arguments `ns`) started on rank > 0 by torchrun-style variables."""
+    from ..cli_args import engine_args_from
+    from .distributed import check_world, env_rank_info
+
+    args = engine_args_from(ns)
+    info = env_rank_info()
+    if info is None:
+        raise ConfigError(f"RANK is set but not all of {', '.join(ENV_VARS)} are; set every one of them")
+    check_world(info, args.tensor_parallel_size)
+    run_worker(args, info)
+    return 0
 
 
 def _watch_parent(parent_pid: int) -> None:
