@@ -173,7 +173,8 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     lines = []
     plan = None
     sizes = gc_cfg.capture_sizes
-    backend = CudaGraphBackend(spec.device, spec.capture_error_mode) if sizes else None
+    mode = {} if spec.capture_error_mode == "global" else {"capture_error_mode": spec.capture_error_mode}
+    backend = CudaGraphBackend(spec.device, **mode) if sizes else None
     estimate = 0
     if spec.num_kv_blocks is not None:
         num_blocks = spec.num_kv_blocks
