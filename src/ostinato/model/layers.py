@@ -118,11 +118,12 @@ class SwiGLUMLP(nn.Module):
     fused Triton version (model/fused.py), so the activation is written once, there.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # Tensor parallelism passes a row-parallel down projection (model/parallel.py); same shape.
+        self.down_proj = down_proj if down_proj is not None else nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
