@@ -323,6 +323,11 @@ class Scheduler:
         return len(self._running) + len(self._finishing)
 
     @property
+    def num_prefilling(self) -> int:
+        """Running sequences whose prompt (or recompute) is still being prefilled, chunk by chunk."""
+        return sum(1 for s in self._running if not s.decoding)
+
+    @property
     def num_preemptions(self) -> int:
         """Preemptions since start-up (one sequence preempted twice counts twice)."""
         return self._num_preemptions
