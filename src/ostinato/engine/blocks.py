@@ -292,6 +292,13 @@ class BlockManager:
         part other requests most likely share) are the last to be evicted.
         """
         self.commit(seq, seq.num_computed_tokens)
+        if self.enable_prefix_caching:
+            # A block left unkeyed because another block held its key then (two sequences computed the same
+            # prefix) takes the key now if that one has been evicted since.
+            keys, alloc = seq.block_hashes, self.allocator
+            for i in range(seq.num_cached_blocks):
+                if alloc.key_of(seq.block_table[i]) is None and alloc.lookup(keys[i]) is None:
+                    alloc.cache(seq.block_table[i], keys[i])
         for block in reversed(seq.block_table):
             self.allocator.free(block)
         seq.block_table.clear()
