@@ -67,17 +67,9 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_ids_from(self, pos: int) -> list[int]:
-        """Tokens at positions [pos, num_tokens), without building the whole prompt + output list: a decode
-        step asks for one token, and copying every token of every sequence each step would be O(length)."""
-        n_prompt = len(self.prompt_token_ids)
-        if pos >= n_prompt:
-            return self.output_token_ids[pos - n_prompt:]
-        return self.prompt_token_ids[pos:] + self.output_token_ids
-
     def token_ids_range(self, start: int, end: int) -> list[int]:
-        """Tokens at positions [start, end) (end <= num_tokens): one chunk or one block, without building the
-        whole token list."""
+        """Tokens at positions [start, end) (end <= num_tokens): one chunk, one block or the token a decode step
+        feeds, without copying every token of the sequence (O(end - start), not O(length))."""
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
