@@ -551,6 +551,7 @@ class SimulatedEngine:
                 for b in seq.block_table:
                     holders[b] = holders.get(b, 0) + 1
         assert sched.num_waiting == len(self.waiting) and sched.num_waiting + sched.num_running == num_live
+        assert sched.num_prefilling <= 1  # admission waits for the budget and blocks the one before leaves
         assert all(sched.get(i).status is SequenceStatus.WAITING for i in self.waiting)
         # The pool's accounting is exact: each block's refcount is its number of holders; every other block is
         # free or evictable (cached, held by nobody); only full cached blocks are shared.

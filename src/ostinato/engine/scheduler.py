@@ -14,9 +14,9 @@ Policy, one `schedule()` call at a time, within a budget of max_num_batched_toke
    is the one asking, it leaves this step instead. The oldest running sequence therefore always makes
    progress: alone, it fits (checked at start-up: num_blocks * block_size >= max_model_len).
 2. Then prefill chunks with what is left of the budget (decode rows count one token each): first the
-   running sequences still being prefilled, oldest first, each as far as the budget and the free blocks
-   allow (one with no room at all preempts the newest sequence still being prefilled, never one decoding in
-   this step); then new admissions from the head of the waiting queue, in arrival order, while seats
+   running sequence still being prefilled (at most one: the newest), as far as the budget and the free
+   blocks allow (with no free block at all it waits; the decodes' preemptions above free blocks); then new
+   admissions from the head of the waiting queue, in arrival order, while seats
    (max_num_seqs), budget and blocks for the first chunk last. The first that does not fit stops admission
    (no head-of-line skipping). An admitted sequence starts after its cached prefix (the prefix cache's full
    blocks of identical leading tokens; never its last token, whose logits are needed). A chunk that reaches
@@ -143,7 +143,7 @@ class Scheduler:
         preempted: list[int] = []
         num_decode, new_blocks = self._schedule_decode(preempted)
         budget = self.config.max_num_batched_tokens - num_decode
-        chunks = self._continue_prefills(budget, preempted)
+        chunks = self._continue_prefills(budget)
         budget -= sum(len(c.token_ids) for c in chunks)
         chunks += self._admit(budget, preempted)
         if not chunks and not num_decode:
@@ -159,33 +159,23 @@ class Scheduler:
         left, self._left = tuple(self._left), []
         return left
 
-    def _continue_prefills(self, budget: int, preempted: list[int]) -> list[ScheduledSeq]:
-        """The next chunk of each running sequence still being prefilled, oldest first."""
-        chunks: list[ScheduledSeq] = []
+    def _continue_prefills(self, budget: int) -> list[ScheduledSeq]:
+        """The next chunk of the running sequence still being prefilled, if any, as far as the budget and the
+        free blocks allow. There is at most one, the newest: a sequence is admitted only with budget and a block
+        to spare, i.e. once the one before it has its last chunk (and a preempted one rejoins as the newest)."""
+        seq = self._running[-1] if self._running else None
+        if seq is None or seq.decoding or budget <= 0:
+            return []
         bm = self._block_manager
-        for seq in [s for s in self._running if not s.decoding]:
-            if budget <= 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted for an older one in this loop
-            room = bm.room(seq) - seq.num_computed_tokens
-            while room <= 0:
-                # Not one free block: free the newest sequence still being prefilled (not scheduled yet in this
-                # step: we go oldest first). If that is this one, it waits for blocks, holding its own.
-                victim = next(s for s in reversed(self._running) if not s.decoding)
-                if victim is seq:
-                    break
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                room = bm.room(seq) - seq.num_computed_tokens
-            if room <= 0:
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, room)
-            grown = bm.ensure_slots(seq, seq.num_computed_tokens + n)
-            assert grown
-            chunks.append(self._chunk(seq, n))
-            budget -= n
-        return chunks
+        room = bm.room(seq) - seq.num_computed_tokens
+        if room <= 0:
+            # Not one free block (the decoding sequences took them): it waits, holding its own, until one
+            # finishes or, needing a block itself, preempts the newest: this one.
+            return []
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget, room)
+        grown = bm.ensure_slots(seq, seq.num_computed_tokens + n)
+        assert grown
+        return [self._chunk(seq, n)]
 
     def _admit(self, budget: int, preempted: list[int]) -> list[ScheduledSeq]:
         chunks: list[ScheduledSeq] = []
@@ -324,7 +314,7 @@ class Scheduler:
 
     @property
     def num_prefilling(self) -> int:
-        """Running sequences whose prompt (or recompute) is still being prefilled, chunk by chunk."""
+        """Running sequences whose prompt (or recompute) is still being prefilled, chunk by chunk (0 or 1)."""
         return sum(1 for s in self._running if not s.decoding)
 
     @property
