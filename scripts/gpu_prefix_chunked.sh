@@ -9,7 +9,7 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 CK=/tmp/ck-$SHAPE
 G="--gpu-memory-utilization ${GMU:-0.85}"
 [ -d "$CK" ] || python3 -m ostinato.cli make-checkpoint "$CK" --shape "$SHAPE" --dtype bfloat16 2>&1 | tail -1
-python3 -m pytest -q -m gpu tests/test_gpu_e2e.py tests/test_graphs_gpu.py tests/test_decode_batch.py 2>&1 | tail -5 | tee "$OUT/pytest_gpu_12.log"
+python3 -m pytest -q -m gpu tests/test_prefix_chunked_gpu.py tests/test_gpu_e2e.py tests/test_graphs_gpu.py tests/test_decode_batch.py tests/test_triton_attention.py 2>&1 | tail -5 | tee "$OUT/pytest_gpu_12.log"
 # (a) goal: cached TTFT <= 20% of uncached (4,096 tokens, 3,584 cached).
 python3 -m ostinato.cli bench prefix "$CK" $G --max-model-len 4608 --prompt-len 4096 --cached-len 3584 --iters 5 \
   --output-json "$OUT/prefix_$SHAPE.json" 2>&1 | grep -v "it/s\]" | tail -2 | tee "$OUT/prefix_$SHAPE.log"
