@@ -62,10 +62,12 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 # command itself must still say what to install.
 _OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench": "bench",
                       "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.bench_host": "bench-host",
-                      "ostinato.tools.bench_engine": "bench-engine", "ostinato.tools.verify": "verify",
+                      "ostinato.tools.bench_engine": "bench-engine", "ostinato.tools.bench_prefill": "bench-prefix",
+                      "ostinato.tools.verify": "verify",
                       "ostinato.tools.advise": "advise"}
 # how --help shows a command (vLLM's spelling); main() maps `bench X` to `bench-X`
-_SPELLED = {f"bench-{x}": f"bench {x}" for x in ("serve", "host", "engine", "throughput")}
+_BENCH_SUBCOMMANDS = ("serve", "host", "engine", "throughput", "prefix", "chunked")
+_SPELLED = {f"bench-{x}": f"bench {x}" for x in _BENCH_SUBCOMMANDS}
 
 
 def _log_level(text: str) -> str:
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `ostinato bench serve|host|engine|throughput ...` (spelled like vLLM's) are the bench-* commands.
     i = argv.index("bench") if "bench" in argv else -1
-    if i >= 0 and argv[i + 1:i + 2] in (["serve"], ["host"], ["engine"], ["throughput"]):
+    if i >= 0 and argv[i + 1:i + 2] in [[x] for x in _BENCH_SUBCOMMANDS]:
         argv = argv[:i] + ["bench-" + argv[i + 1]] + argv[i + 2:]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -125,6 +125,9 @@ class ModelConfig:
         return ModelConfig.from_hf_dict(cfg)
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. num_blocks is the number of usable blocks (the runner adds one scratch block
@@ -132,6 +135,10 @@ class CacheConfig:
 
     block_size: int
     num_blocks: int
+    # Prefix caching (engine/blocks.py). The engine turns it on (EngineArgs.enable_prefix_caching, default on)
+    # and names the model and dtype in the salt, which keys a sequence's first block.
+    enable_prefix_caching: bool = False
+    prefix_cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -145,11 +152,13 @@ class SchedulerConfig:
         # Checked here, once, for configs from EngineArgs and configs built by hand alike.
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_model_len:
-            # Without chunked prefill a prompt (or a recompute) is fed in one step of up to max_model_len - 1.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every decode row runs every step and counts against the budget; a prompt is prefilled in chunks of
+            # what is left, so any budget >= max_num_seqs serves every prompt.
             raise ConfigError(
-                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
-                f"{self.max_model_len}: a long prompt could never be prefilled; raise it or lower --max-model-len")
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-num-seqs "
+                f"{self.max_num_seqs}: a step decodes up to max-num-seqs sequences, one token each; raise "
+                "--max-num-batched-tokens or lower --max-num-seqs")
 
 
 @dataclass(frozen=True)
@@ -280,6 +289,8 @@ class EngineArgs:
     async_scheduling: bool = True
     # Ranks the model is split over (one process and one GPU each); see runner/distributed.py.
     tensor_parallel_size: int = 1
+    # Reuse the K/V of full blocks of earlier requests' identical prefixes (vLLM's name; default on).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -339,7 +350,10 @@ class EngineArgs:
             )
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or max(8192, max_len),
+            # Chunked prefill: a step's tokens (decode rows + prefill chunks). The default trades a little prefill
+            # efficiency for running decodes that never wait behind more than ~2k prompt tokens.
+            max_num_batched_tokens=self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                                     self.max_num_seqs),
             max_model_len=max_len,
             max_queued_requests=self.max_queued_requests,
         )

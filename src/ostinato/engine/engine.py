@@ -91,7 +91,10 @@ class LLMEngine:
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self.runner = make_runner(replace(args, model=str(self.model_dir)), self.model_config,
                                   self.scheduler_config)  # a TensorParallelRunner with --tensor-parallel-size > 1
-        self.scheduler = Scheduler(self.scheduler_config, self.runner.cache_config)
+        # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
+        cache_config = replace(self.runner.cache_config, enable_prefix_caching=args.enable_prefix_caching,
+                               prefix_cache_salt=f"{self.model_dir}|{self.runner.dtype}")
+        self.scheduler = Scheduler(self.scheduler_config, cache_config)
         self._requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[int, tuple[_RequestState, _SeqState]] = {}
         self._seq_ids = itertools.count()
@@ -190,10 +193,10 @@ class LLMEngine:
         if out.is_empty and not out.left and self._inflight is None:
             return []
         pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
-        if out.kind == "decode" and self.args.async_scheduling:
+        if out.num_decode and self.args.async_scheduling:  # a mixed step's chunks' tokens wait with the rows'
             ready = [self._inflight] if self._inflight is not None else []
             self._inflight = pending
-        else:  # a prefill (or idle) step reads what is in flight too: the next step starts from settled tokens
+        else:  # a prefill-only (or idle) step reads what is in flight too: the next step starts from settled tokens
             ready = [p for p in (self._inflight, pending) if p is not None]
             self._inflight = None
         now = time.monotonic()
@@ -258,7 +261,8 @@ class LLMEngine:
         else:
             comps = [self._whole(st) for st in state.seqs]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, state.finished,
-                             state.arrival_time, state.first_token_time, state.finished_time)
+                             state.arrival_time, state.first_token_time, state.finished_time,
+                             state.seqs[0].seq.num_cached_tokens or 0)
 
     @staticmethod
     def _whole(st: _SeqState) -> CompletionOutput:
@@ -308,4 +312,6 @@ class LLMEngine:
             decode_batch_sizes=dict(g.steps_by_batch),
             max_num_seqs=self.scheduler_config.max_num_seqs,
             ranks=tuple(self.runner.rank_health()) if hasattr(self.runner, "rank_health") else (),
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
         )

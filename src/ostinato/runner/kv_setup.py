@@ -120,12 +120,14 @@ def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[s
 
 def _profile_activation_peak(spec: KVSpec) -> int:
     """Peak bytes a worst-case prefill (max_num_batched_tokens tokens in max_model_len-long sequences) adds on
-    top of the weights, excluding the temporary KV pool it writes into."""
+    top of the weights, excluding the temporary KV pool it writes into. With chunked prefill a step's tokens may
+    be the last chunk of a max_model_len context, so each profiled chunk attends over that whole context."""
     sc = spec.scheduler_config
     tokens = sc.max_num_batched_tokens
     seq_len = min(sc.max_model_len, tokens)
     num_seqs = max(1, min(sc.max_num_seqs, tokens // seq_len))
-    per_seq = math.ceil(seq_len / spec.block_size)
+    context = max(seq_len, sc.max_model_len - 1)
+    per_seq = math.ceil(context / spec.block_size)
     tmp_blocks = num_seqs * per_seq
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -133,8 +135,8 @@ def _profile_activation_peak(spec: KVSpec) -> int:
     cache_bytes = torch.cuda.memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    seqs = tuple(ScheduledSeq(i, tuple([1] * seq_len), 0, tuple(range(i * per_seq, (i + 1) * per_seq)), params, 0)
-                 for i in range(num_seqs))
+    seqs = tuple(ScheduledSeq(i, tuple([1] * seq_len), context - seq_len, tuple(range(i * per_seq, (i + 1) * per_seq)),
+                              params, 0) for i in range(num_seqs))
     out = SchedulerOutput("prefill", seqs)
     with torch.inference_mode():
         inp = build_prefill_inputs(out, spec.block_size, tmp_blocks, spec.device)

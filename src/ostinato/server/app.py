@@ -48,7 +48,8 @@ from .metrics import ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
-                       ErrorResponse, ModelCard, ModelList, TopLogprob, UsageInfo)
+                       ErrorResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob,
+                       UsageInfo)
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +206,12 @@ class BodyLimitMiddleware:
 # ---- output formatting -------------------------------------------------------------------------------------
 def _usage(out: RequestOutput) -> UsageInfo:
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return UsageInfo(prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion,
-                     total_tokens=len(out.prompt_token_ids) + completion)
+    return _usage_of(len(out.prompt_token_ids), completion, out.num_cached_tokens)
+
+
+def _usage_of(prompt: int, completion: int, cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class _ChoiceCursor:
@@ -526,10 +531,10 @@ async def _choice_events(stream: RequestStream, writer: _ChunkWriter, make_choic
     that advanced, written together; then the usage chunk when asked for, then [DONE].
     make_choice(completion, cursor) builds a choice as a dict; make_chunk(choices, usage) the usage chunk."""
     cursors: dict[int, _ChoiceCursor] = {}
-    prompt_len = 0
+    prompt_len = cached = 0
     try:
         async for out in stream:
-            prompt_len = len(out.prompt_token_ids)
+            prompt_len, cached = len(out.prompt_token_ids), out.num_cached_tokens
             events = []
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, _ChoiceCursor())
@@ -541,8 +546,7 @@ async def _choice_events(stream: RequestStream, writer: _ChunkWriter, make_choic
         yield _stream_error(e)
     if include_usage and cursors:
         completion = sum(c.num_tokens for c in cursors.values())
-        yield _sse(make_chunk([], UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
-                                            total_tokens=prompt_len + completion)))
+        yield _sse(make_chunk([], _usage_of(prompt_len, completion, cached)))
     yield "data: [DONE]\n\n"
 
 
