@@ -17,10 +17,11 @@ Algorithm
               num_splits == 1 the split kernel normalises and writes the output itself: no reduce launch.
 
 Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, block-table width, SM count),
-so it is fixed before a graph is captured and never changes during replays. The batch's own programs
-(num_seqs * num_kv_heads) are multiplied by splits until the GPU holds `programs_per_sm` programs per SM,
-and no further than one BLOCK_N tile per slice of the widest context the table can hold, or max_splits.
-So batch 1 at 8 kv heads splits 32 ways on an H200 (132 SMs) and batch 64 not at all.
+so it is fixed before a graph is captured and never changes during replays. A batch whose own programs
+(num_seqs * num_kv_heads) already cover every SM is not split (no reduce kernel); a smaller one is split
+until the GPU holds `programs_per_sm` programs per SM, but no further than one BLOCK_N tile per slice of
+the widest context the table can hold, nor than max_splits. On an H200 (132 SMs) with 8 kv heads, batch 1
+splits 32 ways at a 2048-token table (64 at 32k), batch 16 5 ways, batch >= 17 not at all.
 
 Why not fixed-size partitions (the kernel this replaced): a partition of 256 tokens gave batch 1 at context
 512 only 2 partitions x 8 kv heads = 16 programs for 132 SMs, each looping over 256 tokens; and the
@@ -151,7 +152,8 @@ def _decode_reduce_kernel(
 
 @dataclass(frozen=True)
 class DecodeTuning:
-    """Launch settings of the decode kernels (measured on the H200: docs/PERFORMANCE.md, issue 11).
+    """Launch settings of the decode kernels. The defaults were the fastest of a sweep (block_n 32/64,
+    num_stages 1/3, programs_per_sm 2/4) on the H200 at batch 1, 16, 64 (docs/PERFORMANCE.md, issue 11).
 
     block_n: tokens per inner-loop tile (a power of two >= 16).
     programs_per_sm: split until num_seqs * num_kv_heads * splits reaches this many programs per SM.
@@ -159,10 +161,10 @@ class DecodeTuning:
     splits: force this split count for every shape (tests, measurements); None chooses per shape.
     """
 
-    block_n: int = 32
+    block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
-    programs_per_sm: int = 2
+    num_stages: int = 3
+    programs_per_sm: int = 4
     max_splits: int = 64
     splits: int | None = None
 
@@ -182,6 +184,8 @@ def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, ma
     if tuning.splits is not None:
         return tuning.splits
     programs = max(1, num_seqs * num_kv_heads)
+    if programs >= num_sms:
+        return 1
     wanted = triton.cdiv(tuning.programs_per_sm * num_sms, programs)
     useful = triton.cdiv(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
     return max(1, min(wanted, useful, tuning.max_splits))
