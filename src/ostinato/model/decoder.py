@@ -16,6 +16,7 @@ KV write and attention, where the torch ops take 13 (Llama) to 16 (Qwen3) plus t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
@@ -190,7 +191,18 @@ class DecoderForCausalLM(nn.Module):
         return kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 for sampling and logprobs unless
-        float32=False (the decode graph keeps them in the model dtype: half the static output memory)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
+        """hidden [N, hidden_size] -> logits [N, vocab_size], float32 unless float32=False (model dtype).
+
+        Float32 logits come straight from the GEMM: 16-bit operands, float32 accumulation and output
+        (torch.mm's out_dtype on CUDA), never rounded to 16 bits. bf16 logits step by 0.125 near 16, so
+        two candidate tokens often tie exactly and greedy then picks by index; rounding first and
+        upcasting after cannot undo that. Measured on the H200 at M=1: as fast as the bf16 GEMM
+        (docs/PERFORMANCE.md, issue 11)."""
+        weight = self.lm_head.weight  # [vocab, hidden]
+        if not float32 or hidden.dtype == torch.float32:
+            logits = self.lm_head(hidden)
+            return logits.float() if float32 else logits
+        if hidden.is_cuda:
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        # CPU has no mixed-dtype mm: upcast (16-bit values are exact in float32; the weight copy is transient).
+        return F.linear(hidden.float(), weight.float())
