@@ -79,7 +79,7 @@ class Attention(nn.Module):
             raise RuntimeError("call DecoderForCausalLM.bind_kv_caches() before forward()")
         num_tokens = hidden.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
-        heads = self.qkv_proj(hidden).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H + 2Hkv, D]
+        heads = kernels.linear(hidden, self.qkv_proj).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H+2Hkv, D]
         q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
         qk = kernels.qk_norm_rope(heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = self.backend.prefill if meta.is_prefill else self.backend.decode
         out = attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, h * self.head_dim))
+        return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -123,7 +123,7 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(normed, positions, rope_cache, meta, kernels)
         norm = self.post_attention_layernorm
         normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(normed, kernels.silu_and_mul), residual
+        return self.mlp(normed, kernels), residual
 
 
 class DecoderModel(nn.Module):

@@ -87,3 +87,35 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+def choose_gemv_tiles(m: int, n: int, k: int) -> GemvTiles | None:
+    """Tiles for y[m, n] = x[m, k] @ W^T, or None where cuBLAS is as fast. A rule read off the H200 sweep
+    (scripts/gpu_gemv.py, docs/PERFORMANCE.md issue 11), from shapes only, so it is fixed before capture:
+    - m == 1, n <= 8192: faster than cuBLAS on every such projection of Qwen3-0.6B, Llama-3.2-1B and
+      Llama-3.1-8B (1.05-3.5x; the Qwen3 gate_up ties). Wider ones (gate_up of the 1B and 8B) cuBLAS reads
+      at 85-97% of HBM bandwidth already. block_n gives ~768-1024 programs.
+    - 2 <= m <= 4, n <= 1024: only there did it beat cuBLAS (Qwen3-0.6B o_proj and down_proj, 1.4-1.9x);
+      at wider n the [m, block_n, block_k] accumulator leaves too few programs or too many registers.
+    """
+    if m == 1 and n <= 8192:
+        block_n = 1
+        while block_n < 8 and block_n * 2 <= n // 768:
+            block_n *= 2
+        return GemvTiles(block_n, 1024)
+    if 2 <= m <= 4 and n <= 1024:
+        return GemvTiles(2, 1024)
+    return None
+
+
+def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """layer(x) for x [M, K]: the Triton kernel where choose_gemv_tiles picks it, cuBLAS (F.linear) otherwise.
+    For CUDA tensors of the model's 16-bit dtype only (the decoder's Triton kernel set calls it)."""
+    weight = layer.weight
+    tiles = None
+    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype \
+            and weight.is_contiguous() and x.stride(-1) == 1:
+        tiles = choose_gemv_tiles(x.shape[0], weight.shape[0], weight.shape[1])
+    if tiles is None:
+        return torch.nn.functional.linear(x, weight, layer.bias)
+    return gemv_linear(x, weight, layer.bias, tiles)
