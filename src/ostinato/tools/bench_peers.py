@@ -112,7 +112,7 @@ def run(args) -> int:
     if args.plot:
         bench_plots.bars({"ostinato (graph)": ours, "HF eager": result["hf_eager_ms"],
                           "HF static+compile": result["hf_compiled_ms"]}, "ms per token (batch 1)",
-                         f"decode step, context {args.context}\n{args.model}", args.plot, floor=floor_ms)
+                         f"decode step, context {args.context}\n{args.model}", args.plot, floor=floor_ms, log=True)
         print(f"wrote {args.plot}")
     return 0
 

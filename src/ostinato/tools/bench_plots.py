@@ -49,7 +49,7 @@ def kernel_breakdown(batches: Sequence[int], classes: Mapping[str, Sequence[floa
                      replay_us: Sequence[float | None], title: str, path: str | Path) -> Path:
     """classes: kernel class -> µs per batch (stacked); replay_us: the graph replay per batch (a marker)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     labels = [str(b) for b in batches]
     bottom = [0.0] * len(batches)
     for name, values in classes.items():
@@ -59,12 +59,12 @@ def kernel_breakdown(batches: Sequence[int], classes: Mapping[str, Sequence[floa
     if marks:
         ax.plot(*zip(*marks), "k_", ms=40, mew=2, label="graph replay")
     ax.set(xlabel="decode batch size", ylabel="µs per decode step", title=title)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
 def bars(values: Mapping[str, float | None], ylabel: str, title: str, path: str | Path,
-         floor: float | None = None) -> Path:
+         floor: float | None = None, log: bool = False) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     shown = {k: v for k, v in values.items() if v is not None}
@@ -75,5 +75,7 @@ def bars(values: Mapping[str, float | None], ylabel: str, title: str, path: str 
         ax.axhline(floor, color="k", ls="--", lw=1, label="bandwidth floor")
         ax.legend()
     ax.set(ylabel=ylabel, title=title)
+    if log:
+        ax.set_yscale("log")
     ax.tick_params(axis="x", labelsize=8)
     return _save(fig, path)
