@@ -17,14 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
+import os
+import sys
 
 import torch
 
-from ostinato.attention.base import AttentionMetadata
-from ostinato.attention.triton_paged import TritonPagedBackend
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-HBM_READ_BYTES_PER_S = 4.13e12
+from ostinato.attention.base import AttentionMetadata  # noqa: E402
+from ostinato.attention.triton_paged import TritonPagedBackend  # noqa: E402
 SHAPES = {  # name: (layers, heads, kv heads, head_dim)
     "qwen3-0.6b": (28, 16, 8, 128),
     "llama-3.2-1b": (16, 32, 8, 64),
@@ -77,29 +79,8 @@ def measure(backend, inputs, shape, iters=30):
     out = backend.decode(q, caches[0][0], caches[0][1], meta, scale)  # compile outside the capture
     ref = reference(q, caches[0][0], caches[0][1], tables, lens, scale)
     err = ((out.float() - ref).norm() / ref.norm()).item()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for k_cache, v_cache in caches:
-            backend.decode(q, k_cache, v_cache, meta, scale)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for k_cache, v_cache in caches:
-            backend.decode(q, k_cache, v_cache, meta, scale)
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    us = statistics.median(times)
+    us = time_graph(lambda i: backend.decode(q, caches[i][0], caches[i][1], meta, scale), layers, iters)
     kv_bytes = bs * ctx * kv * dim * 2 * 2
-    del graph
     return {"us_per_layer": us, "GBps": kv_bytes / us / 1e3, "hbm_share": kv_bytes / us / 1e-6 / HBM_READ_BYTES_PER_S,
             "floor_us": kv_bytes / HBM_READ_BYTES_PER_S * 1e6, "rel_err": err}
 

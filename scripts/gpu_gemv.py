@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_small_gemm import HBM_READ_BYTES_PER_S, SHAPES, projections, time_graph  # noqa: E402
+from gpu_small_gemm import SHAPES, projections  # noqa: E402
+from gpu_timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.model.gemv import GemvTiles, gemv_linear  # noqa: E402
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-HBM_READ_BYTES_PER_S = 4.13e12
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 SHAPES = {  # hidden, intermediate, vocab, heads, kv heads, head_dim
     "qwen3-0.6b": (1024, 3072, 151936, 16, 8, 128),
     "llama-3.2-1b": (2048, 8192, 128256, 32, 8, 64),
@@ -29,30 +31,6 @@ def projections(shape):
     hidden, inter, vocab, heads, kv, dim = shape
     return {"qkv": ((heads + 2 * kv) * dim, hidden), "o": (hidden, heads * dim),
             "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (vocab, hidden)}
-
-
-def time_graph(fn, copies, iters=30):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return statistics.median(times)
 
 
 def main() -> None:
