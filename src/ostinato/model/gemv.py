@@ -22,7 +22,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # optional dependency; callers check `gemv_available()` first
+except ImportError:  # optional dependency: only the Triton kernel set (model/fused.py) calls in here
     triton = None
 
 
@@ -64,10 +64,6 @@ class GemvTiles:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-
-
-def gemv_available() -> bool:
-    return triton is not None
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: GemvTiles,
