@@ -167,12 +167,12 @@ def run_decode(device, dtype, context_lens, group, num_kv_heads=2, head_dim=64, 
     return out, reference_attention(q, cache, [1] * len(context_lens), scale)
 
 
-# 1 split: the split kernel writes the output (no reduce); 5 (not a power of two) and 16: slices of 16
-# tokens merged by the reduce kernel, with contexts shorter than one slice per split and longer.
+# 1 split: the split kernel writes the output (no reduce); 5 (not a power of two): slices of 16 tokens
+# merged by the reduce kernel, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("splits", [1, 5, 16])
+@pytest.mark.parametrize("splits", [1, 5])
 def test_decode_matches_reference(device, dtype, group, splits):
     out, ref = run_decode(device, dtype, [1, 15, 16, 17, 100, 200], group,
                           backend=backend_with(splits=splits, block_n=16))
