@@ -179,7 +179,8 @@ def test_decode_matches_reference(device, dtype, group, splits):
     assert_close_to_reference(out, ref, dtype)
 
 
-# Contexts of thousands of tokens, slices of many tiles each. The interpreter takes seconds for these, so the CPU runs one case; the GPU runs every dtype and group.
+# Contexts of thousands of tokens, slices of many tiles each. The interpreter takes seconds for these, so
+# the CPU runs one case; the GPU runs every dtype and group.
 @pytest.mark.parametrize("device,dtype,group", [pytest.param("cpu", torch.float32, 4, marks=DEVICES[0].marks)] + [
     pytest.param("cuda", dtype, group, marks=DEVICES[1].marks) for dtype in DTYPES for group in (1, 4)])
 def test_decode_long_contexts(device, dtype, group):
