@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .errors import OstinatoError
@@ -127,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0:
+            # torchrun-style launch, rank > 0: serve rank 0's steps (no server, no output) until it stops.
+            from .runner.tp_worker import run_env_worker
+
+            return run_env_worker(args)
         return int(args.func(args) or 0)
     except OstinatoError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N GPUs (one process each, NCCL); under torchrun, the number of "
+                        "ranks (see README: Tensor parallelism)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap scheduling with the GPU: launch decode step n+1 before reading step n's tokens "
                         "(--no-async-scheduling waits for each step)")

@@ -153,6 +153,13 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split: tensor_parallel_size ranks (one process, one GPU each; runner/distributed.py)."""
+
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
 class GraphConfig:
     """How decode steps run. capture_sizes is sorted ascending; empty when graphs are off."""
 
@@ -271,6 +278,8 @@ class EngineArgs:
     tokenizer: str | None = None
     # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
     async_scheduling: bool = True
+    # Ranks the model is split over (one process and one GPU each); see runner/distributed.py.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -299,6 +308,12 @@ class EngineArgs:
              f"--max-cuda-graph-size must be >= 1, got {self.max_cuda_graph_size}"),
             (self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}"),
+            (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             f"--tensor-parallel-size must be an integer >= 1, got {self.tensor_parallel_size!r}"),
+            (self.tensor_parallel_size == 1 or self.cuda_graph_fallback == "error",
+             "--cuda-graph-fallback eager cannot be used with --tensor-parallel-size > 1: every rank must run "
+             "the same decode path, so a capture failure on any rank stops start-up; drop the flag or use "
+             "--enforce-eager"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -328,6 +343,9 @@ class EngineArgs:
             max_model_len=max_len,
             max_queued_requests=self.max_queued_requests,
         )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size)
 
     def graph_config(self, device_is_cuda: bool) -> GraphConfig:
         if self.enforce_eager or not device_is_cuda:

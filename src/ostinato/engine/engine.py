@@ -79,7 +79,7 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer) -
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from ..runner.runner import ModelRunner  # torch lives below this line of the dependency graph
+        from ..runner.tp_executor import make_runner  # torch lives below this line of the dependency graph
 
         self.args = args
         # An HF folder as given; a GGUF file or short name (e.g. smollm2-135m) dequantized into a cached folder.
@@ -89,8 +89,8 @@ class LLMEngine:
         self.scheduler_config = args.scheduler_config(self.model_config)
         self.served_model_name = args.served_model_name or Path(args.model).resolve().name
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        self.runner = ModelRunner(replace(args, model=str(self.model_dir)), self.model_config,
-                                  self.scheduler_config)
+        self.runner = make_runner(replace(args, model=str(self.model_dir)), self.model_config,
+                                  self.scheduler_config)  # a TensorParallelRunner with --tensor-parallel-size > 1
         self.scheduler = Scheduler(self.scheduler_config, self.runner.cache_config)
         self._requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[int, tuple[_RequestState, _SeqState]] = {}
@@ -172,6 +172,12 @@ class LLMEngine:
         for st in state.seqs:
             self.scheduler.abort(st.seq.seq_id)
             self._seq_owner.pop(st.seq.seq_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (also done at interpreter exit)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -301,4 +307,5 @@ class LLMEngine:
             graph_disabled_cause=self.runner.graph_disabled_cause,
             decode_batch_sizes=dict(g.steps_by_batch),
             max_num_seqs=self.scheduler_config.max_num_seqs,
+            ranks=tuple(self.runner.rank_health()) if hasattr(self.runner, "rank_health") else (),
         )

@@ -97,3 +97,5 @@ class EngineStats:
     # Decode steps by their real batch size (graph and eager alike): the server's decode_batch_size histogram.
     decode_batch_sizes: dict[int, int] = field(default_factory=dict)
     max_num_seqs: int = 0
+    # Tensor parallelism: one {"rank", "alive", "error"} per rank (empty for a single rank); /health reads it.
+    ranks: tuple[dict, ...] = ()

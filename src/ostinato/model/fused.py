@@ -331,7 +331,7 @@ class DecoderKernels:
 
 
 def linear_ref(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+    return layer(x)  # the module's own forward: a tensor-parallel layer's collective included
 
 
 TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref,

@@ -106,7 +106,11 @@ def choose_gemv_tiles(m: int, n: int, k: int) -> GemvTiles | None:
 
 def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """layer(x) for x [M, K]: the Triton kernel where choose_gemv_tiles picks it, cuBLAS (F.linear) otherwise.
-    For CUDA tensors of the model's 16-bit dtype only (the decoder's Triton kernel set calls it)."""
+    For 16-bit CUDA tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a
+    tensor-parallel one (model/parallel.py), which on one rank is an nn.Linear too."""
+    tp = getattr(layer, "tp", None)
+    if tp is not None and tp.world_size > 1:
+        return layer(x)  # a row-parallel projection: its forward adds the all-reduce (model/parallel.py)
     weight = layer.weight
     tiles = None
     if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype \

@@ -117,11 +117,12 @@ class SwiGLUMLP(nn.Module):
     -> silu(gate) * up [T, I]): the torch or the Triton versions, so each is written once, there.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # Tensor parallelism passes a row-parallel down projection (model/parallel.py); same shape.
+        self.down_proj = down_proj if down_proj is not None else nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, kernels: Any) -> torch.Tensor:
         gate_up = kernels.linear(x, self.gate_up_proj)  # [T, 2I]

@@ -47,6 +47,12 @@ class KVSpec:
     num_kv_blocks: int | None  # --num-kv-blocks, or None to size from memory
     gpu_memory_utilization: float
     make_step: Callable[[DecodeLayout], DecodeStep]  # the decode step over a KV pool's layout
+    # Tensor parallelism: every rank's pool must hold the same blocks; this returns the smallest count any
+    # rank can hold (a collective, called once by every rank). None for a single rank.
+    agree_num_blocks: Callable[[int], int] | None = None
+    # "thread_local" under tensor parallelism: NCCL's watchdog thread queries events while this thread
+    # captures, which the global mode would count as an error; a host sync in the step still fails capture.
+    capture_error_mode: str = "global"
 
 
 @dataclass
@@ -167,7 +173,8 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     lines = []
     plan = None
     sizes = gc_cfg.capture_sizes
-    backend = CudaGraphBackend(spec.device) if sizes else None
+    mode = {} if spec.capture_error_mode == "global" else {"capture_error_mode": spec.capture_error_mode}
+    backend = CudaGraphBackend(spec.device, **mode) if sizes else None
     estimate = 0
     if spec.num_kv_blocks is not None:
         num_blocks = spec.num_kv_blocks
@@ -198,6 +205,11 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
                      f"{spec.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
                      f"graph estimate {estimate / 2**20:.0f} MiB)")
+    if spec.agree_num_blocks is not None:
+        fits = num_blocks
+        num_blocks = spec.agree_num_blocks(fits)
+        lines.append(f"KV blocks: this rank fits {fits}, every rank uses {num_blocks} (the smallest over the "
+                     "tensor-parallel ranks)")
     caches = allocate_kv_cache(spec, num_blocks)
     step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
                                      progress=spec.device.type == "cuda", backend=backend)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ from ..config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, Schedule
 from ..contract import SampledToken, SchedulerOutput, StepResult
 from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
+from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
 from .decode_step import DecodeStep
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
@@ -52,8 +54,15 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig):
+    """One rank's runner. Under tensor parallelism (runner/tp_executor.py) every rank builds one with its
+    `tp` place and runs every step; `agree_num_blocks` then makes the KV pool the smallest any rank fits."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig,
+                 tp: TPGroup = SINGLE_RANK, agree_num_blocks: Callable[[int], int] | None = None):
         self.args = args
+        self.tp = tp
+        if tp.world_size > 1:  # the start-up self-check draws random rows: the same ones on every rank
+            torch.manual_seed(args.seed)
         self.model_config = model_config
         self.scheduler_config = scheduler_config
         self.device = pick_device(args.device)
@@ -61,7 +70,8 @@ class ModelRunner:
         self.backend = make_backend(args.attention_backend, self.device)
         self.block_size = args.block_size
         t0 = time.perf_counter()
-        self.model = load_model(args.model, model_config, self.dtype, self.device, self.backend)
+        self.model = load_model(args.model, model_config, self.dtype, self.device, self.backend,
+                                progress=tp.rank == 0, tp=tp)
         self.load_seconds = time.perf_counter() - t0
         self.weights_bytes = weights_nbytes(self.model)
         logger.info("loaded %s (%.2f GiB, %s) in %.1f s", args.model, self.weights_bytes / 2**30,
@@ -69,9 +79,10 @@ class ModelRunner:
         self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
         # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
         self.kv_spec = KVSpec(
-            self.model, model_config, scheduler_config, self.graph_config, self.device, self.dtype, self.block_size,
-            self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
-            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed))
+            self.model, rank_view(model_config, tp.world_size), scheduler_config, self.graph_config, self.device,
+            self.dtype, self.block_size, self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
+            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed),
+            agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global")
         setup = allocate_kv_and_graphs(self.kv_spec)
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches

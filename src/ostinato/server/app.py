@@ -406,10 +406,13 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
         if not async_engine.is_ready:
             return JSONResponse({"status": "starting"}, status_code=503)
         stats = await async_engine.get_stats()
-        return JSONResponse({"status": "ok", "model": served_model_name,
-                             "cuda_graphs": async_engine.engine.graph_status,
-                             "cuda_graphs_enabled": stats.graphs_enabled,
-                             "captured_sizes": list(stats.captured_sizes)})
+        body = {"status": "ok", "model": served_model_name, "cuda_graphs": async_engine.engine.graph_status,
+                "cuda_graphs_enabled": stats.graphs_enabled, "captured_sizes": list(stats.captured_sizes)}
+        if stats.ranks:  # tensor parallelism: every rank must be alive to serve
+            body["ranks"] = list(stats.ranks)
+            if not all(r["alive"] for r in stats.ranks):
+                return JSONResponse({**body, "status": "dead"}, status_code=503)
+        return JSONResponse(body)
 
     @app.get("/version")
     async def version() -> dict:

@@ -74,7 +74,13 @@ def _decode_rows(runner, bs: int, context: int, gen):
 def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tuple[float, float | None]:
     """(eager, graph) milliseconds of one decode step (forward and in-graph sampling) on the engine's own
     decode rows: the copy of the rows to the device plus the replay, as LLMEngine.step makes them. Graph is
-    None above the largest captured size or with graphs off."""
+    None above the largest captured size or with graphs off. Under tensor parallelism every rank times the
+    same steps (their collectives pair up); rank 0's times are returned."""
+    if hasattr(runner, "call_all"):
+        import torch
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        return runner.call_all(f"{__name__}:replay_ms_seeded", bs, context, seed, iters, warmup)
     batch, step = runner.decode_batch, runner.decode_step
     batch.load_rows(_decode_rows(runner, bs, context, gen))
     try:
@@ -89,6 +95,13 @@ def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tu
         batch.load_rows(None)  # the rows go back to padding
         batch.copy_to_device(batch.layout.rows)
     return eager_ms, graph_ms
+
+
+def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmup: int):
+    """replay_ms with its random rows drawn from `seed`: what each tensor-parallel rank runs."""
+    import torch
+
+    return replay_ms(runner, bs, context, torch.Generator().manual_seed(seed), iters, warmup)
 
 
 def _load_hf(model_dir: str, dtype, device):
