@@ -16,6 +16,7 @@ KV write and attention, where the torch ops take 13 (Llama) to 16 (Qwen3) plus t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
@@ -81,7 +82,7 @@ class Attention(nn.Module):
             raise RuntimeError("call DecoderForCausalLM.bind_kv_caches() before forward()")
         num_tokens = hidden.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
-        heads = self.qkv_proj(hidden).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H + 2Hkv, D]
+        heads = kernels.linear(hidden, self.qkv_proj).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H+2Hkv, D]
         q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
         qk = kernels.qk_norm_rope(heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = self.backend.prefill if meta.is_prefill else self.backend.decode
         out = attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, h * self.head_dim))
+        return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -127,7 +128,7 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(normed, positions, rope_cache, meta, kernels)
         norm = self.post_attention_layernorm
         normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(normed, kernels.silu_and_mul), residual
+        return self.mlp(normed, kernels), residual
 
 
 class DecoderModel(nn.Module):
@@ -199,7 +200,19 @@ class DecoderForCausalLM(nn.Module):
         return kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 for sampling and logprobs unless
-        float32=False (the decode graph keeps them in the model dtype: half the static output memory)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
+        """hidden [N, hidden_size] -> logits [N, vocab_size], float32 unless float32=False (model dtype).
+
+        Float32 logits come straight from the GEMM: 16-bit operands, float32 accumulation and output
+        (torch.mm's out_dtype on CUDA), never rounded to 16 bits. bf16 logits step by 0.125 near 16, so
+        two candidate tokens often tie exactly and greedy then picks by index; rounding first and
+        upcasting after cannot undo that. Measured on the H200 at M=1: as fast as the bf16 GEMM
+        (docs/PERFORMANCE.md, issue 11)."""
+        weight = self.lm_head.weight  # [vocab (this rank's rows under tensor parallelism), hidden]
+        if not float32 or hidden.dtype == torch.float32:
+            logits = self.lm_head(hidden)
+            return logits.float() if float32 else logits
+        if hidden.is_cuda:
+            local = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        else:  # CPU has no mixed-dtype mm: upcast (16-bit values are exact in float32; a transient copy)
+            local = F.linear(hidden.float(), weight.float())
+        return self.lm_head.assemble(local)  # the other ranks' rows, under tensor parallelism

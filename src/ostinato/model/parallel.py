@@ -226,5 +226,9 @@ class VocabParallelLMHead(nn.Linear):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_columns(super().forward(hidden))  # [N, tp * rows]
+        return self.assemble(super().forward(hidden))
+
+    def assemble(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """This rank's [N, rows] logits (any dtype) -> the full [N, vocab] on every rank: one all-gather."""
+        logits = self.tp.gather_columns(local_logits)  # [N, tp * rows]
         return logits[:, :self.vocab_size] if logits.shape[1] != self.vocab_size else logits

@@ -153,14 +153,14 @@ class ModelRunner:
     # ---- decode callable shared by graph capture, replay and the eager path -------------------------
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """One decode step up to the logits. [B] inputs -> [B, vocab] in the model dtype. Capturable.
+        """One decode step up to the logits. [B] inputs -> [B, vocab] float32. Capturable.
 
-        The logits stay in the model dtype: the graphs' shared static output is then 2 bytes per logit
-        (65 MB for a 128k vocabulary at batch 256, not 131 MB), and the float32 copy the sampler needs is
-        made outside the graph."""
+        Float32 straight from the lm_head GEMM (compute_logits): bf16 logits tie at steps of 0.125 and
+        greedy then flips on ties. It costs the graphs' shared static output 4 bytes per logit (131 MB for
+        a 128k vocabulary at batch 256, not 65 MB)."""
         meta = decode_metadata(slot_mapping, block_tables, context_lens)
         hidden = self.model(input_ids, positions, meta)  # [B, hidden]
-        return self.model.compute_logits(hidden, float32=False)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

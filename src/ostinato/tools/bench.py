@@ -29,6 +29,7 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG path: latency against batch size, with the floor")
     p.set_defaults(func=run)
 
 
@@ -167,4 +168,13 @@ def run(args) -> int:
             json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
+    if args.plot:
+        from .bench_plots import latency_vs_batch
+
+        series = {"ostinato graph": [r["graph_ms"] for r in rows], "ostinato eager": [r["eager_ms"] for r in rows]}
+        if hf is not None:
+            series["HF eager"] = [r["hf_ms"] for r in rows]
+        latency_vs_batch([r["batch"] for r in rows], series, [r["floor_ms"] for r in rows],
+                         f"decode step, context {args.context}\n{args.model}", args.plot)
+        print(f"wrote {args.plot}")
     return 0
