@@ -22,6 +22,7 @@ import torch
 
 from ..contract import ScheduledSeq
 from ..sampling_params import SamplingParams
+from . import sampling_kernel
 
 # Temperatures below this are greedy (dividing logits by ~0 overflows); vLLM uses the same cut-off.
 GREEDY_TEMPERATURE = 1e-5
@@ -148,6 +149,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Te
     No host sync, no data-dependent shape: the decode graph captures it."""
     greedy_ids = logits.argmax(dim=-1)
     is_greedy = temperature < GREEDY_TEMPERATURE
+    if sampling_kernel.available_for(logits):  # the same draw without a [B, V] temporary (sampling_kernel.py)
+        sampled_ids = sampling_kernel.draw(logits, temperature, uniform(key, counter), GREEDY_TEMPERATURE)
+        return torch.where(is_greedy, greedy_ids, sampled_ids)
     # One float32 [B, V] buffer, worked in place: inside a decode graph every temporary of this size stays
     # allocated in the graph pool (155 MB each at batch 256 and a 152k vocabulary), charged to the KV cache.
     probs = logits.to(torch.float32, copy=True)  # never the caller's logits: they are the step's output
