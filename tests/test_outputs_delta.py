@@ -3,6 +3,7 @@ stop strings, logprobs); a stream never shows part of a stop string; and what th
 not grow with the length of the output."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -201,3 +202,34 @@ class _ChoiceCursorLike:
 
     num_tokens = 0
     text_offset = 0
+
+
+def test_final_only_decodes_text_once_unless_stop_strings_need_it(llm, monkeypatch):
+    """Counts calls, not time: a FINAL_ONLY request (LLM.generate's) without stop strings is never detokenized
+    per step, only once when it finishes (with logprobs too, and for each of n completions); with stop strings
+    every token is, since any token may complete one. Either way the text is what DELTA streams."""
+    appends, wholes = [], []
+    real_append, real_all = detok_mod.IncrementalDetokenizer.append, detok_mod.IncrementalDetokenizer.decode_all
+    monkeypatch.setattr(detok_mod.IncrementalDetokenizer, "append",
+                        lambda self, t: appends.append(t) or real_append(self, t))
+    monkeypatch.setattr(detok_mod.IncrementalDetokenizer, "decode_all",
+                        lambda self, ids: wholes.append(len(ids)) or real_all(self, ids))
+    params = SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=25, ignore_eos=True, logprobs=1)
+    engine = llm.engine
+    engine.add_request("final-no-stop", [4, 5, 6], replace(params, output_kind=FINAL))
+    steps, final = 0, []
+    while not final:
+        final = engine.step()
+        steps += 1
+        assert final or not appends  # no text while it runs
+    assert steps >= 25 and wholes == [25, 25]  # then each completion's text, once
+    (final,) = final
+    appends.clear()
+    deltas = _run(engine, "delta-same", [4, 5, 6], replace(params, output_kind=DELTA))
+    assert len(appends) == 50  # a stream needs each token's text
+    assert [c.text for c in merge_deltas(deltas).outputs] == [c.text for c in final.outputs]
+    appends.clear()
+    wholes.clear()
+    stop = final.outputs[0].text[-3:]
+    (stopped,) = _run(engine, "final-stop", [4, 5, 6], replace(params, output_kind=FINAL, stop=[stop]))
+    assert not wholes and len(appends) == sum(len(c.token_ids) for c in stopped.outputs)  # text every token
