@@ -223,7 +223,9 @@ def main() -> int:
         cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
                      for pid in pids]
     finally:
-        server.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the signal once it has shut down: SIGINT's KeyboardInterrupt lets the server child's
+        # `finally` blocks run (they stop the engine core and write the profiles); SIGTERM would end it there.
+        server.send_signal(signal.SIGINT)
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
