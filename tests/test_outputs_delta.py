@@ -155,7 +155,7 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
 
     pytest.importorskip("fastapi")
     from ostinato.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-    from ostinato.server.app import _chat_events, _completion_events, _Formatter
+    from ostinato.server.streaming import Formatter, chat_events, completion_events
     from ostinato.server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
                                           CompletionResponse, DeltaMessage)
 
@@ -163,9 +163,11 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
         def decode(self, ids):
             return {5: "é", 6: " \"q\"\n", 7: "x"}[ids[0]]
 
-    fmt = _Formatter(Tokenizer())
+    fmt = Formatter(Tokenizer())
     steps = [RequestOutput("r", None, [1, 2], [CompletionOutput(0, "é", [5], None, [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)])])],
                            False, 0.0),
+             RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [7], None, [TokenLogprob(7, -2.0, [(7, -2.0)])])],
+                           False, 0.0),  # no text yet (a special token, or part of a character): content null
              RequestOutput("r", None, [1, 2], [CompletionOutput(0, ' "q"\n', [6], "stop", [TokenLogprob(6, -0.25, [(6, -0.25)])])],
                            True, 0.0)]
 
@@ -177,7 +179,7 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
         return [e async for e in events]
 
     for want_lp in (False, True):
-        got = asyncio.run(lines(_completion_events(stream(), "cmpl-1", "m", fmt, want_lp, False)))
+        got = asyncio.run(lines(completion_events(stream(), "cmpl-1", "m", fmt, want_lp, False)))
         offset = _ChoiceCursorLike()
         for event, out in zip(got, steps):
             (c,) = out.outputs
@@ -187,11 +189,11 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
             created = json.loads(event[len("data: "):])["created"]
             assert event == f"data: {model.model_copy(update={'created': created}).model_dump_json()}\n\n"
         assert got[-1] == "data: [DONE]\n\n"
-        got = asyncio.run(lines(_chat_events(stream(), "chat-1", "m", fmt, want_lp, 1, False)))[1:]  # after the role
+        got = asyncio.run(lines(chat_events(stream(), "chat-1", "m", fmt, want_lp, 1, False)))[1:]  # after the role
         for event, out in zip(got, steps):
             (c,) = out.outputs
             model = ChatCompletionChunk(id="chat-1", model="m", choices=[
-                ChatChunkChoice(index=0, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                ChatChunkChoice(index=0, delta=DeltaMessage(content=c.text or None), finish_reason=c.finish_reason,
                                 logprobs=fmt.chat_logprobs(c) if want_lp else None)])
             created = json.loads(event[len("data: "):])["created"]
             assert event == f"data: {model.model_copy(update={'created': created}).model_dump_json()}\n\n"

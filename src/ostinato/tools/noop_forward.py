@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..errors import ConfigError
+
 if TYPE_CHECKING:
     from ..config import EngineArgs
     from ..engine.engine import LLMEngine
@@ -75,6 +77,8 @@ def install(engine: "LLMEngine", step_ms: float = 0.0) -> int:
     import torch
 
     runner = engine.runner
+    if runner.device.type != "cpu":  # a GPU would replay its captured graphs, the real forward, regardless
+        raise ConfigError("the no-op forward measures host work on CPU only: add --device cpu --dtype float32")
     token_id = text_token(engine.tokenizer)
     vocab = engine.model_config.vocab_size
     rows = runner.decode_batch.layout.rows  # at least max_num_seqs: the most sequences a step samples for
