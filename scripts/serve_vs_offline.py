@@ -10,10 +10,14 @@ H200 (the issue's measurement):
     ostinato make-checkpoint /tmp/ck-qwen3-0.6b --shape qwen3-0.6b --dtype bfloat16
     PYTHONPATH=src python3 scripts/serve_vs_offline.py /tmp/ck-qwen3-0.6b -- --max-num-seqs 64 --max-model-len 1024
 
-CPU, with the forward replaced by a no-op (measures the Python around the model, server and offline alike):
+CPU, with the forward replaced by a no-op (tools/noop_forward.py: the Python around the model, server and offline
+alike), acting as an asynchronous GPU step of --noop-forward-ms (0: the host's ceiling):
 
-    PYTHONPATH=src python scripts/serve_vs_offline.py /tmp/ck-tiny --noop-forward -- --device cpu --dtype float32 \\
-        --max-num-seqs 64 --max-model-len 1024 --num-kv-blocks 2048
+    PYTHONPATH=src python scripts/serve_vs_offline.py /tmp/ck-tiny --noop-forward --noop-forward-ms 3 -- \\
+        --device cpu --dtype float32 --max-num-seqs 64 --max-model-len 1024 --num-kv-blocks 4096
+
+`--profile DIR` runs the server's event loop, its engine core and the load generator under cProfile and prints
+where each spends its time.
 """
 
 from __future__ import annotations
@@ -105,15 +109,19 @@ def _child_serve(ns, engine_argv: list[str]) -> None:
         else build_engine
     if ns.profile and not ns.engine_thread:
         factory = functools.partial(_profiled_engine, factory=factory, path=f"{ns.profile}/core.prof")
+    profile = None
     if ns.profile:  # the server's main thread: the event loop (HTTP, JSON, streams)
         import cProfile
 
         profile = cProfile.Profile()
-        try:
-            sys.exit(profile.runcall(app.run, serve_ns, engine_factory=factory))
-        finally:
+    try:
+        sys.exit(profile.runcall(app.run, serve_ns, engine_factory=factory) if profile
+                 else app.run(serve_ns, engine_factory=factory))
+    except KeyboardInterrupt:  # how main() stops this child (uvicorn re-raises the SIGINT once it has shut down)
+        sys.exit(0)
+    finally:
+        if profile is not None:
             profile.dump_stats(f"{ns.profile}/front.prof")
-    sys.exit(app.run(serve_ns, engine_factory=factory))
 
 
 def _bench_config(ns):

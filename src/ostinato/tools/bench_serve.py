@@ -9,11 +9,13 @@ benchmark_serving:
 - TPOT: (end-to-end - TTFT) / (output tokens - 1), per request;
 - ITL: the gaps between successive chunks (one chunk may carry several tokens if the client fell behind);
 - E2EL: request sent -> last byte;
-- request and output-token throughput over the whole run.
+- request and output-token throughput over the whole run, and output tokens per chunk (above 1: the server
+  merged tokens that queued while the client, or the server's own streaming, fell behind).
 
 Prompts are random token ids (exact lengths, any model: ids are drawn from `--token-id-range`, which every
 supported vocabulary contains) or random English words (`--dataset random-text`, about one token a word).
-Works against ostinato or vLLM alike.
+Works against ostinato or vLLM alike, over plain http (tools/sse_client.py: a client that costs less CPU per
+streamed chunk than the server it measures).
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def format_table(summary: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (without /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (http, without /v1)")
     p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: all)")
