@@ -221,9 +221,8 @@ class EngineStreamResponse(StreamingResponse):
                 sending_since = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if ended_by is None:
-                raise  # cancelled from outside (server shutdown): not ours to swallow
-            task.uncancel()
+            if ended_by is None or task.uncancel() > 0:
+                raise  # (also) cancelled from outside, e.g. the server shutting down: not ours to swallow
             if ended_by == "stalled":  # returning with the response unfinished makes uvicorn close the connection
                 logger.warning("aborting stream %s: the client read nothing for %g s",
                                self._request_stream.request_id, self._send_timeout)
