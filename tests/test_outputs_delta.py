@@ -235,3 +235,60 @@ def test_final_only_decodes_text_once_unless_stop_strings_need_it(llm, monkeypat
     stop = final.outputs[0].text[-3:]
     (stopped,) = _run(engine, "final-stop", [4, 5, 6], replace(params, output_kind=FINAL, stop=[stop]))
     assert not wholes and len(appends) == sum(len(c.token_ids) for c in stopped.outputs)  # text every token
+
+
+def _scripted_engine(path):
+    """A tiny engine whose no-op forward 'samples' a scripted token sequence (tools/noop_forward.py): the text
+    is then known, multi-byte characters split across tokens included."""
+    from ostinato.config import EngineArgs
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.tools import noop_forward
+
+    engine = LLMEngine(EngineArgs(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+                                  max_model_len=256, max_num_seqs=4))
+    noop_forward.install(engine)
+    runner = engine.runner
+
+    def play(token_ids):
+        tokens = iter(token_ids[1:])
+        runner.model._logits.zero_()
+        runner.model._logits[:, token_ids[0]] = 1.0  # the prefill's token
+        logits = runner.model._logits
+
+        def step(**inputs):
+            runner.decode_step.sampled.fill_(next(tokens, token_ids[-1]))
+            return logits[: next(iter(inputs.values())).shape[0]]
+
+        runner.graphs.fn = step
+
+    return engine, play
+
+
+def test_deltas_join_into_the_final_text_with_split_characters_and_a_stop_string(tmp_path):
+    """One token per byte of a text full of multi-byte characters: DELTA pieces never hold half a character or
+    part of the stop string, join into exactly the final text, and the final text of a FINAL_ONLY request (one
+    decode at the end, or token by token with stop strings) is the same."""
+    from tokenizers import pre_tokenizers
+
+    make_checkpoint(tmp_path, shape="tiny", family="llama", seed=3)
+    engine, play = _scripted_engine(tmp_path)
+    text = "café 漢字 🎉 naïve 🚀 fin"
+    [(mapped, _)] = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text)
+    ids = [engine.tokenizer.convert_tokens_to_ids(c) for c in mapped]
+    assert len(ids) == len(text.encode()) and engine.tokenizer.unk_token_id not in ids
+    for stop, want in (((), text), (("🚀",), text[: text.index("🚀")]), (("ve 🚀",), text[: text.index("ve 🚀")])):
+        texts = {}
+        for kind in (DELTA, FINAL):
+            play(ids)
+            params = SamplingParams(temperature=0.0, max_tokens=len(ids), ignore_eos=True, stop=list(stop),
+                                    output_kind=kind)
+            outs = _run(engine, f"{kind.value}-{len(stop)}-{want[-2:]}", [5, 6, 7], params)
+            if kind is DELTA:
+                pieces = [c.text for o in outs for c in o.outputs]
+                assert len(pieces) > 3 and all("\ufffd" not in p for p in pieces)
+                shown = ""
+                for piece in pieces:
+                    shown += piece
+                    assert want.startswith(shown)  # nothing shown is taken back, no stop string leaks
+            texts[kind] = merge_deltas(outs).outputs[0].text
+        assert texts[DELTA] == texts[FINAL] == want, (stop, texts)
