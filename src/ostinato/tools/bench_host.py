@@ -33,11 +33,21 @@ def register(sub) -> None:
     p.add_argument("--contexts", type=_int_list, default=(128, 2048))
     p.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per point; the median is reported")
-    p.add_argument("--output-kinds", type=lambda v: tuple(RequestOutputKind(k) for k in v.split()),
+    p.add_argument("--output-kinds", type=_output_kinds,
                    default=(RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA),
                    help='the requests\' output kinds, each measured (default: "final_only delta")')
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
+
+
+def _output_kinds(value: str) -> tuple[RequestOutputKind, ...]:
+    import argparse
+
+    try:
+        return tuple(RequestOutputKind(k) for k in value.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: use output kinds from "
+                                         f"{[k.value for k in RequestOutputKind]}, space-separated") from None
 
 
 def _checkpoint(root: Path, max_len: int) -> str:
