@@ -307,16 +307,16 @@ def test_simulation_matches_the_real_scheduler_when_kv_is_plentiful():
         out = sched.schedule()
         if out.kind == "idle":
             break
-        prefills += out.kind == "prefill"
+        prefills += bool(out.seqs)
         for seq_id in out.left:  # the runner's decode rows, kept from the scheduler's changes
             rows.remove(seq_id)
-        if out.kind == "prefill":
-            computed = [s.seq_id for s in out.seqs]
-            for seq_id in computed:
-                rows.add(seq_id)
-        else:
-            computed = list(rows.seq_ids)
+        computed = list(rows.seq_ids)
+        if computed:
             real[len(computed)] = real.get(len(computed), 0) + 1
+        for s in out.seqs:
+            if s.samples:
+                rows.add(s.seq_id)
+                computed.append(s.seq_id)
         sched.update(computed, [7] * len(computed))
         for seq_id in computed:
             if len(seqs[seq_id].output_token_ids) >= w.requests[seq_id].output_len:

@@ -28,15 +28,18 @@ def workloads(draw):
     blocks = -(-max_model_len // block_size) + draw(st.integers(0, 3))  # about one sequence: preemptions
     arrivals = draw(st.lists(st.tuples(st.integers(0, 10), st.integers(1, max_model_len - 1),
                                        st.integers(1, 2 * max_model_len)), max_size=12))
-    cfg = SchedulerConfig(draw(st.integers(1, 6)), max_model_len, max_model_len, None)
-    return cfg, CacheConfig(block_size, blocks), sorted(arrivals)
+    max_num_seqs = draw(st.integers(1, 6))
+    # Budgets below max_model_len chunk the prompts; prefix caching on or off.
+    cfg = SchedulerConfig(max_num_seqs, draw(st.integers(max_num_seqs, max_model_len + 6)), max_model_len, None)
+    return cfg, CacheConfig(block_size, blocks, enable_prefix_caching=draw(st.booleans())), sorted(arrivals)
 
 
-def check_rows(batch: DecodeBatch, sched: Scheduler, layout: DecodeLayout) -> None:
+def check_rows(batch: DecodeBatch, sched: Scheduler, layout: DecodeLayout, joining: int = 0) -> None:
     """Every running sequence's row says what the scheduler's sequence says; the other rows are padding."""
     running = [sched.get(i) for i in batch.rows.seq_ids]
     assert all(s is not None and s.status is SequenceStatus.RUNNING for s in running)
-    assert sched.num_running == len(running)  # every running sequence holds a row, no other does
+    # every running sequence whose prefill is done holds a row (those whose last chunk runs now: after it), no other
+    assert sched.num_running - sched.num_prefilling - joining == len(running)
     for seq in running:
         row = batch.row(seq.seq_id)
         assert batch.block_table(seq.seq_id) == seq.block_table
@@ -82,21 +85,20 @@ def test_rows_stay_right_across_boundaries_preemption_and_reused_blocks(workload
         out = sched.schedule()
         for seq_id in out.left:
             batch.leave(seq_id)
-        tokens = []
-        if out.kind == "prefill":
-            computed = [s.seq_id for s in out.seqs]
-            tokens = [rng.randrange(1, 500) for _ in computed]
-            for s, tok in zip(out.seqs, tokens):
-                batch.join(s, tok)
-        elif out.kind == "decode":
-            for seq_id, block in out.new_blocks:
-                batch.add_block(seq_id, block)
-            check_rows(batch, sched, layout)  # what the graph reads this step
+        for seq_id, block in out.new_blocks:
+            batch.add_block(seq_id, block)
+        assert len(batch) == out.num_decode
+        computed, tokens = [], []
+        if out.num_decode:
+            check_rows(batch, sched, layout, sum(s.samples for s in out.seqs))  # what the graph reads this step
             computed = list(batch.rows.seq_ids)
             tokens = [rng.randrange(1, 500) for _ in computed]
             batch.advance(len(computed), torch.tensor(tokens).numpy())
-        else:
-            computed = []
+        for s in out.seqs:  # chunks that end their prompt sample and join after the decode rows
+            if s.samples:
+                computed.append(s.seq_id)
+                tokens.append(rng.randrange(1, 500))
+                batch.join(s, tokens[-1])
         sched.update(computed, tokens)
         for seq_id in computed:
             seq = sched.get(seq_id)
@@ -137,15 +139,11 @@ def test_overlapped_scheduling_keeps_rows_blocks_and_lengths_right(workload, see
         out = sched.schedule()
         for seq_id in out.left:
             batch.leave(seq_id)
+        for seq_id, block in out.new_blocks:
+            batch.add_block(seq_id, block)
+        assert len(batch) == out.num_decode
         step = None
-        if out.kind == "prefill":
-            step = ([s.seq_id for s in out.seqs], [rng.randrange(1, 500) for _ in out.seqs])
-            for s, tok in zip(out.seqs, step[1]):
-                batch.join(s, tok)
-        elif out.kind == "decode":
-            for seq_id, block in out.new_blocks:
-                batch.add_block(seq_id, block)
-            assert len(batch) == out.num_decode
+        if out.num_decode:
             for r, seq_id in enumerate(batch.rows.seq_ids):  # what the graph reads
                 seq = sched.get(seq_id)
                 assert batch.block_table(seq_id) == seq.block_table
@@ -153,7 +151,14 @@ def test_overlapped_scheduling_keeps_rows_blocks_and_lengths_right(workload, see
                 assert len(seq.block_table) == -(-seq.num_computed_tokens // cache.block_size)
             step = (list(batch.rows.seq_ids), [rng.randrange(1, 500) for _ in range(len(batch))])
             batch.advance(len(batch))
-        if out.kind == "decode":  # overlapped: read the step before, keep this one in flight
+        joined = [s for s in out.seqs if s.samples]
+        if joined:
+            step = step or ([], [])
+            for s in joined:
+                step[0].append(s.seq_id)
+                step[1].append(rng.randrange(1, 500))
+                batch.join(s, step[1][-1])
+        if out.num_decode:  # overlapped: read the step before, keep this one in flight
             ready, inflight = [inflight], step
         else:
             ready, inflight = [inflight, step], None

@@ -51,7 +51,7 @@ def test_greedy_matches_hf_under_preemption(checkpoint):
     # 9 blocks of 16 tokens hold ~144 tokens; 8 sequences growing to up to 52 tokens need far more, so the
     # scheduler must preempt (recompute) and the tokens must still equal HF's.
     llm = LLM(str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=9, max_model_len=64,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, max_num_seqs=16)
     prompts = _prompts(llm.engine.model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -143,7 +143,7 @@ def test_verify_counts_one_graph_launch_per_decode_step(ckpt, tmp_path):
     engine = LLMEngine(EngineArgs(model=str(ckpt), dtype="bfloat16", max_model_len=128, num_kv_blocks=256,
                                   cuda_graph_sizes=(1, 2, 4, 8), max_num_seqs=16))
     counts = profile_decode_steps(engine, (1, 3, 8, 9), steps=4, trace_path=tmp_path / "t.json")
-    verdicts = judge(counts, engine.stats().captured_sizes, True)
+    verdicts = judge(counts[0], engine.stats().captured_sizes, True)
     by = {v.batch_size: v for v in verdicts}
     assert by.keys() == {1, 3, 8, 9}
     for bs in (1, 3, 8):

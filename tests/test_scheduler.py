@@ -24,7 +24,7 @@ SIMULATION_EXAMPLES = int(os.environ.get("OSTINATO_SIMULATION_EXAMPLES", "200"))
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=None, max_model_len=32,
                    max_queued_requests=None) -> Scheduler:
-    sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max_model_len, max_model_len,
+    sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(max_model_len, max_num_seqs), max_model_len,
                                 max_queued_requests)
     return Scheduler(sched_cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks))
 
@@ -42,22 +42,23 @@ class RunnerRows:
         self.tables: dict[int, list[int]] = {}
 
     def apply(self, out) -> list[int]:
-        """Apply one step's changes; returns the seq ids the step computes, in row order."""
+        """Apply one step's changes; returns the seq ids that get a token: the decode rows in row order,
+        then the chunks that end their prompt (which join the rows)."""
         for seq_id in out.left:
             self.rows.remove(seq_id)
             self.tables.pop(seq_id, None)
-        if out.kind == "prefill":
-            for s in out.seqs:
+        for seq_id, block in out.new_blocks:
+            self.tables[seq_id].append(block)
+        assert out.num_decode == len(self.rows), "every row decodes"
+        assert out.kind == {(True, True): "mixed", (True, False): "decode", (False, True): "prefill",
+                            (False, False): "idle"}[(bool(out.num_decode), bool(out.seqs))]
+        computed = list(self.rows.seq_ids)
+        for s in out.seqs:
+            if s.samples:
                 self.rows.add(s.seq_id)
                 self.tables[s.seq_id] = list(s.block_table)
-            return [s.seq_id for s in out.seqs]
-        if out.kind == "decode":
-            for seq_id, block in out.new_blocks:
-                self.tables[seq_id].append(block)
-            assert out.num_decode == len(self.rows), "every row decodes"
-            return list(self.rows.seq_ids)
-        assert not out.new_blocks
-        return []
+                computed.append(s.seq_id)
+        return computed
 
 
 _COMPUTED: dict[int, tuple] = {}  # id(out) -> (out, the seq ids it computed)
@@ -100,9 +101,11 @@ def test_init_refuses_empty_cache_with_a_useful_message():
     assert "to 0 or less" not in str(e.value)
 
 
-def test_init_refuses_token_budget_below_max_model_len():
-    with pytest.raises(ConfigError, match="max-num-batched-tokens"):
-        make_scheduler(max_num_batched_tokens=16, max_model_len=32)
+def test_init_refuses_token_budget_below_max_num_seqs():
+    # Every decode row counts one token; a budget below the seats could not hold a full decode step.
+    with pytest.raises(ConfigError, match="raise --max-num-batched-tokens or lower --max-num-seqs"):
+        make_scheduler(max_num_seqs=8, max_num_batched_tokens=7)
+    make_scheduler(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=32)  # chunks of what is left
 
 
 @pytest.mark.parametrize("prompt_len,match", [(0, "empty"), (32, "shorten the prompt below 32"),
@@ -162,18 +165,21 @@ def test_admission_limited_by_max_num_seqs():
     out = step(sched)  # running is full: decode, the third keeps waiting
     assert out.kind == "decode" and ids(out) == [0, 1] and sched.num_waiting == 1
     sched.finish(0, SequenceStatus.FINISHED_STOPPED)
-    out = step(sched)
-    assert out.kind == "prefill" and ids(out) == [2]
+    out = step(sched)  # 1 keeps decoding while 2 is admitted beside it
+    assert out.kind == "mixed" and ids(out) == [1, 2] and [s.seq_id for s in out.seqs] == [2]
 
 
-def test_admission_limited_by_batched_tokens():
+def test_admission_limited_by_batched_tokens_chunks_the_prompt_that_overflows():
     sched = make_scheduler(max_num_batched_tokens=8, max_model_len=8)
     for i, n in enumerate([5, 2, 3]):
         sched.add(make_seq(i, n))
     out = step(sched)
-    assert ids(out) == [0, 1] and out.num_batched_tokens == 7  # 7 + 3 > 8
-    out = step(sched)  # prefill is preferred over decoding 0 and 1
-    assert out.kind == "prefill" and ids(out) == [2]
+    assert [(s.seq_id, len(s.token_ids), s.samples) for s in out.seqs] == [(0, 5, True), (1, 2, True), (2, 1, False)]
+    assert ids(out) == [0, 1] and out.num_batched_tokens == 8  # 2 got the last token of the budget, no sample
+    out = step(sched)  # 0 and 1 decode; 2's last 2 tokens are prefilled beside them
+    assert out.kind == "mixed" and out.num_decode == 2 and ids(out) == [0, 1, 2]
+    (s,) = out.seqs
+    assert s.seq_id == 2 and s.start_pos == 1 and s.token_ids == (102, 102) and s.samples
 
 
 def test_admission_limited_by_free_blocks():
@@ -251,7 +257,7 @@ def test_preempts_most_recent_and_requeues_it_at_the_front():
     sched.finish(0, SequenceStatus.FINISHED_STOPPED)
     out = step(sched, 5)
     # B resumes ahead of C, which arrived before B's preemption; both do not fit (3 + 2 blocks > 4).
-    assert out.kind == "prefill" and ids(out) == [1]
+    assert out.kind == "prefill" and ids(out) == [1] and sched.get(2).status is SequenceStatus.WAITING
     (s,) = out.seqs
     assert s.token_ids == tuple(b.prompt_token_ids) + (1, 2) and s.start_pos == 0 and s.num_generated == 2
     assert b.output_token_ids == [1, 2, 5] and b.num_computed_tokens == 5
@@ -356,24 +362,29 @@ def workloads(draw):
 
     valid = draw(requests(st.integers(1, max_model_len - 1), 16))
     invalid = draw(requests(st.sampled_from([0, max_model_len, max_model_len + 1]), 2))
+    max_num_seqs = draw(st.integers(1, 6))
     return dict(
         config=SchedulerConfig(
-            max_num_seqs=draw(st.integers(1, 6)),
-            max_num_batched_tokens=draw(st.integers(max_model_len, 2 * max_model_len)),
+            max_num_seqs=max_num_seqs,
+            # Budgets from one token per seat (prompts prefilled in chunks of a token or two) to whole prompts.
+            max_num_batched_tokens=draw(st.integers(max_num_seqs, max(max_num_seqs, 2 * max_model_len))),
             max_model_len=max_model_len,
             max_queued_requests=draw(st.none() | st.integers(2, 8)),
         ),
         # A cache of about one max-length sequence: preemption is common.
-        cache=CacheConfig(block_size=block_size, num_blocks=min_blocks + draw(st.integers(0, 3))),
+        cache=CacheConfig(block_size=block_size, num_blocks=min_blocks + draw(st.integers(0, 3)),
+                          enable_prefix_caching=draw(st.booleans())),
         arrivals=sorted(valid + invalid),
+        # Prompts of a few token patterns, so that prompts share prefixes of every length.
+        families=draw(st.integers(1, 3)),
     )
 
 
 class SimulatedEngine:
     """Plays the engine and keeps an independent model of the waiting queue and of every request."""
 
-    def __init__(self, sched: Scheduler, rng: random.Random):
-        self.sched, self.rng = sched, rng
+    def __init__(self, sched: Scheduler, rng: random.Random, families: int = 0):
+        self.sched, self.rng, self.families = sched, rng, families
         self.cfg = sched.config
         self.added: dict[int, Sequence] = {}
         self.finished: dict[int, SequenceStatus] = {}
@@ -381,9 +392,15 @@ class SimulatedEngine:
         self.waiting: deque[int] = deque()  # the FCFS order the scheduler must follow
         self.next_id = self.next_token = 0
         self.rows = RunnerRows()  # the runner's rows, kept from the outputs alone
+        # What each KV slot holds, as the steps wrote it: block -> {offset: token}. A sequence reading a cached
+        # prefix must find its own tokens there, and no step may write into a block shared or cached before it.
+        self.kv: dict[int, dict[int, int]] = {}
 
     def arrive(self, prompt_len: int, max_tokens: int) -> None:
         seq = make_seq(self.next_id, prompt_len, max_tokens=max_tokens)
+        if self.families:  # a prompt of family f: f, f+1, f+2, ... so prompts of one family share a prefix
+            f = self.rng.randrange(self.families)
+            seq.prompt_token_ids = [(f * 7 + j) % 5 for j in range(prompt_len)]
         self.next_id += 1
         limit = self.cfg.max_queued_requests
         if prompt_len == 0 or prompt_len >= self.cfg.max_model_len:
@@ -410,10 +427,10 @@ class SimulatedEngine:
             live = sorted(set(self.added) - set(self.finished))
             if live:
                 self.abort(rng.choice(live))
-        running_before, free_before = sched.num_running, sched.block_manager.num_free_blocks
         out = sched.schedule()
         computed = self.rows.apply(out)
-        self.check_output(out, computed, running_before, free_before)
+        self.check_output(out, computed)
+        self.check_kv(out)
         sampled = []
         for _ in computed:
             self.next_token += 1
@@ -439,55 +456,80 @@ class SimulatedEngine:
             self.finished[seq_id] = status
         self.check_state()
 
-    def check_output(self, out, scheduled: list[int], running_before: int, free_before: int) -> None:
-        sched, bm = self.sched, self.sched.block_manager
-        assert len(set(scheduled)) == len(scheduled) <= self.cfg.max_num_seqs
-        assert sched.num_running <= self.cfg.max_num_seqs
+    def check_output(self, out, scheduled: list[int]) -> None:
+        sched, bm, cfg = self.sched, self.sched.block_manager, self.cfg
+        assert len(set(scheduled)) == len(scheduled) <= cfg.max_num_seqs
+        assert sched.num_running <= cfg.max_num_seqs
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         for pid in out.preempted_seq_ids:
             assert pid not in scheduled and pid in out.left
-        # Each victim goes to the front in turn (newest first), so the oldest victim ends up first.
-        self.waiting.extendleft(out.preempted_seq_ids)
-        # The runner's rows, kept only from what the outputs reported, are exactly the running sequences,
-        # and each row's block table is the sequence's, across boundaries, preemption and freed blocks.
+        # The runner's rows, kept only from what the outputs reported, are exactly the decoding sequences (those
+        # whose last chunk ran in this step included), and each row's block table is the sequence's.
         running = {i: s for i in self.added if i not in self.finished and
                    (s := sched.get(i)).status is SequenceStatus.RUNNING}
-        assert set(self.rows.rows.seq_ids) == set(running)
-        for seq_id, seq in running.items():
-            assert self.rows.tables[seq_id] == seq.block_table
-        if out.kind == "idle":
-            assert not out.seqs and not out.preempted_seq_ids and not sched.has_unfinished()
-            return
+        decoding = {i for i, s in running.items() if s.decoding}
+        assert set(self.rows.rows.seq_ids) == decoding
+        for seq_id in decoding:
+            assert self.rows.tables[seq_id] == running[seq_id].block_table
+        # Decodes are never starved: every sequence that held a row before this step (all decoding but those whose
+        # last chunk runs now) gets its token.
+        joined = {s.seq_id for s in out.seqs if s.samples}
+        assert set(scheduled[:out.num_decode]) == decoding - joined and not joined & set(scheduled[:out.num_decode])
         for s in out.seqs:
             seq = sched.get(s.seq_id)
             assert seq.status is SequenceStatus.RUNNING and s.block_table == tuple(seq.block_table)
-            assert len(s.block_table) == bm.blocks_needed(s.context_len)  # covers the step, no more
+            assert len(s.block_table) == bm.blocks_needed(s.context_len)  # covers the chunk, no more
             assert s.num_generated == len(self.outputs[s.seq_id]) and s.sampling_params is seq.sampling_params
-        if out.kind == "prefill":
-            assert not out.preempted_seq_ids and out.num_batched_tokens <= self.cfg.max_num_batched_tokens
-            admitted = [self.waiting.popleft() for _ in scheduled]
-            assert scheduled == admitted, "FCFS: admitted sequences are the head of the waiting queue"
-            for s in out.seqs:  # a recompute feeds the prompt and everything generated so far
-                seq = sched.get(s.seq_id)
-                assert s.start_pos == 0 and s.token_ids == tuple(seq.prompt_token_ids + self.outputs[s.seq_id])
-            if self.waiting:  # admission stopped for a reason
-                head = self.added[self.waiting[0]]
-                assert (sched.num_running >= self.cfg.max_num_seqs
-                        or out.num_batched_tokens + head.num_tokens > self.cfg.max_num_batched_tokens
-                        or bm.blocks_needed(head.num_tokens) > bm.num_free_blocks)
-        else:
-            assert out.kind == "decode" and scheduled, "the oldest running sequence always fits"
-            assert set(scheduled) == set(running)  # everyone decodes except the preempted
-            for seq_id in scheduled:  # each table covers the position this step writes, no more
-                seq = sched.get(seq_id)
-                assert len(seq.block_table) == bm.blocks_needed(seq.num_tokens)
-            head_index = len(out.preempted_seq_ids)  # the head before this step's preemptions
-            if len(self.waiting) > head_index:  # why wasn't it admitted?
-                head = self.added[self.waiting[head_index]]
-                assert running_before >= self.cfg.max_num_seqs or bm.blocks_needed(head.num_tokens) > free_before
+            tokens = seq.prompt_token_ids + self.outputs[s.seq_id]
+            assert s.token_ids == tuple(tokens[s.start_pos:s.context_len]) and s.token_ids
+            assert s.samples == (s.context_len == len(tokens))  # only the last chunk samples
+        # FCFS admission: the admitted are the head of the waiting queue; a step that preempts admits none.
+        admitted = [s.seq_id for s in out.seqs if s.seq_id in self.waiting]
+        assert admitted == list(self.waiting)[:len(admitted)]
+        assert not (admitted and out.preempted_seq_ids)
+        for _ in admitted:
+            self.waiting.popleft()
+        if not bm.enable_prefix_caching:
+            assert all(s.start_pos == 0 for s in out.seqs if s.seq_id in admitted)
+        # Each victim goes to the front in turn (newest first), so the oldest victim ends up first.
+        self.waiting.extendleft(out.preempted_seq_ids)
+        if out.kind == "idle":
+            assert not out.seqs and not out.num_decode
+            return
+        if self.waiting and not out.preempted_seq_ids:  # admission stopped for a reason
+            head = self.added[self.waiting[0]]
+            left = cfg.max_num_batched_tokens - out.num_batched_tokens
+            hits = bm.cached_prefix(head)
+            cached = len(hits) * bm.block_size
+            assert (sched.num_running >= cfg.max_num_seqs or left == 0 or head.num_inflight
+                    or not bm.can_admit(hits, cached + min(head.num_tokens - cached, left)))
+
+    def check_kv(self, out) -> None:
+        """Play the step's K/V writes into the content model, then check that every sequence the step computes
+        reads its own tokens at every position of its context: a cached prefix that holds other tokens, or a
+        write into a block another sequence still reads, shows up here."""
+        sched, bs = self.sched, self.sched.block_manager.block_size
+        joined = {s.seq_id for s in out.seqs if s.samples}
+        decoded = [sched.get(i) for i in self.rows.rows.seq_ids if i not in joined]
+        writes = [(seq, seq.num_computed_tokens - 1) for seq in decoded]  # each row feeds its last token
+        chunked = [(sched.get(s.seq_id), s) for s in out.seqs]
+        writes += [(seq, s.start_pos + i) for seq, s in chunked for i in range(len(s.token_ids))]
+        writers: dict[int, int] = {}
+        for seq, pos in writes:
+            block = seq.block_table[pos // bs]
+            assert writers.setdefault(block, seq.seq_id) == seq.seq_id, f"two sequences write block {block}"
+            self.kv.setdefault(block, {})[pos % bs] = seq.token_ids_range(pos, pos + 1)[0]
+        # Reads come after the step's writes (each layer writes the step's K/V, then attends), so a prefix
+        # another chunk of this very step computes is read right.
+        reads = [(seq, seq.num_computed_tokens) for seq in decoded] + [(seq, s.context_len) for seq, s in chunked]
+        for seq, context in reads:
+            tokens = seq.token_ids_range(0, context)
+            held = [self.kv.get(seq.block_table[p // bs], {}).get(p % bs) for p in range(context)]
+            assert held == tokens, f"seq {seq.seq_id} reads {held}, its tokens are {tokens}"
 
     def check_state(self) -> None:
         sched, bm = self.sched, self.sched.block_manager
-        held: list[int] = []
+        holders: dict[int, int] = {}
         num_live = 0
         for seq_id, seq in self.added.items():
             live = sched.get(seq_id)
@@ -497,18 +539,28 @@ class SimulatedEngine:
             num_live += 1
             assert live is seq and seq.output_token_ids == self.outputs[seq_id]
             if seq.status is SequenceStatus.WAITING:
-                assert seq.block_table == [] and seq.num_computed_tokens == 0
+                assert seq.block_table == [] and seq.num_computed_tokens == 0 and not seq.decoding
             else:
                 assert seq.status is SequenceStatus.RUNNING
-                assert seq.num_computed_tokens == seq.num_tokens - 1 < self.cfg.max_model_len
+                if seq.decoding:
+                    assert seq.num_computed_tokens == seq.num_tokens - 1 < self.cfg.max_model_len
+                else:  # prefilled up to num_computed_tokens, chunk by chunk
+                    assert 0 < seq.num_computed_tokens < seq.num_tokens and not seq.num_inflight
                 assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens)
-                held += seq.block_table
+                assert len(set(seq.block_table)) == len(seq.block_table)
+                for b in seq.block_table:
+                    holders[b] = holders.get(b, 0) + 1
         assert sched.num_waiting == len(self.waiting) and sched.num_waiting + sched.num_running == num_live
+        assert sched.num_prefilling <= 1  # admission waits for the budget and blocks the one before leaves
         assert all(sched.get(i).status is SequenceStatus.WAITING for i in self.waiting)
-        # No block leaked or shared: every held block has exactly one owner, the rest are free.
-        assert len(held) == len(set(held)) and len(held) + bm.num_free_blocks == bm.num_total_blocks
-        held_set = set(held)
-        assert all(bm.allocator.refcount(b) == (1 if b in held_set else 0) for b in range(bm.num_total_blocks))
+        # The pool's accounting is exact: each block's refcount is its number of holders; every other block is
+        # free or evictable (cached, held by nobody); only full cached blocks are shared.
+        alloc = bm.allocator
+        assert all(alloc.refcount(b) == holders.get(b, 0) for b in range(bm.num_total_blocks))
+        assert len(holders) + bm.num_free_blocks == bm.num_total_blocks
+        assert all(alloc.key_of(b) is not None for b, n in holders.items() if n > 1)
+        if not bm.enable_prefix_caching:
+            assert alloc.num_cached == 0 and all(n == 1 for n in holders.values())
         assert sched.num_preemptions == sum(s.num_preemptions for s in self.added.values())
 
 
@@ -518,7 +570,7 @@ def test_simulated_engine_keeps_every_invariant(workload, seed):
     # A seeded Random rather than st.randoms(): hypothesis' own randoms lean towards 0.0, which would
     # abort or stop nearly every sequence at once and hide preemption.
     sched = Scheduler(workload["config"], workload["cache"])
-    engine = SimulatedEngine(sched, random.Random(seed))
+    engine = SimulatedEngine(sched, random.Random(seed), workload["families"])
     arrivals = deque(workload["arrivals"])
     last_arrival = arrivals[-1][0] if arrivals else 0
     cfg = workload["config"]

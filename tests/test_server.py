@@ -468,6 +468,38 @@ def test_metrics_expose_vllm_style_names(server):
     assert ttft_count >= 1
 
 
+def test_cached_prompt_tokens_in_usage_and_metrics(server, reference):
+    """A prompt sent again finds its full blocks in the prefix cache: usage.prompt_tokens_details.cached_tokens
+    (completions, chat, streamed usage too) and the prefix-cache counters say so."""
+    vocab = reference.model_config.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(40)]  # 2 full blocks of 16 and 8 tokens
+    before = httpx.get(server.base_url + "/metrics").text
+    client = server.client()
+    first = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    again = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    messages = [{"role": "system", "content": "You answer in one line. " * 8}, {"role": "user", "content": "Hi"}]
+    chat = [client.chat.completions.create(model=MODEL, messages=messages, **GREEDY) for _ in range(2)]
+    assert chat[1].usage.prompt_tokens_details.cached_tokens >= 16
+    assert chat[1].usage.prompt_tokens_details.cached_tokens % 16 == 0
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                   stream_options={"include_usage": True}, **GREEDY))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == chat[1].usage.prompt_tokens_details.cached_tokens
+    server.wait_until_idle()
+    text = httpx.get(server.base_url + "/metrics").text
+    hits = 32 * 2 + 2 * chat[1].usage.prompt_tokens_details.cached_tokens + \
+        chat[0].usage.prompt_tokens_details.cached_tokens
+    assert _metric(text, "ostinato:prefix_cache_hits_total") - _metric(before, "ostinato:prefix_cache_hits_total") == hits
+    queries = 3 * 40 + 3 * chat[0].usage.prompt_tokens
+    assert _metric(text, "ostinato:prefix_cache_queries_total") - \
+        _metric(before, "ostinato:prefix_cache_queries_total") == queries
+
+
 def test_version(server):
     assert httpx.get(server.base_url + "/version").json()["version"]
 

@@ -70,7 +70,8 @@ def send(base_url: str, req: dict) -> dict:
 
 def test_soak_with_aborts_and_preemption(checkpoint):
     # 20 blocks of 16 tokens: 8 running sequences of up to ~9 blocks each cannot all fit, so some are preempted.
-    engine = LLMEngine(engine_args(checkpoint, num_kv_blocks=20, max_num_seqs=8))
+    # Steps of 16 tokens: prompts are prefilled in chunks beside the decodes; repeated prompts hit the prefix cache.
+    engine = LLMEngine(engine_args(checkpoint, num_kv_blocks=20, max_num_seqs=8, max_num_batched_tokens=16))
     server = GuardedServer(engine)
     requests = make_requests()
     try:
@@ -87,9 +88,11 @@ def test_soak_with_aborts_and_preemption(checkpoint):
           "KV blocks free at the end")
     assert elapsed < SOAK_SECONDS
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert stats.prefix_cache_hits > 0, "repeated prompts were meant to hit the prefix cache"
     assert aborted == sum(1 for r in requests if r["abort"])
 
-    solo = LLMEngine(engine_args(checkpoint))  # a pool large enough for one request: no preemption
+    # A pool large enough for one request (no preemption), whole prompts in one step, nothing cached.
+    solo = LLMEngine(engine_args(checkpoint, enable_prefix_caching=False))
     expected: dict[tuple[str, int], str] = {}
     for req, result in zip(requests, results):
         if req["abort"]:

@@ -18,15 +18,16 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from ostinato.attention import triton_paged  # noqa: E402
+from ostinato.attention import triton_common  # noqa: E402
 from ostinato.attention.base import AttentionMetadata  # noqa: E402
+from ostinato.attention.triton_decode import DecodeTuning, choose_num_splits  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
 from ostinato.errors import ConfigError  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(
-        not triton_paged._KERNELS_INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
+        not triton_common.KERNELS_INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda]),
 ]
 # Loose tolerances for 16-bit: probabilities are rounded to the value dtype before the P @ V dot.
@@ -114,8 +115,8 @@ def prefill_meta(cache: PagedCache, query_lens: list[int]) -> AttentionMetadata:
         max_context_len=int(cache.context_lens.max()))
 
 
-def backend_with(**tuning) -> TritonPagedBackend:
-    return TritonPagedBackend(TritonAttentionTuning(**tuning))
+def backend_with(**decode_tuning) -> TritonPagedBackend:
+    return TritonPagedBackend(TritonAttentionTuning(decode=DecodeTuning(**decode_tuning)))
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -166,25 +167,28 @@ def run_decode(device, dtype, context_lens, group, num_kv_heads=2, head_dim=64, 
     return out, reference_attention(q, cache, [1] * len(context_lens), scale)
 
 
-# partition_size 16 splits every context into many partitions (reduce kernel); 1024 is one partition.
+# 1 split: the split kernel writes the output (no reduce); 5 (not a power of two): slices of 16 tokens
+# merged by the reduce kernel, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("partition_size", [16, 1024])
-def test_decode_matches_reference(device, dtype, group, partition_size):
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_matches_reference(device, dtype, group, splits):
     out, ref = run_decode(device, dtype, [1, 15, 16, 17, 100, 200], group,
-                          backend=backend_with(partition_size=partition_size))
+                          backend=backend_with(splits=splits, block_n=16))
     assert_close_to_reference(out, ref, dtype)
 
 
-# 8191 tokens make 32 partitions of 256: the reduce kernel merges them in two chunks of 16. The
-# interpreter takes seconds for these, so the CPU runs one case; the GPU runs every dtype and group.
+# Contexts of thousands of tokens, slices of many tiles each. The interpreter takes seconds for these, so
+# the CPU runs one case; the GPU runs every dtype and group.
 @pytest.mark.parametrize("device,dtype,group", [pytest.param("cpu", torch.float32, 4, marks=DEVICES[0].marks)] + [
     pytest.param("cuda", dtype, group, marks=DEVICES[1].marks) for dtype in DTYPES for group in (1, 4)])
 def test_decode_long_contexts(device, dtype, group):
     num_kv_heads, head_dim = (4, 128) if device == "cuda" else (1, 64)
     context_lens = [1000, 8191] if device == "cpu" else [1, 1000, 8191, 17, 4096]
-    out, ref = run_decode(device, dtype, context_lens, group, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    backend = backend_with(splits=4) if device == "cpu" else None  # the GPU: the split count it chooses
+    out, ref = run_decode(device, dtype, context_lens, group, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          backend=backend)
     assert_close_to_reference(out, ref, dtype)
 
 
@@ -193,16 +197,16 @@ def test_decode_long_contexts(device, dtype, group):
 def test_decode_other_shapes(device, head_dim, block_size, group):
     # head_dim 40 and group 3 are not powers of two: the kernels pad and mask them.
     out, ref = run_decode(device, torch.float32, [3, 33, 70], group, num_kv_heads=1, head_dim=head_dim,
-                          block_size=block_size, backend=backend_with(partition_size=32))
+                          block_size=block_size, backend=backend_with(splits=3, block_n=16))
     assert_close_to_reference(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("partition_size", [16, 1024])
-def test_decode_zero_context_row_gives_zeros_not_nan(device, partition_size):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_zero_context_row_gives_zeros_not_nan(device, splits):
     cache = PagedCache([0, 20], num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32, device=device)
     q = torch.randn(2, 2, 16)
-    out = backend_with(partition_size=partition_size).decode(
+    out = backend_with(splits=splits, block_n=16).decode(
         q.to(device), cache.k_cache, cache.v_cache, decode_meta(cache), 0.25)
     assert torch.equal(out[0].cpu(), torch.zeros(2, 16))
     ref = reference_attention(q[1:], _only_seq(cache, 1), [1], 0.25)
@@ -216,13 +220,26 @@ def _only_seq(cache: PagedCache, seq: int) -> PagedCache:
     return view
 
 
-def test_decode_partitioning_depends_on_the_table_width_only():
-    backend = backend_with(partition_size=256, max_partitions=64)
-    assert backend.decode_partitioning(max_blocks_per_seq=4, block_size=16) == (256, 1)
-    assert backend.decode_partitioning(max_blocks_per_seq=17, block_size=16) == (256, 2)
-    assert backend.decode_partitioning(max_blocks_per_seq=512, block_size=16) == (256, 32)
-    # 128k tokens would need 512 partitions of 256: the partition grows instead.
-    assert backend.decode_partitioning(max_blocks_per_seq=8192, block_size=16) == (2048, 64)
+def test_split_count_fills_the_gpu_from_shapes_only():
+    tuning = DecodeTuning(block_n=32, programs_per_sm=2, max_splits=64)
+    # Batch 1, 8 kv heads, 132 SMs: 264 programs wanted, 8 per split -> 33 splits.
+    assert choose_num_splits(tuning, num_seqs=1, num_kv_heads=8, max_context=2048, num_sms=132) == 33
+    assert choose_num_splits(tuning, num_seqs=16, num_kv_heads=8, max_context=2048, num_sms=132) == 3
+    # A batch whose programs cover every SM: one split, so no reduce kernel.
+    assert choose_num_splits(tuning, num_seqs=17, num_kv_heads=8, max_context=2048, num_sms=132) == 1
+    assert choose_num_splits(tuning, num_seqs=64, num_kv_heads=8, max_context=2048, num_sms=132) == 1
+    # Never more slices than tiles in the widest context, nor than max_splits.
+    assert choose_num_splits(tuning, num_seqs=1, num_kv_heads=1, max_context=64, num_sms=132) == 2
+    assert choose_num_splits(tuning, num_seqs=1, num_kv_heads=1, max_context=1 << 20, num_sms=132) == 64
+    assert choose_num_splits(DecodeTuning(splits=7), 64, 8, 2048, 132) == 7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_with_the_chosen_split_count_at_batch_one(device):
+    # Batch 1 is where splitting matters; the CPU pretends to have 4 SMs, so this splits 8 ways.
+    out, ref = run_decode(device, torch.float32, [130], 2, num_kv_heads=1, head_dim=32,
+                          backend=backend_with(block_n=16))
+    assert_close_to_reference(out, ref, torch.float32)
 
 
 # ---- prefill ----------------------------------------------------------------------------------------------
@@ -251,7 +268,7 @@ def test_prefill_last_token_agrees_with_decode(device):
     query_lens, head_dim = [9, 40], 64
     cache = PagedCache([20, 40], 2, head_dim, 16, torch.float32, device, seed=5)
     q = torch.randn(sum(query_lens), 4, head_dim, generator=torch.Generator().manual_seed(6)).to(device)
-    backend = backend_with(partition_size=16)
+    backend = backend_with(splits=4, block_n=16)
     prefill_out = backend.prefill(q, cache.k_cache, cache.v_cache, prefill_meta(cache, query_lens), 0.125)
     last = torch.tensor([8, 48], device=device)
     decode_out = backend.decode(q[last], cache.k_cache, cache.v_cache, decode_meta(cache), 0.125)
@@ -263,7 +280,7 @@ def test_prefill_last_token_agrees_with_decode(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_torch_reference_backend(device):
     torch_ref = pytest.importorskip("ostinato.attention.torch_ref")
-    reference, triton_backend = torch_ref.TorchRefBackend(), backend_with(partition_size=32)
+    reference, triton_backend = torch_ref.TorchRefBackend(), backend_with(splits=3, block_n=16)
     query_lens = [4, 30, 1]
     # TorchRefBackend.decode multiplies zero probabilities by every slot of the table, so unused slots
     # must be finite for it (0 * NaN = NaN); a large filler still exposes a kernel reading past a context.
@@ -284,7 +301,7 @@ def test_matches_torch_reference_backend(device):
 # ---- errors and CUDA graphs ---------------------------------------------------------------------------------
 
 def test_cpu_tensors_without_interpreter_raise_a_config_error(monkeypatch):
-    monkeypatch.setattr(triton_paged, "_KERNELS_INTERPRETED", False)
+    monkeypatch.setattr(triton_common, "KERNELS_INTERPRETED", False)
     k = torch.zeros(1, 1, 16)
     cache = torch.zeros(2, 16, 1, 16)
     with pytest.raises(ConfigError, match="--attention-backend torch"):
@@ -292,18 +309,22 @@ def test_cpu_tensors_without_interpreter_raise_a_config_error(monkeypatch):
 
 
 def test_bad_tuning_arguments_raise_a_config_error():
-    with pytest.raises(ConfigError, match="partition_size must be a power of two"):
-        TritonAttentionTuning(partition_size=100)
-    with pytest.raises(ConfigError, match="decode_num_warps"):
-        TritonAttentionTuning(decode_num_warps=0)
+    with pytest.raises(ConfigError, match="block_n must be a power of two"):
+        DecodeTuning(block_n=100)
+    with pytest.raises(ConfigError, match="num_warps"):
+        DecodeTuning(num_warps=0)
+    with pytest.raises(ConfigError, match="splits"):
+        DecodeTuning(splits=0)
+    with pytest.raises(ConfigError, match="prefill_block_n must be a power of two"):
+        TritonAttentionTuning(prefill_block_n=48)
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("partition_size", [64, 4096])
-def test_decode_replays_in_a_cuda_graph_with_new_tables(partition_size):
+@pytest.mark.parametrize("splits", [1, 16, None])
+def test_decode_replays_in_a_cuda_graph_with_new_tables(splits):
     dtype, num_kv_heads, head_dim, block_size, group = torch.bfloat16, 2, 128, 16, 4
-    backend = backend_with(partition_size=partition_size)
+    backend = backend_with(splits=splits)
     first = PagedCache([5, 300, 1000, 64], num_kv_heads, head_dim, block_size, dtype, "cuda", seed=10,
                        spare_blocks=40, extra_width=10)
     # Static inputs at their captured shapes; every step copies into them.

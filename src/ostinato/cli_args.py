@@ -30,7 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, decode rows and prefill chunks together (default max(2048, "
+                        "--max-num-seqs)): a longer prompt is prefilled in chunks while running sequences decode")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -47,9 +49,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N GPUs (one process each, NCCL); under torchrun, the number of "
+                        "ranks (see README: Tensor parallelism)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap scheduling with the GPU: launch decode step n+1 before reading step n's tokens "
                         "(--no-async-scheduling waits for each step)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of full blocks of earlier requests' identical prefixes "
+                        "(--no-enable-prefix-caching computes every prompt whole)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

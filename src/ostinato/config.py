@@ -125,6 +125,9 @@ class ModelConfig:
         return ModelConfig.from_hf_dict(cfg)
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. num_blocks is the number of usable blocks (the runner adds one scratch block
@@ -132,6 +135,10 @@ class CacheConfig:
 
     block_size: int
     num_blocks: int
+    # Prefix caching (engine/blocks.py). The engine turns it on (EngineArgs.enable_prefix_caching, default on)
+    # and names the model and dtype in the salt, which keys a sequence's first block.
+    enable_prefix_caching: bool = False
+    prefix_cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -145,11 +152,20 @@ class SchedulerConfig:
         # Checked here, once, for configs from EngineArgs and configs built by hand alike.
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_model_len:
-            # Without chunked prefill a prompt (or a recompute) is fed in one step of up to max_model_len - 1.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every decode row runs every step and counts against the budget; a prompt is prefilled in chunks of
+            # what is left, so any budget >= max_num_seqs serves every prompt.
             raise ConfigError(
-                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
-                f"{self.max_model_len}: a long prompt could never be prefilled; raise it or lower --max-model-len")
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-num-seqs "
+                f"{self.max_num_seqs}: a step decodes up to max-num-seqs sequences, one token each; raise "
+                "--max-num-batched-tokens or lower --max-num-seqs")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split: tensor_parallel_size ranks (one process, one GPU each; runner/distributed.py)."""
+
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -271,6 +287,10 @@ class EngineArgs:
     tokenizer: str | None = None
     # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
     async_scheduling: bool = True
+    # Ranks the model is split over (one process and one GPU each); see runner/distributed.py.
+    tensor_parallel_size: int = 1
+    # Reuse the K/V of full blocks of earlier requests' identical prefixes (vLLM's name; default on).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -299,6 +319,12 @@ class EngineArgs:
              f"--max-cuda-graph-size must be >= 1, got {self.max_cuda_graph_size}"),
             (self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}"),
+            (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             f"--tensor-parallel-size must be an integer >= 1, got {self.tensor_parallel_size!r}"),
+            (self.tensor_parallel_size == 1 or self.cuda_graph_fallback == "error",
+             "--cuda-graph-fallback eager cannot be used with --tensor-parallel-size > 1: every rank must run "
+             "the same decode path, so a capture failure on any rank stops start-up; drop the flag or use "
+             "--enforce-eager"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -324,10 +350,16 @@ class EngineArgs:
             )
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or max(8192, max_len),
+            # Chunked prefill: a step's tokens (decode rows + prefill chunks). The default trades a little prefill
+            # efficiency for running decodes that never wait behind more than ~2k prompt tokens.
+            max_num_batched_tokens=self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                                     self.max_num_seqs),
             max_model_len=max_len,
             max_queued_requests=self.max_queued_requests,
         )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size)
 
     def graph_config(self, device_is_cuda: bool) -> GraphConfig:
         if self.enforce_eager or not device_is_cuda:

@@ -2,14 +2,16 @@
 
 engine/ (scheduler, engine) and runner/ both import this module and nothing of each other.
 
-A step is all-prefill or all-decode (decode steps stay one graph replay). The runner keeps the running
-sequences' decode rows for their whole life (runner/decode_batch.py), so a decode step says only what
-changed since the previous step:
+A step decodes every running sequence that holds a decode row (one token each: one graph replay) and
+prefills chunks of other sequences beside it (eager): kind "decode" (rows only), "prefill" (chunks only),
+"mixed" (both) or "idle". The runner keeps the running sequences' decode rows for their whole life
+(runner/decode_batch.py), so a step says only what changed since the previous step:
 - `left`: sequences whose rows must go (finished, aborted or preempted since the last step);
-- `new_blocks`: (seq_id, block) pairs appended to a block table for this step (a sequence crossed a block
-  boundary);
-- a prefill step's `seqs` are the sequences that join (a preempted sequence rejoins through a prefill).
-Every running sequence decodes in a decode step; `num_decode` says how many that is, as a check.
+- `new_blocks`: (seq_id, block) pairs appended to a decode row's block table for this step (a sequence
+  crossed a block boundary);
+- `seqs`: the prefill chunks. A chunk that reaches its sequence's last token (`samples`) is sampled, and
+  the sequence joins the decode batch after the step (a preempted sequence rejoins the same way).
+`num_decode` says how many rows decode, as a check.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from .sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """A sequence prefilled in this step: it joins the decode batch right after.
+    """A prefill chunk of one sequence in this step.
 
-    token_ids are the tokens fed (every token not yet in the cache). start_pos is the position of
-    token_ids[0], which equals the number of tokens already cached. block_table covers positions
-    [0, start_pos + len(token_ids)). The runner samples one token from the logits of the last fed token.
+    token_ids are the tokens fed (the next chunk of tokens not yet in the cache). start_pos is the position
+    of token_ids[0], which equals the number of tokens already cached (earlier chunks, or a prefix found in
+    the prefix cache). block_table covers positions [0, start_pos + len(token_ids)). When `samples`, the
+    chunk ends at the sequence's last token: the runner samples one token from its logits and the sequence
+    joins the decode batch; an earlier chunk only writes K/V.
     """
 
     seq_id: int
@@ -35,6 +39,7 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     sampling_params: SamplingParams
     num_generated: int  # tokens generated before this step (the seeded noise's counter)
+    samples: bool = True  # the last chunk: sample a token, join the decode batch
 
     @property
     def context_len(self) -> int:
@@ -45,18 +50,16 @@ class ScheduledSeq:
 class SchedulerOutput:
     """One step: what the runner computes and which of its decode rows changed."""
 
-    kind: str  # "prefill" | "decode" | "idle"
-    seqs: tuple[ScheduledSeq, ...] = ()  # prefill: the joining sequences
-    num_decode: int = 0  # decode: every running sequence, one token each
+    kind: str  # "prefill" | "decode" | "mixed" | "idle"
+    seqs: tuple[ScheduledSeq, ...] = ()  # prefill chunks
+    num_decode: int = 0  # every decode row, one token each
     left: tuple[int, ...] = ()  # seq ids whose rows go before this step
     new_blocks: tuple[tuple[int, int], ...] = ()  # (seq_id, block) appended before this step
     preempted_seq_ids: tuple[int, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
-        if self.kind == "decode":
-            return self.num_decode
-        return sum(len(s.token_ids) for s in self.seqs)
+        return self.num_decode + sum(len(s.token_ids) for s in self.seqs)
 
     @property
     def is_empty(self) -> bool:
@@ -73,7 +76,7 @@ class SampledToken(NamedTuple):
 
 @dataclass(frozen=True)
 class StepResult:
-    """The runner's answer: one sampled token per computed sequence, in the runner's row order."""
+    """The runner's answer: one sampled token per decode row (in row order), then one per sampled chunk."""
 
     seq_ids: list[int]
     token_ids: list[int]

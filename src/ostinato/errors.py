@@ -43,3 +43,7 @@ class EngineDeadError(OstinatoError):
 
 class EngineNotReadyError(OstinatoError):
     """The engine is still loading; retry once it is ready."""
+
+
+class TensorParallelError(OstinatoError):
+    """A tensor-parallel rank failed (its cause is in the message); every rank was stopped."""

@@ -100,7 +100,7 @@ def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, c
             # Plain tuples pickle several times faster than dataclasses; the prompt went out once, with "added".
             events.send(("step", [(o.request_id, [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
                                                   for c in o.outputs], o.finished, o.first_token_time,
-                                   o.finished_time) for o in outputs], time.monotonic()))
+                                   o.finished_time, o.num_cached_tokens) for o in outputs], time.monotonic()))
 
 
 def _pump(commands, inbox: queue.SimpleQueue) -> None:
@@ -337,13 +337,13 @@ class ProcessAsyncEngine:
     def _on_step(self, items: list, now: float) -> None:
         outputs, by_loop = [], defaultdict(list)
         with self._lock:
-            for request_id, comps, finished, first_token_time, finished_time in items:
+            for request_id, comps, finished, first_token_time, finished_time, num_cached in items:
                 pending = self._requests.get(request_id)
                 if pending is None:  # aborted in the front while the core was stepping
                     continue
                 out = RequestOutput(request_id, pending.prompt, pending.prompt_token_ids,
                                     [CompletionOutput(*c) for c in comps], finished, pending.arrival_time,
-                                    first_token_time, finished_time)
+                                    first_token_time, finished_time, num_cached)
                 outputs.append(out)
                 by_loop[pending.stream.loop].append((pending.stream, out))
                 if finished:

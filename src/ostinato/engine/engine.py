@@ -86,7 +86,7 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer) -
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from ..runner.runner import ModelRunner  # torch lives below this line of the dependency graph
+        from ..runner.tp_executor import make_runner  # torch lives below this line of the dependency graph
 
         self.args = args
         # An HF folder as given; a GGUF file or short name (e.g. smollm2-135m) dequantized into a cached folder.
@@ -96,9 +96,12 @@ class LLMEngine:
         self.scheduler_config = args.scheduler_config(self.model_config)
         self.served_model_name = args.served_model_name or Path(args.model).resolve().name
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        self.runner = ModelRunner(replace(args, model=str(self.model_dir)), self.model_config,
-                                  self.scheduler_config)
-        self.scheduler = Scheduler(self.scheduler_config, self.runner.cache_config)
+        self.runner = make_runner(replace(args, model=str(self.model_dir)), self.model_config,
+                                  self.scheduler_config)  # a TensorParallelRunner with --tensor-parallel-size > 1
+        # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
+        cache_config = replace(self.runner.cache_config, enable_prefix_caching=args.enable_prefix_caching,
+                               prefix_cache_salt=f"{self.model_dir}|{self.runner.dtype}")
+        self.scheduler = Scheduler(self.scheduler_config, cache_config)
         self._requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[int, tuple[_RequestState, _SeqState]] = {}
         self._seq_ids = itertools.count()
@@ -184,6 +187,12 @@ class LLMEngine:
             self.scheduler.abort(st.seq.seq_id)
             self._seq_owner.pop(st.seq.seq_id, None)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (also done at interpreter exit)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -195,10 +204,10 @@ class LLMEngine:
         if out.is_empty and not out.left and self._inflight is None:
             return []
         pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
-        if out.kind == "decode" and self.args.async_scheduling:
+        if out.num_decode and self.args.async_scheduling:  # a mixed step's chunks' tokens wait with the rows'
             ready = [self._inflight] if self._inflight is not None else []
             self._inflight = pending
-        else:  # a prefill (or idle) step reads what is in flight too: the next step starts from settled tokens
+        else:  # a prefill-only (or idle) step reads what is in flight too: the next step starts from settled tokens
             ready = [p for p in (self._inflight, pending) if p is not None]
             self._inflight = None
         now = time.monotonic()
@@ -282,7 +291,8 @@ class LLMEngine:
         else:
             comps = [self._whole(st) for st in state.seqs]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, state.finished,
-                             state.arrival_time, state.first_token_time, state.finished_time)
+                             state.arrival_time, state.first_token_time, state.finished_time,
+                             state.seqs[0].seq.num_cached_tokens or 0)
 
     @staticmethod
     def _whole(st: _SeqState) -> CompletionOutput:
@@ -331,4 +341,7 @@ class LLMEngine:
             graph_disabled_cause=self.runner.graph_disabled_cause,
             decode_batch_sizes=dict(g.steps_by_batch),
             max_num_seqs=self.scheduler_config.max_num_seqs,
+            ranks=tuple(self.runner.rank_health()) if hasattr(self.runner, "rank_health") else (),
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
         )

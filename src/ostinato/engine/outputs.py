@@ -42,6 +42,8 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Prompt tokens found in the prefix cache at admission (not recomputed), as vLLM's num_cached_tokens.
+    num_cached_tokens: int = 0
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -72,7 +74,7 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
     first_token_time = next((d.first_token_time for d in deltas if d.first_token_time is not None), None)
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                          [merged[i] for i in sorted(merged)], last.finished, last.arrival_time,
-                         first_token_time, last.finished_time)
+                         first_token_time, last.finished_time, last.num_cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,8 @@ class EngineStats:
     # Decode steps by their real batch size (graph and eager alike): the server's decode_batch_size histogram.
     decode_batch_sizes: dict[int, int] = field(default_factory=dict)
     max_num_seqs: int = 0
+    # Tensor parallelism: one {"rank", "alive", "error"} per rank (empty for a single rank); /health reads it.
+    ranks: tuple[dict, ...] = ()
+    # Prefix caching, in tokens (vLLM's counters): tokens of admitted sequences looked up, and found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

@@ -31,9 +31,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One generation stream: prompt tokens, generated tokens, and where its KV lives.
 
-    num_computed_tokens counts the tokens whose K/V are in the cache. After preemption (recompute)
-    the blocks are freed and num_computed_tokens drops to 0; the next prefill recomputes the prompt
-    and everything generated so far.
+    num_computed_tokens counts the tokens whose K/V are in the cache (or being written by a launched step).
+    After preemption (recompute) the blocks are freed and num_computed_tokens drops to 0; the next prefill
+    recomputes the prompt and everything generated so far, less what the prefix cache still holds.
     """
 
     seq_id: int
@@ -48,6 +48,15 @@ class Sequence:
     # Tokens sampled by a launched step whose value the engine has not read yet (overlapped scheduling:
     # 0 or 1). The scheduler plans with num_tokens + num_inflight.
     num_inflight: int = 0
+    # Chunked prefill: True once the chunk that reaches the last token is scheduled (the sequence then holds a
+    # decode row); False while its prompt (or a recompute) is still being prefilled, chunk by chunk.
+    decoding: bool = False
+    # Prefix caching (engine/blocks.py): the keys of its full blocks, computed once and kept (tokens only
+    # grow); how many leading blocks of block_table carry a key; the prompt tokens found cached at its first
+    # admission (None before it), as the OpenAI usage and RequestOutput.num_cached_tokens report them.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -58,13 +67,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_ids_from(self, pos: int) -> list[int]:
-        """Tokens at positions [pos, num_tokens), without building the whole prompt + output list: a decode
-        step asks for one token, and copying every token of every sequence each step would be O(length)."""
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) (end <= num_tokens): one chunk, one block or the token a decode step
+        feeds, without copying every token of the sequence (O(end - start), not O(length))."""
         n_prompt = len(self.prompt_token_ids)
-        if pos >= n_prompt:
-            return self.output_token_ids[pos - n_prompt:]
-        return self.prompt_token_ids[pos:] + self.output_token_ids
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
 
     @property
     def last_token_id(self) -> int:

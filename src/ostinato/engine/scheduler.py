@@ -1,41 +1,40 @@
-"""Continuous-batching scheduler: FCFS admission, all-prefill or all-decode steps, preemption by recompute.
+"""Continuous-batching scheduler: decodes every step, chunked prefill beside them, prefix caching, preemption.
 
 Pure Python (no torch import). It talks to the runner only through `SchedulerOutput` (ostinato/contract.py):
-the runner keeps every running sequence's decode row, so a decode step reports only what changed since
-the previous step (rows that left, block ids appended), never the sequences themselves.
+the runner keeps every decoding sequence's row, so a step reports only what changed since the previous step
+(rows that left, block ids appended) plus this step's prefill chunks.
 
-Policy, one `schedule()` call at a time:
+Policy, one `schedule()` call at a time, within a budget of max_num_batched_tokens tokens:
 
-1. Prefill first. Admit waiting sequences from the head of the queue, in arrival order, while
-   (a) running + admitted < max_num_seqs, (b) the step's prefill tokens stay within
-   max_num_batched_tokens and (c) blocks can be allocated for all of the sequence's tokens. The first
-   sequence that does not fit stops admission (no head-of-line skipping: a long prompt is never starved
-   by shorter ones behind it). A sequence preempted earlier is recomputed: its prefill feeds its prompt
-   and every token it had generated.
-2. Otherwise decode every running sequence: one token each, so the step is one CUDA-graph replay. A
-   sequence whose next position starts a new block needs one; when none is free, the most recently
-   admitted running sequence is preempted (recompute: its blocks are freed and it goes back to the
-   FRONT of the waiting queue, keeping its generated tokens). If that sequence is the one asking, it
-   leaves this step instead. The oldest running sequence therefore always makes progress: alone, it fits
-   (checked at start-up: num_blocks * block_size >= max_model_len).
-3. Nothing running and nothing admissible: an "idle" step.
+1. Decode first: every running sequence that holds a decode row gets one token (so running decodes are
+   never starved, whatever arrives: the step is one CUDA-graph replay plus the chunks below). A sequence
+   whose next position starts a new block needs one; when none is free, the most recently admitted running
+   sequence is preempted (recompute: its blocks are freed, its full computed blocks staying in the prefix
+   cache, and it goes back to the FRONT of the waiting queue, keeping its generated tokens). If that sequence
+   is the one asking, it leaves this step instead. The oldest running sequence therefore always makes
+   progress: alone, it fits (checked at start-up: num_blocks * block_size >= max_model_len).
+2. Then prefill chunks with what is left of the budget (decode rows count one token each): first the
+   running sequence still being prefilled (at most one: the newest), as far as the budget and the free
+   blocks allow (with no free block at all it waits; the decodes' preemptions above free blocks); then new
+   admissions from the head of the waiting queue, in arrival order, while seats
+   (max_num_seqs), budget and blocks for the first chunk last. The first that does not fit stops admission
+   (no head-of-line skipping). An admitted sequence starts after its cached prefix (the prefix cache's full
+   blocks of identical leading tokens; never its last token, whose logits are needed). A chunk that reaches
+   the last token is sampled and its sequence holds a decode row from the next step on.
+3. Nothing to compute: an "idle" step.
 
 Overlapped scheduling: schedule() may run before the previous step's tokens are read (update()). Each
-scheduled sequence counts one token in flight meanwhile (num_inflight), so block growth and positions are
+decoding sequence counts one token in flight meanwhile (num_inflight), so block growth and positions are
 planned as if it had landed. A sequence whose token in flight certainly ends it (max_tokens or
 max_model_len) is not decoded again: its row leaves at once and it waits, blocks held, for finish(). One
-that ends on EOS or a stop string cannot be foreseen and costs one wasted row in the step after.
+that ends on EOS or a stop string cannot be foreseen and costs one wasted row in the step after. A
+sequence preempted with a token in flight rejoins once that token is read.
 
 Known limits:
-- Prefill is preferred over decode, so a steady stream of arrivals delays the decodes of running
-  sequences (their inter-token latency grows while prompts keep arriving).
-- No chunked prefill: a prompt is prefilled in one step, so max_num_batched_tokens must be at least
-  max_model_len, and a long prompt's step stalls every running decode.
-- Admission reserves blocks only for the tokens present now, with no watermark: a sequence admitted
-  into a nearly full cache can force a preemption a few decode steps later.
+- Admission reserves blocks only for the first chunk, with no watermark: a sequence admitted into a nearly
+  full cache can force a preemption a few steps later.
 - Preemption is by recompute only (no swapping to host memory); a preempted sequence pays its prefill
-  again.
-- Decode steps are bounded by max_num_seqs, not by max_num_batched_tokens.
+  again, less what the prefix cache still holds of it.
 """
 
 from __future__ import annotations
@@ -67,7 +66,8 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         _check_configs(scheduler_config, cache_config)
-        self._block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size)
+        self._block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
+                                           cache_config.enable_prefix_caching, cache_config.prefix_cache_salt)
         self._waiting: deque[Sequence] = deque()  # FCFS; preempted sequences re-enter at the front
         self._running: list[Sequence] = []  # admission order: the last one is preempted first
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
@@ -140,53 +140,95 @@ class Scheduler:
         """Decide the next step (see the module docstring for the policy)."""
         assert all(s.num_inflight for s in self._finishing.values()), \
             "a sequence whose last token was read must be finished (engine: finish() at max_tokens / max_model_len)"
-        admitted = self._admit()
-        if admitted:
-            seqs = tuple(self._scheduled(s, s.num_computed_tokens) for s in admitted)
-            for seq in admitted:  # every token is fed: all cached once the step runs, one token in flight
-                seq.num_computed_tokens = seq.num_tokens
-                seq.num_inflight = 1
-            return SchedulerOutput("prefill", seqs, left=self._take_left())
-        if self._running:
-            return self._schedule_decode()
-        # With nothing running every block is free (once the finishing ones are finished), so the head can only
-        # fail to fit if it breaks the invariants add() checks; waiting for ever would hang the engine.
-        assert not self._waiting or self._finishing, f"seq {self._waiting[0].seq_id} can never be admitted"
-        return SchedulerOutput("idle", left=self._take_left())
+        preempted: list[int] = []
+        num_decode, new_blocks = self._schedule_decode(preempted)
+        budget = self.config.max_num_batched_tokens - num_decode
+        chunks = self._continue_prefills(budget)
+        budget -= sum(len(c.token_ids) for c in chunks)
+        chunks += self._admit(budget, preempted)
+        if not chunks and not num_decode:
+            # Nothing computable: only while finishing sequences hold the blocks the others wait for. Otherwise
+            # a sequence could never run and waiting for ever would hang the engine.
+            assert not (self._waiting or self._running) or self._finishing, "no sequence can ever be scheduled"
+            return SchedulerOutput("idle", left=self._take_left(), preempted_seq_ids=tuple(preempted))
+        kind = ("mixed" if num_decode else "prefill") if chunks else "decode"
+        return SchedulerOutput(kind, tuple(chunks), num_decode, left=self._take_left(),
+                               new_blocks=tuple(new_blocks), preempted_seq_ids=tuple(preempted))
 
     def _take_left(self) -> tuple[int, ...]:
         left, self._left = tuple(self._left), []
         return left
 
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        num_tokens = 0
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
+    def _continue_prefills(self, budget: int) -> list[ScheduledSeq]:
+        """The next chunk of the running sequence still being prefilled, if any, as far as the budget and the
+        free blocks allow. There is at most one, the newest: a sequence is admitted only with budget and a block
+        to spare, i.e. once the one before it has its last chunk (and a preempted one rejoins as the newest)."""
+        seq = self._running[-1] if self._running else None
+        if seq is None or seq.decoding or budget <= 0:
+            return []
+        bm = self._block_manager
+        room = bm.room(seq) - seq.num_computed_tokens
+        if room <= 0:
+            # Not one free block (the decoding sequences took them): it waits, holding its own, until one
+            # finishes or, needing a block itself, preempts the newest: this one.
+            return []
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget, room)
+        grown = bm.ensure_slots(seq, seq.num_computed_tokens + n)
+        assert grown
+        return [self._chunk(seq, n)]
+
+    def _admit(self, budget: int, preempted: list[int]) -> list[ScheduledSeq]:
+        chunks: list[ScheduledSeq] = []
+        bm, bs = self._block_manager, self._block_manager.block_size
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
             assert seq.num_tokens < self.config.max_model_len, _past_max_len(seq, self.config.max_model_len)
-            assert not seq.num_inflight, f"seq {seq.seq_id}: its last token was never resolved"
-            new_tokens = seq.num_tokens - seq.num_computed_tokens
-            if num_tokens + new_tokens > self.config.max_num_batched_tokens:
-                break
-            if not self._block_manager.can_allocate(seq):
+            if seq.num_inflight or seq.seq_id in preempted:
+                break  # preempted with its last token unread, or in this very step: it rejoins at a later step
+            hits = bm.cached_prefix(seq)
+            cached = len(hits) * bs
+            n = min(seq.num_tokens - cached, budget)
+            if not bm.can_admit(hits, cached + n):
                 break
             self._waiting.popleft()
-            self._block_manager.allocate(seq)
+            bm.admit(seq, hits, cached + n)
+            seq.num_computed_tokens = cached
+            if seq.num_cached_tokens is None:  # reported for the prompt, not for a recompute
+                seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
-            admitted.append(seq)
-            num_tokens += new_tokens
-        return admitted
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        return chunks
 
-    def _schedule_decode(self) -> SchedulerOutput:
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
+        """Feed seq's next n uncached tokens (its blocks cover them already); the chunk that reaches the last
+        token samples, and the sequence decodes from the next step on."""
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        samples = end == seq.num_tokens
+        chunk = ScheduledSeq(seq_id=seq.seq_id, token_ids=tuple(seq.token_ids_range(start, end)), start_pos=start,
+                             block_table=tuple(seq.block_table), sampling_params=seq.sampling_params,
+                             num_generated=len(seq.output_token_ids), samples=samples)
+        seq.num_computed_tokens = end
+        if samples:  # every token is cached once the step runs, one token in flight
+            seq.decoding = True
+            seq.num_inflight = 1
+        self._block_manager.commit(seq, end)
+        return chunk
+
+    def _schedule_decode(self, preempted: list[int]) -> tuple[int, list[tuple[int, int]]]:
+        """One token for every decoding sequence. Returns how many decode and the blocks their rows gain."""
         new_blocks: list[tuple[int, int]] = []
-        preempted: list[int] = []
         block_size, max_len = self._block_manager.block_size, self.config.max_model_len
+        num_decode = 0
         # Oldest first: the victim (the newest) is never one already placed in this step. Per sequence this
         # is O(1) unless it crosses a block boundary (once every block_size steps).
         i = 0
         while i < len(self._running):
             seq = self._running[i]
+            if not seq.decoding:  # still being prefilled: chunks come after the decodes
+                i += 1
+                continue
             # Tokens once the step in flight (if any) lands: num_computed_tokens counts every token fed so far
             # and the last one (sampled, maybe still in flight) is fed now.
             num_tokens = seq.num_computed_tokens + 1
@@ -199,6 +241,7 @@ class Scheduler:
             if num_tokens <= len(seq.block_table) * block_size:
                 seq.num_computed_tokens = num_tokens
                 seq.num_inflight += 1
+                num_decode += 1
                 i += 1
                 continue
             assert num_tokens < max_len, _past_max_len(seq, max_len)
@@ -214,20 +257,18 @@ class Scheduler:
                 new_blocks.extend((seq.seq_id, b) for b in seq.block_table[held:])
                 seq.num_computed_tokens = num_tokens
                 seq.num_inflight += 1
+                num_decode += 1
                 i += 1
         # A victim's blocks were reported only if it had grown earlier in this loop; its row leaves anyway.
         gone = set(preempted)
-        new_blocks = [nb for nb in new_blocks if nb[0] not in gone] if gone else new_blocks
-        if not self._running:  # every one is finishing: nothing to compute, their rows go
-            return SchedulerOutput("idle", left=self._take_left())
-        return SchedulerOutput("decode", num_decode=len(self._running), left=self._take_left(),
-                               new_blocks=tuple(new_blocks), preempted_seq_ids=tuple(preempted))
+        return num_decode, [nb for nb in new_blocks if nb[0] not in gone] if gone else new_blocks
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, re-queue at the front."""
         self._running.remove(seq)
-        self._block_manager.free(seq)
+        self._block_manager.free(seq)  # its full computed blocks stay cached (prefix caching) for its return
         seq.num_computed_tokens = 0
+        seq.decoding = False
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self._waiting.appendleft(seq)
@@ -240,18 +281,6 @@ class Scheduler:
                 "lower --max-num-seqs. Further preemptions are counted in the metrics.", seq.seq_id)
         else:
             logger.debug("preempted sequence %d (%d preemptions in total)", seq.seq_id, self._num_preemptions)
-
-    @staticmethod
-    def _scheduled(seq: Sequence, start_pos: int) -> ScheduledSeq:
-        """Feed every token from start_pos on (prefill: all not yet cached; decode: the last one)."""
-        return ScheduledSeq(
-            seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids_from(start_pos)),
-            start_pos=start_pos,
-            block_table=tuple(seq.block_table),
-            sampling_params=seq.sampling_params,
-            num_generated=len(seq.output_token_ids),
-        )
 
     def _ends(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the token in flight certainly ends seq (max_model_len or max_tokens reached)."""
@@ -282,6 +311,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._running) + len(self._finishing)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Running sequences whose prompt (or recompute) is still being prefilled, chunk by chunk (0 or 1)."""
+        return sum(1 for s in self._running if not s.decoding)
 
     @property
     def num_preemptions(self) -> int:

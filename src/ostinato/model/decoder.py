@@ -16,12 +16,14 @@ KV write and attention, where the torch ops take 13 (Llama) to 16 (Qwen3) plus t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
 from ..config import ModelConfig
 from .fused import TORCH_KERNELS, DecoderKernels, kernels_for
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from .parallel import SINGLE_RANK, RowParallelLinear, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, local_heads
 
 
 def projection_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -48,19 +50,21 @@ def fused_shards(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache; the cache itself belongs to the runner."""
+    """GQA self-attention over the paged KV cache; the cache itself belongs to the runner.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    Under tensor parallelism (model/parallel.py) a rank holds its own query and KV heads: num_heads and
+    num_kv_heads are this rank's, qkv_proj is column-parallel and o_proj row-parallel."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads, self.num_kv_heads = local_heads(config, tp.world_size)
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         self.backend = backend
         qkv_bias, o_bias = projection_biases(config)
-        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * config.head_dim, config.hidden_size, o_bias, tp)
         self.qk_norm = config.qk_norm
         self.norm_eps = config.rms_norm_eps
         if config.qk_norm:
@@ -78,7 +82,7 @@ class Attention(nn.Module):
             raise RuntimeError("call DecoderForCausalLM.bind_kv_caches() before forward()")
         num_tokens = hidden.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
-        heads = self.qkv_proj(hidden).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H + 2Hkv, D]
+        heads = kernels.linear(hidden, self.qkv_proj).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H+2Hkv, D]
         q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
         qk = kernels.qk_norm_rope(heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
@@ -87,7 +91,7 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = self.backend.prefill if meta.is_prefill else self.backend.decode
         out = attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, h * self.head_dim))
+        return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -102,12 +106,14 @@ class DecoderLayer(nn.Module):
     following norm's kernel. The first layer gets residual=None: its input is the residual.
     """
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        inter = config.intermediate_size // tp.world_size  # gate_up column-parallel, down row-parallel
+        self.mlp = SwiGLUMLP(config.hidden_size, inter,
+                             down_proj=RowParallelLinear(inter, config.hidden_size, False, tp))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope_cache: torch.Tensor, meta: AttentionMetadata,
@@ -122,29 +128,33 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(normed, positions, rope_cache, meta, kernels)
         norm = self.post_attention_layernorm
         normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(normed, kernels.silu_and_mul), residual
+        return self.mlp(normed, kernels), residual
 
 
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
 
 
 class DecoderForCausalLM(nn.Module):
-    """The model the runner drives: forward() to final hidden states, compute_logits() for sampled rows."""
+    """The model the runner drives: forward() to final hidden states, compute_logits() for sampled rows.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    `tp` places this instance in a tensor-parallel group (model/parallel.py): it then holds its rank's part
+    of every split weight, and forward / compute_logits return the same full result on every rank."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(config, backend, tp)
+        self.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.tie_weights()
         # Test hook: force a host sync inside forward so CUDA-graph capture must fail loudly.
@@ -190,7 +200,19 @@ class DecoderForCausalLM(nn.Module):
         return kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 for sampling and logprobs unless
-        float32=False (the decode graph keeps them in the model dtype: half the static output memory)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
+        """hidden [N, hidden_size] -> logits [N, vocab_size], float32 unless float32=False (model dtype).
+
+        Float32 logits come straight from the GEMM: 16-bit operands, float32 accumulation and output
+        (torch.mm's out_dtype on CUDA), never rounded to 16 bits. bf16 logits step by 0.125 near 16, so
+        two candidate tokens often tie exactly and greedy then picks by index; rounding first and
+        upcasting after cannot undo that. Measured on the H200 at M=1: as fast as the bf16 GEMM
+        (docs/PERFORMANCE.md, issue 11)."""
+        weight = self.lm_head.weight  # [vocab (this rank's rows under tensor parallelism), hidden]
+        if not float32 or hidden.dtype == torch.float32:
+            logits = self.lm_head(hidden)
+            return logits.float() if float32 else logits
+        if hidden.is_cuda:
+            local = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        else:  # CPU has no mixed-dtype mm: upcast (16-bit values are exact in float32; a transient copy)
+            local = F.linear(hidden.float(), weight.float())
+        return self.lm_head.assemble(local)  # the other ranks' rows, under tensor parallelism

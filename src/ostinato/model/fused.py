@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .gemv import small_batch_linear
 from .layers import apply_rope
 
 try:
@@ -326,10 +327,18 @@ class DecoderKernels:
                                  tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     qk_norm_rope: Callable[..., torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor]  # (x, layer) -> layer(x)
 
 
-TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref, qk_norm_rope_ref)
-TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and_mul, qk_norm_rope)
+def linear_ref(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    return layer(x)  # the module's own forward: a tensor-parallel layer's collective included
+
+
+TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref,
+                               qk_norm_rope_ref, linear_ref)
+# Projections: the Triton small-batch linear at the decode shapes where it beats cuBLAS (model/gemv.py).
+TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and_mul, qk_norm_rope,
+                                small_batch_linear)
 
 
 def kernels_for(device: torch.device) -> DecoderKernels:

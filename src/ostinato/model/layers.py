@@ -7,7 +7,6 @@ the number of kernels per decode step low, since inside a CUDA graph every kerne
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,15 +113,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (rows: gate then up).
 
-    `silu_and_mul` maps gate_up [T, 2I] to silu(gate) * up [T, I]; the decoder passes the torch or the
-    fused Triton version (model/fused.py), so the activation is written once, there.
+    `kernels` (model/fused.DecoderKernels) supplies `linear(x, layer)` and `silu_and_mul` (gate_up [T, 2I]
+    -> silu(gate) * up [T, I]): the torch or the Triton versions, so each is written once, there.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # Tensor parallelism passes a row-parallel down projection (model/parallel.py); same shape.
+        self.down_proj = down_proj if down_proj is not None else nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+    def forward(self, x: torch.Tensor, kernels: Any) -> torch.Tensor:
+        gate_up = kernels.linear(x, self.gate_up_proj)  # [T, 2I]
+        return kernels.linear(kernels.silu_and_mul(gate_up), self.down_proj)  # [T, I] -> [T, hidden]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from ..attention.base import AttentionBackend
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .decoder import DecoderForCausalLM, fused_shards
+from .parallel import SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of, placements
 
 logger = logging.getLogger(__name__)
 
@@ -81,21 +81,6 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
 
-def _checkpoint_name_to_target(config: ModelConfig) -> Callable[[str], tuple[str, int | None, int | None]]:
-    """Returns f(hf_name) -> (our parameter name, first row or None, row count or None)."""
-    shards = fused_shards(config)
-
-    def target(hf_name: str) -> tuple[str, int | None, int | None]:
-        module_path, _, leaf = hf_name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj, weight
-        parent, _, proj = module_path.rpartition(".")
-        if proj in shards:
-            fused, start, rows = shards[proj]
-            return f"{parent}.{fused}.{leaf}", start, rows
-        return hf_name, None, None
-
-    return target
-
-
 def _expected_checkpoint_names(model: DecoderForCausalLM) -> set[str]:
     """The HF tensor names the model needs (fused parameters expand into their HF parts)."""
     by_fused: dict[str, list[str]] = defaultdict(list)
@@ -131,20 +116,27 @@ def _safetensors_device(device: torch.device) -> str:
 
 
 def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               backend: AttentionBackend, progress: bool = True) -> DecoderForCausalLM:
-    """Build the decoder and fill it from `model_dir`'s safetensors files. Raises CheckpointError."""
+               backend: AttentionBackend, progress: bool = True, tp: TPGroup = SINGLE_RANK) -> DecoderForCausalLM:
+    """Build the decoder and fill it from `model_dir`'s safetensors files. Raises CheckpointError.
+
+    Under tensor parallelism (`tp`) only this rank's part of each split tensor is read from disk and placed
+    on `device` (model/parallel.py says which part), so no rank ever holds the whole model."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
-        model = DecoderForCausalLM(model_config, backend)
+        model = DecoderForCausalLM(model_config, backend, tp)
     if "lm_head.weight" not in files and not model.tied:
         logger.info("%s has no lm_head.weight: tying the output projection to embed_tokens", model_dir)
         model.tie_weights()
     _materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)
+    with torch.no_grad():  # the last rank's vocabulary padding rows are never loaded: keep them zero
+        for module in model.modules():
+            if isinstance(module, (VocabParallelEmbedding, VocabParallelLMHead)) and tp.world_size > 1:
+                module.weight.zero_()
 
     params = dict(model.named_parameters())
-    target = _checkpoint_name_to_target(model_config)
+    table = placements(model_config, tp)
     unexpected: list[str] = []
     loaded: set[str] = set()
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -159,12 +151,15 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
                     bar.update(1)
                     if hf_name.endswith(IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and model.tied):
                         continue  # a tied checkpoint may still store a copy of lm_head
-                    param_name, start, rows = target(hf_name)
-                    if param_name not in params:
+                    place = placement_of(hf_name, table, tp)
+                    if place.param not in params:
                         unexpected.append(hf_name)
                         continue
-                    dest = params[param_name] if start is None else params[param_name][start:start + rows]
-                    tensor = f.get_tensor(hf_name)
+                    tensor = place.read(f, hf_name)
+                    dest = params[place.param]
+                    if place.dest_start is not None:
+                        rows = place.src_end - place.src_start if place.src_dim == 0 else tensor.shape[0]
+                        dest = dest[place.dest_start:place.dest_start + rows]
                     if tensor.shape != dest.shape:
                         raise CheckpointError(
                             f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, the model built "

@@ -20,7 +20,7 @@ class PrefillInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    last_token_indices: torch.Tensor  # [num_seqs] int64: row of each sequence's last fed token
+    last_token_indices: torch.Tensor  # [num_sampled] int64: row of the last fed token of each chunk that samples
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -51,7 +51,8 @@ def build_prefill_inputs(out: SchedulerOutput, block_size: int, scratch_block: i
             slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
         query_lens.append(len(s.token_ids))
         context_lens.append(s.context_len)
-        last_rows.append(len(input_ids) - 1)
+        if s.samples:  # an earlier chunk of a prompt only writes K/V: no logits for it
+            last_rows.append(len(input_ids) - 1)
     width = max(len(s.block_table) for s in out.seqs)
     starts = [0]
     for q in query_lens:

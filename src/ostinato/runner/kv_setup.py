@@ -47,6 +47,12 @@ class KVSpec:
     num_kv_blocks: int | None  # --num-kv-blocks, or None to size from memory
     gpu_memory_utilization: float
     make_step: Callable[[DecodeLayout], DecodeStep]  # the decode step over a KV pool's layout
+    # Tensor parallelism: every rank's pool must hold the same blocks; this returns the smallest count any
+    # rank can hold (a collective, called once by every rank). None for a single rank.
+    agree_num_blocks: Callable[[int], int] | None = None
+    # "thread_local" under tensor parallelism: NCCL's watchdog thread queries events while this thread
+    # captures, which the global mode would count as an error; a host sync in the step still fails capture.
+    capture_error_mode: str = "global"
 
 
 @dataclass
@@ -114,12 +120,14 @@ def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[s
 
 def _profile_activation_peak(spec: KVSpec) -> int:
     """Peak bytes a worst-case prefill (max_num_batched_tokens tokens in max_model_len-long sequences) adds on
-    top of the weights, excluding the temporary KV pool it writes into."""
+    top of the weights, excluding the temporary KV pool it writes into. With chunked prefill a step's tokens may
+    be the last chunk of a max_model_len context, so each profiled chunk attends over that whole context."""
     sc = spec.scheduler_config
     tokens = sc.max_num_batched_tokens
     seq_len = min(sc.max_model_len, tokens)
     num_seqs = max(1, min(sc.max_num_seqs, tokens // seq_len))
-    per_seq = math.ceil(seq_len / spec.block_size)
+    context = max(seq_len, sc.max_model_len - 1)
+    per_seq = math.ceil(context / spec.block_size)
     tmp_blocks = num_seqs * per_seq
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -127,8 +135,8 @@ def _profile_activation_peak(spec: KVSpec) -> int:
     cache_bytes = torch.cuda.memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    seqs = tuple(ScheduledSeq(i, tuple([1] * seq_len), 0, tuple(range(i * per_seq, (i + 1) * per_seq)), params, 0)
-                 for i in range(num_seqs))
+    seqs = tuple(ScheduledSeq(i, tuple([1] * seq_len), context - seq_len, tuple(range(i * per_seq, (i + 1) * per_seq)),
+                              params, 0) for i in range(num_seqs))
     out = SchedulerOutput("prefill", seqs)
     with torch.inference_mode():
         inp = build_prefill_inputs(out, spec.block_size, tmp_blocks, spec.device)
@@ -167,7 +175,8 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     lines = []
     plan = None
     sizes = gc_cfg.capture_sizes
-    backend = CudaGraphBackend(spec.device) if sizes else None
+    mode = {} if spec.capture_error_mode == "global" else {"capture_error_mode": spec.capture_error_mode}
+    backend = CudaGraphBackend(spec.device, **mode) if sizes else None
     estimate = 0
     if spec.num_kv_blocks is not None:
         num_blocks = spec.num_kv_blocks
@@ -198,6 +207,11 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
                      f"{spec.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
                      f"graph estimate {estimate / 2**20:.0f} MiB)")
+    if spec.agree_num_blocks is not None:
+        fits = num_blocks
+        num_blocks = spec.agree_num_blocks(fits)
+        lines.append(f"KV blocks: this rank fits {fits}, every rank uses {num_blocks} (the smallest over the "
+                     "tensor-parallel ranks)")
     caches = allocate_kv_cache(spec, num_blocks)
     step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
                                      progress=spec.device.type == "cuda", backend=backend)

@@ -4,12 +4,28 @@ Prefill runs eager; its sequences then join the persistent decode batch (runner/
 step applies the step's changes to the rows (left, new blocks), copies the rows to the device once, and
 replays the graph of the smallest captured size >= batch (runner/graphs.py; eager, counted, above the largest
 size or when graphs are off), which samples inside; then one device-to-host copy of the tokens.
+
+The mixed step (decode rows + prefill chunks, chunked prefill). Two ways to run it:
+(a) the decode rows as their usual graph replay, then the chunks as one eager forward, on the same stream;
+(b) one eager forward over the rows' tokens and the chunks' tokens together.
+We run (a). It keeps the decode contract whole: the rows stay the persistent DecodeBatch, their input tokens
+stay placeholders resolved on the device, sampling stays inside the graph, overlapped scheduling goes on
+through mixed steps (a chunk that does not end its prompt needs no host sync at all), and greedy output does
+not depend on whether a prefill happened to run beside a decode. (b) saves one read of the weights per mixed
+step (the chunk's GEMMs read them anyway): for llama-3.1-8b about 3.6 ms at 4.13 TB/s, against a replay of
+~6-7 ms at batch 32, i.e. (a) costs roughly replay + chunk where (b) costs ~chunk. (b) would need the rows'
+placeholder resolution and in-graph sampling rebuilt eagerly, and the decode attention of the rows run through
+the prefill kernel. Under (a) the inter-token latency of running decodes during a long prefill is bounded by
+replay + the chunk's forward, so --max-num-batched-tokens is the knob: `ostinato bench chunked` measures it
+(tools/bench_prefill.py), and the same bench with `--max-num-batched-tokens` large enough for the whole
+prompt shows what one unchunked prefill costs the decodes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +34,7 @@ from ..config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, Schedule
 from ..contract import SampledToken, SchedulerOutput, StepResult
 from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
+from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
 from .decode_step import DecodeStep
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
@@ -52,8 +69,15 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig):
+    """One rank's runner. Under tensor parallelism (runner/tp_executor.py) every rank builds one with its
+    `tp` place and runs every step; `agree_num_blocks` then makes the KV pool the smallest any rank fits."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig,
+                 tp: TPGroup = SINGLE_RANK, agree_num_blocks: Callable[[int], int] | None = None):
         self.args = args
+        self.tp = tp
+        if tp.world_size > 1:  # the start-up self-check draws random rows: the same ones on every rank
+            torch.manual_seed(args.seed)
         self.model_config = model_config
         self.scheduler_config = scheduler_config
         self.device = pick_device(args.device)
@@ -61,7 +85,8 @@ class ModelRunner:
         self.backend = make_backend(args.attention_backend, self.device)
         self.block_size = args.block_size
         t0 = time.perf_counter()
-        self.model = load_model(args.model, model_config, self.dtype, self.device, self.backend)
+        self.model = load_model(args.model, model_config, self.dtype, self.device, self.backend,
+                                progress=tp.rank == 0, tp=tp)
         self.load_seconds = time.perf_counter() - t0
         self.weights_bytes = weights_nbytes(self.model)
         logger.info("loaded %s (%.2f GiB, %s) in %.1f s", args.model, self.weights_bytes / 2**30,
@@ -69,9 +94,10 @@ class ModelRunner:
         self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
         # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
         self.kv_spec = KVSpec(
-            self.model, model_config, scheduler_config, self.graph_config, self.device, self.dtype, self.block_size,
-            self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
-            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed))
+            self.model, rank_view(model_config, tp.world_size), scheduler_config, self.graph_config, self.device,
+            self.dtype, self.block_size, self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
+            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed),
+            agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global")
         setup = allocate_kv_and_graphs(self.kv_spec)
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
@@ -127,14 +153,14 @@ class ModelRunner:
     # ---- decode callable shared by graph capture, replay and the eager path -------------------------
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """One decode step up to the logits. [B] inputs -> [B, vocab] in the model dtype. Capturable.
+        """One decode step up to the logits. [B] inputs -> [B, vocab] float32. Capturable.
 
-        The logits stay in the model dtype: the graphs' shared static output is then 2 bytes per logit
-        (65 MB for a 128k vocabulary at batch 256, not 131 MB), and the float32 copy the sampler needs is
-        made outside the graph."""
+        Float32 straight from the lm_head GEMM (compute_logits): bf16 logits tie at steps of 0.125 and
+        greedy then flips on ties. It costs the graphs' shared static output 4 bytes per logit (131 MB for
+        a 128k vocabulary at batch 256, not 65 MB)."""
         meta = decode_metadata(slot_mapping, block_tables, context_lens)
         hidden = self.model(input_ids, positions, meta)  # [B, hidden]
-        return self.model.compute_logits(hidden, float32=False)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -143,33 +169,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> "PendingStep":
-        """Run a step. A decode step is launched and not waited for: its tokens are read by
-        PendingStep.result(), which may come after the next step was launched (overlapped scheduling)."""
+        """Run a step: its decode rows as one replay (launched, not waited for: its tokens are read by
+        PendingStep.result(), which may come after the next step was launched, i.e. overlapped scheduling),
+        then its prefill chunks eager (see the module docstring for why they run beside the replay)."""
         batch = self.decode_batch
         for seq_id in out.left:
             batch.leave(seq_id)
-        if out.kind == "prefill":
-            return PendingStep(self._prefill(out))
-        if out.kind != "decode":
-            return PendingStep(StepResult([], [], []))
         for seq_id, block in out.new_blocks:
             batch.add_block(seq_id, block)
         n = len(batch)
         assert n == out.num_decode, f"the scheduler decodes {out.num_decode} sequences, the runner holds {n}"
-        if _profiling():  # only then: the annotation costs a few microseconds per step
+        pending = PendingStep(StepResult([], [], []))
+        if n and _profiling():  # only then: the annotation costs a few microseconds per step
             with torch.profiler.record_function(f"ostinato.decode_step[{n}]"):
                 pending = self._launch_decode(n)
                 pending.result()  # inside the annotation: verify counts this step's launches
-                return pending
-        return self._launch_decode(n)
+        elif n:
+            pending = self._launch_decode(n)
+        if out.seqs:  # after the replay: sequences that finish their prefill join rows past the n decoded
+            pending.then(self._prefill(out))
+        return pending
 
-    def _prefill(self, out: SchedulerOutput) -> StepResult:
+    def _prefill(self, out: SchedulerOutput) -> StepResult | None:
+        """The step's prefill chunks in one eager forward; the chunks that end their prompt sample a token
+        (a host sync) and join the decode batch. None when no chunk samples (no sync at all)."""
         inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_seqs, vocab]
-        sampled = self.sampler(logits, self.sampler.prepare(out.seqs))
-        result = _result([s.seq_id for s in out.seqs], sampled)
-        for seq, tok in zip(out.seqs, result.tokens):
+        seqs = [s for s in out.seqs if s.samples]
+        if not seqs:
+            return None
+        logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_sampled, vocab]
+        sampled = self.sampler(logits, self.sampler.prepare(seqs))
+        result = _result([s.seq_id for s in seqs], sampled)
+        for seq, tok in zip(seqs, result.tokens):
             self.decode_batch.join(seq, tok.token_id)
         return result
 
@@ -197,15 +229,27 @@ class ModelRunner:
 
 
 class PendingStep:
-    """A launched step; result() waits for its tokens (once) and returns them."""
+    """A launched step; result() waits for its tokens (once) and returns them: the decode rows', then those of
+    the prefill chunks that sampled in the same step (`then`)."""
 
     def __init__(self, done: StepResult | None = None, seq_ids: list[int] | None = None,
                  sampled: SamplerOutput | None = None, host: torch.Tensor | None = None, event=None):
         self._done, self._seq_ids, self._sampled, self._host, self._event = done, seq_ids, sampled, host, event
+        self._then: StepResult | None = None
+
+    def then(self, chunks: StepResult | None) -> None:
+        """Append the tokens of the step's prefill chunks (known already: their sampling synced)."""
+        if chunks is None:
+            return
+        if self._done is not None:  # read already (profiling): append now
+            self._done = _concat(self._done, chunks)
+        else:
+            self._then = chunks
 
     @property
     def seq_ids(self) -> list[int]:
-        return self._done.seq_ids if self._done is not None else self._seq_ids
+        ids = self._done.seq_ids if self._done is not None else self._seq_ids
+        return ids + self._then.seq_ids if self._then is not None else ids
 
     def result(self) -> StepResult:
         if self._done is None:
@@ -214,7 +258,13 @@ class PendingStep:
             else:
                 self._event.synchronize()
                 self._done = _plain(self._seq_ids, self._host.tolist())
+            if self._then is not None:
+                self._done, self._then = _concat(self._done, self._then), None
         return self._done
+
+
+def _concat(a: StepResult, b: StepResult) -> StepResult:
+    return StepResult(a.seq_ids + b.seq_ids, a.token_ids + b.token_ids, a.tokens + b.tokens)
 
 
 def _plain(seq_ids: list[int], token_ids: list[int]) -> StepResult:

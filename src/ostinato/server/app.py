@@ -46,7 +46,7 @@ from .metrics import ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                        UsageInfo)
-from .streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events
+from .streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events, usage_of
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +203,7 @@ class BodyLimitMiddleware:
 # ---- output formatting -------------------------------------------------------------------------------------
 def _usage(out: RequestOutput) -> UsageInfo:
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return UsageInfo(prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion,
-                     total_tokens=len(out.prompt_token_ids) + completion)
+    return usage_of(len(out.prompt_token_ids), completion, out.num_cached_tokens)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -323,10 +322,13 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
         if not async_engine.is_ready:
             return JSONResponse({"status": "starting"}, status_code=503)
         stats = await async_engine.get_stats()
-        return JSONResponse({"status": "ok", "model": served_model_name,
-                             "cuda_graphs": async_engine.engine.graph_status,
-                             "cuda_graphs_enabled": stats.graphs_enabled,
-                             "captured_sizes": list(stats.captured_sizes)})
+        body = {"status": "ok", "model": served_model_name, "cuda_graphs": async_engine.engine.graph_status,
+                "cuda_graphs_enabled": stats.graphs_enabled, "captured_sizes": list(stats.captured_sizes)}
+        if stats.ranks:  # tensor parallelism: every rank must be alive to serve
+            body["ranks"] = list(stats.ranks)
+            if not all(r["alive"] for r in stats.ranks):
+                return JSONResponse({**body, "status": "dead"}, status_code=503)
+        return JSONResponse(body)
 
     @app.get("/version")
     async def version() -> dict:

@@ -65,6 +65,10 @@ class _EngineStatsCollector(Collector):
                       "(a prefill recomputed after preemption does not count again: see num_preemptions).",
                       s.prompt_tokens_total)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (every admission, a "
+                      "recompute after preemption included).", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their K/V not computed).",
+                      s.prefix_cache_hits)
         yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).", s.num_preemptions)
 
         steps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: one CUDA-graph replay "

@@ -24,7 +24,8 @@ from starlette.types import Receive, Scope, Send
 from ..engine.async_engine import EngineDeadError, RequestStream
 from ..engine.outputs import CompletionOutput
 from .protocol import (ChatChunkChoice, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
-                       CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, TopLogprob, UsageInfo)
+                       CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, TopLogprob,
+                       UsageInfo)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ class Formatter:
             content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+def usage_of(prompt: int, completion: int, cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def sse(payload: BaseModel) -> str:
@@ -121,10 +127,10 @@ async def choice_events(stream: AsyncIterator, writer: ChunkWriter, make_choice,
     for event in opening:
         yield event
     cursors: dict[int, ChoiceCursor] = {}
-    prompt_len = 0
+    prompt_len = cached = 0
     try:
         async for out in stream:
-            prompt_len = len(out.prompt_token_ids)
+            prompt_len, cached = len(out.prompt_token_ids), out.num_cached_tokens
             outputs = out.outputs
             if len(outputs) == 1:  # the common case: one completion, one chunk
                 c = outputs[0]
@@ -142,8 +148,7 @@ async def choice_events(stream: AsyncIterator, writer: ChunkWriter, make_choice,
         yield stream_error(e)
     if include_usage and cursors:
         completion = sum(c.num_tokens for c in cursors.values())
-        yield sse(make_chunk([], UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
-                                           total_tokens=prompt_len + completion)))
+        yield sse(make_chunk([], usage_of(prompt_len, completion, cached)))
     yield "data: [DONE]\n\n"
 
 

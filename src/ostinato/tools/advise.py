@@ -122,6 +122,8 @@ def _measure(args, workload: Workload) -> Measurements:
                           "anywhere from saved figures with --measurements FILE")
     if args.enforce_eager:
         raise ConfigError("advise compares graphs with eager; drop --enforce-eager")
+    if args.tensor_parallel_size != 1:  # it times prefill and graph captures on rank 0 alone
+        raise ConfigError("advise measures one GPU; drop --tensor-parallel-size (run it at size 1)")
     from ..cli_args import engine_args_from
     from ..engine.engine import LLMEngine
     from .advise_measure import measure

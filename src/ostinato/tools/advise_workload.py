@@ -8,13 +8,13 @@
 - a histogram of decode batch sizes, as a running server exports it (`ostinato:decode_batch_size` in
   /metrics): read from a URL or a saved /metrics text file.
 
-`simulate` plays a request workload through a model of the engine's scheduler (engine/scheduler.py):
-prefill first (admit waiting prompts in order while seats, KV blocks and max_num_batched_tokens allow; the
-prefill step samples each prompt's first token), otherwise one decode step of every running sequence. Its
-assumptions: a sequence reserves the KV blocks of its final length when admitted, so there is no preemption
+`simulate` plays a request workload through a model of the engine's scheduler (engine/scheduler.py): each
+step decodes every running sequence whose prompt is done, and prefills chunks with the rest of
+max_num_batched_tokens (first the prompts already started, then waiting prompts admitted in order while
+seats and KV blocks allow; the chunk that ends a prompt samples its first token). Its assumptions: a sequence reserves the KV blocks of its final length when admitted, so there is no preemption
 (the engine reserves as it grows and preempts instead: the model is a little pessimistic about concurrency
-when the cache is tight); every request runs to its output length (ignore_eos); step times come from a
-CostModel (measured, forward-only).
+when the cache is tight); no prefix is cached; every request runs to its output length (ignore_eos); step
+times come from a CostModel (measured, forward-only): a step costs its decode plus prefill_ms of each chunk.
 """
 
 from __future__ import annotations
@@ -244,44 +244,47 @@ def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], 
         done += 1
         if closed and len(arrivals) < len(reqs):  # that client sends its next request now
             arrivals.append(t)
+    prefilling: deque[list[int]] = deque()  # [request index, prompt tokens not yet fed], oldest first
     while done < len(reqs):
         while nxt < len(arrivals) and arrivals[nxt] <= t:
             waiting.append(nxt)
             nxt += 1
-        admitted, batch_tokens = [], 0
-        while waiting and running + len(admitted) < limits.max_num_seqs:
-            prompt, out, blocks = reqs[waiting[0]]
-            if batch_tokens + prompt > limits.max_num_batched_tokens or blocks > free:
+        budget = limits.max_num_batched_tokens - running
+        chunks: list[int] = []  # this step's chunk sizes
+        completed: list[int] = []  # requests whose prompt ends in this step
+        for entry in prefilling:
+            if budget <= 0:
                 break
-            admitted.append(waiting.popleft())
+            take = min(entry[1], budget)
+            entry[1] -= take
+            budget -= take
+            chunks.append(take)
+        while waiting and running + len(prefilling) < limits.max_num_seqs and budget > 0:
+            prompt, out, blocks = reqs[waiting[0]]
+            if blocks > free:
+                break
             free -= blocks
-            batch_tokens += prompt
-        if admitted:
-            prefill_steps += 1
-            dt = sum(prefill_ms(reqs[i][0]) for i in admitted) / 1e3
-            t += dt
-            prefill_s += dt
-            tokens += len(admitted)
-            for i in admitted:
-                prompt, out, blocks = reqs[i]
-                if out == 1:
-                    finished(blocks)
-                    continue
-                running += 1
-                sum_ctx += prompt + 1
-                heapq.heappush(finish, (step + out - 1, i))
-            continue
-        if not running:
+            take = min(prompt, budget)
+            prefilling.append([waiting.popleft(), prompt - take])
+            budget -= take
+            chunks.append(take)
+        while prefilling and prefilling[0][1] == 0:
+            completed.append(prefilling.popleft()[0])
+        if not chunks and not running:
             assert nxt < len(arrivals), "nothing running, waiting or due: the simulation would stall"
             t = max(t, arrivals[nxt])
             continue
-        dt = step_ms(running, sum_ctx / running) / 1e3
-        steps[running] = steps.get(running, 0) + 1
-        ctx_weighted += sum_ctx / running
-        t += dt
-        decode_s += dt
-        tokens += running
-        sum_ctx += running
+        dt_decode = step_ms(running, sum_ctx / running) / 1e3 if running else 0.0
+        dt_prefill = sum(prefill_ms(c) for c in chunks) / 1e3
+        if running:
+            steps[running] = steps.get(running, 0) + 1
+            ctx_weighted += sum_ctx / running
+            tokens += running
+            sum_ctx += running
+        prefill_steps += bool(chunks)
+        t += dt_decode + dt_prefill
+        decode_s += dt_decode
+        prefill_s += dt_prefill
         step += 1
         while finish and finish[0][0] <= step:
             _, i = heapq.heappop(finish)
@@ -289,6 +292,15 @@ def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], 
             running -= 1
             sum_ctx -= prompt + out
             finished(blocks)
+        tokens += len(completed)
+        for i in completed:  # sampled its first token; decodes from the next step on
+            prompt, out, blocks = reqs[i]
+            if out == 1:
+                finished(blocks)
+                continue
+            running += 1
+            sum_ctx += prompt + 1
+            heapq.heappush(finish, (step + out - 1, i))
     n_steps = sum(steps.values())
     return SimResult(t, prefill_s, decode_s, tokens, steps, ctx_weighted / n_steps if n_steps else 0.0, truncated,
                      prefill_steps)

@@ -29,6 +29,7 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG path: latency against batch size, with the floor")
     p.set_defaults(func=run)
 
 
@@ -73,7 +74,13 @@ def _decode_rows(runner, bs: int, context: int, gen):
 def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tuple[float, float | None]:
     """(eager, graph) milliseconds of one decode step (forward and in-graph sampling) on the engine's own
     decode rows: the copy of the rows to the device plus the replay, as LLMEngine.step makes them. Graph is
-    None above the largest captured size or with graphs off."""
+    None above the largest captured size or with graphs off. Under tensor parallelism every rank times the
+    same steps (their collectives pair up); rank 0's times are returned."""
+    if hasattr(runner, "call_all"):
+        import torch
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        return runner.call_all(f"{__name__}:replay_ms_seeded", bs, context, seed, iters, warmup)
     batch, step = runner.decode_batch, runner.decode_step
     batch.load_rows(_decode_rows(runner, bs, context, gen))
     try:
@@ -88,6 +95,13 @@ def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tu
         batch.load_rows(None)  # the rows go back to padding
         batch.copy_to_device(batch.layout.rows)
     return eager_ms, graph_ms
+
+
+def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmup: int):
+    """replay_ms with its random rows drawn from `seed`: what each tensor-parallel rank runs."""
+    import torch
+
+    return replay_ms(runner, bs, context, torch.Generator().manual_seed(seed), iters, warmup)
 
 
 def _load_hf(model_dir: str, dtype, device):
@@ -154,4 +168,13 @@ def run(args) -> int:
             json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
+    if args.plot:
+        from .bench_plots import latency_vs_batch
+
+        series = {"ostinato graph": [r["graph_ms"] for r in rows], "ostinato eager": [r["eager_ms"] for r in rows]}
+        if hf is not None:
+            series["HF eager"] = [r["hf_ms"] for r in rows]
+        latency_vs_batch([r["batch"] for r in rows], series, [r["floor_ms"] for r in rows],
+                         f"decode step, context {args.context}\n{args.model}", args.plot)
+        print(f"wrote {args.plot}")
     return 0

@@ -7,7 +7,9 @@ copy of the decode rows and one replay), so the Python around the graph shows as
 
 bench throughput: nano-vllm's workload: 256 sequences, prompt and output lengths uniform in [100, 1024],
 random prompt token ids, temperature 0.6, ignore_eos; output tokens per second of one LLM.generate call
-(after a short warm-up run).
+(after a short warm-up run), against the workload's floor (workload_floor_seconds): every decode step reads
+the weights once and the K/V of every running sequence, at the measured HBM bandwidth, and the prompts
+cost their matmul FLOPs (2 per weight per token, plus causal attention) at the measured 773 TFLOP/s.
 """
 
 from __future__ import annotations
@@ -37,7 +39,28 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG path: achieved vs floor output tokens per second")
     p.set_defaults(func=run_throughput)
+
+
+BF16_FLOPS_PER_S = 773e12  # dense bf16 GEMM measured on our H200 (DESIGN.md)
+
+
+def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: list[int],
+                           output_lens: list[int]) -> float:
+    """Seconds the workload needs at the bandwidth and FLOP ceilings, with every sequence decoded together
+    (the first output token comes from the prefill; sequence s then takes output_lens[s] - 1 decode steps)."""
+    from .bench import HBM_READ_BYTES_PER_S
+
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+    decode_bytes = 0
+    for t in range(max(output_lens, default=1) - 1):
+        running = [p + 1 + t for p, o in zip(prompt_lens, output_lens) if o - 1 > t]  # context of each row
+        decode_bytes += weights_read + kv_per_token * sum(running)
+    matmul_params = weights_read // itemsize
+    attention = 2 * mc.num_layers * mc.num_heads * mc.head_dim * sum(p * p for p in prompt_lens)  # QK^T + PV, causal
+    prefill_flops = 2 * matmul_params * sum(prompt_lens) + attention
+    return decode_bytes / HBM_READ_BYTES_PER_S + prefill_flops / BF16_FLOPS_PER_S
 
 
 def _sync() -> None:
@@ -108,13 +131,27 @@ def run_throughput(args) -> int:
     llm.generate(["warm-up"], SamplingParams(max_tokens=8))
     seconds = _generate_seconds(llm, prompts, params)
     out_tokens = sum(p.max_tokens for p in params)
+    runner = llm.engine.runner
+    mc = runner.model_config
+    untied_table = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size * runner.dtype.itemsize
+    floor_s = workload_floor_seconds(mc, runner.weights_bytes - untied_table, runner.dtype.itemsize,
+                                     [len(p) for p in prompts], [p.max_tokens for p in params])
     result = {"model": args.model, "num_seqs": args.num_seqs, "output_tokens": out_tokens,
               "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
-              "output_tokens_per_s": out_tokens / seconds, "graphs": llm.engine.graph_status,
+              "output_tokens_per_s": out_tokens / seconds, "floor_seconds": floor_s,
+              "floor_output_tokens_per_s": out_tokens / floor_s, "share_of_floor": floor_s / seconds,
+              "graphs": llm.engine.graph_status,
               "stats": {k: v for k, v in vars(llm.engine.stats()).items() if isinstance(v, (int, float))}}
     print(f"{out_tokens} output tokens in {seconds:.2f} s: {out_tokens / seconds:.0f} tok/s "
-          f"({result['prompt_tokens']} prompt tokens; graphs {llm.engine.graph_status})")
+          f"({result['prompt_tokens']} prompt tokens; graphs {llm.engine.graph_status}); floor "
+          f"{out_tokens / floor_s:.0f} tok/s: {100 * floor_s / seconds:.0f}% of it")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        from .bench_plots import bars
+
+        bars({"ostinato": out_tokens / seconds, "bandwidth/FLOP floor": out_tokens / floor_s}, "output tokens / s",
+             f"nano-vllm workload ({args.num_seqs} seqs)\n{args.model}", args.plot)
+        print(f"wrote {args.plot}")
     return 0

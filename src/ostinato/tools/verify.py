@@ -109,15 +109,44 @@ def default_batch_sizes(captured: tuple[int, ...], max_num_seqs: int) -> tuple[i
     return tuple(sorted(sizes))
 
 
-def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> list[StepCount]:
-    """Bring `bs` sequences to the decode phase, then profile `steps` decode steps for each batch size."""
-    import torch
+def profile_start(runner) -> None:
+    """Start torch.profiler on this rank (through call_all under tensor parallelism: on every rank)."""
     from torch.profiler import ProfilerActivity, profile
+
+    runner.verify_profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    runner.verify_profiler.__enter__()
+
+
+def profile_stop(runner, path: str) -> None:
+    """Stop this rank's profiler once its queued steps ran, and export its trace to `path`.rankN.json."""
+    import torch
+
+    torch.cuda.synchronize()
+    runner.verify_profiler.__exit__(None, None, None)
+    runner.verify_profiler.export_chrome_trace(f"{path}.rank{runner.tp.rank}.json")
+    del runner.verify_profiler
+
+
+def _on_every_rank(engine, target: str, *args) -> None:
+    """Run a function of this module on every rank: through call_all under tensor parallelism."""
+    runner = engine.runner
+    if hasattr(runner, "call_all"):
+        runner.call_all(f"{__name__}:{target}", *args)
+    else:
+        globals()[target](runner, *args)
+
+
+def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> dict[int, list[StepCount]]:
+    """Bring `bs` sequences to the decode phase, then profile `steps` decode steps for each batch size, on
+    every tensor-parallel rank (each rank writes its own trace; ranks share this host's file system).
+    Returns each rank's step counts."""
+    import torch
 
     from ..sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    events: list[dict] = []
+    world = getattr(engine.runner, "world_size", 1)
+    events: dict[int, list[dict]] = {rank: [] for rank in range(world)}
     for bs in batch_sizes:
         rids = [f"verify-{bs}-{i}" for i in range(bs)]
         for i, rid in enumerate(rids):
@@ -125,16 +154,16 @@ def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> l
         while engine.scheduler.num_waiting:  # prefill steps until every sequence decodes
             engine.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
+        _on_every_rank(engine, "profile_start")
+        for _ in range(steps):
+            engine.step()
         path = trace_path if len(batch_sizes) == 1 else trace_path.with_suffix(f".bs{bs}.json")
-        prof.export_chrome_trace(str(path))
-        events.extend(json.loads(Path(path).read_text())["traceEvents"])
+        _on_every_rank(engine, "profile_stop", str(path))
+        for rank in range(world):
+            events[rank].extend(json.loads(Path(f"{path}.rank{rank}.json").read_text())["traceEvents"])
         for rid in rids:
             engine.abort(rid)
-    return count_launches(events)
+    return {rank: count_launches(ev) for rank, ev in events.items()}
 
 
 def run(args) -> int:
@@ -155,12 +184,18 @@ def run(args) -> int:
         return 2
     trace = Path(args.trace) if args.trace else Path(tempfile.mkdtemp()) / "ostinato-verify.json"
     counts = profile_decode_steps(engine, sizes, args.steps, trace)
-    verdicts = judge(counts, st.captured_sizes, st.graphs_enabled)
     print(f"decode graphs: {engine.graph_status}; captured sizes: {list(st.captured_sizes)}")
-    print(format_table(verdicts))
-    missing = sorted(set(sizes) - {v.batch_size for v in verdicts})
-    if missing:
-        print(f"FAIL: no decode step was seen for batch sizes {missing}")
+    ok = True
+    for rank, rank_counts in counts.items():
+        verdicts = judge(rank_counts, st.captured_sizes, st.graphs_enabled)
+        if len(counts) > 1:
+            print(f"rank {rank}:")
+        print(format_table(verdicts))
+        missing = sorted(set(sizes) - {v.batch_size for v in verdicts})
+        if missing:
+            print(f"FAIL: no decode step was seen for batch sizes {missing}")
+        ok = ok and all(v.ok for v in verdicts) and not missing
     if args.trace:
-        print(f"trace written to {trace}")
-    return 0 if all(v.ok for v in verdicts) and not missing else 1
+        print(f"traces written to {trace}.rank*.json")
+    engine.shutdown()
+    return 0 if ok else 1

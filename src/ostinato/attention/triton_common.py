@@ -1,0 +1,78 @@
+"""Pieces shared by the Triton attention kernels (attention/triton_paged.py, attention/triton_decode.py):
+the paged-cache address arithmetic, the tl.dot wrapper for the interpreter, and host-side checks."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import ConfigError
+
+
+@triton.jit
+def paged_kv_offsets(block_tables_ptr, seq_row, toks, tok_mask, kv_head, stride_cache_block,
+                     stride_cache_tok, stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    """Element offsets (int64: a pool may exceed 2**31 elements) of tokens `toks` of one sequence,
+    kv head `kv_head`, in the paged cache. [BLOCK_N]"""
+    block = tl.load(block_tables_ptr + seq_row + toks // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    return block * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_tok + kv_head * stride_cache_head
+
+
+@triton.jit
+def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """tl.dot; UPCAST_DOT multiplies in fp32 instead (exact for 16-bit inputs, fp32 accumulation either
+    way). Set only under the interpreter, whose bf16 tl.dot multiplies raw bit patterns (triton 3.9)."""
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+# True when triton was imported with TRITON_INTERPRET=1: kernels then run on CPU tensors (tests, CI).
+KERNELS_INTERPRETED = type(dot).__name__ == "InterpretedFunction"
+LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_inputs(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Host-side attribute checks only (no sync), so they are safe inside a graph capture."""
+    if not x.is_cuda and not KERNELS_INTERPRETED:
+        raise ConfigError(
+            f"the triton attention backend runs on CUDA tensors, got {x.device}; use "
+            "--attention-backend torch on CPU (tests may set TRITON_INTERPRET=1 before importing triton)"
+        )
+    if x.dtype not in _SUPPORTED_DTYPES or k_cache.dtype != x.dtype:
+        raise ConfigError(
+            f"the triton attention backend supports float32, bfloat16 and float16 with a KV cache of the "
+            f"same dtype; got activations {x.dtype} and cache {k_cache.dtype}: pick one of those with --dtype"
+        )
+    # Internal invariants: the runner allocates both caches identically.
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1, "the KV cache's head_dim must be contiguous"
+
+
+def group_size(num_heads: int, num_kv_heads: int) -> int:
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
+
+
+def pad_dim(n: int, minimum: int = 16) -> int:
+    """Triton tiles are powers of two and tl.dot needs >= 16 along each dimension."""
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def contiguous_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dot_settings(dtype: torch.dtype) -> dict:
+    """The tl.dot constexprs of the attention kernels."""
+    # The interpreter's bf16 tl.dot is wrong (see _dot); multiply in fp32 there.
+    upcast = KERNELS_INTERPRETED and dtype == torch.bfloat16
+    return {
+        # fp32 inputs would default to TF32 on tensor cores (10-bit mantissa); keep fp32 exact.
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32",
+        "UPCAST_DOT": upcast,
+    }

@@ -1,0 +1,282 @@
+"""Rank 0 of a tensor-parallel engine: start the other ranks, send them every step, stop them all.
+
+`make_runner` is what the engine calls: a plain ModelRunner for one rank, else a TensorParallelRunner,
+which looks like a ModelRunner to the engine (same launch / properties; it wraps rank 0's own runner) and
+sends each SchedulerOutput to the workers before launching it locally (runner/distributed.py).
+
+Failure handling, so that no rank hangs:
+- a worker that fails reports its cause (one JSON line on its stdout) and exits; a thread here reads it,
+  stops the other workers, aborts the process group (a collective waiting on the dead rank returns an
+  error instead of hanging) and any call on this runner raises TensorParallelError with that cause;
+- if rank 0 stays stuck inside a collective anyway (a captured NCCL all-reduce cannot always be
+  interrupted), the process exits after $OSTINATO_TP_GRACE_S (default 30) seconds, naming the cause;
+- rank 0 failing (an exception here, Ctrl-C, SIGTERM, the process dying) stops the workers: shutdown()
+  terminates them, and each worker exits by itself when its parent is gone;
+- collectives and the rendezvous time out after $OSTINATO_TP_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from ..config import EngineArgs, ModelConfig, SchedulerConfig
+from ..errors import TensorParallelError
+from ..model.parallel import check_tp_size
+from .distributed import PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group, timeout_seconds
+from .runner import ModelRunner, pick_device
+from .distributed import BroadcastChannel
+from .tp_worker import engine_args_json, resolve_call, run_worker
+
+logger = logging.getLogger(__name__)
+
+
+def make_runner(args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig):
+    """The engine's runner: ModelRunner for --tensor-parallel-size 1, TensorParallelRunner above.
+
+    Under torchrun-style variables (RANK > 0) this process is a worker: it serves rank 0 until rank 0 stops,
+    then exits (SystemExit(0)), so the same command or script runs on every rank."""
+    size = args.parallel_config().tensor_parallel_size
+    if size == 1:
+        return ModelRunner(args, model_config, scheduler_config)
+    check_tp_size(model_config, size)
+    info = env_rank_info()
+    if info is not None and info.rank > 0:
+        check_world(info, size)
+        run_worker(args, info)
+        raise SystemExit(0)
+    return TensorParallelRunner(args, model_config, scheduler_config)
+
+
+class _Worker:
+    """A worker process we started, its step pipe and what it reported."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen):
+        self.rank, self.proc = rank, proc
+        self.steps = Connection(os.dup(proc.stdin.fileno()), readable=False)
+        proc.stdin.close()
+        self.error: str | None = None
+
+
+class TensorParallelRunner:
+    """Rank 0's runner plus the workers; the engine sees a ModelRunner (attributes are rank 0's)."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig):
+        self.world_size = args.tensor_parallel_size
+        self._workers: list[_Worker] = []
+        self._failure: str | None = None
+        self._busy = 0  # > 0 while the main thread is inside a call that may wait on other ranks
+        self._closed = False
+        self._owns_group = False
+        info = env_rank_info()
+        device_type = pick_device(args.device).type
+        try:
+            if info is None:  # we start the other ranks on this host
+                store = self._start_workers(args)
+                info = RankInfo(0, self.world_size, 0, True)
+                self._channel_for = lambda _group: PipeChannel(writers=[w.steps for w in self._workers])
+            else:  # torchrun-style: every rank runs this command; we are rank 0
+                check_world(info, self.world_size)
+                store = None
+                self._channel_for = lambda group: BroadcastChannel(group, 0)
+            with self._guard():
+                self._owns_group = not _group_exists()
+                tp, cpu_group = init_group(info, device_type, store)
+                self.runner = ModelRunner(args, model_config, scheduler_config, tp, lambda n: agree_min(n, cpu_group))
+            self.channel = self._channel_for(cpu_group)
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)  # a script or CLI command that never calls shutdown() stops every rank too
+
+    # ---- start-up ------------------------------------------------------------------------------------
+    def _start_workers(self, args: EngineArgs):
+        import torch.distributed as dist
+
+        # Port 0: the store picks a free port itself (no race with other processes picking one).
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
+                              timeout=_timedelta(timeout_seconds()))
+        port = store.port
+        src = str(Path(__file__).resolve().parents[2])  # the folder holding this ostinato package
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world_size),
+                   OSTINATO_TP_LAUNCHED="1", OSTINATO_TP_ARGS=engine_args_json(args),
+                   OSTINATO_LOG_LEVEL=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                   PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        for rank in range(1, self.world_size):
+            proc = subprocess.Popen([sys.executable, "-m", "ostinato.runner.tp_worker"],
+                                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
+            worker = _Worker(rank, proc)
+            self._workers.append(worker)
+            threading.Thread(target=self._watch, args=(worker,), name=f"ostinato-tp-watch-{rank}",
+                             daemon=True).start()
+        deadline = time.monotonic() + timeout_seconds()
+        keys = [f"ostinato/joined/{w.rank}" for w in self._workers]
+        while not store.check(keys):  # wait for every worker to reach the store, or for one to fail
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"the tensor-parallel workers did not start within {timeout_seconds():.0f} s "
+                                          "($OSTINATO_TP_TIMEOUT_S); see their log lines above")
+            time.sleep(0.01)
+        return store
+
+    def _watch(self, worker: _Worker) -> None:
+        """Read the worker's reports until it exits; a worker that exits before shutdown() is a failure."""
+        for line in worker.proc.stdout:
+            try:
+                worker.error = json.loads(line).get("error", worker.error)
+            except ValueError:
+                pass
+        code = worker.proc.wait()
+        if self._closed:
+            return
+        cause = worker.error or f"the process exited with code {code}"
+        self._fail(f"rank {worker.rank} failed: {cause}")
+
+    def _fail(self, cause: str) -> None:
+        if self._failure is not None:
+            return
+        self._failure = cause
+        logger.error("tensor parallelism: %s; stopping every rank", cause)
+        _stop_processes(self._workers)
+        try:  # a collective waiting for the dead rank now errors out instead of hanging
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # noqa: BLE001 - best effort; the grace exit below is the backstop
+            logger.warning("could not abort the process group: %s", e)
+        grace = float(os.environ.get("OSTINATO_TP_GRACE_S", "30"))
+        deadline = time.monotonic() + grace
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._busy:
+            logger.critical("tensor parallelism: rank 0 is still blocked %.0f s after %s; exiting", grace, cause)
+            os._exit(1)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise TensorParallelError(f"{self._failure}; every rank was stopped. Fix the cause and restart")
+
+    def _guard(self):
+        runner = self
+
+        class _Busy:
+            def __enter__(self):
+                runner._raise_if_failed()
+                runner._busy += 1
+
+            def __exit__(self, kind, exc, tb):
+                runner._busy -= 1
+                if exc is not None and runner._failure is None and kind is not KeyboardInterrupt:
+                    time.sleep(0.5)  # a rank's failure often reaches us as a collective error first
+                if exc is not None and runner._failure is not None:
+                    raise TensorParallelError(f"{runner._failure}; every rank was stopped. Fix the cause and "
+                                              "restart") from exc
+                return False
+
+        return _Busy()
+
+    # ---- what the engine calls -----------------------------------------------------------------------
+    def launch(self, out):
+        with self._guard():
+            self.channel.send(("step", out))
+            return _GuardedStep(self.runner.launch(out), self)
+
+    def execute(self, out):
+        return self.launch(out).result()
+
+    def call_all(self, target: str, *args: Any) -> Any:
+        """Run `target` ("module:function", taking the runner first) on every rank; rank 0's result."""
+        import torch
+
+        with self._guard(), torch.inference_mode():
+            self.channel.send(("call", target, args))
+            return resolve_call(target)(self.runner, *args)
+
+    def rank_health(self) -> list[dict]:
+        """Per rank: alive or not, and its failure cause. Ranks started by torchrun are not ours to watch: they
+        count as alive until a collective with them fails."""
+        ranks = [{"rank": 0, "alive": self._failure is None, "error": self._failure}]
+        for w in self._workers:
+            ranks.append({"rank": w.rank, "alive": w.proc.poll() is None, "error": w.error})
+        for rank in range(len(ranks), self.world_size):
+            ranks.append({"rank": rank, "alive": self._failure is None, "error": None})
+        return ranks
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent): a stop message, then SIGTERM, then SIGKILL."""
+        if self._closed:
+            return
+        self._closed = True
+        channel = getattr(self, "channel", None)
+        if channel is not None and self._failure is None:
+            try:
+                channel.send(("stop",))
+            except Exception:  # noqa: BLE001 - a worker already gone
+                pass
+        _stop_processes(self._workers, wait=5.0)
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            try:  # frees the group, so that this process can start another tensor-parallel engine
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - after an abort the group may be half torn down
+                logger.debug("destroy_process_group: %s", e)
+
+    def __getattr__(self, name: str):  # everything else is rank 0's runner's (graph state, KV config, ...)
+        if name == "runner":
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+
+class _GuardedStep:
+    """A PendingStep whose result() turns a rank's failure into TensorParallelError."""
+
+    def __init__(self, pending, owner: TensorParallelRunner):
+        self._pending, self._owner = pending, owner
+
+    @property
+    def seq_ids(self):
+        return self._pending.seq_ids
+
+    def result(self):
+        with self._owner._guard():
+            return self._pending.result()
+
+
+def _group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+def _stop_processes(workers: list[_Worker], wait: float = 2.0) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.terminate()
+    deadline = time.monotonic() + wait
+    for w in workers:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

@@ -1,0 +1,162 @@
+"""`ostinato bench kernels MODEL`: where a decode step's GPU time goes, per kernel class.
+
+For each batch size, B sequences sit at `--context` tokens (the decode rows of `ostinato bench`). The
+engine's decode step is launched eagerly under torch.profiler for `--steps` steps: these are the kernels
+the graph replays. Each CUDA kernel's device time is summed into its class (by kernel name) and divided by
+the steps. Beside it, the graph replay of the same step, measured in the same run: "share" is a class's
+time over the replay, and the replay minus the kernel sum is the gap between dependent kernels.
+
+Bytes per class, where the class has a clear count: attention reads the K and V of every context token
+(all layers); the KV write moves one token's K and V per row; projections read every linear weight once
+plus the lm_head. GB/s = bytes / time, and its share of the measured HBM read bandwidth.
+Writes a JSON report and a PNG bar chart (`--output-json`, `--plot`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from .bench import HBM_READ_BYTES_PER_S, _decode_rows, replay_ms
+
+# (class, name fragments): the first class with a fragment in the kernel's name (lower case) wins.
+KERNEL_CLASSES = (
+    ("attention", ("_decode_split_kernel", "_decode_reduce_kernel", "_decode_partition_kernel")),
+    ("kv write", ("_write_kv_kernel",)),
+    ("projections", ("_gemv_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("norms", ("_rms_norm_kernel",)),
+    ("q/k norm + rope", ("_qk_norm_rope_kernel",)),
+    ("silu * up", ("_silu_and_mul_kernel",)),
+)
+OTHER = "other (embedding, sampling, copies)"
+
+
+def classify(kernel_name: str) -> str:
+    lower = kernel_name.lower()
+    for cls, fragments in KERNEL_CLASSES:
+        if any(f in lower for f in fragments):
+            return cls
+    return OTHER
+
+
+def class_bytes(mc, itemsize: int, batch: int, context: int) -> dict[str, int]:
+    """Bytes each class must move per step (its floor), for the classes with a clear count."""
+    q_rows = mc.num_heads * mc.head_dim
+    kv_rows = mc.num_kv_heads * mc.head_dim
+    layer_weights = (mc.hidden_size * (q_rows + 2 * kv_rows) + q_rows * mc.hidden_size
+                     + 3 * mc.hidden_size * mc.intermediate_size)
+    kv_per_token = 2 * mc.num_layers * kv_rows * itemsize
+    return {
+        "attention": batch * (context + 1) * kv_per_token,
+        "kv write": batch * kv_per_token,
+        "projections": (mc.num_layers * layer_weights + mc.vocab_size * mc.hidden_size) * itemsize,
+    }
+
+
+def register(sub) -> None:
+    from ..cli_args import _int_list, add_engine_args
+
+    p = sub.add_parser("bench-kernels", help="decode-step GPU time per kernel class (torch.profiler)")
+    add_engine_args(p)
+    p.add_argument("--batch-sizes", type=_int_list, default=(1, 16, 64))
+    p.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
+    p.add_argument("--steps", type=int, default=5, help="profiled eager steps per batch size")
+    p.add_argument("--iters", type=int, default=50, help="timed graph replays per batch size")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG path for the kernel-breakdown bar chart")
+    p.set_defaults(func=run)
+
+
+def profile_step(runner, batch: int, context: int, steps: int, gen) -> dict[str, dict[str, float]]:
+    """kernel name -> {"us": device µs per step, "calls": launches per step} over `steps` eager steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    rows_host = _decode_rows(runner, batch, context, gen)
+    decode_batch, step = runner.decode_batch, runner.decode_step
+    decode_batch.load_rows(rows_host)
+    try:
+        rows = decode_batch.copy_to_device(batch)
+        for _ in range(2):
+            step(rows)  # warm-up: compilation and cuBLAS handles outside the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step(rows)
+            torch.cuda.synchronize()
+    finally:
+        decode_batch.load_rows(None)
+        decode_batch.copy_to_device(decode_batch.layout.rows)
+    kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"us": 0.0, "calls": 0.0})
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[event.name]
+            k["us"] += event.time_range.elapsed_us() / steps
+            k["calls"] += 1 / steps
+    return dict(kernels)
+
+
+def summarize(kernels: dict[str, dict[str, float]], nbytes: dict[str, int], replay_us: float | None) -> dict:
+    """Per class: µs, kernels, bytes, GB/s, HBM share, share of the replay; plus the totals and the gap."""
+    classes: dict[str, dict] = {}
+    for name, k in kernels.items():
+        c = classes.setdefault(classify(name), {"us": 0.0, "kernels": 0.0})
+        c["us"] += k["us"]
+        c["kernels"] += k["calls"]
+    for name, c in classes.items():
+        b = nbytes.get(name)
+        c["bytes"] = b
+        c["GBps"] = b / c["us"] / 1e3 if b and c["us"] else None
+        c["hbm_share"] = b / (c["us"] * 1e-6) / HBM_READ_BYTES_PER_S if b and c["us"] else None
+        c["share_of_replay"] = c["us"] / replay_us if replay_us else None
+    total = sum(c["us"] for c in classes.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:15]
+    return {"classes": classes, "kernel_us": total, "kernels_per_step": sum(c["kernels"] for c in classes.values()),
+            "replay_us": replay_us, "gap_us": replay_us - total if replay_us else None,
+            "top_kernels": [{"name": n[:120], "class": classify(n), **k} for n, k in top]}
+
+
+def run(args) -> int:
+    import torch
+
+    from ..cli_args import engine_args_from
+    from ..engine.engine import LLMEngine
+    from . import bench_plots
+
+    if not torch.cuda.is_available():
+        print("error: `ostinato bench kernels` profiles CUDA kernels; it needs a CUDA GPU")
+        return 2
+    engine = LLMEngine(engine_args_from(args))
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(0)
+    report = {"model": args.model, "dtype": str(runner.dtype), "context": args.context, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(), "graph_status": engine.graph_status, "batches": []}
+    with torch.inference_mode():
+        for bs in args.batch_sizes:
+            _, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, 10)
+            kernels = profile_step(runner, bs, args.context, args.steps, gen)
+            nbytes = class_bytes(runner.model_config, runner.dtype.itemsize, bs, args.context)
+            summary = summarize(kernels, nbytes, graph_ms * 1e3 if graph_ms else None)
+            report["batches"].append({"batch": bs, **summary})
+            print(f"batch {bs}: replay {_fmt(summary['replay_us'])} us, kernels {summary['kernel_us']:.0f} us "
+                  f"({summary['kernels_per_step']:.0f} per step), gap {_fmt(summary['gap_us'])} us")
+            for name, c in sorted(summary["classes"].items(), key=lambda kv: -kv[1]["us"]):
+                bw = f"{c['GBps']:6.0f} GB/s ({100 * c['hbm_share']:4.1f}% HBM)" if c["GBps"] else " " * 24
+                share = f"{100 * c['share_of_replay']:5.1f}%" if c["share_of_replay"] else "   -  "
+                print(f"  {name:36s} {c['us']:8.1f} us  {c['kernels']:5.0f} kernels  {bw}  {share} of replay")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        batches = [b["batch"] for b in report["batches"]]
+        names = sorted({n for b in report["batches"] for n in b["classes"]},
+                       key=lambda n: -sum(b["classes"].get(n, {"us": 0})["us"] for b in report["batches"]))
+        classes = {n: [b["classes"].get(n, {"us": 0.0})["us"] for b in report["batches"]] for n in names}
+        bench_plots.kernel_breakdown(batches, classes, [b["replay_us"] for b in report["batches"]],
+                                     f"decode step by kernel class, context {args.context}\n{args.model}", args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.0f}"

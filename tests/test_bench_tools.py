@@ -1,0 +1,84 @@
+"""The CPU-checkable parts of `bench kernels | peers | throughput` and their plots (the GPU runs are commands)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ostinato import cli
+from ostinato.tools import bench_plots
+from ostinato.tools.bench_engine import workload_floor_seconds
+from ostinato.tools.bench_kernels import OTHER, class_bytes, classify, summarize
+
+QWEN3_06B = types.SimpleNamespace(num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, hidden_size=1024,
+                                  intermediate_size=3072, vocab_size=151936)
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("_decode_split_kernel", "attention"), ("_decode_reduce_kernel", "attention"),
+    ("_write_kv_kernel", "kv write"), ("_gemv_kernel", "projections"),
+    ("nvjet_tst_64x8_64x16_2x1_v_bz_splitK_TNT", "projections"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(...)",
+     "projections"),
+    ("_rms_norm_kernel", "norms"), ("_qk_norm_rope_kernel", "q/k norm + rope"),
+    ("_silu_and_mul_kernel", "silu * up"),
+    ("void at::native::vectorized_elementwise_kernel<4, ...>", OTHER),
+])
+def test_kernel_names_fall_in_their_class(name, cls):
+    assert classify(name) == cls
+
+
+def test_class_bytes_count_weights_and_kv():
+    nbytes = class_bytes(QWEN3_06B, 2, batch=64, context=512)
+    # 28 layers x 8 kv heads x 128 x 2 (K and V) x 2 bytes = 114688 bytes per token, 513 tokens per row.
+    assert nbytes["attention"] == 64 * 513 * 114688
+    assert nbytes["kv write"] == 64 * 114688
+    # Qwen3-0.6B: 596M parameters with the tied table counted once; the projections read all but the norms.
+    assert 1.18e9 < nbytes["projections"] < 1.20e9
+
+
+def test_summary_shares_and_gap():
+    kernels = {"_decode_split_kernel": {"us": 30.0, "calls": 28}, "_gemv_kernel": {"us": 50.0, "calls": 56},
+               "nvjet_x": {"us": 20.0, "calls": 30}, "memcpy": {"us": 5.0, "calls": 1}}
+    s = summarize(kernels, {"attention": 3_000_000, "projections": 100_000_000}, replay_us=120.0)
+    assert s["kernel_us"] == pytest.approx(105.0) and s["gap_us"] == pytest.approx(15.0)
+    proj = s["classes"]["projections"]
+    assert proj["us"] == pytest.approx(70.0) and proj["kernels"] == 86
+    assert proj["GBps"] == pytest.approx(100e6 / 70e-6 / 1e9)
+    assert s["classes"]["attention"]["share_of_replay"] == pytest.approx(0.25)
+    assert s["classes"][OTHER]["GBps"] is None
+    assert s["top_kernels"][0]["name"] == "_gemv_kernel"
+
+
+def test_plots_write_png_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = [
+        bench_plots.latency_vs_batch([1, 16, 64], {"graph": [1.5, 1.9, None], "eager": [12.0, 12.1, 11.0]},
+                                     [0.3, 0.5, 1.2], "t", tmp_path / "lat.png"),
+        bench_plots.kernel_breakdown([1, 64], {"attention": [100.0, 900.0], "projections": [800.0, 700.0]},
+                                     [1500.0, None], "t", tmp_path / "k.png"),
+        bench_plots.bars({"a": 1.0, "b": None, "c": 3.0}, "ms", "t", tmp_path / "b.png", floor=0.5),
+    ]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workload_floor_counts_decode_reads_and_prefill_flops():
+    mc = types.SimpleNamespace(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2)
+    # Two sequences, prompts 3 and 1, outputs 3 and 1: decode steps t=0,1 for the first only.
+    # kv per token = 2*1*1*2*2 = 8 bytes; contexts 4 and 5 -> bytes = 2*1000 + 8*(4+5).
+    floor = workload_floor_seconds(mc, 1000, 2, [3, 1], [3, 1])
+    from ostinato.tools.bench import HBM_READ_BYTES_PER_S
+    from ostinato.tools.bench_engine import BF16_FLOPS_PER_S
+
+    flops = 2 * 500 * 4 + 2 * 1 * 1 * 2 * (9 + 1)
+    assert floor == pytest.approx((2000 + 72) / HBM_READ_BYTES_PER_S + flops / BF16_FLOPS_PER_S)
+
+
+@pytest.mark.parametrize("sub", ["kernels", "peers"])
+def test_bench_subcommands_are_spelled_like_the_others(sub, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", sub, "--help"])
+    assert exit_info.value.code == 0
+    assert f"bench-{sub}" in capsys.readouterr().out
