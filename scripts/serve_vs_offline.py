@@ -10,10 +10,14 @@ H200 (the issue's measurement):
     ostinato make-checkpoint /tmp/ck-qwen3-0.6b --shape qwen3-0.6b --dtype bfloat16
     PYTHONPATH=src python3 scripts/serve_vs_offline.py /tmp/ck-qwen3-0.6b -- --max-num-seqs 64 --max-model-len 1024
 
-CPU, with the forward replaced by a no-op (measures the Python around the model, server and offline alike):
+CPU, with the forward replaced by a no-op (tools/noop_forward.py: the Python around the model, server and offline
+alike), acting as an asynchronous GPU step of --noop-forward-ms (0: the host's ceiling):
 
-    PYTHONPATH=src python scripts/serve_vs_offline.py /tmp/ck-tiny --noop-forward -- --device cpu --dtype float32 \\
-        --max-num-seqs 64 --max-model-len 1024 --num-kv-blocks 2048
+    PYTHONPATH=src python scripts/serve_vs_offline.py /tmp/ck-tiny --noop-forward --noop-forward-ms 3 -- \\
+        --device cpu --dtype float32 --max-num-seqs 64 --max-model-len 1024 --num-kv-blocks 4096
+
+`--profile DIR` runs the server's event loop, its engine core and the load generator under cProfile and prints
+where each spends its time.
 """
 
 from __future__ import annotations
@@ -29,34 +33,19 @@ import time
 import urllib.request
 
 
-def _noop_forward() -> None:
-    """Replace the model step by a no-op that 'samples' each sequence's last fed token: everything around the
-    forward (scheduler, engine, outputs, server) still runs. With OSTINATO_NOOP_FORWARD_MS set, the no-op
-    sleeps that long (releasing the GIL, as a GPU step's wait does), so the engine steps at a GPU's pace
-    instead of racing ahead of the server with batches of one or two."""
-    from ostinato.runner import runner as runner_mod
-
-    delay = float(os.environ.get("OSTINATO_NOOP_FORWARD_MS", "0")) / 1000
-
-    def execute(self, out):
-        if delay:
-            time.sleep(delay)
-        return [runner_mod.SampledToken(token_id=s.token_ids[-1]) for s in out.seqs]
-
-    runner_mod.ModelRunner.execute = execute
-
-
 def _child_offline(ns, engine_argv: list[str]) -> None:
     from ostinato.cli_args import add_engine_args, engine_args_from
     from ostinato.engine.llm import LLM
     from ostinato.sampling_params import SamplingParams
     from ostinato.tools.bench_serve import make_prompts
 
-    if ns.noop_forward:
-        _noop_forward()
     p = argparse.ArgumentParser()
     add_engine_args(p)
     llm = LLM.from_engine_args(engine_args_from(p.parse_args([ns.model, *engine_argv])))
+    if ns.noop_forward:
+        from ostinato.tools import noop_forward
+
+        noop_forward.install(llm.engine, ns.noop_forward_ms)
     prompts = make_prompts(_bench_config(ns))
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts[:1], params)  # warm-up, as bench serve sends one request first
@@ -90,36 +79,49 @@ def _cpu_report(pid: int, before: dict[int, float], after: dict[int, float], tok
     return "CPU ms per 1k output tokens by server thread: " + ", ".join(parts)
 
 
-def _noop_engine(args):
-    """The server's engine factory under --noop-forward (module-level: the engine core process, started with
-    spawn, imports this script to find it)."""
-    from ostinato.engine.core_process import build_engine
+def _profiled_engine(args, factory, path: str):
+    """Build the engine with `factory` and profile the engine core's loop (its main thread) with cProfile until
+    the process exits (module-level: spawn pickles it into the core process)."""
+    import atexit
+    import cProfile
 
-    _noop_forward()
-    return build_engine(args)
+    engine = factory(args)
+    profile = cProfile.Profile()
+    atexit.register(lambda: (profile.disable(), profile.dump_stats(path)))
+    profile.enable()
+    return engine
 
 
 def _child_serve(ns, engine_argv: list[str]) -> None:
+    import functools
     import logging
 
     from ostinato.cli import build_parser
+    from ostinato.engine.core_process import build_engine
     from ostinato.server import app
-
-    try:
-        from ostinato.engine.core_process import build_engine
-    except ImportError:  # a tree from before the engine core process: the engine runs on a thread
-        if ns.noop_forward:
-            _noop_forward()
-        from ostinato.cli import main
-
-        sys.exit(main(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port), "--host", "127.0.0.1",
-                       *engine_argv]))
+    from ostinato.tools import noop_forward
 
     logging.basicConfig(level="WARNING")
     serve_ns = build_parser().parse_args(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port),
                                           "--host", "127.0.0.1", *engine_argv]
                                          + (["--engine-thread"] if ns.engine_thread else []))
-    sys.exit(app.run(serve_ns, engine_factory=_noop_engine if ns.noop_forward else build_engine))
+    factory = functools.partial(noop_forward.build_engine, step_ms=ns.noop_forward_ms) if ns.noop_forward \
+        else build_engine
+    if ns.profile and not ns.engine_thread:
+        factory = functools.partial(_profiled_engine, factory=factory, path=f"{ns.profile}/core.prof")
+    profile = None
+    if ns.profile:  # the server's main thread: the event loop (HTTP, JSON, streams)
+        import cProfile
+
+        profile = cProfile.Profile()
+    try:
+        sys.exit(profile.runcall(app.run, serve_ns, engine_factory=factory) if profile
+                 else app.run(serve_ns, engine_factory=factory))
+    except KeyboardInterrupt:  # how main() stops this child (uvicorn re-raises the SIGINT once it has shut down)
+        sys.exit(0)
+    finally:
+        if profile is not None:
+            profile.dump_stats(f"{ns.profile}/front.prof")
 
 
 def _bench_config(ns):
@@ -183,6 +185,9 @@ def main() -> int:
                    help="with --noop-forward: each step sleeps this long, like a GPU forward (e.g. 3.5)")
     p.add_argument("--engine-thread", action="store_true",
                    help="serve with the engine on a thread of the server's process (serve --engine-thread)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="cProfile the server's event loop (DIR/front.prof), its engine core (DIR/core.prof) and "
+                        "the load generator (DIR/client.prof), and print where each spends its time")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--child", choices=["offline", "serve"], help=argparse.SUPPRESS)
     ns = p.parse_args(own)
@@ -194,7 +199,10 @@ def main() -> int:
         return 0
 
     me = [sys.executable, os.path.abspath(__file__), *own]
-    os.environ["OSTINATO_NOOP_FORWARD_MS"] = str(ns.noop_forward_ms)  # the children (and the core) read it
+    if ns.profile:
+        os.makedirs(ns.profile, exist_ok=True)
+        ns.profile = os.path.abspath(ns.profile)
+        me += ["--profile", ns.profile]  # the server child profiles itself and its engine core
     res = subprocess.run([*me, "--child", "offline", "--", *engine_argv], check=True, stdout=subprocess.PIPE,
                          text=True)
     offline = json.loads(res.stdout.strip().splitlines()[-1])
@@ -210,19 +218,28 @@ def main() -> int:
         before = {pid: _thread_cpu(pid) for pid in pids}
         steps_before = _decode_steps(ns.port)
         client_cpu = time.process_time()
-        summary = asyncio.run(run_benchmark(_bench_config(ns)))
+        if ns.profile:
+            import cProfile
+
+            profile = cProfile.Profile()
+            summary = profile.runcall(asyncio.run, run_benchmark(_bench_config(ns)))
+            profile.dump_stats(f"{ns.profile}/client.prof")
+        else:
+            summary = asyncio.run(run_benchmark(_bench_config(ns)))
         client_cpu = time.process_time() - client_cpu
         steps = _decode_steps(ns.port) - steps_before
         cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
                      for pid in pids]
     finally:
-        server.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the signal once it has shut down: SIGINT's KeyboardInterrupt lets the server child's
+        # `finally` blocks run (they stop the engine core and write the profiles); SIGTERM would end it there.
+        server.send_signal(signal.SIGINT)
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
     print(format_table(summary))
-    if steps:  # counted by the model runner, so not under --noop-forward
+    if steps:
         print(f"server: {steps} decode steps, {summary['total_output_tokens'] / steps:.1f} output tokens per "
               "decode step (prefill steps give a token each too)")
     print(f"offline CPU ms per 1k output tokens: {1e6 * offline['cpu_s'] / offline['output_tokens']:.0f}")
@@ -234,7 +251,19 @@ def main() -> int:
     print(f"\nLLM.generate {offline['output_throughput']:.0f} tok/s | server {summary['output_throughput']:.0f} "
           f"tok/s (median ITL {summary['itl_ms']['median']:.2f} ms) | server/offline = {ratio:.2f} "
           f"(goal >= 0.85)")
+    if ns.profile:
+        _print_profiles(ns.profile)
     return 0 if summary["failed"] == 0 else 1
+
+
+def _print_profiles(folder: str, top: int = 25) -> None:
+    import pstats
+
+    for name in ("front", "core", "client"):
+        path = f"{folder}/{name}.prof"
+        if os.path.exists(path):
+            print(f"\n==== {name}: the {top} functions with the most own time ({path})")
+            pstats.Stats(path).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":

@@ -159,3 +159,66 @@ def test_a_failed_step_kills_the_engine_with_its_cause(args):
             core.shutdown(timeout=10)
 
     asyncio.run(main())
+
+
+def test_each_step_is_one_message_carrying_every_request_it_advanced(args):
+    """The core's protocol, in this process (no spawn): per engine step that gave outputs, exactly one "step"
+    message goes to the front, holding every request that got a token in it, with that step's new token ids."""
+    import threading
+
+    from ostinato.engine import core_process
+
+    n_requests, max_tokens = 4, 6
+    stop, steps_with_outputs, messages = threading.Event(), [], []
+
+    def counting_engine(engine_args):
+        engine = build_engine(engine_args)
+        step = engine.step
+
+        def counted():
+            outputs = step()
+            if outputs:
+                steps_with_outputs.append(sorted(o.request_id for o in outputs))
+            return outputs
+
+        engine.step = counted
+        return engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    commands = [("add", f"r{i}", [i + 1, i + 2, i + 3], params) for i in range(n_requests)]
+
+    class Commands:
+        def recv(self):
+            if commands:
+                return commands.pop(0)
+            stop.wait(60)
+            return ("stop",)
+
+    class Events:
+        finished = set()
+
+        def send(self, message):
+            messages.append(message)
+            if message[0] == "step":
+                self.finished.update(item[0] for item in message[1] if item[2])
+                if len(self.finished) == n_requests:
+                    stop.set()
+
+    previous = signal.getsignal(signal.SIGINT)  # the core ignores Ctrl-C; give pytest its handler back
+    try:
+        core_process._core_main(counting_engine, args, Commands(), Events())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    steps = [m for m in messages if m[0] == "step"]
+    # One message per step that gave outputs, holding exactly the requests that step advanced (the requests
+    # may join over the first steps, as the commands arrive).
+    assert [sorted(item[0] for item in m[1]) for m in steps] == steps_with_outputs
+    assert max(len(m[1]) for m in steps) == n_requests
+    tokens = {}
+    for m in steps:
+        for request_id, comps, *_ in m[1]:
+            ((_, _, token_ids, _, _),) = comps
+            assert len(token_ids) == 1
+            tokens.setdefault(request_id, []).extend(token_ids)
+    assert all(len(t) == max_tokens for t in tokens.values())

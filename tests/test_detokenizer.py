@@ -108,6 +108,33 @@ def test_incremental_text_equals_full_decode_for_random_ids(make_detok, byte_lev
         assert detok.text == byte_level.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("tokenizer_name", ["byte_level", "byte_fallback"])
+def test_decode_all_equals_appending_one_by_one(request, make_detok, tokenizer_name):
+    """LLM.generate's requests without stop strings decode their text once, at the end: it must be exactly the
+    text appending token by token gives, also where a character is split across tokens, left incomplete at
+    the end, or an invalid byte run makes the decoders disagree."""
+    tok = request.getfixturevalue(tokenizer_name)
+    rng = random.Random(1)
+    prompt = tok.encode("the fox", add_special_tokens=False)
+    byte_ids = one_token_per_byte(tok, MULTIBYTE_TEXT) if tokenizer_name == "byte_level" else \
+        [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in MULTIBYTE_TEXT.encode()]
+    cases = [tok.encode(MULTIBYTE_TEXT, add_special_tokens=False), byte_ids, byte_ids[:-1], byte_ids[:3] + prompt]
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))] for _ in range(100)]
+    text = " ".join(CORPUS)
+    cases += [tok.encode(text[i:i + rng.randrange(1, 60)], add_special_tokens=False) + [tok.eos_token_id] * (i % 2)
+              for i in (rng.randrange(len(text)) for _ in range(60))]
+    fast = 0
+    for ids in cases:
+        skip = rng.random() < 0.5
+        one_by_one = make_detok(prompt, skip_special_tokens=skip, tokenizer=tok)
+        want = "".join(one_by_one.append(t) for t in ids)
+        at_once = make_detok(prompt, skip_special_tokens=skip, tokenizer=tok)
+        assert at_once.decode_all(ids) == want == at_once.text, (ids, skip)
+        fast += at_once._stream is None and not at_once._stream_pending
+    if not isinstance(at_once.tokenizer, PythonOnlyTokenizer):  # a started DecodeStream tells the paths apart
+        assert len(cases) // 4 < fast < len(cases)  # both ran
+
+
 @pytest.mark.parametrize("split", ["encoded", "one_token_per_byte"])
 def test_multibyte_characters_never_stream_a_replacement_char(make_detok, byte_level, split):
     ids = byte_level.encode(MULTIBYTE_TEXT) if split == "encoded" else one_token_per_byte(byte_level, MULTIBYTE_TEXT)

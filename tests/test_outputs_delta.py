@@ -3,6 +3,7 @@ stop strings, logprobs); a stream never shows part of a stop string; and what th
 not grow with the length of the output."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -154,7 +155,7 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
 
     pytest.importorskip("fastapi")
     from ostinato.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-    from ostinato.server.app import _chat_events, _completion_events, _Formatter
+    from ostinato.server.streaming import Formatter, chat_events, completion_events
     from ostinato.server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
                                           CompletionResponse, DeltaMessage)
 
@@ -162,9 +163,11 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
         def decode(self, ids):
             return {5: "é", 6: " \"q\"\n", 7: "x"}[ids[0]]
 
-    fmt = _Formatter(Tokenizer())
+    fmt = Formatter(Tokenizer())
     steps = [RequestOutput("r", None, [1, 2], [CompletionOutput(0, "é", [5], None, [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)])])],
                            False, 0.0),
+             RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [7], None, [TokenLogprob(7, -2.0, [(7, -2.0)])])],
+                           False, 0.0),  # no text yet (a special token, or part of a character): content null
              RequestOutput("r", None, [1, 2], [CompletionOutput(0, ' "q"\n', [6], "stop", [TokenLogprob(6, -0.25, [(6, -0.25)])])],
                            True, 0.0)]
 
@@ -176,7 +179,7 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
         return [e async for e in events]
 
     for want_lp in (False, True):
-        got = asyncio.run(lines(_completion_events(stream(), "cmpl-1", "m", fmt, want_lp, False)))
+        got = asyncio.run(lines(completion_events(stream(), "cmpl-1", "m", fmt, want_lp, False)))
         offset = _ChoiceCursorLike()
         for event, out in zip(got, steps):
             (c,) = out.outputs
@@ -186,11 +189,11 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
             created = json.loads(event[len("data: "):])["created"]
             assert event == f"data: {model.model_copy(update={'created': created}).model_dump_json()}\n\n"
         assert got[-1] == "data: [DONE]\n\n"
-        got = asyncio.run(lines(_chat_events(stream(), "chat-1", "m", fmt, want_lp, 1, False)))[1:]  # after the role
+        got = asyncio.run(lines(chat_events(stream(), "chat-1", "m", fmt, want_lp, 1, False)))[1:]  # after the role
         for event, out in zip(got, steps):
             (c,) = out.outputs
             model = ChatCompletionChunk(id="chat-1", model="m", choices=[
-                ChatChunkChoice(index=0, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                ChatChunkChoice(index=0, delta=DeltaMessage(content=c.text or None), finish_reason=c.finish_reason,
                                 logprobs=fmt.chat_logprobs(c) if want_lp else None)])
             created = json.loads(event[len("data: "):])["created"]
             assert event == f"data: {model.model_copy(update={'created': created}).model_dump_json()}\n\n"
@@ -201,3 +204,91 @@ class _ChoiceCursorLike:
 
     num_tokens = 0
     text_offset = 0
+
+
+def test_final_only_decodes_text_once_unless_stop_strings_need_it(llm, monkeypatch):
+    """Counts calls, not time: a FINAL_ONLY request (LLM.generate's) without stop strings is never detokenized
+    per step, only once when it finishes (with logprobs too, and for each of n completions); with stop strings
+    every token is, since any token may complete one. Either way the text is what DELTA streams."""
+    appends, wholes = [], []
+    real_append, real_all = detok_mod.IncrementalDetokenizer.append, detok_mod.IncrementalDetokenizer.decode_all
+    monkeypatch.setattr(detok_mod.IncrementalDetokenizer, "append",
+                        lambda self, t: appends.append(t) or real_append(self, t))
+    monkeypatch.setattr(detok_mod.IncrementalDetokenizer, "decode_all",
+                        lambda self, ids: wholes.append(len(ids)) or real_all(self, ids))
+    params = SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=25, ignore_eos=True, logprobs=1)
+    engine = llm.engine
+    engine.add_request("final-no-stop", [4, 5, 6], replace(params, output_kind=FINAL))
+    steps, final = 0, []
+    while not final:
+        final = engine.step()
+        steps += 1
+        assert final or not appends  # no text while it runs
+    assert steps >= 25 and wholes == [25, 25]  # then each completion's text, once
+    (final,) = final
+    appends.clear()
+    deltas = _run(engine, "delta-same", [4, 5, 6], replace(params, output_kind=DELTA))
+    assert len(appends) == 50  # a stream needs each token's text
+    assert [c.text for c in merge_deltas(deltas).outputs] == [c.text for c in final.outputs]
+    appends.clear()
+    wholes.clear()
+    stop = final.outputs[0].text[-3:]
+    (stopped,) = _run(engine, "final-stop", [4, 5, 6], replace(params, output_kind=FINAL, stop=[stop]))
+    assert not wholes and len(appends) == sum(len(c.token_ids) for c in stopped.outputs)  # text every token
+
+
+def _scripted_engine(path):
+    """A tiny engine whose no-op forward 'samples' a scripted token sequence (tools/noop_forward.py): the text
+    is then known, multi-byte characters split across tokens included."""
+    from ostinato.config import EngineArgs
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.tools import noop_forward
+
+    engine = LLMEngine(EngineArgs(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+                                  max_model_len=256, max_num_seqs=4))
+    noop_forward.install(engine)
+    runner = engine.runner
+
+    def play(token_ids):
+        tokens = iter(token_ids[1:])
+        runner.model._logits.zero_()
+        runner.model._logits[:, token_ids[0]] = 1.0  # the prefill's token
+        logits = runner.model._logits
+
+        def step(**inputs):
+            runner.decode_step.sampled.fill_(next(tokens, token_ids[-1]))
+            return logits[: next(iter(inputs.values())).shape[0]]
+
+        runner.graphs.fn = step
+
+    return engine, play
+
+
+def test_deltas_join_into_the_final_text_with_split_characters_and_a_stop_string(tmp_path):
+    """One token per byte of a text full of multi-byte characters: DELTA pieces never hold half a character or
+    part of the stop string, join into exactly the final text, and the final text of a FINAL_ONLY request (one
+    decode at the end, or token by token with stop strings) is the same."""
+    from tokenizers import pre_tokenizers
+
+    make_checkpoint(tmp_path, shape="tiny", family="llama", seed=3)
+    engine, play = _scripted_engine(tmp_path)
+    text = "café 漢字 🎉 naïve 🚀 fin"
+    [(mapped, _)] = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text)
+    ids = [engine.tokenizer.convert_tokens_to_ids(c) for c in mapped]
+    assert len(ids) == len(text.encode()) and engine.tokenizer.unk_token_id not in ids
+    for stop, want in (((), text), (("🚀",), text[: text.index("🚀")]), (("ve 🚀",), text[: text.index("ve 🚀")])):
+        texts = {}
+        for kind in (DELTA, FINAL):
+            play(ids)
+            params = SamplingParams(temperature=0.0, max_tokens=len(ids), ignore_eos=True, stop=list(stop),
+                                    output_kind=kind)
+            outs = _run(engine, f"{kind.value}-{len(stop)}-{want[-2:]}", [5, 6, 7], params)
+            if kind is DELTA:
+                pieces = [c.text for o in outs for c in o.outputs]
+                assert len(pieces) > 3 and all("\ufffd" not in p for p in pieces)
+                shown = ""
+                for piece in pieces:
+                    shown += piece
+                    assert want.startswith(shown)  # nothing shown is taken back, no stop string leaks
+            texts[kind] = merge_deltas(outs).outputs[0].text
+        assert texts[DELTA] == texts[FINAL] == want, (stop, texts)

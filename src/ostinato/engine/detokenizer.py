@@ -62,16 +62,10 @@ class IncrementalDetokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         # Context tokens, then every output token: what the offsets fallback decodes windows of.
         self._ids: list[int] = list(self._prompt_context(prompt_token_ids))
+        self._num_context = len(self._ids)
+        # The DecodeStream is made and primed at the first append: decode_all() never needs one.
         self._stream = None
-        if _HAS_DECODE_STREAM and self._backend is not None:
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-            try:  # prime the stream with the context; the prompt's own text is not output
-                for token_id in self._ids:
-                    self._stream.step(self._backend, token_id)
-            except Exception as e:
-                if _INVALID_PREFIX_MSG not in str(e):
-                    raise
-                self._stream = None
+        self._stream_pending = _HAS_DECODE_STREAM and self._backend is not None
         # Text is complete up to this index of _ids (the prompt context counts as emitted).
         self._read_offset = len(self._ids)
         # Window start for the offsets fallback: a few tokens before _read_offset.
@@ -94,15 +88,55 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str:
         """Add one generated token; return the text it completed (possibly "")."""
+        if self._stream_pending:
+            self._start_stream()
         self._ids.append(token_id)
         new_text = self._stream_step(token_id) if self._stream is not None else self._offsets_step()
         if new_text:
             self._pieces.append(new_text)
-        return new_text
+            return new_text
+        return ""
 
     @property
     def text(self) -> str:
         return "".join(self._pieces)
+
+    def _start_stream(self) -> None:
+        self._stream_pending = False
+        stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        try:  # prime the stream with the context; the prompt's own text is not output
+            for token_id in self._ids:
+                stream.step(self._backend, token_id)
+        except Exception as e:
+            if _INVALID_PREFIX_MSG not in str(e):
+                raise
+            return  # the offsets take over
+        self._stream = stream
+
+    def decode_all(self, token_ids: Sequence[int]) -> str:
+        """Append all of `token_ids` to a fresh detokenizer and return their text: what appending them one by
+        one returns, joined, usually from one decode of context + output instead of one decode step per token
+        (LLM.generate's requests without stop strings need no text before they finish).
+
+        One decode is used only where it cannot differ from the token-by-token text: the context's text is a
+        prefix of it and what follows holds no U+FFFD. A trailing incomplete character (which appending never
+        releases) or an invalid byte run (which appending may have released as valid text earlier, see
+        DecodeStream's "Invalid prefix") ends in or holds U+FFFD, and then the tokens are appended one by one.
+        """
+        assert len(self._ids) == self._num_context, "decode_all() is for a detokenizer nothing was appended to"
+        context = self._ids
+        head = self._decode(context)
+        whole = self._decode(context + list(token_ids))
+        if whole.startswith(head) and REPLACEMENT_CHAR not in whole[len(head):]:
+            text = whole[len(head):]
+            self._ids = context + list(token_ids)
+            self._stream, self._stream_pending = None, False  # later appends (if any) use the offsets
+            self._read_offset = len(self._ids)
+            self._prefix_offset = max(0, self._read_offset - _OFFSET_CONTEXT)
+            if text:
+                self._pieces.append(text)
+            return text
+        return "".join([self.append(token_id) for token_id in token_ids])
 
     def _stream_step(self, token_id: int) -> str:
         try:
@@ -200,6 +234,10 @@ class OutputText:
     def append(self, new_text: str) -> bool:
         """Add a token's new text; True if it completed a stop string (the text is then cut there and
         everything up to the cut is released)."""
+        if not self.stop.stop:  # nothing to look for or hold back (the common case: one check per token)
+            if new_text:
+                self.pieces.append(new_text)
+            return False
         window, hit = self.stop.check(self._held + new_text, len(new_text))
         keep = window if hit else self.stop.releasable(window)
         if keep:

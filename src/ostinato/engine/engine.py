@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import EngineArgs, ModelConfig
+from ..contract import StepResult
 from ..errors import InvalidRequestError, QueueFullError
 from ..model.gguf_sources import resolve_model_dir
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -34,6 +35,11 @@ class _SeqState:
     index: int
     detok: IncrementalDetokenizer
     text: OutputText  # released text, cut at a stop string once one is found
+    stop_ids: frozenset[int]  # token ids that end it: EOS (unless ignore_eos) and stop_token_ids
+    max_output: int  # output tokens at which it ends ("length"): max_tokens, or what max_model_len leaves
+    # Its text is needed before it finishes (a stream, or stop strings to look for); else it is decoded once,
+    # when the sequence finishes, and a step only records its token.
+    text_per_step: bool
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     sent_tokens: int = 0  # DELTA: output tokens (and logprobs) already in an output
@@ -51,10 +57,11 @@ class _RequestState:
     seqs: list[_SeqState] = field(default_factory=list)
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_unfinished: int = 0  # sequences without a finish reason (LLMEngine._finish counts them down)
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        return self.num_unfinished == 0
 
 
 def load_tokenizer(path: str | Path):
@@ -119,14 +126,18 @@ class LLMEngine:
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} of {limit}); "
                                  "retry later or raise --max-queued-requests")
         state = _RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        max_output = min(params.max_tokens, self.scheduler_config.max_model_len - len(prompt_ids))
+        text_per_step = bool(params.stop) or params.output_kind is not RequestOutputKind.FINAL_ONLY
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), self._child_params(params, index))
             self.scheduler.add(seq)  # may raise QueueFullError / InvalidRequestError
             st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                               params.skip_special_tokens),
-                           OutputText(params.stop, params.include_stop_str_in_output),
-                           logprobs=[] if params.logprobs is not None else None)
+                           OutputText(params.stop, params.include_stop_str_in_output), stop_ids, max_output,
+                           text_per_step, logprobs=[] if params.logprobs is not None else None)
             state.seqs.append(st)
+            state.num_unfinished += 1
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
         return prompt_ids
@@ -200,23 +211,11 @@ class LLMEngine:
             ready = [p for p in (self._inflight, pending) if p is not None]
             self._inflight = None
         now = time.monotonic()
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, _RequestState] = {}  # requests that may have an output this step
         for p in ready:
             result = p.result()  # waits for that step's tokens
             self.scheduler.update(result.seq_ids, result.token_ids)
-            for seq_id, tok in zip(result.seq_ids, result.tokens):
-                owner = self._seq_owner.get(seq_id)
-                if owner is None or owner[1].finish_reason is not None:
-                    continue  # finished (or aborted) at the step before: a wasted row, never an extra token
-                state, st = owner
-                self._generation_tokens_total += 1
-                if state.first_token_time is None:
-                    # Its prefill ran: the prompt counts now, once per request as in vLLM (not when queued,
-                    # and not again when a preempted sequence is recomputed; num_preemptions counts those).
-                    state.first_token_time = now
-                    self._prompt_tokens_total += len(state.prompt_token_ids)
-                self._process_token(st, tok)
-                touched[state.request_id] = state
+            self._take_tokens(result, now, touched)
         outputs = []
         for state in touched.values():
             if state.finished:
@@ -229,27 +228,54 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _process_token(self, st: _SeqState, tok) -> None:
+    def _take_tokens(self, result: StepResult, now: float, touched: dict[str, _RequestState]) -> None:
+        """Take one step's sampled tokens. The loop runs once per running sequence per step, so what a
+        sequence needs no text for until it ends (LLM.generate's FINAL_ONLY requests without stop strings or
+        logprobs) costs two checks here: a stop token, or its length."""
+        owners, taken = self._seq_owner, 0
+        for seq_id, token_id, tok in zip(result.seq_ids, result.token_ids, result.tokens):
+            owner = owners.get(seq_id)
+            if owner is None or owner[1].finish_reason is not None:
+                continue  # finished (or aborted) at the step before: a wasted row, never an extra token
+            state, st = owner
+            taken += 1
+            if state.first_token_time is None:
+                # Its prefill ran: the prompt counts now, once per request as in vLLM (not when queued,
+                # and not again when a preempted sequence is recomputed; num_preemptions counts those).
+                state.first_token_time = now
+                self._prompt_tokens_total += len(state.prompt_token_ids)
+            if st.text_per_step or st.logprobs is not None:
+                self._process_token(state, st, tok)
+                touched[state.request_id] = state
+            elif token_id in st.stop_ids:
+                self._finish(state, st, "stop")
+                touched[state.request_id] = state
+            elif len(st.seq.output_token_ids) >= st.max_output:
+                self._finish(state, st, "length")
+                touched[state.request_id] = state
+        self._generation_tokens_total += taken
+
+    def _process_token(self, state: _RequestState, st: _SeqState, tok) -> None:
         """Take one sampled token: detokenize it, look for stop strings, decide whether the sequence ends.
         O(1) in the sequence's length."""
-        seq, params = st.seq, st.seq.sampling_params
         if st.logprobs is not None:
-            st.logprobs.append(TokenLogprob(tok.token_id, tok.logprob, (tok.top or [])[: params.logprobs]))
-        hit = st.text.append(st.detok.append(tok.token_id))
-        reason = None
-        if hit:
-            reason = "stop"
-        elif not params.ignore_eos and tok.token_id in self.eos_ids:
-            reason = "stop"
-        elif tok.token_id in params.stop_token_ids:
-            reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.scheduler_config.max_model_len:
-            reason = "length"
-        if reason is not None:
-            st.finish_reason = reason
-            st.text.finish()
-            status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
-            self.scheduler.finish(seq.seq_id, status)
+            top = (tok.top or [])[: st.seq.sampling_params.logprobs]
+            st.logprobs.append(TokenLogprob(tok.token_id, tok.logprob, top))
+        if st.text_per_step and st.text.append(st.detok.append(tok.token_id)):
+            self._finish(state, st, "stop")  # a stop string
+        elif tok.token_id in st.stop_ids:
+            self._finish(state, st, "stop")
+        elif len(st.seq.output_token_ids) >= st.max_output:
+            self._finish(state, st, "length")
+
+    def _finish(self, state: _RequestState, st: _SeqState, reason: str) -> None:
+        st.finish_reason = reason
+        state.num_unfinished -= 1
+        if not st.text_per_step:  # its text, decoded once
+            st.text.append(st.detok.decode_all(st.seq.output_token_ids))
+        st.text.finish()
+        status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
+        self.scheduler.finish(st.seq.seq_id, status)
 
     def _make_output(self, state: _RequestState) -> RequestOutput | None:
         """The request's output for this step, as its output_kind asks; None when there is nothing to send."""
@@ -257,7 +283,11 @@ class LLMEngine:
         if kind is RequestOutputKind.FINAL_ONLY and not state.finished:
             return None
         if kind is RequestOutputKind.DELTA:
-            comps = [c for c in map(self._delta, state.seqs) if c is not None]
+            if len(state.seqs) == 1:
+                delta = self._delta(state.seqs[0])
+                comps = [] if delta is None else [delta]
+            else:
+                comps = [c for c in map(self._delta, state.seqs) if c is not None]
         else:
             comps = [self._whole(st) for st in state.seqs]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, state.finished,

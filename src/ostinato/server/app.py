@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import os
 import uuid
@@ -30,8 +29,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,16 +38,15 @@ from ..cli_args import add_engine_args, engine_args_from
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
 from ..engine.core_process import ProcessAsyncEngine, build_engine
 from ..engine.chat_prompt import render_chat
-from ..engine.outputs import CompletionOutput, RequestOutput, merge_deltas
+from ..engine.outputs import RequestOutput, merge_deltas
 from ..errors import InvalidRequestError, QueueFullError
 from ..sampling_params import RequestOutputKind
 from .limits import ServerLimits, add_limit_args, limits_from
 from .metrics import ServerMetrics
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
-                       CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
-                       ErrorResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob,
+from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                       CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                        UsageInfo)
+from .streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events, usage_of
 
 logger = logging.getLogger(__name__)
 
@@ -206,93 +203,7 @@ class BodyLimitMiddleware:
 # ---- output formatting -------------------------------------------------------------------------------------
 def _usage(out: RequestOutput) -> UsageInfo:
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return _usage_of(len(out.prompt_token_ids), completion, out.num_cached_tokens)
-
-
-def _usage_of(prompt: int, completion: int, cached: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-class _ChoiceCursor:
-    """One completion of a stream: tokens sent so far (for usage) and the character offset of the next token
-    (completions logprobs' text_offset)."""
-
-    def __init__(self) -> None:
-        self.num_tokens = 0
-        self.text_offset = 0
-
-
-class _Formatter:
-    """Turns engine outputs into OpenAI logprob shapes (needs the tokenizer for token strings)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def completion_logprobs(self, c: CompletionOutput, cursor: _ChoiceCursor) -> CompletionLogprobs:
-        lp = CompletionLogprobs()
-        for entry in c.logprobs or []:
-            text = self.token_str(entry.token_id)
-            lp.tokens.append(text)
-            lp.token_logprobs.append(entry.logprob)
-            lp.top_logprobs.append({self.token_str(t): v for t, v in entry.top})
-            lp.text_offset.append(cursor.text_offset)
-            cursor.text_offset += len(text)
-        return lp
-
-    def chat_logprobs(self, c: CompletionOutput) -> ChatLogprobs:
-        content = []
-        for entry in c.logprobs or []:
-            text = self.token_str(entry.token_id)
-            top = [TopLogprob(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode())) for t, v in entry.top]
-            content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
-                                            top_logprobs=top))
-        return ChatLogprobs(content=content)
-
-
-def _sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
-
-
-class _StreamStalled(Exception):
-    """A stream's client read nothing for the send timeout."""
-
-
-def _bounded_send(send: Send, timeout: float) -> Send:
-    """`send` that gives up after `timeout` seconds. A send waits only while the socket's buffers are full,
-    that is while the client is not reading: backpressure then ends the stream instead of waiting for ever."""
-
-    async def send_within(message: Message) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                await send(message)
-        except TimeoutError:
-            raise _StreamStalled(f"the client read nothing for {timeout:g} s") from None
-
-    return send_within
-
-
-class _EngineStreamResponse(StreamingResponse):
-    """A StreamingResponse that aborts its request however the response ends (done, disconnect, error, a
-    client that stopped reading), even if the body iterator never started."""
-
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream, send_timeout: float):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._request_stream = stream
-        self._send_timeout = send_timeout
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, _bounded_send(send, self._send_timeout))
-        except _StreamStalled as e:
-            # Returning with the response unfinished makes uvicorn close the connection.
-            logger.warning("aborting stream %s: %s", self._request_stream.request_id, e)
-        finally:
-            self._request_stream.close()
+    return usage_of(len(out.prompt_token_ids), completion, out.num_cached_tokens)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -402,7 +313,7 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
         return prompt
 
     def stream_response(events: AsyncIterator[str], stream: RequestStream) -> Response:
-        return _EngineStreamResponse(events, stream, limits.stream_send_timeout)
+        return EngineStreamResponse(events, stream, limits.stream_send_timeout)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -448,16 +359,16 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
         prompt = await prompt_ids(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
-        fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
+        fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return stream_response(_completion_events(stream, request_id, served_model_name, fmt, want_logprobs,
+            return stream_response(completion_events(stream, request_id, served_model_name, fmt, want_logprobs,
                                                       body.include_usage_chunk), stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)  # nobody is listening any more
         choices = []
         for c in final.outputs:
-            lp = fmt.completion_logprobs(c, _ChoiceCursor()) if want_logprobs else None
+            lp = fmt.completion_logprobs(c, ChoiceCursor()) if want_logprobs else None
             choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
         return JSONResponse(CompletionResponse(id=request_id, model=served_model_name, choices=choices,
                                                usage=_usage(final)).model_dump())
@@ -475,9 +386,9 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
         check_limits(body, params.logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
-        fmt, want_logprobs = _Formatter(engine.tokenizer), params.logprobs is not None
+        fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return stream_response(_chat_events(stream, request_id, served_model_name, fmt, want_logprobs,
+            return stream_response(chat_events(stream, request_id, served_model_name, fmt, want_logprobs,
                                                 params.n, body.include_usage_chunk), stream)
         final = await _final_output(request, stream)
         if final is None:
@@ -501,82 +412,6 @@ def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     tokenizer pool: HF fast tokenizers mutate no state for encode/decode at fixed settings, so this is safe
     beside the engine thread's decoding."""
     return render_chat(tokenizer, messages)[1]
-
-
-def _stream_error(exc: EngineDeadError) -> str:
-    return _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="service_unavailable", code=503)))
-
-
-# One encoder for every chunk (json.dumps with options builds a new one per call); compact, as pydantic writes.
-_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-class _ChunkWriter:
-    """Writes a stream's SSE chunks as JSON directly: every chunk of a stream shares its envelope (id, object,
-    created, model), and building and validating pydantic models per token costs more than the rest of the
-    chunk's work. The envelope comes from the pydantic model once, so the fields and their order are the
-    model's; tests compare the two."""
-
-    def __init__(self, empty_chunk: BaseModel):
-        self._chunk = empty_chunk.model_dump()  # {"id", "object", "created", "model", "choices": [], "usage"}
-
-    def event(self, choice: dict) -> str:
-        self._chunk["choices"] = [choice]  # one choice per chunk, as OpenAI and vLLM stream n > 1
-        return f"data: {_encode_json(self._chunk)}\n\n"
-
-
-async def _choice_events(stream: RequestStream, writer: _ChunkWriter, make_choice, make_chunk,
-                         include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body shared by completions and chat: for every (merged) DELTA output, one chunk per completion
-    that advanced, written together; then the usage chunk when asked for, then [DONE].
-    make_choice(completion, cursor) builds a choice as a dict; make_chunk(choices, usage) the usage chunk."""
-    cursors: dict[int, _ChoiceCursor] = {}
-    prompt_len = cached = 0
-    try:
-        async for out in stream:
-            prompt_len, cached = len(out.prompt_token_ids), out.num_cached_tokens
-            events = []
-            for c in out.outputs:
-                cursor = cursors.setdefault(c.index, _ChoiceCursor())
-                cursor.num_tokens += len(c.token_ids)
-                events.append(writer.event(make_choice(c, cursor)))
-            if events:
-                yield "".join(events)
-    except EngineDeadError as e:
-        yield _stream_error(e)
-    if include_usage and cursors:
-        completion = sum(c.num_tokens for c in cursors.values())
-        yield _sse(make_chunk([], _usage_of(prompt_len, completion, cached)))
-    yield "data: [DONE]\n\n"
-
-
-def _completion_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
-                       want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, cursor) -> dict:  # CompletionChoice's fields, in its order
-        lp = fmt.completion_logprobs(c, cursor).model_dump() if want_logprobs else None
-        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
-
-    def chunk(choices, usage):
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
-
-    return _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage)
-
-
-async def _chat_events(stream: RequestStream, request_id: str, model: str, fmt: _Formatter,
-                       want_logprobs: bool, n: int, include_usage: bool) -> AsyncIterator[str]:
-    def choice(c, cursor) -> dict:  # ChatChunkChoice's fields, in its order
-        lp = fmt.chat_logprobs(c).model_dump() if want_logprobs else None
-        return {"index": c.index, "delta": {"role": None, "content": c.text or None}, "logprobs": lp,
-                "finish_reason": c.finish_reason}
-
-    def chunk(choices, usage):
-        return ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage)
-
-    # OpenAI opens each choice with a chunk carrying the role; clients rely on it.
-    for i in range(n):
-        yield _sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None))
-    async for event in _choice_events(stream, _ChunkWriter(chunk([], None)), choice, chunk, include_usage):
-        yield event
 
 
 # ---- the command -------------------------------------------------------------------------------------------

@@ -1,14 +1,17 @@
 """`ostinato bench host`: host microseconds per decode step, with the model's forward replaced by a no-op.
 
 What is left is the Python around the graph: scheduling, preparing the step's inputs, the (no-op) step,
-reading the tokens back and recording them. It runs on CPU on a tiny random checkpoint it writes itself (the
-model's size does not matter: the forward is gone), so the figure measures the engine's own overhead.
+reading the tokens back and recording them, and the per-token output work. It runs on CPU on a tiny random
+checkpoint it writes itself (the model's size does not matter: the forward is gone, tools/noop_forward.py),
+so the figure measures the engine's own overhead.
 
 For each batch B and context C: B requests with prompts of C tokens (ignore_eos) are prefilled, then
 `--steps` decode steps are timed one by one with time.perf_counter (the median step counts). "engine" is a
 whole LLMEngine.step(); "core" is its scheduling and runner part (the Scheduler's and ModelRunner's calls),
-without the per-token output work (detokenization, stop checks, RequestOutput), which the outputs work
-owns. Each point is the median of `--repeats` runs: the machine may be shared.
+without the per-token output work (detokenization, stop checks, RequestOutput). The requests' outputs are of
+each `--output-kinds`: final_only is what LLM.generate asks for (one output per request, when it finishes),
+delta what the server streams (each step's new tokens and text). Each point is the median of `--repeats`
+runs: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..sampling_params import RequestOutputKind
+
 
 def register(sub) -> None:
     from ..cli_args import _int_list
@@ -28,28 +33,21 @@ def register(sub) -> None:
     p.add_argument("--contexts", type=_int_list, default=(128, 2048))
     p.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per point; the median is reported")
+    p.add_argument("--output-kinds", type=_output_kinds,
+                   default=(RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA),
+                   help='the requests\' output kinds, each measured (default: "final_only delta")')
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
 
 
-class _NoOpModel:
-    """Stands in for the decoder: hidden states and logits are constant zeros (greedy then picks token 0)."""
+def _output_kinds(value: str) -> tuple[RequestOutputKind, ...]:
+    import argparse
 
-    def __init__(self, real, max_rows: int, vocab_size: int):
-        import torch
-
-        self._real = real
-        self._hidden = torch.zeros(max_rows, 1)
-        self._logits = torch.zeros(max_rows, vocab_size)
-
-    def __call__(self, input_ids, positions, meta):
-        return self._hidden[: input_ids.shape[0]]
-
-    def compute_logits(self, hidden, float32: bool = True):
-        return self._logits[: hidden.shape[0]]
-
-    def __getattr__(self, name):  # anything else (bind_kv_caches, config) from the real model
-        return getattr(self._real, name)
+    try:
+        return tuple(RequestOutputKind(k) for k in value.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: use output kinds from "
+                                         f"{[k.value for k in RequestOutputKind]}, space-separated") from None
 
 
 def _checkpoint(root: Path, max_len: int) -> str:
@@ -89,10 +87,11 @@ class _Timer:
             delattr(self._owner, self._name)
 
 
-def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs: dict | None = None) -> dict:
-    """One run: microseconds per decode step (engine and core) at this batch and context."""
-    import torch
-
+def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs: dict | None = None,
+            output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> dict:
+    """One run: microseconds per decode step (engine and core) at this batch and context, for requests whose
+    outputs are of `output_kind`."""
+    from . import noop_forward
     from ..config import EngineArgs
     from ..engine.engine import LLMEngine
     from ..sampling_params import SamplingParams
@@ -105,14 +104,8 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
     kwargs.update(engine_kwargs or {})
     engine = LLMEngine(EngineArgs(**kwargs))
     runner = engine.runner
-    runner.model = _NoOpModel(runner.model, max(batch, 1) * (context + 1), engine.model_config.vocab_size)
-    if hasattr(runner, "decode_step"):
-        # Sampling runs inside the graph: on a GPU the whole step (forward and sampling) is one replay, so
-        # the no-op replaces all of it (the sampled tokens stay 0). Before, the sampler ran eagerly after
-        # the replay and only the forward was replaced.
-        logits = runner.model.compute_logits(torch.zeros(batch, 1))
-        runner.graphs.fn = lambda **inputs: logits[: next(iter(inputs.values())).shape[0]]
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    noop_forward.install(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True, output_kind=output_kind)
     for i in range(batch):
         engine.add_request(f"r{i}", [(i + j) % 500 + 1 for j in range(context)], params)
     while engine.scheduler.num_waiting:  # prefill everything first
@@ -150,15 +143,18 @@ def run(args) -> int:
         model_dir = _checkpoint(Path(tmp), max(args.contexts) + args.steps + 64)
         for context in args.contexts:
             for bs in args.batch_sizes:
-                runs = [measure(model_dir, bs, context, args.steps) for _ in range(args.repeats)]
-                row = {"batch": bs, "context": context,
-                       "engine_us": statistics.median(r["engine_us"] for r in runs),
-                       "core_us": statistics.median(r["core_us"] for r in runs),
-                       "engine_us_runs": [round(r["engine_us"], 1) for r in runs]}
+                row = {"batch": bs, "context": context}
+                for kind in args.output_kinds:
+                    runs = [measure(model_dir, bs, context, args.steps, output_kind=kind)
+                            for _ in range(args.repeats)]
+                    row[kind.value] = {"engine_us": statistics.median(r["engine_us"] for r in runs),
+                                       "core_us": statistics.median(r["core_us"] for r in runs),
+                                       "engine_us_runs": [round(r["engine_us"], 1) for r in runs]}
                 rows.append(row)
-                print(f"batch {bs:>4}  context {context:>5}  engine step {row['engine_us']:8.1f} us  "
-                      f"core (scheduler + runner) {row['core_us']:8.1f} us  (median of {args.repeats})",
-                      flush=True)
+                print(f"batch {bs:>4}  context {context:>5}  " + "  ".join(
+                    f"{kind.value}: engine step {row[kind.value]['engine_us']:7.1f} us, core (scheduler + runner) "
+                    f"{row[kind.value]['core_us']:6.1f} us" for kind in args.output_kinds)
+                    + f"  (medians of {args.repeats})", flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
     return 0

@@ -9,11 +9,13 @@ benchmark_serving:
 - TPOT: (end-to-end - TTFT) / (output tokens - 1), per request;
 - ITL: the gaps between successive chunks (one chunk may carry several tokens if the client fell behind);
 - E2EL: request sent -> last byte;
-- request and output-token throughput over the whole run.
+- request and output-token throughput over the whole run, and output tokens per chunk (above 1: the server
+  merged tokens that queued while the client, or the server's own streaming, fell behind).
 
 Prompts are random token ids (exact lengths, any model: ids are drawn from `--token-id-range`, which every
 supported vocabulary contains) or random English words (`--dataset random-text`, about one token a word).
-Works against ostinato or vLLM alike.
+Works against ostinato or vLLM alike, over plain http (tools/sse_client.py: a client that costs less CPU per
+streamed chunk than the server it measures).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .sse_client import Connection, HTTPStatusError
 
 _WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be or has had "
           "not but first one their its new after who they have she two been other when there all during into "
@@ -71,35 +75,40 @@ def make_prompts(cfg: BenchConfig) -> list[str | list[int]]:
     raise ValueError(f"--dataset must be random-ids or random-text, got {cfg.dataset!r}")
 
 
-async def _one_request(client, cfg: BenchConfig, model: str, prompt: str | list[int]) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def _one_request(conn: Connection, cfg: BenchConfig, model: str, prompt: str | list[int]) -> RequestResult:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
     result = RequestResult(ok=False, prompt_len=len(prompt) if isinstance(prompt, list) else 0)
-    start = last = time.perf_counter()
+    start = time.perf_counter()
+    last = start
+
+    def on_event(event: bytes, now: float) -> None:
+        nonlocal last
+        if not event.startswith(b"data: ") or event == b"data: [DONE]" or result.error:
+            return
+        chunk = json.loads(event[6:])
+        if "error" in chunk:
+            result.error = chunk["error"].get("message", "stream error")
+            return
+        if chunk.get("usage"):
+            result.output_tokens = chunk["usage"]["completion_tokens"]
+            result.prompt_len = chunk["usage"]["prompt_tokens"]
+        # Any chunk with choices is new tokens (its text may be empty: a special token, or bytes of a character
+        # not yet complete).
+        if chunk.get("choices"):
+            if result.ttft == 0.0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", "stream error")
-                    return result
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_len = chunk["usage"]["prompt_tokens"]
-                # Any chunk with choices is new tokens (its text may be empty: a special token, or bytes of a
-                # character not yet complete).
-                if chunk.get("choices"):
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+        status, answer = await conn.request("POST", "/v1/completions", body, on_event, timeout=cfg.timeout_s)
+        if status != 200:
+            result.error = f"HTTP {status}: {answer.decode(errors='replace')[:200]}"
+            return result
+        if result.error:
+            return result
         result.latency = time.perf_counter() - start
         result.ok = result.ttft > 0.0
         if not result.ok:
@@ -130,6 +139,9 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float) -
         "errors": sorted({r.error for r in results if not r.ok})[:10],
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        # Chunks with tokens: fewer than tokens when the server merges a step's backlog (a client or server
+        # falling behind), so tokens per chunk above 1 says someone is behind.
+        "total_output_chunks": sum(len(r.itl) + 1 for r in done),
         "request_throughput": len(done) / duration if duration > 0 else 0.0,
         "output_throughput": output_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (input_tokens + output_tokens) / duration if duration > 0 else 0.0,
@@ -142,30 +154,34 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float) -
 
 async def run_benchmark(cfg: BenchConfig) -> dict:
     """Run the load test against cfg.base_url and return the summary (the --output-json content)."""
-    import httpx
-
     prompts = make_prompts(cfg)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limit = cfg.max_concurrency or cfg.num_prompts
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(cfg.timeout_s)) as client:
+    # One connection per request in flight (tools/sse_client.py says why not httpx).
+    conns = [Connection(cfg.base_url, headers) for _ in range(limit)]
+    try:
         model = cfg.model
         if model is None:
-            response = await client.get("/v1/models")
-            response.raise_for_status()
-            model = response.json()["data"][0]["id"]
+            status, answer = await conns[0].request("GET", "/v1/models", timeout=cfg.timeout_s)
+            if status != 200:
+                raise HTTPStatusError(status, answer)
+            model = json.loads(answer)["data"][0]["id"]
         for prompt in prompts[: cfg.num_warmups]:
-            warm = await _one_request(client, cfg, model, prompt)
+            warm = await _one_request(conns[0], cfg, model, prompt)
             if not warm.ok:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
 
-        gate = asyncio.Semaphore(limit)
+        idle: asyncio.Queue = asyncio.Queue()  # at most `limit` requests in flight: one per idle connection
+        for conn in conns:
+            idle.put_nowait(conn)
         rng = random.Random(cfg.seed + 1)
 
         async def gated(prompt) -> RequestResult:
-            async with gate:
-                return await _one_request(client, cfg, model, prompt)
+            conn = await idle.get()
+            try:
+                return await _one_request(conn, cfg, model, prompt)
+            finally:
+                idle.put_nowait(conn)
 
         start = time.perf_counter()
         tasks = []
@@ -175,6 +191,9 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    finally:
+        for conn in conns:
+            conn.close()
     summary = summarize(cfg, list(results), duration)
     summary["model"] = model
     return summary
@@ -187,6 +206,7 @@ def format_table(summary: dict) -> str:
         ("Benchmark duration (s)", f"{summary['duration_s']:.2f}"),
         ("Total input tokens", f"{summary['total_input_tokens']}"),
         ("Total generated tokens", f"{summary['total_output_tokens']}"),
+        ("Output tokens per chunk", f"{summary['total_output_tokens'] / max(summary['total_output_chunks'], 1):.2f}"),
         ("Request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{summary['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{summary['total_token_throughput']:.2f}"),
@@ -202,7 +222,7 @@ def format_table(summary: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (without /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (http, without /v1)")
     p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: all)")
@@ -231,10 +251,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import logging
     import os
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
 
     if ns.num_prompts < 1 or ns.input_len < 1 or ns.output_len < 1:
         print("error: --num-prompts, --input-len and --output-len must be >= 1")

@@ -1,0 +1,102 @@
+"""The load generator's HTTP client (tools/sse_client.py) against a raw asyncio server that writes exactly the
+bytes a test wants: events split across packets, keep-alive, errors, a server that closes mid-stream."""
+
+import asyncio
+
+import pytest
+
+from ostinato.tools.sse_client import Connection
+
+
+async def _serve(handler):
+    """A one-off HTTP server on 127.0.0.1; handler(reader, writer, request_number) answers one request."""
+    seen = {"connections": 0, "requests": 0}
+
+    async def on_connect(reader, writer):
+        seen["connections"] += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), b"0"))
+                await reader.readexactly(length)
+                seen["requests"] += 1
+                if not await handler(reader, writer, seen["requests"]):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def test_events_arrive_whole_with_their_arrival_time_and_the_connection_is_reused():
+    async def handler(reader, writer, n):
+        writer.write(STREAM_HEAD + _chunk(b'data: {"a": 1}\n\ndata: {"b"'))  # the second event is split
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(_chunk(b': 2}\n\n') + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async def main():
+        server, url, seen = await _serve(handler)
+        conn = Connection(url)
+        got = []
+        for _ in range(2):
+            status, body = await conn.request("POST", "/x", b"{}", lambda e, t: got.append((e, t)), timeout=5)
+            assert (status, body) == (200, b"")
+        conn.close()
+        server.close()
+        return got, seen
+
+    got, seen = asyncio.run(main())
+    assert [e for e, _ in got] == [b'data: {"a": 1}', b'data: {"b": 2}', b"data: [DONE]"] * 2
+    assert got[1][1] - got[0][1] >= 0.04  # the split event is timed when its end arrived
+    assert seen == {"connections": 1, "requests": 2}  # kept alive
+
+
+def test_an_error_answer_returns_its_status_and_body_and_a_closed_connection_is_reopened():
+    async def handler(reader, writer, n):
+        body = b'{"error": {"message": "slow down"}}'
+        writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                     % len(body) + body)
+        await writer.drain()
+        return False  # closes the connection
+
+    async def main():
+        server, url, seen = await _serve(handler)
+        conn = Connection(url)
+        answers = [await conn.request("POST", "/x", b"{}", lambda e, t: None, timeout=5) for _ in range(2)]
+        conn.close()
+        server.close()
+        return answers, seen
+
+    answers, seen = asyncio.run(main())
+    assert answers == [(429, b'{"error": {"message": "slow down"}}')] * 2
+    assert seen == {"connections": 2, "requests": 2}
+
+
+def test_a_server_that_closes_mid_stream_is_an_error_not_a_hang():
+    async def handler(reader, writer, n):
+        writer.write(STREAM_HEAD + _chunk(b"data: {}\n\n"))
+        await writer.drain()
+        return False
+
+    async def main():
+        server, url, _ = await _serve(handler)
+        try:
+            with pytest.raises(ConnectionError):
+                await Connection(url).request("POST", "/x", b"{}", lambda e, t: None, timeout=5)
+        finally:
+            server.close()
+
+    asyncio.run(main())
