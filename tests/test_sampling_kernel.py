@@ -23,7 +23,7 @@ def _torch_draw(logits, temperature, u):
     return sampler._inverse_cdf(probs, u)
 
 
-def _near_boundary(logits, temperature, u, rel=1e-5):
+def _near_boundary(logits, temperature, u, rel=2e-6):
     """Rows whose u * total lies within float rounding of a cumulative-sum boundary (either pick is right)."""
     x = logits.double() / torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature).double()[:, None]
     cdf = (x - x.amax(dim=-1, keepdim=True)).exp().cumsum(-1)
@@ -62,6 +62,7 @@ def test_sample_tokens_uses_the_kernel_only_where_it_runs(monkeypatch):
     """CPU tensors keep the torch path (the reference); the dispatch rule is available_for()."""
     logits = torch.randn(4, 50)
     assert not sampling_kernel.available_for(logits)
+    assert not sampling_kernel.available_for(torch.randn(sampling_kernel.MIN_ROWS, 50))  # CPU
     calls = []
     monkeypatch.setattr(sampling_kernel, "available_for", lambda _l: True)
     monkeypatch.setattr(sampling_kernel, "draw", lambda *a, **k: calls.append(a) or torch.zeros(4, dtype=torch.int64))
@@ -83,5 +84,7 @@ def test_kernel_matches_torch_on_the_gpu_at_a_real_vocabulary():
     got = sampling_kernel.draw(logits, temperature, u, GREEDY_TEMPERATURE)
     want = _torch_draw(logits, temperature, u)
     ambiguous = _near_boundary(logits, temperature, u)
-    assert ambiguous.sum() <= 2
+    assert ambiguous.sum() <= 8  # 152k boundaries per row: a few rows land within rounding of one
     assert torch.equal(got[~ambiguous], want[~ambiguous])
+    rows_small = sampling_kernel.MIN_ROWS - 1
+    assert not sampling_kernel.available_for(logits[:rows_small]) and sampling_kernel.available_for(logits)
