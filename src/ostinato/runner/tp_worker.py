@@ -121,6 +121,10 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("OSTINATO_LOG_LEVEL", "WARNING"),
                         format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    if os.environ.get("OSTINATO_TP_STACK_DUMP_S"):  # debugging a hang: every N s, where each thread waits
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["OSTINATO_TP_STACK_DUMP_S"]), repeat=True)
     # Ctrl-C reaches every process of the terminal's group: rank 0 handles it and stops this rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     info = RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), True)
