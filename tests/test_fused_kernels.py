@@ -319,7 +319,12 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
     model = load(checkpoints, family, dtype, device)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (5, 9, 1)]
-    actual = run_steps(model, fused.TRITON_KERNELS, dtype, device, prompts)
+    kernels = fused.TRITON_KERNELS
+    if device == "cpu" and dtype == torch.bfloat16:
+        # The interpreter emulates bf16 element by element: the small-batch linear over every projection of
+        # the model took 190 s of CI here. tests/test_gemv.py checks that kernel itself, in bf16 too.
+        kernels = dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref)
+    actual = run_steps(model, kernels, dtype, device, prompts)
     if dtype == torch.float32:
         expected = run_steps(model, fused.TORCH_KERNELS, dtype, device, prompts)
         for step, (a, e) in enumerate(zip(actual, expected)):
@@ -329,14 +334,14 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
     # Both sides use the same projections here (F.linear): the small-batch Triton linear sums in another
     # order, and its 1-ulp differences would hide what this compares (the norms, RoPE, activation).
     same_linear = run_steps(model, dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref), dtype,
-                            device, prompts)
+                            device, prompts) if kernels is fused.TRITON_KERNELS else actual
     same_rounding = run_steps(model, HF_ORDER_TORCH_KERNELS, dtype, device, prompts)
     for step, (a, e) in enumerate(zip(same_linear, same_rounding)):
         torch.testing.assert_close(a, e, atol=0.125, rtol=0, msg=lambda m: f"step {step}: {m}")
         assert (a - e).abs().mean() <= 0.02, f"step {step}"
     # Against the plain torch path (F.rms_norm rounds once) the logits (std ~3) differ by bf16 noise
     # (mean 0.03-0.07, max <= 0.55 on CPU), so both are held to the same distance from the fp32 model;
-    # `actual` is the whole Triton set, small-batch linear included.
+    # `actual` is the whole Triton set, small-batch linear included (on the GPU).
     torch_path = run_steps(model, fused.TORCH_KERNELS, dtype, device, prompts)
     fp32 = load(checkpoints, family, torch.float32, device)
     gold = run_steps(fp32, fused.TORCH_KERNELS, torch.float32, device, prompts)
