@@ -189,10 +189,15 @@ def test_each_step_is_one_message_carrying_every_request_it_advanced(args):
     commands = [("add", f"r{i}", [i + 1, i + 2, i + 3], params) for i in range(n_requests)]
 
     class Commands:
+        stopped = False
+
         def recv(self):
             if commands:
                 return commands.pop(0)
+            if self.stopped:  # a real pipe closes after the stop; without this the pump thread would spin
+                raise EOFError  # on ("stop",) for the rest of the test session, holding the GIL and memory
             stop.wait(60)
+            self.stopped = True
             return ("stop",)
 
     class Events:
