@@ -83,10 +83,7 @@ def test_rows_stay_right_across_boundaries_preemption_and_reused_blocks(workload
         if not pending and not sched.has_unfinished():
             break
         out = sched.schedule()
-        for seq_id in out.left:
-            batch.leave(seq_id)
-        for seq_id, block in out.new_blocks:
-            batch.add_block(seq_id, block)
+        batch.apply(out.left, out.new_blocks)
         assert len(batch) == out.num_decode
         computed, tokens = [], []
         if out.num_decode:
@@ -137,10 +134,7 @@ def test_overlapped_scheduling_keeps_rows_blocks_and_lengths_right(workload, see
         if not pending and not sched.has_unfinished() and inflight is None:
             break
         out = sched.schedule()
-        for seq_id in out.left:
-            batch.leave(seq_id)
-        for seq_id, block in out.new_blocks:
-            batch.add_block(seq_id, block)
+        batch.apply(out.left, out.new_blocks)
         assert len(batch) == out.num_decode
         step = None
         if out.num_decode:

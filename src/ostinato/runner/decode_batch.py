@@ -177,6 +177,13 @@ class DecodeBatch:
         self._width_used = max(self._width_used, BLOCKS + self._num_blocks[row])
 
     # ---- the step ----------------------------------------------------------------------------------
+    def apply(self, left, new_blocks) -> None:
+        """A step's row changes from the scheduler (SchedulerOutput.left, .new_blocks): leave, then grow."""
+        for seq_id in left:
+            self.leave(seq_id)
+        for seq_id, block in new_blocks:
+            self.add_block(seq_id, block)
+
     def copy_to_device(self, size: int) -> torch.Tensor:
         """Rows [0, size) to the device in one copy (rows past len(self) are pad rows); returns them."""
         if self._staging:

@@ -173,10 +173,7 @@ class ModelRunner:
         PendingStep.result(), which may come after the next step was launched, i.e. overlapped scheduling),
         then its prefill chunks eager (see the module docstring for why they run beside the replay)."""
         batch = self.decode_batch
-        for seq_id in out.left:
-            batch.leave(seq_id)
-        for seq_id, block in out.new_blocks:
-            batch.add_block(seq_id, block)
+        batch.apply(out.left, out.new_blocks)
         n = len(batch)
         assert n == out.num_decode, f"the scheduler decodes {out.num_decode} sequences, the runner holds {n}"
         pending = PendingStep(StepResult([], [], []))
