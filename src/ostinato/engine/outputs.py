@@ -104,3 +104,10 @@ class EngineStats:
     # Prefix caching, in tokens (vLLM's counters): tokens of admitted sequences looked up, and found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Prefill steps (a mixed step's chunks included) by how they ran: a CUDA-graph replay at a captured token
+    # count, or eager (graphs off, too many tokens or sequences); padded tokens of the replays; their memory.
+    prefill_steps_graph: int = 0
+    prefill_steps_eager: int = 0
+    prefill_padded_tokens: int = 0
+    prefill_graph_sizes: tuple[int, ...] = ()
+    prefill_graph_memory_bytes: int = 0

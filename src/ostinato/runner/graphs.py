@@ -435,6 +435,10 @@ class CudaGraphRunner:
             raise CudaGraphCaptureError(message + _FALLBACK_HINT) from error
         logger.warning("CUDA graphs disabled, every decode step runs eager (fallback='eager'): %s", message)
 
+    def disable(self, size: int, message: str) -> None:
+        """A check made outside check() failed at `size`: drop the graphs, then raise or warn per fallback."""
+        self._fail(size, message, None)
+
     # ------------------------------------------------------------------------------------------ check
 
     def check(

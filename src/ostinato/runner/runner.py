@@ -19,6 +19,13 @@ the prefill kernel. Under (a) the inter-token latency of running decodes during 
 replay + the chunk's forward, so --max-num-batched-tokens is the knob: `ostinato bench chunked` measures it
 (tools/bench_prefill.py), and the same bench with `--max-num-batched-tokens` large enough for the whole
 prompt shows what one unchunked prefill costs the decodes.
+
+The chunks themselves run as a CUDA-graph replay too when the step's tokens fit a captured count (the
+smallest of --prefill-graph-tokens >= its tokens, at most --prefill-graph-max-seqs sequences; padded tokens
+write only the scratch block: runner/prefill_graphs.py), so a mixed step is two replays on one stream. An
+eager forward of the 8B costs ~11 ms of host launches up to ~500 tokens whatever its GPU work (~4-6 ms at
+100-250 tokens), which is what stalled the decodes; a replay costs its GPU work. Larger steps run eager (the
+GPU work dominates there), counted in the prefill step stats.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -36,6 +44,7 @@ from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
 from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
 from .decode_step import DecodeStep
+from .inputs import _to_device as to_device
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
 from .sampler import Sampler, SamplerOutput, finish_sampling
@@ -92,6 +101,11 @@ class ModelRunner:
         logger.info("loaded %s (%.2f GiB, %s) in %.1f s", args.model, self.weights_bytes / 2**30,
                     self.dtype, self.load_seconds)
         self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
+        if self.device.type == "cuda" and self.graph_config.prefill_sizes and self.backend.name != "triton":
+            # The torch backend's prefill reads sequence lengths on the host: it cannot be captured.
+            logger.info("prefill graphs off: --attention-backend %s reads lengths on the host (use triton)",
+                        self.backend.name)
+            self.graph_config = replace(self.graph_config, prefill_sizes=())
         # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
         self.kv_spec = KVSpec(
             self.model, rank_view(model_config, tp.world_size), scheduler_config, self.graph_config, self.device,
@@ -104,6 +118,8 @@ class ModelRunner:
         self.graphs = setup.graph_runner
         self.decode_step = setup.decode_step
         self.decode_batch = setup.decode_step.batch
+        self.prefill_graphs = setup.prefill_graphs  # prefill chunks as replays (runner/prefill_graphs.py)
+        self.prefill_capture_report = setup.prefill_capture
         # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
         rows = self.decode_batch.layout.rows
         cuda = self.device.type == "cuda"
@@ -141,14 +157,22 @@ class ModelRunner:
 
     @property
     def graph_memory_bytes(self) -> int:
-        return self.capture_report.total_bytes
+        """Every graph's memory: decode and prefill."""
+        return self.capture_report.total_bytes + self.prefill_graph_memory_bytes
+
+    @property
+    def prefill_graph_memory_bytes(self) -> int:
+        return self.prefill_capture_report.total_bytes
 
     @property
     def graph_capture_seconds(self) -> float:
-        return self.capture_report.seconds
+        return self.capture_report.seconds + self.prefill_capture_report.seconds
 
     def graph_stats(self):
         return self.graphs.stats
+
+    def prefill_graph_stats(self):
+        return self.prefill_graphs.stats()
 
     # ---- decode callable shared by graph capture, replay and the eager path -------------------------
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -188,14 +212,21 @@ class ModelRunner:
         return pending
 
     def _prefill(self, out: SchedulerOutput) -> StepResult | None:
-        """The step's prefill chunks in one eager forward; the chunks that end their prompt sample a token
+        """The step's prefill chunks in one forward: a graph replay when they fit a captured token count
+        (runner/prefill_graphs.py), else eager (counted). The chunks that end their prompt sample a token
         (a host sync) and join the decode batch. None when no chunk samples (no sync at all)."""
-        inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
+        replayed = self.prefill_graphs.run(out)
+        if replayed is not None:
+            hidden, last_rows = replayed  # [n, hidden], a view into the graph's static output
+            last_token_indices = to_device(last_rows, torch.int64, self.device)
+        else:
+            inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
+            last_token_indices = inp.last_token_indices
         seqs = [s for s in out.seqs if s.samples]
         if not seqs:
             return None
-        logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden[last_token_indices])  # [num_sampled, vocab]
         sampled = self.sampler(logits, self.sampler.prepare(seqs))
         result = _result([s.seq_id for s in seqs], sampled)
         for seq, tok in zip(seqs, result.tokens):

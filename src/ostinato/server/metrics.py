@@ -77,6 +77,12 @@ class _EngineStatsCollector(Collector):
         steps.add_metric([name, "graph"], s.decode_steps_graph)
         steps.add_metric([name, "eager"], s.decode_steps_eager)
         yield steps
+        prefill = CounterMetricFamily(PREFIX + "prefill_steps", "Prefill steps (a mixed step's chunks included) by "
+                                      "how they ran: one CUDA-graph replay at a captured token count, or eager.",
+                                      labels=["model_name", "path"])
+        prefill.add_metric([name, "graph"], s.prefill_steps_graph)
+        prefill.add_metric([name, "eager"], s.prefill_steps_eager)
+        yield prefill
         yield counter("padded_rows", "Padding rows computed and dropped: a batch of n replays the graph of the "
                       "smallest captured size >= n.", s.padded_rows)
         replays = CounterMetricFamily(PREFIX + "cuda_graph_replays", "Graph replays by captured batch size.",
