@@ -82,19 +82,24 @@ class PrefillGraphs:
         sizes = tuple(sorted(set(sizes)))
         enforce_eager = enforce_eager or not sizes
         t_max = max(sizes, default=1)
+        # The padding sequence reads up to T_max positions through its block-table row: the width covers both
+        # a real sequence (blocks_per_seq) and T_max tokens (a graph may be longer than max_model_len).
+        width = max(blocks_per_seq, math.ceil(t_max / block_size))
         self._scratch_slot = scratch_block * block_size
         self.tokens = torch.zeros(3, t_max, dtype=torch.int64, device=device)
         self.tokens[2].fill_(self._scratch_slot)  # warm-up and capture write K/V only into the scratch block
         self.lengths = torch.zeros(2 * max_seqs + 3, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((max_seqs + 1, blocks_per_seq), scratch_block, dtype=torch.int32,
-                                       device=device)
+        self.block_tables = torch.full((max_seqs + 1, width), scratch_block, dtype=torch.int32, device=device)
         # Host mirrors, rewritten in place each step (then copied through fresh pinned memory: the caching host
         # allocator keeps it until its copy ran, so a step needs no wait for the one before).
         self._tokens_np = np.zeros((3, t_max), dtype=np.int64)
+        self._tokens_np[2] = self._scratch_slot
         self._lengths_np = np.zeros(2 * max_seqs + 3, dtype=np.int32)
-        self._tables_np = np.full((max_seqs, blocks_per_seq), scratch_block, dtype=np.int32)
-        self._pad_positions = np.arange(t_max, dtype=np.int64)
-        self._pad_slots = self._scratch_slot + self._pad_positions % block_size
+        self._tables_np = np.full((max_seqs, width), scratch_block, dtype=np.int32)
+        # Padded tokens: positions only feed RoPE (the attention mask counts query rows), so any position below
+        # max_model_len will do; their slots walk the scratch block.
+        self._pad_positions = np.arange(t_max, dtype=np.int64) % max_model_len
+        self._pad_slots = self._scratch_slot + np.arange(t_max, dtype=np.int64) % block_size
         pad = {"input_ids": 0, "positions": 0, "slot_mapping": self._scratch_slot}
         self.graphs = CudaGraphRunner(
             self.forward, [StaticInput(name, (t_max,), torch.int64, pad[name]) for name in INPUTS],
@@ -196,7 +201,7 @@ class PrefillGraphs:
         tok[1, n:size] = self._pad_positions[: size - n]
         tok[2, n:size] = self._pad_slots[: size - n]
         k = len(seqs)
-        self._copy(self.tokens[:, :size], tok[:, :size])
+        self._copy(self.tokens, tok)  # whole (3 x T_max, 12 KiB at 512): one contiguous copy
         self._copy(self.lengths, lens)
         self._copy(self.block_tables[:k], tables[:k])
         return n, last_rows
