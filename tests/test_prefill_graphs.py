@@ -20,6 +20,7 @@ from ostinato.errors import ConfigError, CudaGraphCaptureError
 from ostinato.runner.graph_backends import MemoryReading, RecordingGraphBackend
 from ostinato.runner.inputs import build_prefill_inputs
 from ostinato.sampling_params import SamplingParams
+from ostinato.server.metrics import ServerMetrics
 from ostinato.tools.checkpoint import make_checkpoint
 
 BLOCK = 16
@@ -188,7 +189,6 @@ class WrongPrefillReplay(RecordingGraphBackend):
 
 
 def test_a_replay_that_disagrees_with_eager_stops_start_up_or_turns_prefill_graphs_off(checkpoint):
-    assert EngineArgs.__dataclass_fields__ and LLMEngine  # the engine builds through graph_engine
     with pytest.raises(CudaGraphCaptureError, match="prefill graph self-check failed for 8 tokens"):
         _engine(checkpoint, prefill_sizes=(8,), backend=WrongPrefillReplay)
     engine = _engine(checkpoint, prefill_sizes=(8,), backend=WrongPrefillReplay, cuda_graph_fallback="eager")
@@ -197,6 +197,8 @@ def test_a_replay_that_disagrees_with_eager_stops_start_up_or_turns_prefill_grap
     s = engine.stats()
     assert (s.prefill_steps_graph, s.prefill_steps_eager) == (0, prefill_steps) and s.decode_steps_graph > 0
     assert tokens == _hf_cached(checkpoint, prompts)
+    text = ServerMetrics("m").render(s)[0].decode()
+    assert f'ostinato:prefill_steps_total{{model_name="m",path="eager"}} {float(prefill_steps)}' in text
 
 
 def test_prefill_graph_token_plan():

@@ -46,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fixed KV block count instead of sizing from GPU memory")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eager")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode and prefill step runs eager")
     g.add_argument("--cuda-graph-sizes", type=_graph_sizes, default=None,
                    help="batch sizes to capture, e.g. '1 2 4 8 16', or @FILE (as `ostinato advise` writes)")
     g.add_argument("--max-cuda-graph-size", type=int, default=None)

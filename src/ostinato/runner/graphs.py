@@ -262,6 +262,7 @@ class CudaGraphRunner:
         enforce_eager: bool = False,
         backend: GraphBackend | None = None,
         buffers: Mapping[str, torch.Tensor] | None = None,
+        step_name: str = "decode step",
     ):
         if fallback not in FALLBACK_POLICIES:
             raise ConfigError(f"fallback must be 'error' or 'eager', got {fallback!r}")
@@ -275,6 +276,7 @@ class CudaGraphRunner:
         self.fallback = fallback
         self.warmup_iters = warmup_iters
         self.progress = progress
+        self.step_name = step_name  # what the fallback warning says runs eager
         self._pool = pool
         self._sizes: tuple[int, ...] = tuple(sorted(set(capture_sizes)))
         self._disabled_cause: str | None = None
@@ -433,7 +435,7 @@ class CudaGraphRunner:
             raise CudaGraphCaptureError(f"{message} {unusable}.") from error
         if self.fallback == "error":
             raise CudaGraphCaptureError(message + _FALLBACK_HINT) from error
-        logger.warning("CUDA graphs disabled, every decode step runs eager (fallback='eager'): %s", message)
+        logger.warning("CUDA graphs disabled, every %s runs eager (fallback='eager'): %s", self.step_name, message)
 
     def disable(self, size: int, message: str) -> None:
         """A check made outside check() failed at `size`: drop the graphs, then raise or warn per fallback."""

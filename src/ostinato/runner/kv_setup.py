@@ -121,6 +121,17 @@ def _estimate_prefill_graph_bytes(spec: KVSpec, backend: CudaGraphBackend) -> in
         torch.cuda.empty_cache()
 
 
+def _estimate_or_zero(estimate: Callable[[], int], gc_cfg: GraphConfig) -> int:
+    try:
+        return estimate()
+    except CudaGraphCaptureError:
+        if gc_cfg.fallback == "error":
+            raise
+        # Opted into eager fallback: the real capture below fails the same way, warns once and turns those
+        # graphs off, so no memory is set aside for them.
+        return 0
+
+
 def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[str, torch.Tensor]:
     """Self-check rows: random greedy tokens and context lengths over random real blocks.
 
@@ -219,16 +230,9 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         # the graph probe: what the probe leaves behind (the capture stream's workspace) is in its estimate.
         in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
         if not gc_cfg.enforce_eager:
-            try:
-                estimate = _estimate_graph_bytes(spec, max(sizes), backend)
-                if gc_cfg.prefill_sizes:
-                    prefill_estimate = _estimate_prefill_graph_bytes(spec, backend)
-            except CudaGraphCaptureError:
-                if gc_cfg.fallback == "error":
-                    raise
-                # Opted into eager fallback: the real capture below fails the same way, warns once and
-                # turns graphs off, so no memory is set aside for them.
-                estimate = 0
+            estimate = _estimate_or_zero(lambda: _estimate_graph_bytes(spec, max(sizes), backend), gc_cfg)
+            if gc_cfg.prefill_sizes:
+                prefill_estimate = _estimate_or_zero(lambda: _estimate_prefill_graph_bytes(spec, backend), gc_cfg)
         plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation, estimate + prefill_estimate,
                              block_bytes, spec.block_size, max_len)
         num_blocks = plan.num_blocks

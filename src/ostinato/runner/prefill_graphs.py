@@ -104,7 +104,8 @@ class PrefillGraphs:
         self.graphs = CudaGraphRunner(
             self.forward, [StaticInput(name, (t_max,), torch.int64, pad[name]) for name in INPUTS],
             sizes or (1,), device, fallback=fallback, enforce_eager=enforce_eager, progress=progress,
-            backend=backend, buffers={name: self.tokens[i] for i, name in enumerate(INPUTS)})
+            backend=backend, buffers={name: self.tokens[i] for i, name in enumerate(INPUTS)},
+            step_name="prefill step (sizes in tokens)")
         self._eager_steps = 0
         self._before: PrefillGraphStats | None = None  # counts of the start-up check, not reported
 
