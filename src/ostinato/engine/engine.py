@@ -345,6 +345,7 @@ class LLMEngine:
             ranks=tuple(self.runner.rank_health()) if hasattr(self.runner, "rank_health") else (),
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
+            kernel_compiles_in_service=getattr(getattr(self.runner, "compile_watch", None), "compiles_in_service", 0),
             **({} if pg is None else dict(
                 prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
                 prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,

@@ -104,6 +104,8 @@ class EngineStats:
     # Prefix caching, in tokens (vLLM's counters): tokens of admitted sequences looked up, and found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Triton kernels compiled after start-up, i.e. inside a live step (runner/compile_watch.py).
+    kernel_compiles_in_service: int = 0
     # Prefill steps (a mixed step's chunks included) by how they ran: a CUDA-graph replay at a captured token
     # count, or eager (graphs off, too many tokens or sequences); padded tokens of the replays; their memory.
     prefill_steps_graph: int = 0
