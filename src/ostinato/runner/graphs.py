@@ -509,11 +509,14 @@ class CudaGraphRunner:
         """The captured size a batch of n replays at, or None when it runs eager."""
         return pick_graph_size(n, self._sizes) if self._graphs else None
 
-    def replay_filled(self, n: int) -> torch.Tensor:
+    def replay_filled(self, n: int, size: int | None = None) -> torch.Tensor:
         """One step on rows [0, n) of the caller's buffers, already filled, rows [n, graph_size(n)) with
         harmless padding. No validation and no copy: the caller owns the buffers (`buffers=`). Returns
-        output[:n] (a view into the static output for a replay)."""
-        size = self.graph_size(n)
+        output[:n] (a view into the static output for a replay). `size`: replay that captured size (>= n)
+        instead of the smallest, its rows [n, size) padded by the caller (a self-check of a large size)."""
+        if size is not None and (size not in self._graphs or size < n):
+            raise ValueError(f"replay_filled: size {size} is not a captured size >= {n}")
+        size = size if size is not None else self.graph_size(n)
         self._steps_by_batch[n] = self._steps_by_batch.get(n, 0) + 1
         if size is None:
             self._eager_steps += 1

@@ -231,7 +231,7 @@ def check_prefill_graphs(graphs: PrefillGraphs, model: torch.nn.Module, num_bloc
     room = max(1, num_blocks * bs // 2)  # tokens of each half of the pool
     previous = 0
     for size in graphs.captured_sizes:
-        n = max(1, min(max(size * 3 // 4, previous + 1), room))  # padded, and still this size's graph
+        n = max(1, min(max(size * 3 // 4, previous + 1), room))  # padded (more so when the pool is small)
         previous = size
         q0, q1 = (n + 1) // 2, n // 2
         prefix = max(0, min(3 * bs + bs // 2, room - q0))
@@ -249,7 +249,7 @@ def check_prefill_graphs(graphs: PrefillGraphs, model: torch.nn.Module, num_bloc
         rows = sorted(set(np.linspace(0, real - 1, min(real, 32)).round().astype(int).tolist()) | set(last_rows))
         rows_dev = torch.tensor(rows, device=graphs.device)
         eager = model.compute_logits(eager_hidden[rows_dev])
-        replayed = model.compute_logits(graphs.graphs.replay_filled(real)[rows_dev])
+        replayed = model.compute_logits(graphs.graphs.replay_filled(real, size)[rows_dev])
         mismatch = compare(replayed, eager)
         if mismatch is not None:
             graphs.graphs.disable(size, f"prefill graph self-check failed for {size} tokens (chunks of {q0} and "
