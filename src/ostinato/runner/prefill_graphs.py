@@ -22,7 +22,9 @@ Why the attention kernel is graph-safe here (attention/triton_paged.py, `_prefil
 both fixed per graph; a program reads its sequence's query length and context from the device tensors and
 returns at once when its query tile starts past that sequence's length (`q_block * BLOCK_Q >= q_len`), so
 empty slots and short sequences cost one early exit. The metadata carries no host lengths (query_lens and
-context_lens_host are None), and max_context_len is the static bound max_model_len. The torch backend's
+context_lens_host are None), and max_context_len is the static bound max_model_len; a backend that plans its
+launch from host figures must plan from shapes when they are None (the split-KV prefill of issue 12 does: its
+"shapes only" plan, whose grid covers every token up to query_start_loc[num_seqs] = T). The torch backend's
 prefill reads lengths on the host (.tolist()): it cannot be captured, so on a GPU prefill graphs need the
 Triton backend (the runner turns them off otherwise). On CPU, RecordingGraphBackend runs this very code
 without capture (tests).
