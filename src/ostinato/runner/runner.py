@@ -228,14 +228,14 @@ class ModelRunner:
         replayed = self.prefill_graphs.run(out)
         if replayed is not None:
             hidden, last_rows = replayed  # [n, hidden], a view into the graph's static output
-            last_token_indices = to_device(last_rows, torch.int64, self.device)
         else:
             inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
             hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
-            last_token_indices = inp.last_token_indices
         seqs = [s for s in out.seqs if s.samples]
         if not seqs:
             return None
+        last_token_indices = inp.last_token_indices if replayed is None else \
+            to_device(last_rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[last_token_indices])  # [num_sampled, vocab]
         sampled = self.sampler(logits, self.sampler.prepare(seqs))
         result = _result([s.seq_id for s in seqs], sampled)
