@@ -250,9 +250,16 @@ def check_prefill_graphs(graphs: PrefillGraphs, model: torch.nn.Module, num_bloc
         real, last_rows = graphs.fill(seqs, size)
         rows = sorted(set(np.linspace(0, real - 1, min(real, 32)).round().astype(int).tolist()) | set(last_rows))
         rows_dev = torch.tensor(rows, device=graphs.device)
-        eager = model.compute_logits(eager_hidden[rows_dev])
+        # (1) The replay against the captured function run eagerly on the same filled buffers, at the same
+        # padded size: the same kernels on the same shapes, so any difference is the capture's fault.
+        same_inputs = graphs.forward(**{name: graphs.tokens[i][:size] for i, name in enumerate(INPUTS)})
         replayed = model.compute_logits(graphs.graphs.replay_filled(real, size)[rows_dev])
-        mismatch = compare(replayed, eager)
+        mismatch = compare(replayed, model.compute_logits(same_inputs[rows_dev]))
+        # (2) Against the eager prefill path (runner/inputs.py), unpadded: the padding must not change the real
+        # rows. In fp32 that holds to rounding; in 16-bit dtypes the padded GEMMs run at another M and cuBLAS
+        # picks other kernels (DESIGN.md, numerics of padding), so there it is left to the fp32 tests.
+        if mismatch is None and eager_hidden.dtype == torch.float32:
+            mismatch = compare(replayed, model.compute_logits(eager_hidden[rows_dev]))
         if mismatch is not None:
             graphs.graphs.disable(size, f"prefill graph self-check failed for {size} tokens (chunks of {q0} and "
                                   f"{real - q0} tokens, the first after a cached prefix of {prefix}): {mismatch}. The "
