@@ -48,6 +48,7 @@ from .triton_common import (
     LOG2E, check_inputs, contiguous_last, dot, dot_settings, group_size, pad_dim, paged_kv_offsets,
 )
 from .triton_decode import DecodeTuning, paged_decode
+from .triton_prefill_split import PrefillSplitTuning, paged_prefill_split, plan_for
 
 
 @triton.jit
@@ -144,6 +145,7 @@ class TritonAttentionTuning:
     prefill_block_m: int = 64  # rows per prefill program: queries x (query heads per kv head)
     prefill_block_n: int = 32
     prefill_num_warps: int = 4
+    prefill_split: PrefillSplitTuning = field(default_factory=PrefillSplitTuning)  # triton_prefill_split.py
 
     def __post_init__(self) -> None:
         for name in ("prefill_block_m", "prefill_block_n"):
@@ -211,9 +213,15 @@ class TritonPagedBackend(AttentionBackend):
         out = torch.empty_like(q)
         if num_tokens == 0 or num_seqs == 0:
             return out
+        # A short chunk over a long context: too few (query block, kv head) programs to fill the GPU, so
+        # split the key range (attention/triton_prefill_split.py). Its plan uses the step's host figures when
+        # meta has them, else shapes only (a captured prefill: leave query_lens / context_lens_host None).
+        plan = plan_for(self.tuning.prefill_split, q, k_cache, meta, group)
+        if plan.splits > 1:
+            return paged_prefill_split(q, k_cache, v_cache, meta, scale, group, self.tuning.prefill_split, plan)
         group_pad = triton.next_power_of_2(group)
         block_q = max(1, self.tuning.prefill_block_m // group_pad)  # rows = block_q * group_pad >= 16
-        grid = (triton.cdiv(max(meta.max_query_len, 1), block_q), num_seqs, num_kv_heads)
+        grid = (triton.cdiv(plan.max_query_len, block_q), num_seqs, num_kv_heads)
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, meta.context_lens, meta.query_start_loc,
             scale * LOG2E,
