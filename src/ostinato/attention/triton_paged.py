@@ -17,6 +17,9 @@ Algorithm
                causal mask key_pos <= query_pos where query i of a sequence with context C and Q new tokens
                sits at position C - Q + i. So an already-cached prefix (prefix caching, chunked prefill,
                recompute after preemption) is read from the cache like any other token.
+               When those programs are too few to fill the GPU and the context is long (a short chunk of a
+               chunked prefill), prefill instead splits each program's key range over several programs:
+               attention/triton_prefill_split.py, which also says when (plan_prefill).
 
 Limits
     head_dim: any size; tiles are padded to the next power of two >= 16 (64 and 128 need no padding).
