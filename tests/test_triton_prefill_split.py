@@ -31,10 +31,12 @@ def split_backend(**tuning) -> TritonPagedBackend:
 
 
 def run_prefill(device, dtype, query_lens, prefixes, group, backend, num_kv_heads=1, head_dim=32,
-                block_size=16, seed=0, meta_edit=None):
+                block_size=16, seed=0, meta_edit=None, padding_tokens=0):
+    """Returns the backend's output for the real tokens and the reference. padding_tokens: rows of q past
+    the last sequence's tokens (as a prefill captured at a fixed token count has), belonging to none."""
     context_lens = [p + q for p, q in zip(prefixes, query_lens)]
     cache = PagedCache(context_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
-    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim,
+    q = torch.randn(sum(query_lens) + padding_tokens, num_kv_heads * group, head_dim,
                     generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     meta = prefill_meta(cache, query_lens)
     if meta_edit is not None:
@@ -42,7 +44,8 @@ def run_prefill(device, dtype, query_lens, prefixes, group, backend, num_kv_head
     scale = head_dim ** -0.5
     out = backend.prefill(q.to(device), cache.k_cache, cache.v_cache, meta, scale)
     assert out.shape == q.shape
-    return out, reference_attention(q, cache, query_lens, scale)
+    real = sum(query_lens)
+    return out[:real], reference_attention(q[:real], cache, query_lens, scale)
 
 
 def spy_on_split(monkeypatch) -> list:
@@ -91,8 +94,8 @@ def test_long_query_blocks_over_long_context(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_shapes_only_plan_needs_no_host_figures(device, monkeypatch):
-    # A captured prefill gives no host figures and a stale max_query_len: the plan comes from num_tokens
-    # and the block-table width, and the output is still exact.
+    # A captured prefill gives no host figures and a stale max_query_len, and pads its tokens to the captured
+    # count: the plan comes from num_tokens and the block-table width, and the real tokens' output is exact.
     def without_host_figures(meta: AttentionMetadata) -> AttentionMetadata:
         meta.query_lens = meta.context_lens_host = None
         meta.max_query_len = 1
@@ -100,7 +103,8 @@ def test_shapes_only_plan_needs_no_host_figures(device, monkeypatch):
 
     calls = spy_on_split(monkeypatch)
     out, ref = run_prefill(device, torch.float32, [6, 19], [120, 44], 4,
-                           split_backend(block_n=16, min_split_keys=16), seed=11, meta_edit=without_host_figures)
+                           split_backend(block_n=16, min_split_keys=16), seed=11, meta_edit=without_host_figures,
+                           padding_tokens=7)
     assert len(calls) == 1 and calls[0].from_shapes_only and calls[0].splits > 1
     assert_close_to_reference(out, ref, torch.float32)
 

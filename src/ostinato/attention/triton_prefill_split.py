@@ -25,7 +25,9 @@ Algorithm
               tiles, which cross the diagonal, apply it (a row may see no key of its slice there: its
               partial is max -inf, sum 0, output 0).
     reduce    grid (num_tokens, head groups): weights each slice's output by exp2(max_s - max) and divides by
-              the weighted sum; slices with max -inf count zero. With splits == 1 the split kernel
+              the weighted sum; slices with max -inf count zero. Tokens past query_start_loc[num_seqs] (the
+              padding of a prefill captured at a fixed token count) are left unwritten, as the one-pass
+              kernel leaves them. With splits == 1 the split kernel
               normalises and writes the output itself (no reduce), which the measuring script uses to
               compare this kernel unsplit with the one-pass kernel.
 
@@ -186,11 +188,14 @@ def _prefill_split_kernel(
 
 @triton.jit
 def _prefill_reduce_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits, stride_ot, stride_oh,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, num_seqs, num_splits,
+    stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding past the last sequence (a captured token count): no partials, left unwritten
     heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -323,8 +328,8 @@ def paged_prefill_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         heads_per_program = min(triton.next_power_of_2(num_heads),
                                 max(1, _REDUCE_TILE // (splits_pad * head_dim_pad)))
         _prefill_reduce_kernel[(num_tokens, triton.cdiv(num_heads, heads_per_program))](
-            out, part_out, part_max, part_sum, splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEADS_PER_PROGRAM=heads_per_program, HEAD_DIM=head_dim,
+            out, part_out, part_max, part_sum, meta.query_start_loc, num_seqs, splits,
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS_PER_PROGRAM=heads_per_program, HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad, num_warps=4,
         )
     return out
