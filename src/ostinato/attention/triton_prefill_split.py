@@ -47,8 +47,12 @@ Two ways to choose (plan_prefill)
 
 Limits: as attention/triton_paged.py (any head_dim, padded; any block_size; fp32/bf16/fp16; GQA by
 num_heads // num_kv_heads). Partials take num_tokens * num_heads * splits * (head_dim_pad + 2) fp32.
-Launch settings (PrefillSplitTuning) are not benchmark-tuned yet: scripts/gpu_prefill_attention.py --sweep
-measures the alternatives.
+Launch settings (PrefillSplitTuning) are not benchmark-tuned yet (scripts/gpu_prefill_attention.py --sweep
+measures the alternatives). Compiled ahead of time for sm_90 (triton 3.9, strides divisible by 16 as the
+launcher specialises them, registers read back with cuobjdump -res-usage), the defaults use 187 registers and
+no spills for bf16/fp16 at head_dim 64/128, GQA 1-8, with wgmma dots and cp.async-pipelined K/V loads; fp32
+spills (as the one-pass kernel does: fp32 is the correctness path). The split kernel computes its partials'
+addresses only after the key loops: kept live across them, they spilled ~300 bytes a thread.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ def _attend_tile(acc, m_i, l_i, q, tok0, end, q_pos, k_cache_ptr, v_cache_ptr, b
                                stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE)
     tile = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
     k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0)
     s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [ROWS, BLOCK_N]
     if CAUSAL:
         s = tl.where(n_mask[None, :] & (toks[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -108,7 +113,6 @@ def _attend_tile(acc, m_i, l_i, q, tok0, end, q_pos, k_cache_ptr, v_cache_ptr, b
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
     return acc, m_new, l_i
 
@@ -144,13 +148,13 @@ def _prefill_split_kernel(
     tok_rows = (q_start + q_idx).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    part_idx = (tok_rows * NUM_HEADS + heads) * num_splits + split  # [ROWS] into [tokens, heads, splits]
 
     kv_end = cached_prefix + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # one past the block's last query
     span = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N  # >= BLOCK_N: kv_end >= 1 here
     start = split * span
     if SPLIT:
         if start >= kv_end:
+            part_idx = (tok_rows * NUM_HEADS + heads) * num_splits + split  # [ROWS] into [tokens, heads, splits]
             tl.store(part_max_ptr + part_idx, float("-inf"), mask=row_mask)  # the reduce skips this slice
             return
     end = tl.minimum(start + span, kv_end)
@@ -177,6 +181,7 @@ def _prefill_split_kernel(
                                      BLOCK_N, True, DOT_PRECISION, UPCAST_DOT)
 
     if SPLIT:
+        part_idx = (tok_rows * NUM_HEADS + heads) * num_splits + split
         tl.store(part_max_ptr + part_idx, m_i, mask=row_mask)
         tl.store(part_sum_ptr + part_idx, l_i, mask=row_mask)
         tl.store(part_out_ptr + part_idx[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_mask[:, None])
