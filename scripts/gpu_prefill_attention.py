@@ -33,9 +33,8 @@ from gpu_timing import time_graph  # noqa: E402
 from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
-from ostinato.attention.triton_prefill_split import (  # noqa: E402
-    PrefillSplitTuning, paged_prefill_split, plan_for,
-)
+from ostinato.attention.prefill_split_plan import PrefillSplitTuning  # noqa: E402
+from ostinato.attention.triton_prefill_split import paged_prefill_split, plan_for  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
 POINTS = "1:8000,96:0,96:4096,96:8000,224:8000,480:7967,2016:6431"  # docs' table of issue 12, plus Q=1
@@ -87,15 +86,13 @@ def variants(sweep: bool) -> dict:
         b = TritonPagedBackend(TritonAttentionTuning(prefill_split=PrefillSplitTuning(**split)))
         return b.prefill, b.tuning.prefill_split, True
 
-    def split_kernel(tuning: PrefillSplitTuning, splits: int | None = None):
+    def split_kernel(tuning: PrefillSplitTuning):
         def call(q, k_cache, v_cache, meta, scale):
             plan = plan_for(tuning, q, k_cache, meta, HEADS // KV_HEADS)
-            if splits is not None:
-                plan = dataclasses.replace(plan, splits=splits)
             return paged_prefill_split(q, k_cache, v_cache, meta, scale, HEADS // KV_HEADS, tuning, plan)
         return call, tuning, False
 
-    out = {"old": backend(splits=1), "new": backend(), "split1": split_kernel(PrefillSplitTuning(), splits=1)}
+    out = {"old": backend(splits=1), "new": backend(), "split1": split_kernel(PrefillSplitTuning(splits=1))}
     if sweep:
         for bm in (64, 128):
             for bn in (32, 64, 128):
@@ -108,42 +105,46 @@ def variants(sweep: bool) -> dict:
     return out
 
 
+def measure_point(query_len: int, cached: int, sweep: bool) -> dict:
+    """variant name -> (µs per layer, split count, max abs diff), printing a line for each."""
+    scale = HEAD_DIM ** -0.5
+    caches, q, meta = make_inputs(query_len, cached)
+    ref = TorchRefBackend().prefill(q, caches[0][0], caches[0][1], meta, scale).float()
+    flops = causal_flops(query_len, cached)
+    shapes_meta = dataclasses.replace(meta, query_lens=None, context_lens_host=None)
+    runs = list(variants(sweep).items())
+    runs.insert(2, ("shapes", (TritonPagedBackend().prefill, PrefillSplitTuning(), True)))
+    row = {}
+    for name, (call, tuning, dispatched) in runs:
+        m = shapes_meta if name == "shapes" else meta
+        plan = plan_for(tuning, q, caches[0][0], m, HEADS // KV_HEADS)
+        try:
+            diff = (call(q, caches[0][0], caches[0][1], m, scale).float() - ref).abs().max().item()
+            us = time_graph(lambda i: call(q, caches[i][0], caches[i][1], m, scale), LAYERS)
+            eager = eager_us(lambda i: call(q, caches[i][0], caches[i][1], m, scale), LAYERS)
+        except Exception as e:  # a sweep setting may not compile (shared memory, registers): skip it
+            if name in ("old", "new", "split1"):
+                raise
+            print(f"Q {query_len:5d} C {cached:5d} {name:20s} failed: {type(e).__name__}: {e}"[:300])
+            continue
+        row[name] = (us, plan.splits, diff)
+        kernel = "one-pass" if dispatched and plan.splits == 1 else f"split {plan.splits:2d} bq {plan.block_q:3d}"
+        print(f"Q {query_len:5d} C {cached:5d} {name:20s} {kernel:15s}"
+              f"{us:9.1f} us/layer (eager {eager:9.1f}) {flops / us / 1e6:6.1f} TFLOP/s "
+              f"max|diff| {diff:.2e}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default=POINTS, help="Q:C pairs (new tokens : cached tokens)")
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
-    scale = HEAD_DIM ** -0.5
     table = []
     print(f"{torch.cuda.get_device_name()}; llama-3.1-8b attention shape, {LAYERS} layers, bf16")
     for point in args.points.split(","):
         query_len, cached = (int(x) for x in point.split(":"))
-        caches, q, meta = make_inputs(query_len, cached)
-        ref = TorchRefBackend().prefill(q, caches[0][0], caches[0][1], meta, scale).float()
-        flops = causal_flops(query_len, cached)
-        shapes_meta = dataclasses.replace(meta, query_lens=None, context_lens_host=None)
-        runs = list(variants(args.sweep).items())
-        runs.insert(2, ("shapes", (TritonPagedBackend().prefill, PrefillSplitTuning(), True)))
-        row = {}
-        for name, (call, tuning, dispatched) in runs:
-            m = shapes_meta if name == "shapes" else meta
-            plan = plan_for(tuning, q, caches[0][0], m, HEADS // KV_HEADS)
-            try:
-                diff = (call(q, caches[0][0], caches[0][1], m, scale).float() - ref).abs().max().item()
-                us = time_graph(lambda i: call(q, caches[i][0], caches[i][1], m, scale), LAYERS)
-                eager = eager_us(lambda i: call(q, caches[i][0], caches[i][1], m, scale), LAYERS)
-            except Exception as e:  # a sweep setting may not compile (shared memory, registers): skip it
-                if name in ("old", "new", "split1"):
-                    raise
-                print(f"Q {query_len:5d} C {cached:5d} {name:20s} failed: {type(e).__name__}: {e}"[:300])
-                continue
-            row[name] = (us, plan.splits, diff)
-            kernel = "one-pass" if dispatched and plan.splits == 1 else f"split {plan.splits:2d} bq {plan.block_q:3d}"
-            print(f"Q {query_len:5d} C {cached:5d} {name:20s} {kernel:15s}"
-                  f"{us:9.1f} us/layer (eager {eager:9.1f}) {flops / us / 1e6:6.1f} TFLOP/s "
-                  f"max|diff| {diff:.2e}", flush=True)
-        table.append((query_len, cached, flops, row))
-        del caches
+        table.append((query_len, cached, causal_flops(query_len, cached), measure_point(query_len, cached, args.sweep)))
         torch.cuda.empty_cache()
     print("\n| chunk Q | cached C | old µs/layer | new µs/layer (splits) | speedup | old TFLOP/s | new TFLOP/s "
           "| split kernel unsplit µs | max abs diff old / new |")

@@ -22,7 +22,7 @@ from ostinato.attention import triton_paged  # noqa: E402
 from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
-from ostinato.attention.triton_prefill_split import PrefillSplitTuning, plan_prefill  # noqa: E402
+from ostinato.attention.prefill_split_plan import PrefillSplitTuning, plan_prefill  # noqa: E402
 from ostinato.errors import ConfigError  # noqa: E402
 
 
@@ -132,14 +132,21 @@ def _meta(query_lens, context_lens, table_width=528, host_figures=True) -> Atten
 
 
 @pytest.mark.parametrize("query_len,context_len,block_q,splits", [
-    (96, 8096, 16, 11), (224, 8224, 16, 5), (480, 8447, 16, 3), (2016, 8447, 16, 1),  # a chunked 8k prompt
+    (96, 8096, 16, 12), (224, 8224, 16, 5), (480, 8447, 16, 3), (2016, 8447, 16, 1),  # a chunked 8k prompt
     (96, 96, 16, 1),  # a short context: nothing to split
-    (1, 8001, 4, 31),  # one new token: 4 queries x group 4 = 16 rows, split until 256 keys a slice
+    (1, 8001, 4, 31),  # one new token: 4 queries x group 4 = 16 rows; slices of 256 keys (min_split_keys)
 ])
 def test_plan_at_the_8b_shape_on_an_h200(query_len, context_len, block_q, splits):
     # 132 SMs x 4 programs wanted; 8 kv heads, group 4, block_m 64; the one-pass kernel when splits == 1.
     plan = plan_prefill(PrefillSplitTuning(), _meta([query_len], [context_len]), query_len, 4, 8, 16, 132)
     assert (plan.block_q, plan.splits, plan.from_shapes_only) == (block_q, splits, False)
+
+
+def test_plan_splits_for_the_longest_scan_not_the_number_of_sequences():
+    # The 96-token chunk beside 32 one-token rows at context 256 in one launch: 38 query blocks would
+    # ask for 2 slices, but the rows add little work, so the chunk's scans are still cut 10 ways.
+    meta = _meta([96] + [1] * 32, [8096] + [256] * 32)
+    assert plan_prefill(PrefillSplitTuning(), meta, 128, 4, 8, 16, 132).splits == 10
 
 
 def test_shapes_only_plan_depends_on_shapes_alone():
@@ -148,7 +155,8 @@ def test_shapes_only_plan_depends_on_shapes_alone():
              for q, c in [([96], [8096]), ([96], [96]), ([1], [1])]}
     assert plans == {plan_prefill(PrefillSplitTuning(), _meta([96], [0], host_figures=False), 96, 4, 8, 16, 132)}
     (plan,) = plans
-    assert plan.from_shapes_only and plan.max_query_len == 96 and plan.splits == 10  # (96 // 16 + 1) x 8 programs
+    # 6 query blocks x 8 kv heads scanning the table's 8448 keys: 768 keys a slice for 528 programs.
+    assert plan.from_shapes_only and plan.max_query_len == 96 and plan.splits == 11
 
 
 def test_bad_split_tuning_raises_a_config_error():

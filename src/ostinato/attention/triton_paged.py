@@ -47,11 +47,12 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from .base import AttentionBackend, AttentionMetadata
+from .prefill_split_plan import PrefillSplitTuning
 from .triton_common import (
     LOG2E, check_inputs, contiguous_last, dot, dot_settings, group_size, pad_dim, paged_kv_offsets,
 )
 from .triton_decode import DecodeTuning, paged_decode
-from .triton_prefill_split import PrefillSplitTuning, paged_prefill_split, plan_for
+from .triton_prefill_split import paged_prefill_split, plan_for
 
 
 @triton.jit

@@ -31,19 +31,7 @@ Algorithm
               normalises and writes the output itself (no reduce), which the measuring script uses to
               compare this kernel unsplit with the one-pass kernel.
 
-Two ways to choose (plan_prefill)
-    host figures  meta.query_lens and meta.context_lens_host given (the eager prefill path): BLOCK_Q fits
-                  the longest chunk, the split count fits the step's real query blocks and longest context.
-    shapes only   either of them None (a prefill captured in a CUDA graph at a fixed token count): BLOCK_Q
-                  from num_tokens, query blocks bounded by the grid's num_tokens // BLOCK_Q + num_seqs, the
-                  longest context bounded by the block-table width. Nothing then depends on a value that
-                  changes between replays: the same graph serves any lengths and tables of that shape.
-    Either way the split count is 1 (use the one-pass kernel: triton_paged.py's dispatch) when the query
-    blocks alone give the GPU programs_per_sm programs per SM, or the longest context is under
-    2 * min_split_keys; otherwise enough to reach that many programs, at most one slice per min_split_keys
-    keys and at most max_splits. On an H200 (132 SMs, 528 programs wanted) with 8 kv heads and group 4
-    (BLOCK_Q 16): 96 new tokens after 8000 cached split 11 ways, 224 after 8000 5 ways, 480 after 8000 3
-    ways, 2016 tokens not at all.
+When to split, and how many ways: attention/prefill_split_plan.py (host side only).
 
 Limits: as attention/triton_paged.py (any head_dim, padded; any block_size; fp32/bf16/fp16; GQA by
 num_heads // num_kv_heads). Partials take num_tokens * num_heads * splits * (head_dim_pad + 2) fp32.
@@ -57,14 +45,12 @@ addresses only after the key loops: kept live across them, they spilled ~300 byt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from ..errors import ConfigError
 from .base import AttentionMetadata
+from .prefill_split_plan import PrefillPlan, PrefillSplitTuning, plan_prefill
 from .triton_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 from .triton_decode import _num_sms
 
@@ -218,77 +204,6 @@ def _prefill_reduce_kernel(
     out = tl.sum(o_s * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]  # [HEADS, HEAD_DIM_PAD]
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
-@dataclass(frozen=True)
-class PrefillSplitTuning:
-    """Launch settings and split policy of the split prefill (see the module docstring).
-
-    block_m: rows per program (BLOCK_Q queries x the kv head's query heads, padded to a power of two).
-    block_n: keys per inner-loop tile. programs_per_sm: split until the launch has this many programs per SM.
-    min_split_keys: no slice shorter than this many keys (splitting a short context costs more than it saves).
-    max_splits: at most this many slices. splits: force this count (tests, measurements); None chooses.
-    """
-
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    programs_per_sm: int = 4
-    min_split_keys: int = 256
-    max_splits: int = 32
-    splits: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ConfigError(f"split prefill {name} must be a power of two >= 16, got {value}")
-        for name in ("num_warps", "num_stages", "programs_per_sm", "min_split_keys", "max_splits"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"split prefill {name} must be >= 1, got {getattr(self, name)}")
-        if self.splits is not None and self.splits < 1:
-            raise ConfigError(f"split prefill splits must be >= 1 or None, got {self.splits}")
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    """How one prefill launch runs. splits == 1: the one-pass kernel (attention/triton_paged.py).
-    max_query_len: the bound the one-pass kernel's grid uses (num_tokens when only shapes may be used)."""
-
-    block_q: int
-    splits: int
-    max_query_len: int
-    from_shapes_only: bool
-
-
-def choose_prefill_splits(tuning: PrefillSplitTuning, query_blocks: int, num_kv_heads: int, max_kv_len: int,
-                          num_sms: int) -> int:
-    """Slices per (query block, kv head); see "Two ways to choose" in the module docstring."""
-    if tuning.splits is not None:
-        return tuning.splits
-    programs = max(1, query_blocks * num_kv_heads)
-    wanted = triton.cdiv(tuning.programs_per_sm * num_sms, programs)
-    useful = max(1, max_kv_len // tuning.min_split_keys)
-    return max(1, min(wanted, useful, tuning.max_splits))
-
-
-def plan_prefill(tuning: PrefillSplitTuning, meta: AttentionMetadata, num_tokens: int, group: int,
-                 num_kv_heads: int, block_size: int, num_sms: int) -> PrefillPlan:
-    group_pad = triton.next_power_of_2(group)
-    from_shapes_only = meta.query_lens is None or meta.context_lens_host is None
-    num_seqs = meta.block_tables.shape[0]
-    max_query_len = num_tokens if from_shapes_only else max(meta.max_query_len, 1)
-    # BLOCK_Q: block_m rows, fewer for a short chunk, but >= 16 rows (the smallest tl.dot tile).
-    block_q = max(1, min(tuning.block_m // group_pad, triton.next_power_of_2(max_query_len)), 16 // group_pad)
-    if from_shapes_only:
-        query_blocks = num_tokens // block_q + num_seqs  # the grid: sequences' blocks plus spares
-        max_kv_len = meta.block_tables.shape[1] * block_size
-    else:
-        query_blocks = sum(triton.cdiv(n, block_q) for n in meta.query_lens)
-        max_kv_len = max(meta.context_lens_host, default=0)
-    splits = choose_prefill_splits(tuning, query_blocks, num_kv_heads, max_kv_len, num_sms)
-    return PrefillPlan(block_q, splits, max_query_len, from_shapes_only)
 
 
 def plan_for(tuning: PrefillSplitTuning, q: torch.Tensor, k_cache: torch.Tensor,
