@@ -134,7 +134,7 @@ def _meta(query_lens, context_lens, table_width=528, host_figures=True) -> Atten
 @pytest.mark.parametrize("query_len,context_len,block_q,splits", [
     (96, 8096, 16, 12), (224, 8224, 16, 5), (480, 8447, 16, 3), (2016, 8447, 16, 1),  # a chunked 8k prompt
     (96, 96, 16, 1),  # a short context: nothing to split
-    (1, 8001, 4, 31),  # one new token: 4 queries x group 4 = 16 rows; slices of 256 keys (min_split_keys)
+    (1, 8001, 16, 31),  # one new token: slices of 256 keys (min_split_keys)
 ])
 def test_plan_at_the_8b_shape_on_an_h200(query_len, context_len, block_q, splits):
     # 132 SMs x 4 programs wanted; 8 kv heads, group 4, block_m 64; the one-pass kernel when splits == 1.

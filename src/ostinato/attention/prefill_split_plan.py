@@ -4,11 +4,11 @@ The kernels are in attention/triton_prefill_split.py; attention/triton_paged.py'
 kernel when plan_prefill's split count is above 1 and its one-pass kernel otherwise.
 
 Two ways to plan (plan_prefill)
-    host figures  meta.query_lens and meta.context_lens_host given (the eager prefill path): BLOCK_Q fits
-                  the longest chunk; the scan's work and longest context are the step's own.
-    shapes only   either of them None (a prefill captured in a CUDA graph at a fixed token count): BLOCK_Q
-                  from num_tokens; the work is bounded as if all tokens were one sequence (the fewest
-                  programs) at the block table's full width. Nothing then depends on a value that changes
+    host figures  meta.query_lens and meta.context_lens_host given (the eager prefill path): the scan's
+                  work and longest context are the step's own.
+    shapes only   either of them None (a prefill captured in a CUDA graph at a fixed token count): the
+                  work is bounded as if all num_tokens were one sequence (the fewest programs) at the block
+                  table's full width, and the one-pass kernel's grid takes num_tokens as max_query_len. Nothing then depends on a value that changes
                   between replays: the same graph serves any lengths and tables of that shape.
 
 Choosing the split count (choose_prefill_splits)
@@ -106,11 +106,11 @@ def _keys_scanned(query_len: int, context_len: int, block_q: int) -> int:
 
 def plan_prefill(tuning: PrefillSplitTuning, meta: AttentionMetadata, num_tokens: int, group: int,
                  num_kv_heads: int, block_size: int, num_sms: int) -> PrefillPlan:
-    group_pad = _next_power_of_2(group)
     from_shapes_only = meta.query_lens is None or meta.context_lens_host is None
     max_query_len = num_tokens if from_shapes_only else max(meta.max_query_len, 1)
-    # BLOCK_Q: block_m rows, fewer for a short chunk, but >= 16 rows (the smallest tl.dot tile).
-    block_q = max(1, min(tuning.block_m // group_pad, _next_power_of_2(max_query_len)), 16 // group_pad)
+    # BLOCK_Q: block_m rows (>= 16, the smallest tl.dot tile), even for a short chunk: a tile per chunk
+    # length would compile a kernel variant per length class inside users' steps; rows are cheap here.
+    block_q = max(1, tuning.block_m // _next_power_of_2(group))
     if from_shapes_only:
         # Bounds: every token in one sequence (the case with the fewest programs) at the table's full width.
         max_kv_len = meta.block_tables.shape[1] * block_size

@@ -13,8 +13,8 @@ Algorithm
     split     grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, splits). Axis 0 enumerates the query
               blocks of all sequences back to back: sequence s owns blocks from query_start_loc[s] //
               BLOCK_Q + s on, which leaves room for its cdiv(q_len, BLOCK_Q) blocks whatever the lengths,
-              so the grid depends on shapes only; a program finds its sequence by counting the sequences
-              that start at or before it, and one past the sequence's blocks returns at once. Its rows are
+              so the grid depends on shapes only; a program finds its sequence by a binary search over
+              query_start_loc, and one past the sequence's blocks returns at once. Its rows are
               BLOCK_Q new tokens x the GROUP query heads of one kv head (query-major), as in the one-pass
               kernel. The block's keys 0 .. kv_end - 1 (kv_end: one past its last query's position; new
               token i of a sequence with context C and Q new tokens sits at C - Q + i) are cut into
@@ -27,9 +27,13 @@ Algorithm
     reduce    grid (num_tokens, head groups): weights each slice's output by exp2(max_s - max) and divides by
               the weighted sum; slices with max -inf count zero. Tokens past query_start_loc[num_seqs] (the
               padding of a prefill captured at a fixed token count) are left unwritten, as the one-pass
-              kernel leaves them. With splits == 1 the split kernel
-              normalises and writes the output itself (no reduce), which the measuring script uses to
-              compare this kernel unsplit with the one-pass kernel.
+              kernel leaves them. With splits == 1 the split kernel normalises and writes the output
+              itself (no reduce), which the measuring script uses to compare this kernel unsplit with the
+              one-pass kernel.
+    compiles  one variant of each kernel per model and tuning: BLOCK_Q is fixed by block_m and the group
+              (not by the chunk's length), the reduce pads every split count to one power of two, and the
+              run-time counts (sequences, splits) are not specialised. So one warm-up step that splits
+              (runner/warmup.py) compiles them before serving.
 
 When to split, and how many ways: attention/prefill_split_plan.py (host side only).
 
@@ -58,13 +62,18 @@ _REDUCE_TILE = 4096  # fp32 partial-output values per reduce program (32 registe
 
 
 @triton.jit
-def _sequence_of_block(query_start_loc_ptr, block_id, num_seqs, BLOCK_Q: tl.constexpr, SEQS_PAD: tl.constexpr):
-    """The sequence whose query blocks include flattened block `block_id` (sequence s starts at block
-    query_start_loc[s] // BLOCK_Q + s; starts strictly increase)."""
-    offs = tl.arange(0, SEQS_PAD)
-    real = offs < num_seqs
-    starts = tl.load(query_start_loc_ptr + offs, mask=real, other=0) // BLOCK_Q + offs
-    return tl.sum((real & (starts <= block_id)).to(tl.int32), 0) - 1
+def _sequence_of_block(query_start_loc_ptr, block_id, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose query blocks include flattened block `block_id`: the last s with start(s) <=
+    block_id, start(s) = query_start_loc[s] // BLOCK_Q + s (strictly increasing, start(0) = 0). A binary
+    search with a run-time bound, so no sequence count compiles a variant of its own."""
+    lo = block_id * 0  # a loop-carried value must be a tensor from the start
+    hi = lo + num_seqs  # invariant: start(lo) <= block_id, and hi == num_seqs or start(hi) > block_id
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go_right = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= block_id
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -103,7 +112,9 @@ def _attend_tile(acc, m_i, l_i, q, tok0, end, q_pos, k_cache_ptr, v_cache_ptr, b
     return acc, m_new, l_i
 
 
-@triton.jit
+# Run-time counts are not specialised (a count of 1 or a multiple of 16 would compile a variant of its own
+# inside a user's step); the launch's constexprs depend on the model and the tuning only.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _prefill_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
@@ -111,14 +122,14 @@ def _prefill_split_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    SEQS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1.
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _sequence_of_block(query_start_loc_ptr, block_id, num_seqs, BLOCK_Q, SEQS_PAD)
+    seq = _sequence_of_block(query_start_loc_ptr, block_id, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = block_id - (q_start // BLOCK_Q + seq)
@@ -177,7 +188,7 @@ def _prefill_split_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _prefill_reduce_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, num_seqs, num_splits,
     stride_ot, stride_oh,
@@ -238,12 +249,13 @@ def paged_prefill_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=plan.block_q,
-        SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n, SPLIT=splits > 1, **dot_settings(q.dtype),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if splits > 1:
-        splits_pad = triton.next_power_of_2(splits)
+        # One padded split count for every launch (masked past `splits`): one compiled reduce per model.
+        splits_pad = triton.next_power_of_2(max(splits, tuning.max_splits))
         # Heads per reduce program: about _REDUCE_TILE partial values each (few, large programs).
         heads_per_program = min(triton.next_power_of_2(num_heads),
                                 max(1, _REDUCE_TILE // (splits_pad * head_dim_pad)))
