@@ -9,6 +9,8 @@ the wall time of each request. A first time far above the second is a stall a us
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -31,11 +33,22 @@ def main() -> int:
         for rep in range(2):
             prompt = [[(7 + 13 * i + rep) % 1000 + 3 for i in range(n)]]
             torch.cuda.synchronize()
+            prof = cProfile.Profile() if rep == 0 else None
             t = time.perf_counter()
+            if prof:
+                prof.enable()
             llm.generate(prompt, params)
             torch.cuda.synchronize()
+            if prof:
+                prof.disable()
             times.append(1e3 * (time.perf_counter() - t))
         print(f"prompt {n:5d} tokens: first {times[0]:8.1f} ms, second {times[1]:8.1f} ms")
+        if times[0] > 2 * times[1] + 50:  # a stall: where did the first one's host time go?
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(12)
+    watch = getattr(llm.engine.runner, "compile_watch", None)
+    if watch is not None:
+        print(f"Triton compilations: {watch.compiles_at_startup} at start-up, {watch.compiles_in_service} in service "
+              f"{watch.kernels_in_service}")
     return 0
 
 

@@ -35,9 +35,11 @@ from ..contract import SampledToken, SchedulerOutput, StepResult
 from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
 from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
+from .compile_watch import CompileWatch
 from .decode_step import DecodeStep
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
+from .warmup import warm_up_prefill
 from .sampler import Sampler, SamplerOutput, finish_sampling
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,14 @@ class ModelRunner:
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
         self.sampler = Sampler(self.device, args.seed)
+        self.compile_watch = CompileWatch()
+        if cuda:  # compile the eager prefill path's kernel variants now, not inside a user's step
+            self.compile_watch.install()
+            ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
+                                           self.device, scheduler_config.max_model_len)
+            logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
+                        self.compile_watch.compiles_at_startup, seconds)
+            self.compile_watch.seal()
 
     # ---- graph state, as the engine reports it ------------------------------------------------------
     @property

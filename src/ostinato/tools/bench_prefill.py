@@ -14,8 +14,9 @@ one after another (the first may meet first-time costs; every step's time is in 
 at 32 decodes and an 8,192-token prompt. Run it again with --max-num-batched-tokens above --prompt-len to see
 one unchunked prefill land in a single gap.
 
-Both drive LLMEngine.step() directly and time it on the host (what a client sees), synchronizing the GPU at
-each timed event.
+Both drive LLMEngine.step() directly and time it on the host (what a client sees): bench prefix synchronizes
+the GPU at each timed event; bench chunked times a token when the engine hands it out, with overlapped
+scheduling left running as in the server (a step's `step_ms` in the JSON is host time).
 """
 
 from __future__ import annotations
@@ -141,8 +142,9 @@ def run_chunked(args) -> int:
     gaps: list[float] = []
 
     def step() -> list:
+        # No device sync here: a token's arrival is when the engine hands it out (it has waited for that
+        # step's tokens itself), while the next step may already be running: what a streaming client sees.
         outs = engine.step()
-        _sync()
         now = time.perf_counter()
         for o in outs:
             if o.request_id in last:
