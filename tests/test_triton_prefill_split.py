@@ -231,3 +231,30 @@ def test_gpu_shapes_only_split_replays_in_a_cuda_graph_with_new_lengths():
     torch.cuda.synchronize()
     ref = reference_attention(static_q, new, [90, 6], scale)
     assert_close_to_reference(static_out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_split_prefill_compiles_once_whatever_the_counts_lengths_and_table_widths(monkeypatch):
+    # After the warm-up's shape (16 new tokens after 496: runner/warmup.py), steps with other sequence counts
+    # (1, 2, 3, 17), split counts, lengths and block-table widths (a multiple of 16 among them) compile nothing.
+    from ostinato.runner.compile_watch import CompileWatch
+
+    watch = CompileWatch()
+    if not watch.install():
+        pytest.skip("this Triton has no compile hook")
+    calls = spy_on_split(monkeypatch)
+    backend, shape = TritonPagedBackend(), dict(num_kv_heads=8, head_dim=128)
+    try:
+        run_prefill("cuda", torch.bfloat16, [16], [496], 4, backend, **shape)
+        watch.seal()
+        for seed, (query_lens, prefixes) in enumerate([
+                ([1], [3000]), ([96, 5], [8000, 20]), ([7, 7, 7], [600, 1000, 2000]), ([16], [720]),
+                ([40] * 17, [1000] * 17)]):
+            out, ref = run_prefill("cuda", torch.bfloat16, query_lens, prefixes, 4, backend, seed=seed, **shape)
+            assert_close_to_reference(out, ref, torch.bfloat16)
+    finally:
+        watch.uninstall()
+    assert len(calls) == 6 and all(plan.splits > 1 for plan in calls), calls
+    assert len({plan.splits for plan in calls}) > 2  # several split counts, one compiled kernel
+    assert watch.compiles_in_service == 0, watch.kernels_in_service

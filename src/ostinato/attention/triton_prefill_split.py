@@ -32,7 +32,7 @@ Algorithm
               one-pass kernel.
     compiles  one variant of each kernel per model and tuning: BLOCK_Q is fixed by block_m and the group
               (not by the chunk's length), the reduce pads every split count to one power of two, and the
-              run-time counts (sequences, splits) are not specialised. So one warm-up step that splits
+              run-time counts (sequences, splits) and the block table's width are not specialised. So one warm-up step that splits
               (runner/warmup.py) compiles them before serving.
 
 When to split, and how many ways: attention/prefill_split_plan.py (host side only).
@@ -112,9 +112,10 @@ def _attend_tile(acc, m_i, l_i, q, tok0, end, q_pos, k_cache_ptr, v_cache_ptr, b
     return acc, m_new, l_i
 
 
-# Run-time counts are not specialised (a count of 1 or a multiple of 16 would compile a variant of its own
-# inside a user's step); the launch's constexprs depend on the model and the tuning only.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+# Run-time counts and the block table's width (the step's longest sequence) are not specialised: a value of
+# 1 or a multiple of 16 would compile a variant of its own inside a user's step. The constexprs depend on
+# the model and the tuning only.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _prefill_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
