@@ -237,9 +237,13 @@ def paged_prefill_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     splits, head_dim_pad = plan.splits, pad_dim(head_dim)
     if splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, splits, head_dim_pad, device=q.device, dtype=torch.float32)
-        part_max = torch.empty(num_tokens, num_heads, splits, device=q.device, dtype=torch.float32)
-        part_sum = torch.empty_like(part_max)
+        # One allocation (prefill runs eager: each is host time per layer), viewed as the three partials:
+        # output [tokens, heads, splits, head_dim_pad], then max and sum [tokens, heads, splits], each view
+        # 16-byte aligned (Triton compiles a variant per pointer alignment class).
+        rows = num_tokens * num_heads * splits
+        rows_pad = triton.cdiv(rows, 4) * 4
+        partials = torch.empty(rows * head_dim_pad + 2 * rows_pad, device=q.device, dtype=torch.float32)
+        part_out, part_max, part_sum = partials.split([rows * head_dim_pad, rows_pad, rows_pad])
     else:
         part_out = part_max = part_sum = out  # unused: the kernel writes `out` directly
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, splits)
