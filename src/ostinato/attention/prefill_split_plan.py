@@ -8,8 +8,9 @@ Two ways to plan (plan_prefill)
                   work and longest context are the step's own.
     shapes only   either of them None (a prefill captured in a CUDA graph at a fixed token count): the
                   work is bounded as if all num_tokens were one sequence (the fewest programs) at the block
-                  table's full width, and the one-pass kernel's grid takes num_tokens as max_query_len. Nothing then depends on a value that changes
-                  between replays: the same graph serves any lengths and tables of that shape.
+                  table's full width, and the one-pass kernel's grid takes num_tokens as max_query_len.
+                  Nothing then depends on a value that changes between replays: the same graph serves any
+                  lengths and tables of that shape.
 
 Choosing the split count (choose_prefill_splits)
     1 (no split: the one-pass kernel runs, triton_paged.py's dispatch) when the (query block, kv head)

@@ -19,7 +19,7 @@ Algorithm
                recompute after preemption) is read from the cache like any other token.
                When those programs are too few to fill the GPU and the context is long (a short chunk of a
                chunked prefill), prefill instead splits each program's key range over several programs:
-               attention/triton_prefill_split.py, which also says when (plan_prefill).
+               attention/triton_prefill_split.py (when: attention/prefill_split_plan.py).
 
 Limits
     head_dim: any size; tiles are padded to the next power of two >= 16 (64 and 128 need no padding).
@@ -214,15 +214,15 @@ class TritonPagedBackend(AttentionBackend):
         q = contiguous_last(q)
         block_tables = meta.block_tables  # [num_seqs, W]
         num_seqs = block_tables.shape[0]
-        out = torch.empty_like(q)
-        if num_tokens == 0 or num_seqs == 0:
-            return out
         # A short chunk over a long context: too few (query block, kv head) programs to fill the GPU, so
-        # split the key range (attention/triton_prefill_split.py). Its plan uses the step's host figures when
+        # split the key range (attention/triton_prefill_split.py). The plan uses the step's host figures when
         # meta has them, else shapes only (a captured prefill: leave query_lens / context_lens_host None).
         plan = plan_for(self.tuning.prefill_split, q, k_cache, meta, group)
         if plan.splits > 1:
             return paged_prefill_split(q, k_cache, v_cache, meta, scale, group, self.tuning.prefill_split, plan)
+        out = torch.empty_like(q)
+        if num_tokens == 0 or num_seqs == 0:
+            return out
         group_pad = triton.next_power_of_2(group)
         block_q = max(1, self.tuning.prefill_block_m // group_pad)  # rows = block_q * group_pad >= 16
         grid = (triton.cdiv(plan.max_query_len, block_q), num_seqs, num_kv_heads)

@@ -32,8 +32,8 @@ Algorithm
               one-pass kernel.
     compiles  one variant of each kernel per model and tuning: BLOCK_Q is fixed by block_m and the group
               (not by the chunk's length), the reduce pads every split count to one power of two, and the
-              run-time counts (sequences, splits) and the block table's width are not specialised. So one warm-up step that splits
-              (runner/warmup.py) compiles them before serving.
+              run-time counts (sequences, splits) and the block table's width are not specialised. So one
+              warm-up step that splits (runner/warmup.py) compiles them before serving.
 
 When to split, and how many ways: attention/prefill_split_plan.py (host side only).
 
@@ -41,7 +41,7 @@ Limits: as attention/triton_paged.py (any head_dim, padded; any block_size; fp32
 num_heads // num_kv_heads). Partials take num_tokens * num_heads * splits * (head_dim_pad + 2) fp32.
 Launch settings (PrefillSplitTuning) are not benchmark-tuned yet (scripts/gpu_prefill_attention.py --sweep
 measures the alternatives). Compiled ahead of time for sm_90 (triton 3.9, strides divisible by 16 as the
-launcher specialises them, registers read back with cuobjdump -res-usage), the defaults use 187 registers and
+launcher specialises them, registers read back with cuobjdump -res-usage), the defaults use ~190 registers and
 no spills for bf16/fp16 at head_dim 64/128, GQA 1-8, with wgmma dots and cp.async-pipelined K/V loads; fp32
 spills (as the one-pass kernel does: fp32 is the correctness path). The split kernel computes its partials'
 addresses only after the key loops: kept live across them, they spilled ~300 bytes a thread.
