@@ -1,12 +1,13 @@
 """Prefill attention alone on the GPU (issue 12): a chunk of Q new tokens after C cached ones, at the
 llama-3.1-8b attention shape (bf16, 32 q heads, 8 kv heads, head_dim 128, block 16).
 
-For each (Q, C) point it builds one KV pool per layer (32, so that reads come from HBM as in a real step)
-with shuffled blocks, and times TritonPagedBackend.prefill over every layer:
+For each (Q, C) point (one sequence; "96:8000+32x1:255" adds 32 one-token sequences at context 256, the
+decode rows of a mixed step run in the same launch) it builds one KV pool per layer (32, so that reads come
+from HBM as in a real step) with shuffled blocks, and times TritonPagedBackend.prefill over every layer:
   old     the one-pass kernel (_prefill_kernel in attention/triton_paged.py: split count forced to 1)
   new     what the backend now dispatches (the split kernel when plan_prefill splits, else the one-pass one)
   split1  the split kernel unsplit (it writes the output itself), to compare its tiles with the old kernel's
-  shapes  the plan from shapes only (as a prefill captured in a CUDA graph would use), when it differs
+  shapes  the plan from shapes only (what a prefill captured in a CUDA graph uses: no host figures)
   --sweep also the split kernel's launch settings (block_m, block_n, num_warps, num_stages, programs_per_sm)
 Figures: µs per layer as GPU time (the layers' calls captured in one CUDA graph, median replay / layers) and
 as eager wall time (the way prefill runs today: launches included), achieved TFLOP/s over the causal FLOPs
@@ -37,26 +38,47 @@ from ostinato.attention.prefill_split_plan import PrefillSplitTuning  # noqa: E4
 from ostinato.attention.triton_prefill_split import paged_prefill_split, plan_for  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
-POINTS = "1:8000,96:0,96:4096,96:8000,224:8000,480:7967,2016:6431"  # docs' table of issue 12, plus Q=1
+# The (Q, C) points measured for issue 12, one new token, and the 96-token chunk beside 32 decode rows.
+POINTS = "1:8000,96:0,96:4096,96:8000,224:8000,480:7967,2016:6431,96:8000+32x1:255"
 
 
-def make_inputs(query_len: int, cached: int, host_figures: bool = True):
-    ctx = cached + query_len
-    gen = torch.Generator(device="cuda").manual_seed(query_len * 10007 + cached)
-    nblk = math.ceil(ctx / BLOCK)
-    caches = [(torch.randn(nblk + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16),
-               torch.randn(nblk + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16))
-              for _ in range(LAYERS)]
-    width = math.ceil(8448 / BLOCK)  # the engine's table at max_model_len 8448 (scripts/gpu_mixed_step.py)
-    tables = torch.full((1, width), nblk, dtype=torch.int32, device="cuda")
-    tables[0, :nblk] = torch.randperm(nblk, device="cuda", generator=gen).to(torch.int32)
-    q = torch.randn(query_len, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+def parse_point(point: str) -> list[tuple[int, int]]:
+    """"96:8000" -> [(96, 8000)]; "96:8000+32x1:255" adds 32 sequences of 1 new token after 255 cached (the
+    decode rows of a mixed step run as one-token prefills beside the chunk)."""
+    seqs = []
+    for part in point.split("+"):
+        count, _, shape = part.rpartition("x")
+        query_len, cached = (int(x) for x in shape.split(":"))
+        seqs += [(query_len, cached)] * int(count or 1)
+    return seqs
+
+
+def make_inputs(seqs: list[tuple[int, int]]):
+    """Per-layer paged caches holding every sequence's context in shuffled blocks, q for their new tokens,
+    and the step's metadata with host figures. seqs: (new tokens, cached tokens) per sequence."""
+    ctxs = [q + c for q, c in seqs]
+    query_lens = [q for q, _ in seqs]
+    gen = torch.Generator(device="cuda").manual_seed(sum(q * 10007 + c for q, c in seqs))
+    nblks = [math.ceil(c / BLOCK) for c in ctxs]
+    num_blocks = sum(nblks)  # + 1: the scratch block pads the tables
+    caches = [tuple(torch.randn(num_blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", generator=gen,
+                                dtype=torch.bfloat16) for _ in range(2)) for _ in range(LAYERS)]
+    width = max([math.ceil(8448 / BLOCK)] + nblks)  # the engine's table at max_model_len 8448 (gpu_mixed_step.py)
+    tables = torch.full((len(seqs), width), num_blocks, dtype=torch.int32, device="cuda")
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    used = 0
+    for s, n in enumerate(nblks):
+        tables[s, :n] = perm[used:used + n]
+        used += n
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
     meta = AttentionMetadata(
-        is_prefill=True, slot_mapping=torch.zeros(query_len, dtype=torch.int64, device="cuda"),
-        block_tables=tables, context_lens=torch.tensor([ctx], dtype=torch.int32, device="cuda"),
-        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device="cuda"),
-        query_lens=[query_len] if host_figures else None, context_lens_host=[ctx] if host_figures else None,
-        max_query_len=query_len, max_context_len=ctx)
+        is_prefill=True, slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64, device="cuda"),
+        block_tables=tables, context_lens=torch.tensor(ctxs, dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"), query_lens=query_lens,
+        context_lens_host=ctxs, max_query_len=max(query_lens), max_context_len=max(ctxs))
     return caches, q, meta
 
 
@@ -75,8 +97,9 @@ def eager_us(fn, copies: int, iters: int = 10) -> float:
     return statistics.median(times)
 
 
-def causal_flops(query_len: int, cached: int) -> float:
-    keys_seen = query_len * (cached + 1) + query_len * (query_len - 1) / 2  # sum over i of cached + i + 1
+def causal_flops(seqs: list[tuple[int, int]]) -> float:
+    # Per sequence, the sum over new token i of the keys it sees: cached + i + 1.
+    keys_seen = sum(q * (c + 1) + q * (q - 1) / 2 for q, c in seqs)
     return 4.0 * HEAD_DIM * HEADS * keys_seen
 
 
@@ -105,12 +128,13 @@ def variants(sweep: bool) -> dict:
     return out
 
 
-def measure_point(query_len: int, cached: int, sweep: bool) -> dict:
+def measure_point(point: str, sweep: bool) -> dict:
     """variant name -> (µs per layer, split count, max abs diff), printing a line for each."""
     scale = HEAD_DIM ** -0.5
-    caches, q, meta = make_inputs(query_len, cached)
+    seqs = parse_point(point)
+    caches, q, meta = make_inputs(seqs)
     ref = TorchRefBackend().prefill(q, caches[0][0], caches[0][1], meta, scale).float()
-    flops = causal_flops(query_len, cached)
+    flops = causal_flops(seqs)
     shapes_meta = dataclasses.replace(meta, query_lens=None, context_lens_host=None)
     runs = list(variants(sweep).items())
     runs.insert(2, ("shapes", (TritonPagedBackend().prefill, PrefillSplitTuning(), True)))
@@ -125,11 +149,11 @@ def measure_point(query_len: int, cached: int, sweep: bool) -> dict:
         except Exception as e:  # a sweep setting may not compile (shared memory, registers): skip it
             if name in ("old", "new", "split1"):
                 raise
-            print(f"Q {query_len:5d} C {cached:5d} {name:20s} failed: {type(e).__name__}: {e}"[:300])
+            print(f"{point:18s} {name:20s} failed: {type(e).__name__}: {e}"[:300])
             continue
         row[name] = (us, plan.splits, diff)
         kernel = "one-pass" if dispatched and plan.splits == 1 else f"split {plan.splits:2d} bq {plan.block_q:3d}"
-        print(f"Q {query_len:5d} C {cached:5d} {name:20s} {kernel:15s}"
+        print(f"{point:18s} {name:20s} {kernel:15s} "
               f"{us:9.1f} us/layer (eager {eager:9.1f}) {flops / us / 1e6:6.1f} TFLOP/s "
               f"max|diff| {diff:.2e}", flush=True)
     return row
@@ -137,23 +161,22 @@ def measure_point(query_len: int, cached: int, sweep: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default=POINTS, help="Q:C pairs (new tokens : cached tokens)")
+    ap.add_argument("--points", default=POINTS,
+                    help="Q:C (new tokens : cached tokens), comma-separated; '+Nx1:255' adds N one-token rows")
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     table = []
     print(f"{torch.cuda.get_device_name()}; llama-3.1-8b attention shape, {LAYERS} layers, bf16")
     for point in args.points.split(","):
-        query_len, cached = (int(x) for x in point.split(":"))
-        table.append((query_len, cached, causal_flops(query_len, cached), measure_point(query_len, cached, args.sweep)))
+        table.append((point, causal_flops(parse_point(point)), measure_point(point, args.sweep)))
         torch.cuda.empty_cache()
-    print("\n| chunk Q | cached C | old µs/layer | new µs/layer (splits) | speedup | old TFLOP/s | new TFLOP/s "
+    print("\n| chunk Q:cached C | old µs/layer | new µs/layer (splits) | speedup | old TFLOP/s | new TFLOP/s "
           "| split kernel unsplit µs | max abs diff old / new |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for query_len, cached, flops, row in table:
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for point, flops, row in table:
         (old, _, d_old), (new, splits, d_new), (unsplit, _, _) = row["old"], row["new"], row["split1"]
-        print(f"| {query_len} | {cached} | {old:.1f} | {new:.1f} ({splits}) | {old / new:.1f}x | "
-              f"{flops / old / 1e6:.0f} | {flops / new / 1e6:.0f} | {unsplit:.1f} | {d_old:.1e} / {d_new:.1e} |")
-
+        print(f"| {point} | {old:.1f} | {new:.1f} ({splits}) | {old / new:.1f}x | {flops / old / 1e6:.0f} | "
+              f"{flops / new / 1e6:.0f} | {unsplit:.1f} | {d_old:.1e} / {d_new:.1e} |")
 
 if __name__ == "__main__":
     main()
