@@ -111,8 +111,11 @@ def test_shapes_only_plan_needs_no_host_figures(device, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_backend_keeps_the_one_pass_kernel_when_programs_fill_the_gpu(device, monkeypatch):
-    # The CPU pretends to have 4 SMs (16 programs wanted): 64 queries at group 1 (BLOCK_Q 64) over one kv
-    # head are one program, so a long context splits; 4 kv heads x 4 blocks of 16 are 16 programs: no split.
+    # A GPU of 4 SMs (16 programs wanted; the CPU's pretend figure, set here for the H200 too): 64 queries at
+    # group 1 (BLOCK_Q 64) over one kv head are one program, so a long context splits; 4 kv heads x 4 blocks of
+    # 16 are 16 programs: no split.
+    from ostinato.attention import triton_prefill_split
+    monkeypatch.setattr(triton_prefill_split, "_num_sms", lambda device: 4)
     calls = spy_on_split(monkeypatch)
     out, ref = run_prefill(device, torch.float32, [64], [200], 1, split_backend(min_split_keys=64), seed=13)
     assert_close_to_reference(out, ref, torch.float32)
