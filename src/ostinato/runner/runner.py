@@ -39,8 +39,8 @@ from .compile_watch import CompileWatch
 from .decode_step import DecodeStep
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
-from .warmup import warm_up_prefill
 from .sampler import Sampler, SamplerOutput, finish_sampling
+from .warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
 
