@@ -74,7 +74,7 @@ def test_warm_up_writes_only_the_scratch_block_and_leaves_the_engine_as_it_was(e
     caches = [torch.stack(kv) for kv in runner.kv_caches]  # [2, blocks + 1, block_size, Hkv, D] per layer
     scratch = runner.scratch_block
     ran, _ = warm_up_prefill(runner.model, runner.sampler, runner.block_size, scratch, runner.device, 128)
-    assert ran == len(WARMUP_STEPS)
+    assert ran == sum(all(new + cached <= 128 for new, cached in shape) for shape in WARMUP_STEPS) > 0
     changed_scratch = False
     for before, (k, v) in zip(caches, runner.kv_caches):
         after = torch.stack((k, v))

@@ -35,6 +35,7 @@ WARMUP_STEPS: tuple[tuple[tuple[int, int], ...], ...] = (
     ((32, 48),),
     ((1, 20), (17, 5)),
     ((16, 0), (48, 16), (5, 0)),
+    ((16, 496),),  # a context of 512: the split prefill (attention/triton_prefill_split.py) compiles here
 )
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 _RANDOM = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=1, logprobs=2)

@@ -152,7 +152,8 @@ def run(args) -> int:
     gen = torch.Generator().manual_seed(0)
     rows = []
     hf = None if args.no_hf else _load_hf(engine.model_dir, runner.dtype, runner.device)
-    print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), {runner.dtype}, graphs: {engine.graph_status}")
+    print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), "
+          f"{runner.dtype}, graphs: {engine.graph_status}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
             eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup)

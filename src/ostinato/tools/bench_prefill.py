@@ -10,9 +10,9 @@ inter-token latency (the time between engine steps that gave a request a token) 
 steps, then a --prompt-len prompt arrives and is prefilled (in chunks of what --max-num-batched-tokens leaves
 beside the decode rows) until its first token. Reported: the decodes' median inter-token latency without the
 prefill, their p99 and max while it runs, and the long prompt's TTFT, for each of --rounds long prompts sent
-one after another (the first may meet first-time costs; every step's time is in the JSON). Issue 12's goal: p99 <= 2x the median
-at 32 decodes and an 8,192-token prompt. Run it again with --max-num-batched-tokens above --prompt-len to see
-one unchunked prefill land in a single gap.
+one after another (the first may meet first-time costs; every step's time is in the JSON). Issue 12's goal:
+p99 <= 2x the median at 32 decodes and an 8,192-token prompt. Run it again with --max-num-batched-tokens above
+--prompt-len to see one unchunked prefill land in a single gap.
 
 Both drive LLMEngine.step() directly and time it on the host (what a client sees): bench prefix synchronizes
 the GPU at each timed event; bench chunked times a token when the engine hands it out, with overlapped
@@ -126,7 +126,11 @@ def run_prefix(args) -> int:
 
 
 def run_chunked(args) -> int:
+    from ..errors import ConfigError
     from ..sampling_params import RequestOutputKind, SamplingParams
+
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1 (long prompts to time), got {args.rounds}")
 
     engine = _engine(args, max(args.prompt_len, args.decode_context) + 2 * args.base_steps + 64)
     max_len = engine.scheduler_config.max_model_len
