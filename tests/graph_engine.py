@@ -27,7 +27,7 @@ def recorded_graphs(sizes: tuple[int, ...], prefill_sizes: tuple[int, ...] = (),
                            tuple(sorted(prefill_sizes)), prefill_max_seqs)
 
     with mock.patch.object(EngineArgs, "graph_config", graph_config), \
-            mock.patch.object(kv_setup, "CudaGraphBackend", lambda device: backend()):
+            mock.patch.object(kv_setup, "CudaGraphBackend", lambda device, **kwargs: backend()):
         yield
 
 

@@ -178,6 +178,8 @@ def describe_capture_failure(size: int, error: BaseException) -> str:
     msg = f"capturing the CUDA graph for batch size {size} failed: {first_line(error)}."
     if any(marker in str(error).lower() for marker in _HOST_SYNC_MARKERS):
         msg += " " + _HOST_SYNC_HINT
+    for note in getattr(error, "__notes__", ()):  # what the backend knows (runner/graph_backends.py)
+        msg += " " + note
     return msg
 
 

@@ -21,6 +21,7 @@ from ..config import CacheConfig, GraphConfig, ModelConfig, SchedulerConfig
 from ..contract import ScheduledSeq, SchedulerOutput
 from ..errors import CudaGraphCaptureError
 from ..sampling_params import SamplingParams
+from .compile_watch import CompileWatch
 from .decode_batch import DecodeLayout
 from .decode_step import DecodeStep, compare_step
 from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
@@ -54,6 +55,7 @@ class KVSpec:
     # "thread_local" under tensor parallelism: NCCL's watchdog thread queries events while this thread
     # captures, which the global mode would count as an error; a host sync in the step still fails capture.
     capture_error_mode: str = "global"
+    compile_watch: CompileWatch | None = None  # names a Triton compile that broke a capture (graph_backends.py)
 
 
 @dataclass
@@ -214,7 +216,8 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     plan = None
     sizes = gc_cfg.capture_sizes
     mode = {} if spec.capture_error_mode == "global" else {"capture_error_mode": spec.capture_error_mode}
-    backend = CudaGraphBackend(spec.device, **mode) if sizes or gc_cfg.prefill_sizes else None
+    backend = CudaGraphBackend(spec.device, compile_watch=spec.compile_watch, **mode) \
+        if sizes or gc_cfg.prefill_sizes else None
     estimate = prefill_estimate = 0
     if spec.num_kv_blocks is not None:
         num_blocks = spec.num_kv_blocks

@@ -118,7 +118,8 @@ class ModelRunner:
             self.model, rank_view(model_config, tp.world_size), scheduler_config, self.graph_config, self.device,
             self.dtype, self.block_size, self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
             make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed),
-            agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global")
+            agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
+            compile_watch=self.compile_watch)
         setup = allocate_kv_and_graphs(self.kv_spec)
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
