@@ -10,8 +10,9 @@ The mixed step (decode rows + prefill chunks, chunked prefill). Two ways to run 
 (b) one eager forward over the rows' tokens and the chunks' tokens together.
 We run (a). It keeps the decode contract whole: the rows stay the persistent DecodeBatch, their input tokens
 stay placeholders resolved on the device, sampling stays inside the graph, overlapped scheduling goes on
-through mixed steps (a chunk that does not end its prompt needs no host sync at all), and greedy output does
-not depend on whether a prefill happened to run beside a decode. (b) saves one read of the weights per mixed
+through mixed steps (no chunk waits for the host: one that ends its prompt has its token read with the
+step's, see _prefill), and greedy output does not depend on whether a prefill happened to run beside a
+decode. (b) saves one read of the weights per mixed
 step (the chunk's GEMMs read them anyway): for llama-3.1-8b about 3.6 ms at 4.13 TB/s, against a replay of
 ~6-7 ms at batch 32, i.e. (a) costs roughly replay + chunk where (b) costs ~chunk. (b) would need the rows'
 placeholder resolution and in-graph sampling rebuilt eagerly, and the decode attention of the rows run through
@@ -48,7 +49,7 @@ from .decode_step import DecodeStep
 from .inputs import _to_device as to_device
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
-from .sampler import Sampler, SamplerOutput, finish_sampling
+from .sampler import HostCopy, SampledTokens, Sampler, SamplerOutput, finish_sampling
 from .warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
@@ -225,10 +226,16 @@ class ModelRunner:
             pending.then(self._prefill(out))
         return pending
 
-    def _prefill(self, out: SchedulerOutput) -> StepResult | None:
+    def _prefill(self, out: SchedulerOutput) -> "ChunkSamples | None":
         """The step's prefill chunks in one forward: a graph replay when they fit a captured token count
-        (runner/prefill_graphs.py), else eager (counted). The chunks that end their prompt sample a token
-        (a host sync) and join the decode batch. None when no chunk samples (no sync at all)."""
+        (runner/prefill_graphs.py), else eager (counted). The chunks that end their prompt sample a token and
+        join the decode batch; None when no chunk samples.
+
+        No host sync here: the sampled tokens go to the host like the decode rows' (read by
+        PendingStep.result(), after the next step was launched), and each new row feeds a placeholder for its
+        token, copied into the decode step's `sampled` buffer on the device. Waiting here instead made the
+        step that ends a long prompt wait for two steps of GPU work (~42 ms at 8B, 32 decodes, 256-token
+        chunks: `bench chunked`), one whole gap for every running stream."""
         replayed = self.prefill_graphs.run(out)
         if replayed is not None:
             hidden, last_rows = replayed  # [n, hidden], a view into the graph's static output
@@ -242,10 +249,10 @@ class ModelRunner:
             to_device(last_rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[last_token_indices])  # [num_sampled, vocab]
         sampled = self.sampler(logits, self.sampler.prepare(seqs))
-        result = _result([s.seq_id for s in seqs], sampled)
-        for seq, tok in zip(seqs, result.tokens):
-            self.decode_batch.join(seq, tok.token_id)
-        return result
+        rows = [self.decode_batch.join(seq) for seq in seqs]  # appended: consecutive rows
+        assert rows == list(range(rows[0], rows[0] + len(rows))), rows
+        self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
+        return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
 
     def _launch_decode(self, n: int) -> "PendingStep":
         batch, step = self.decode_batch, self.decode_step
@@ -279,14 +286,9 @@ class PendingStep:
         self._done, self._seq_ids, self._sampled, self._host, self._event = done, seq_ids, sampled, host, event
         self._then: StepResult | None = None
 
-    def then(self, chunks: StepResult | None) -> None:
-        """Append the tokens of the step's prefill chunks (known already: their sampling synced)."""
-        if chunks is None:
-            return
-        if self._done is not None:  # read already (profiling): append now
-            self._done = _concat(self._done, chunks)
-        else:
-            self._then = chunks
+    def then(self, chunks: "ChunkSamples | None") -> None:
+        """Append the tokens the step's prefill chunks sampled (read with the decode rows' in result())."""
+        self._then = chunks
 
     @property
     def seq_ids(self) -> list[int]:
@@ -300,9 +302,19 @@ class PendingStep:
             else:
                 self._event.synchronize()
                 self._done = _plain(self._seq_ids, self._host.tolist())
-            if self._then is not None:
-                self._done, self._then = _concat(self._done, self._then), None
+        if self._then is not None:  # after the decode rows' (also when those were read early: profiling)
+            self._done, self._then = _concat(self._done, self._then.result()), None
         return self._done
+
+
+class ChunkSamples:
+    """The tokens a step's prefill chunks sampled, on their way to the host (HostCopy)."""
+
+    def __init__(self, seq_ids: list[int], copy: HostCopy):
+        self.seq_ids, self._copy = seq_ids, copy
+
+    def result(self) -> StepResult:
+        return _from_host(self.seq_ids, self._copy.get())
 
 
 def _concat(a: StepResult, b: StepResult) -> StepResult:
@@ -314,7 +326,10 @@ def _plain(seq_ids: list[int], token_ids: list[int]) -> StepResult:
 
 
 def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
-    host = sampled.to_host()  # the step's one host sync
+    return _from_host(seq_ids, sampled.to_host())  # the step's one host sync
+
+
+def _from_host(seq_ids: list[int], host: SampledTokens) -> StepResult:
     if host.logprobs is None:
         return _plain(seq_ids, host.token_ids)
     return StepResult(seq_ids, host.token_ids, [
