@@ -6,6 +6,9 @@ warm-ups), as a user's step feels them:
   rows       the decode rows alone as 1-token prefills (B rows at context 256)
   combined   rows + chunk in ONE eager forward (the alternative design (b) in runner/runner.py)
   attention  the prefill attention kernel alone for the chunk, one layer, times the number of layers
+  replay     the same chunk as a prefill CUDA-graph replay (runner/prefill_graphs.py: the buffers filled and
+             copied, then the graph of the smallest captured token count >= Q), "eager" when Q is above the
+             largest captured count (--prefill-graph-tokens)
 and the decode graph replay at B rows from `ostinato bench` is the other half of design (a).
 
     PYTHONPATH=src python3 scripts/gpu_mixed_step.py /tmp/ck-llama-3.1-8b [--rows 32] [--chunks 96,224,480,2016]
@@ -46,9 +49,10 @@ def main() -> int:
     p.add_argument("--row-context", type=int, default=256)
     p.add_argument("--chunks", default="96,224,480,2016")
     p.add_argument("--contexts", default="0,4096,8000")
+    p.add_argument("--prefill-graph-tokens", default=None, help="as the engine flag (default: 16..512)")
     args = p.parse_args()
     engine = LLMEngine(EngineArgs(args.model, max_model_len=8448, max_num_seqs=64, gpu_memory_utilization=0.85,
-                                  max_num_batched_tokens=8448))
+                                  max_num_batched_tokens=8448, prefill_graph_tokens=args.prefill_graph_tokens))
     runner = engine.runner
     model, bs = runner.model, runner.block_size
     layers = len(model.model.layers)
@@ -70,12 +74,27 @@ def main() -> int:
                 model(inp.input_ids, inp.positions, inp.meta)
         return run, inp
 
+    graphs = runner.prefill_graphs
+
+    def replay(seqs) -> callable:
+        out = SchedulerOutput("prefill", tuple(seqs))
+        size = graphs.size_for(out)
+        if size is None:
+            return None
+
+        def run():
+            with torch.inference_mode():
+                n, _ = graphs.fill(out.seqs, size)
+                graphs.graphs.replay_filled(n)
+        return run
+
     rows = [seq(i, 1, args.row_context - 1) for i in range(args.rows)]
     print(f"model {args.model}, {layers} layers; decode rows: {args.rows} at context {args.row_context}")
     t_rows = _timed(forward(rows)[0])
     print(f"rows alone (eager, 1-token prefills): {t_rows:.2f} ms")
-    print("| chunk Q | cached C | chunk ms | rows+chunk one forward ms | attention ms (x layers) |")
-    print("|---:|---:|---:|---:|---:|")
+    print(f"prefill graphs: {graphs.captured_sizes or 'none'} tokens, up to {graphs.max_seqs} sequences")
+    print("| chunk Q | cached C | chunk ms | chunk replay ms | rows+chunk one forward ms | attention ms (x layers) |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for q in (int(x) for x in args.chunks.split(",")):
         for c in (int(x) for x in args.contexts.split(",")):
             c = min(c, 8448 - q - 1)
@@ -83,11 +102,13 @@ def main() -> int:
             chunk = seq(1000, q, c)
             run_chunk, inp = forward([chunk])
             t_chunk = _timed(run_chunk)
+            run_replay = replay([chunk])
+            t_replay = f"{_timed(run_replay):.2f}" if run_replay is not None else "eager"
             t_both = _timed(forward(rows + [chunk])[0])
             attn = model.model.layers[0].self_attn
             qh = torch.randn(q, attn.num_heads, attn.head_dim, device=runner.device, dtype=runner.dtype)
             t_attn = _timed(lambda: attn.backend.prefill(qh, attn.k_cache, attn.v_cache, inp.meta, attn.scale))
-            print(f"| {q} | {c} | {t_chunk:.2f} | {t_both:.2f} | {t_attn * layers:.2f} |")
+            print(f"| {q} | {c} | {t_chunk:.2f} | {t_replay} | {t_both:.2f} | {t_attn * layers:.2f} |")
     return 0
 
 

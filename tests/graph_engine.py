@@ -17,19 +17,22 @@ from ostinato.runner.graph_backends import RecordingGraphBackend
 
 
 @contextmanager
-def recorded_graphs(sizes: tuple[int, ...]):
-    """While active, a new engine captures `sizes` with RecordingGraphBackend, whatever the device."""
+def recorded_graphs(sizes: tuple[int, ...], prefill_sizes: tuple[int, ...] = (), prefill_max_seqs: int = 16,
+                    backend=RecordingGraphBackend):
+    """While active, a new engine captures decode `sizes` (and prefill graphs of `prefill_sizes` tokens, up to
+    prefill_max_seqs sequences) with `backend()` (RecordingGraphBackend), whatever the device."""
 
     def graph_config(self, device_is_cuda: bool) -> GraphConfig:
-        return GraphConfig(False, tuple(sorted(sizes)), self.cuda_graph_fallback, self.skip_graph_check)
+        return GraphConfig(False, tuple(sorted(sizes)), self.cuda_graph_fallback, self.skip_graph_check,
+                           tuple(sorted(prefill_sizes)), prefill_max_seqs)
 
     with mock.patch.object(EngineArgs, "graph_config", graph_config), \
-            mock.patch.object(kv_setup, "CudaGraphBackend", lambda device: RecordingGraphBackend()):
+            mock.patch.object(kv_setup, "CudaGraphBackend", lambda device, **kwargs: backend()):
         yield
 
 
-def engine_with_recorded_graphs(args: EngineArgs, sizes: tuple[int, ...]) -> LLMEngine:
-    with recorded_graphs(sizes):
+def engine_with_recorded_graphs(args: EngineArgs, sizes: tuple[int, ...], **prefill) -> LLMEngine:
+    with recorded_graphs(sizes, **prefill):
         return LLMEngine(args)
 
 

@@ -116,3 +116,19 @@ def test_no_kernel_compiles_inside_live_steps_on_the_gpu(tmp_path):
     while eng.has_unfinished():
         eng.step()
     assert eng.stats().kernel_compiles_in_service == 0, watch.kernels_in_service
+
+
+def test_a_capture_failure_names_the_kernels_compiled_inside_it(knobs):
+    from ostinato.runner.graphs import describe_capture_failure
+
+    watch = cw.CompileWatch()
+    watch.install()
+    knobs.jit_cache_hook(key="k1", repr="_warm[...]", fn=SimpleNamespace(__name__="_warm_kernel"))
+    mark = watch.compiles
+    knobs.jit_cache_hook(key="k2", repr="_late[...]", fn=SimpleNamespace(__name__="_late_kernel"))
+    assert watch.kernels_since(mark) == ["_late_kernel"]
+    error = RuntimeError("Triton Error [CUDA]: operation failed due to a previous error during capture")
+    error.add_note(f"Triton compiled {', '.join(watch.kernels_since(mark))} inside the capture")
+    msg = describe_capture_failure(128, error)
+    assert "batch size 128" in msg and "_late_kernel inside the capture" in msg and "_warm_kernel" not in msg
+    watch.uninstall()

@@ -335,3 +335,30 @@ def test_async_scheduling_wastes_no_step_on_a_sequence_known_to_end(ckpt):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
     assert llm.engine.stats().decode_steps_eager == 3
+
+
+def test_tokens_sampled_by_prefill_chunks_are_read_with_the_step_not_inside_its_launch(ckpt, monkeypatch):
+    # A chunk that ends its prompt samples a token. Waiting for it inside launch() made the step that ends a
+    # long prompt wait for two steps of GPU work (overlapped scheduling runs one step ahead): every running
+    # stream saw one long gap. The token is read in result(), with the decode rows', and the new row feeds
+    # a placeholder for it meanwhile (the outputs equal the synchronous engine's in the test above).
+    from ostinato.runner import sampler as sampler_mod
+
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", max_num_seqs=4, async_scheduling=True, num_kv_blocks=6,
+              max_model_len=96)
+    runner, inside, reads = llm.engine.runner, [False], []
+    get, launch = sampler_mod.HostCopy.get, runner.launch
+    monkeypatch.setattr(sampler_mod.HostCopy, "get", lambda self: (reads.append(inside[0]), get(self))[1])
+
+    def watched_launch(out):
+        inside[0] = True
+        try:
+            return launch(out)
+        finally:
+            inside[0] = False
+
+    runner.launch = watched_launch
+    prompts, params = _workload()
+    outs = llm.generate(prompts, params)
+    assert all(o.outputs[0].token_ids for o in outs)
+    assert reads and not any(reads), f"{sum(reads)} of {len(reads)} prefill samples were read inside launch()"

@@ -127,3 +127,16 @@ def test_n_completions_and_logprobs(llm):
             assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 3
             assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
     _assert_clean(llm)
+
+
+def test_the_offline_api_defaults_to_the_larger_step_budget_and_keeps_a_given_one(llm, tmp_path):
+    from ostinato.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineArgs
+
+    assert llm.engine.scheduler_config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    make_checkpoint(tmp_path, shape="tiny", family="llama", seed=1)
+    given = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64,
+                max_num_seqs=4, max_num_batched_tokens=32)
+    assert given.engine.scheduler_config.max_num_batched_tokens == 32
+    # The engine itself (the server's) keeps the latency-minded default.
+    args = EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
+    assert args.scheduler_config(given.engine.model_config).max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS

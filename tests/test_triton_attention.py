@@ -232,6 +232,10 @@ def test_split_count_fills_the_gpu_from_shapes_only():
     assert choose_num_splits(tuning, num_seqs=1, num_kv_heads=1, max_context=64, num_sms=132) == 2
     assert choose_num_splits(tuning, num_seqs=1, num_kv_heads=1, max_context=1 << 20, num_sms=132) == 64
     assert choose_num_splits(DecodeTuning(splits=7), 64, 8, 2048, 132) == 7
+    # A full GPU still splits a table wider than max_keys_per_program (one long sequence must not straggle).
+    assert choose_num_splits(tuning, num_seqs=64, num_kv_heads=8, max_context=8448, num_sms=132) == 5
+    assert choose_num_splits(tuning, num_seqs=64, num_kv_heads=8, max_context=32768, num_sms=132) == 16
+    assert choose_num_splits(tuning, num_seqs=16, num_kv_heads=8, max_context=32768, num_sms=132) == 16
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import EngineArgs, read_cuda_graph_sizes
+from .config import EngineArgs, read_cuda_graph_sizes, read_prefill_graph_tokens
 from .errors import ConfigError
 
 
@@ -18,6 +18,13 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _graph_sizes(text: str) -> tuple[int, ...]:
     try:
         return read_cuda_graph_sizes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _prefill_graph_tokens(text: str) -> tuple[int, ...]:
+    try:
+        return read_prefill_graph_tokens(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -39,12 +46,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fixed KV block count instead of sizing from GPU memory")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eager")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode and prefill step runs eager")
     g.add_argument("--cuda-graph-sizes", type=_graph_sizes, default=None,
                    help="batch sizes to capture, e.g. '1 2 4 8 16', or @FILE (as `ostinato advise` writes)")
     g.add_argument("--max-cuda-graph-size", type=int, default=None)
     g.add_argument("--cuda-graph-fallback", default="error", choices=["error", "eager"],
                    help="what a capture failure does: stop start-up (default) or run eager, visibly")
+    g.add_argument("--prefill-graph-tokens", type=_prefill_graph_tokens, default=None,
+                   help="token counts at which prefill steps (and chunks beside running decodes) run as CUDA-graph "
+                        "replays, e.g. '16 32 64 128 256'; 'none' runs every prefill eager (default: 16 to 512 "
+                        "in 1.5x steps, up to --max-num-batched-tokens; --enforce-eager turns them off too)")
+    g.add_argument("--prefill-graph-max-seqs", type=int, default=16,
+                   help="most sequences one prefill graph step holds; a step with more runs eager")
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)

@@ -126,6 +126,12 @@ class ModelConfig:
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# The offline API (LLM, and so `bench throughput`) defaults to a larger step budget, as vLLM's LLM class does:
+# a batch job wants throughput, not the gap between one stream's tokens. On the H200 (llama-3.1-8b shape,
+# nano-vllm's workload, `ostinato bench throughput`) prefix caching + chunking at 8192 gave 10,334 tok/s
+# against 10,344 with both off, while the server's 2048 gave ~10,000 (smaller steps: more mixed steps, each
+# reading the weights twice). A prompt longer than the budget is still chunked.
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,10 @@ class GraphConfig:
     capture_sizes: tuple[int, ...]
     fallback: str  # "error" (default: capture failure stops start-up) | "eager"
     skip_graph_check: bool
+    # Prefill chunks as graph replays (runner/prefill_graphs.py): the token counts captured, ascending (empty:
+    # every prefill step eager), and the most sequences one captured step holds.
+    prefill_sizes: tuple[int, ...] = ()
+    prefill_max_seqs: int = 0
 
 
 def default_capture_sizes(max_num_seqs: int, max_size: int = 256) -> tuple[int, ...]:
@@ -225,6 +235,48 @@ def plan_capture_sizes(
     if dropped:
         logger.warning("not capturing CUDA graphs for --cuda-graph-sizes %s", "; ".join(dropped))
     return tuple(kept)
+
+
+# Token counts of the captured prefill graphs. Why these (H200, llama-3.1-8b, bf16): an eager forward of up to
+# ~480 tokens costs ~11 ms of host-side launches whatever its size, while its GPU work is ~4-5 ms at 96-224
+# tokens; by ~512 tokens the GPU work (~21 us a token: 43 ms at 2016) catches up with the launches, so above
+# that a graph saves little and eager runs. The 1.5x steps bound padding to a third of a replay's tokens.
+# Graph memory is that of the largest size (all sizes share one pool): its activations, tens of MiB on the 8B.
+DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# A captured prefill step holds up to this many sequences (a chunk beside running decodes is one; a burst of
+# short prompts more). Unused sequence slots cost one early-returning program per query tile and KV head.
+DEFAULT_PREFILL_GRAPH_MAX_SEQS = 16
+
+
+def plan_prefill_graph_tokens(max_num_batched_tokens: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The prefill token counts to capture, ascending. Default: DEFAULT_PREFILL_GRAPH_TOKENS below the step's
+    token budget, plus the budget itself when it is within the largest (a step never holds more tokens, and a
+    chunk that fills the budget then replays unpadded). Given sizes above the budget are dropped with a
+    WARNING (no step holds that many tokens); an empty tuple turns prefill graphs off."""
+    if given is None:
+        sizes = [s for s in DEFAULT_PREFILL_GRAPH_TOKENS if s < max_num_batched_tokens]
+        if max_num_batched_tokens <= DEFAULT_PREFILL_GRAPH_TOKENS[-1]:
+            sizes.append(max_num_batched_tokens)
+        return tuple(sorted(set(sizes)))
+    kept = tuple(sorted({s for s in given if s <= max_num_batched_tokens}))
+    dropped = sorted({s for s in given if s > max_num_batched_tokens})
+    if dropped:
+        logger.warning("not capturing prefill graphs for --prefill-graph-tokens %s: above "
+                       "--max-num-batched-tokens %d, no step holds that many tokens", dropped, max_num_batched_tokens)
+    return kept
+
+
+def read_prefill_graph_tokens(text: str) -> tuple[int, ...]:
+    """--prefill-graph-tokens as written: integers ('16 32 64' or '16,32,64'), or 'none' (no prefill graphs)."""
+    if text.strip().lower() in ("none", "off", ""):
+        return ()
+    try:
+        sizes = tuple(int(w) for w in text.replace(",", " ").split())
+    except ValueError:
+        raise ConfigError(f"--prefill-graph-tokens must hold integers like '16 32 64' or 'none', got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise ConfigError(f"--prefill-graph-tokens must hold positive integers, got {list(sizes)}")
+    return sizes
 
 
 def read_cuda_graph_sizes(text: str) -> tuple[int, ...]:
@@ -291,12 +343,20 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # Reuse the K/V of full blocks of earlier requests' identical prefixes (vLLM's name; default on).
     enable_prefix_caching: bool = True
+    # Prefill steps as CUDA-graph replays at these token counts (None: DEFAULT_PREFILL_GRAPH_TOKENS up to the
+    # step budget; () or "none": off); a step of more tokens or more sequences runs eager, counted.
+    prefill_graph_tokens: tuple[int, ...] | None = None
+    prefill_graph_max_seqs: int = DEFAULT_PREFILL_GRAPH_MAX_SEQS
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
             object.__setattr__(self, "cuda_graph_sizes", read_cuda_graph_sizes(self.cuda_graph_sizes))
         if self.cuda_graph_sizes is not None and not isinstance(self.cuda_graph_sizes, tuple):
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+        if isinstance(self.prefill_graph_tokens, str):
+            object.__setattr__(self, "prefill_graph_tokens", read_prefill_graph_tokens(self.prefill_graph_tokens))
+        if self.prefill_graph_tokens is not None and not isinstance(self.prefill_graph_tokens, tuple):
+            object.__setattr__(self, "prefill_graph_tokens", tuple(self.prefill_graph_tokens))
         checks = [
             (self.dtype in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
              f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}"),
@@ -317,6 +377,11 @@ class EngineArgs:
              f"--cuda-graph-sizes must be positive integers, got {self.cuda_graph_sizes}"),
             (self.max_cuda_graph_size is None or self.max_cuda_graph_size >= 1,
              f"--max-cuda-graph-size must be >= 1, got {self.max_cuda_graph_size}"),
+            (self.prefill_graph_tokens is None or all(
+                isinstance(s, int) and s >= 1 for s in self.prefill_graph_tokens),
+             f"--prefill-graph-tokens must be positive integers or 'none', got {self.prefill_graph_tokens}"),
+            (self.prefill_graph_max_seqs >= 1,
+             f"--prefill-graph-max-seqs must be >= 1, got {self.prefill_graph_max_seqs}"),
             (self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}"),
             (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -352,11 +417,13 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             # Chunked prefill: a step's tokens (decode rows + prefill chunks). The default trades a little prefill
             # efficiency for running decodes that never wait behind more than ~2k prompt tokens.
-            max_num_batched_tokens=self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                                                     self.max_num_seqs),
+            max_num_batched_tokens=self._max_num_batched_tokens(),
             max_model_len=max_len,
             max_queued_requests=self.max_queued_requests,
         )
+
+    def _max_num_batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size)
@@ -365,4 +432,6 @@ class EngineArgs:
         if self.enforce_eager or not device_is_cuda:
             return GraphConfig(True, (), self.cuda_graph_fallback, self.skip_graph_check)
         sizes = plan_capture_sizes(self.max_num_seqs, self.cuda_graph_sizes, self.max_cuda_graph_size)
-        return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check)
+        prefill = plan_prefill_graph_tokens(self._max_num_batched_tokens(), self.prefill_graph_tokens)
+        return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
+                           min(self.prefill_graph_max_seqs, self.max_num_seqs))

@@ -21,7 +21,9 @@ so it is fixed before a graph is captured and never changes during replays. A ba
 (num_seqs * num_kv_heads) already cover every SM is not split (no reduce kernel); a smaller one is split
 until the GPU holds `programs_per_sm` programs per SM, but no further than one BLOCK_N tile per slice of
 the widest context the table can hold, nor than max_splits. On an H200 (132 SMs) with 8 kv heads, batch 1
-splits 32 ways at a 2048-token table (64 at 32k), batch 16 5 ways, batch >= 17 not at all.
+splits 32 ways at a 2048-token table (64 at 32k), batch 16 5 ways, batch >= 17 not at all; except that a
+table wider than max_keys_per_program (2048) tokens always splits so that no program scans more (batch 64
+at an 8448-token table: 5 ways), since one long sequence would otherwise straggle.
 
 Why not fixed-size partitions (the kernel this replaced): a partition of 256 tokens gave batch 1 at context
 512 only 2 partitions x 8 kv heads = 16 programs for 132 SMs, each looping over 256 tokens; and the
@@ -158,6 +160,8 @@ class DecodeTuning:
     block_n: tokens per inner-loop tile (a power of two >= 16).
     programs_per_sm: split until num_seqs * num_kv_heads * splits reaches this many programs per SM.
     max_splits: at most this many slices (bounds the reduce's work and the partials' memory).
+    max_keys_per_program: split a table wider than this many tokens at any batch (a long sequence's scan
+    must not set the step's time; choose_num_splits).
     splits: force this split count for every shape (tests, measurements); None chooses per shape.
     """
 
@@ -166,12 +170,13 @@ class DecodeTuning:
     num_stages: int = 3
     programs_per_sm: int = 4
     max_splits: int = 64
+    max_keys_per_program: int = 2048
     splits: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ConfigError(f"decode block_n must be a power of two >= 16, got {self.block_n}")
-        for name in ("num_warps", "num_stages", "programs_per_sm", "max_splits"):
+        for name in ("num_warps", "num_stages", "programs_per_sm", "max_splits", "max_keys_per_program"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"decode {name} must be >= 1, got {getattr(self, name)}")
         if self.splits is not None and self.splits < 1:
@@ -184,9 +189,14 @@ def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, ma
     if tuning.splits is not None:
         return tuning.splits
     programs = max(1, num_seqs * num_kv_heads)
+    # One long sequence among short ones: unsplit, its programs scan its whole context while the rest of the
+    # GPU idles, and the step waits for them (H200, llama-3.1-8b shape, 32 rows at context 256 beside one at
+    # 8192: +6.5 ms a step). So no program gets more than max_keys_per_program keys of the widest context
+    # the table holds, even when the batch alone fills the GPU.
+    straggler = triton.cdiv(max(max_context, 1), tuning.max_keys_per_program)
     if programs >= num_sms:
-        return 1
-    wanted = triton.cdiv(tuning.programs_per_sm * num_sms, programs)
+        return max(1, min(straggler, tuning.max_splits))
+    wanted = max(triton.cdiv(tuning.programs_per_sm * num_sms, programs), straggler)
     useful = triton.cdiv(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
     return max(1, min(wanted, useful, tuning.max_splits))
 

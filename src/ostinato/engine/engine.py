@@ -320,6 +320,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         g = self.runner.graph_stats()
+        pg = self.runner.prefill_graph_stats() if hasattr(self.runner, "prefill_graph_stats") else None
         bm = self.scheduler.block_manager
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -345,4 +346,8 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             kernel_compiles_in_service=getattr(getattr(self.runner, "compile_watch", None), "compiles_in_service", 0),
+            **({} if pg is None else dict(
+                prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
+                prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,
+                prefill_graph_memory_bytes=self.runner.prefill_graph_memory_bytes)),
         )

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..config import EngineArgs
+from ..config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from ..errors import ConfigError, InvalidRequestError
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .chat_prompt import render_chat
@@ -18,20 +18,21 @@ class LLM:
     """Loads a model (HF folder, GGUF file or short name, e.g. "smollm2-135m") and generates for batches of
     prompts or conversations with continuous batching.
 
-    engine_args are EngineArgs fields (dtype, max_model_len, max_num_seqs, enforce_eager, ...).
+    engine_args are EngineArgs fields (dtype, max_model_len, max_num_seqs, enforce_eager, ...). Unless given,
+    max_num_batched_tokens is OFFLINE_MAX_NUM_BATCHED_TOKENS (8192; the server's default is 2048): see config.py.
     """
 
     def __init__(self, model: str, **engine_args):
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise ConfigError(f"unknown engine argument(s) {sorted(unknown)}; valid: {sorted(EngineArgs.field_names())}")
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.engine = LLMEngine(_offline(EngineArgs(model=model, **engine_args)))
         self._next_id = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine, llm._next_id = LLMEngine(args), 0
+        llm.engine, llm._next_id = LLMEngine(_offline(args)), 0
         return llm
 
     @property
@@ -103,3 +104,10 @@ class LLM:
         for out, (text, _) in zip(outs, rendered):
             out.prompt = text
         return outs
+
+
+def _offline(args: EngineArgs) -> EngineArgs:
+    """The offline API's step budget where the caller left it unset (config.OFFLINE_MAX_NUM_BATCHED_TOKENS)."""
+    if args.max_num_batched_tokens is not None:
+        return args
+    return replace(args, max_num_batched_tokens=max(OFFLINE_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs))

@@ -106,3 +106,10 @@ class EngineStats:
     prefix_cache_hits: int = 0
     # Triton kernels compiled after start-up, i.e. inside a live step (runner/compile_watch.py).
     kernel_compiles_in_service: int = 0
+    # Prefill steps (a mixed step's chunks included) by how they ran: a CUDA-graph replay at a captured token
+    # count, or eager (graphs off, too many tokens or sequences); padded tokens of the replays; their memory.
+    prefill_steps_graph: int = 0
+    prefill_steps_eager: int = 0
+    prefill_padded_tokens: int = 0
+    prefill_graph_sizes: tuple[int, ...] = ()
+    prefill_graph_memory_bytes: int = 0

@@ -35,6 +35,7 @@ class CompileWatch:
         self.compiles_at_startup = 0
         self.compiles_in_service = 0
         self.kernels_in_service: list[str] = []  # "name(specialisation)" of each in-service compile, in order
+        self._kernels: list[str] = []  # the name of every compile since install, in order (kernels_since)
         self._sealed = False
         self._lock = threading.Lock()
         self._previous = None
@@ -68,10 +69,20 @@ class CompileWatch:
         """Start-up is over: from now on every compilation is a stall inside a live step."""
         self._sealed = True
 
+    @property
+    def compiles(self) -> int:
+        """Compilations seen so far (start-up and in service): a mark for kernels_since."""
+        return len(self._kernels)
+
+    def kernels_since(self, mark: int) -> list[str]:
+        """The kernels compiled after `mark` (a value of `compiles`), by name, in order."""
+        return self._kernels[mark:]
+
     def on_compile(self, *, key=None, repr=None, fn=None, **kwargs):
         """Triton's hook signature (keyword arguments). Returns what a chained hook returns (True skips the
         compile: only a chained hook may ask for that); this watch itself never changes what Triton does."""
         with self._lock:
+            self._kernels.append(str(getattr(fn, "__name__", None) or getattr(fn, "name", None) or repr))
             if not self._sealed:
                 self.compiles_at_startup += 1
             else:

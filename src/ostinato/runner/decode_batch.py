@@ -131,14 +131,17 @@ class DecodeBatch:
         return len(self.rows)
 
     # ---- rows change only here ---------------------------------------------------------------------
-    def join(self, seq: ScheduledSeq, first_token: int) -> None:
-        """A prefilled sequence becomes a decode row: it feeds `first_token` (just sampled) next."""
+    def join(self, seq: ScheduledSeq, first_token: int | None = None) -> int:
+        """A prefilled sequence becomes a decode row; returns the row. It feeds `first_token` next, or, when
+        None, a placeholder for sampled[row] (the caller writes the token it sampled there on the device
+        before the next decode step, which resolves placeholders first)."""
         row = self.rows.add(seq.seq_id)
         if row >= self.layout.rows:
             raise RuntimeError(f"decode batch full ({self.layout.rows} rows): the scheduler admitted too many")
         p = seq.sampling_params
         h, hf = self.np[row], self.np_f[row]
-        h[TOKEN], h[POS], h[CTR] = first_token, seq.context_len, seq.num_generated + 1
+        token = self._placeholders[row] if first_token is None else first_token
+        h[TOKEN], h[POS], h[CTR] = token, seq.context_len, seq.num_generated + 1
         settings = row_settings(p)
         hf[TEMP], h[TOP_K], hf[TOP_P] = settings.temperature, settings.top_k, settings.top_p
         key = row_key(p.seed, self.engine_seed, seq.seq_id)
@@ -150,6 +153,7 @@ class DecodeBatch:
         self._num_logprobs.append(p.logprobs)
         self._num_filtered += settings.filtered
         self._num_logprob_rows += p.logprobs is not None
+        return row
 
     def leave(self, seq_id: int) -> None:
         """Drop a sequence's row (finished, aborted, preempted); the last row moves into the hole."""

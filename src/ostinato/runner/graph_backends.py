@@ -7,15 +7,17 @@ very runner code that runs on the GPU.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..errors import ConfigError
 
-
+if TYPE_CHECKING:
+    from .compile_watch import CompileWatch
 
 @dataclass(frozen=True)
 class MemoryReading:
@@ -51,12 +53,14 @@ class CudaGraphBackend:
     """torch.cuda.CUDAGraph capture on one dedicated side stream (warm-up included, so lazily created
     workspaces exist before capture), every size in one shared pool, replay on the current stream."""
 
-    def __init__(self, device: torch.device | str, capture_error_mode: str = "global"):
+    def __init__(self, device: torch.device | str, capture_error_mode: str = "global",
+                 compile_watch: CompileWatch | None = None):
         device = torch.device(device)
         if device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device, got {device}; run eager (--enforce-eager)")
         self._device = device
         self._capture_error_mode = capture_error_mode
+        self._compile_watch = compile_watch  # names what Triton compiled inside a capture that failed
         self._stream: torch.cuda.Stream | None = None
 
     @property
@@ -84,21 +88,39 @@ class CudaGraphBackend:
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
+        mark = self._compile_watch.compiles if self._compile_watch is not None else 0
         # Not torch.cuda.graph(): when capture_end fails there, its __exit__ skips restoring the stream.
         with torch.cuda.device(self.device), torch.cuda.stream(self._capture_stream()):
             graph.capture_begin(pool=pool, capture_error_mode=self._capture_error_mode)
             try:
                 out = fn()
-            except BaseException:
+            except BaseException as e:
                 self._close_failed_capture(graph, pool, still_capturing=True)
+                self._explain(e, mark)
                 raise
             try:
                 graph.capture_end()
-            except BaseException:
+            except BaseException as e:
                 self._close_failed_capture(graph, pool, still_capturing=False)
+                self._explain(e, mark)
                 raise
         torch.cuda.synchronize(self.device)
         return graph.replay, out
+
+    def _explain(self, error: BaseException, mark: int) -> None:
+        """Add what is known about an invalidated capture to the error (notes; describe_capture_failure shows
+        them): a Triton compile inside the capture (its module load is not allowed there: a kernel variant
+        the warm-up did not meet, e.g. another pointer alignment), or other live threads (in the global mode
+        any thread's unsafe CUDA call, such as an event query, invalidates the capture)."""
+        if self._compile_watch is not None:
+            compiled = self._compile_watch.kernels_since(mark)
+            if compiled:
+                error.add_note(f"Triton compiled {', '.join(compiled)} inside the capture, after the warm-up "
+                               "that should have compiled it; please report this line.")
+        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        if others and self._capture_error_mode == "global":
+            error.add_note(f"Threads alive during the capture (global mode fails it on any thread's unsafe "
+                           f"CUDA call): {', '.join(others)}.")
 
     def _close_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any, still_capturing: bool) -> None:
         """Take the stream out of capture mode and the allocator out of the graph pool.

@@ -178,6 +178,8 @@ def describe_capture_failure(size: int, error: BaseException) -> str:
     msg = f"capturing the CUDA graph for batch size {size} failed: {first_line(error)}."
     if any(marker in str(error).lower() for marker in _HOST_SYNC_MARKERS):
         msg += " " + _HOST_SYNC_HINT
+    for note in getattr(error, "__notes__", ()):  # what the backend knows (runner/graph_backends.py)
+        msg += " " + note
     return msg
 
 
@@ -262,6 +264,7 @@ class CudaGraphRunner:
         enforce_eager: bool = False,
         backend: GraphBackend | None = None,
         buffers: Mapping[str, torch.Tensor] | None = None,
+        step_name: str = "decode step",
     ):
         if fallback not in FALLBACK_POLICIES:
             raise ConfigError(f"fallback must be 'error' or 'eager', got {fallback!r}")
@@ -275,6 +278,7 @@ class CudaGraphRunner:
         self.fallback = fallback
         self.warmup_iters = warmup_iters
         self.progress = progress
+        self.step_name = step_name  # what the fallback warning says runs eager
         self._pool = pool
         self._sizes: tuple[int, ...] = tuple(sorted(set(capture_sizes)))
         self._disabled_cause: str | None = None
@@ -433,7 +437,11 @@ class CudaGraphRunner:
             raise CudaGraphCaptureError(f"{message} {unusable}.") from error
         if self.fallback == "error":
             raise CudaGraphCaptureError(message + _FALLBACK_HINT) from error
-        logger.warning("CUDA graphs disabled, every decode step runs eager (fallback='eager'): %s", message)
+        logger.warning("CUDA graphs disabled, every %s runs eager (fallback='eager'): %s", self.step_name, message)
+
+    def disable(self, size: int, message: str) -> None:
+        """A check made outside check() failed at `size`: drop the graphs, then raise or warn per fallback."""
+        self._fail(size, message, None)
 
     # ------------------------------------------------------------------------------------------ check
 
@@ -503,11 +511,14 @@ class CudaGraphRunner:
         """The captured size a batch of n replays at, or None when it runs eager."""
         return pick_graph_size(n, self._sizes) if self._graphs else None
 
-    def replay_filled(self, n: int) -> torch.Tensor:
+    def replay_filled(self, n: int, size: int | None = None) -> torch.Tensor:
         """One step on rows [0, n) of the caller's buffers, already filled, rows [n, graph_size(n)) with
         harmless padding. No validation and no copy: the caller owns the buffers (`buffers=`). Returns
-        output[:n] (a view into the static output for a replay)."""
-        size = self.graph_size(n)
+        output[:n] (a view into the static output for a replay). `size`: replay that captured size (>= n)
+        instead of the smallest, its rows [n, size) padded by the caller (a self-check of a large size)."""
+        if size is not None and (size not in self._graphs or size < n):
+            raise ValueError(f"replay_filled: size {size} is not a captured size >= {n}")
+        size = size if size is not None else self.graph_size(n)
         self._steps_by_batch[n] = self._steps_by_batch.get(n, 0) + 1
         if size is None:
             self._eager_steps += 1

@@ -21,11 +21,13 @@ from ..config import CacheConfig, GraphConfig, ModelConfig, SchedulerConfig
 from ..contract import ScheduledSeq, SchedulerOutput
 from ..errors import CudaGraphCaptureError
 from ..sampling_params import SamplingParams
+from .compile_watch import CompileWatch
 from .decode_batch import DecodeLayout
 from .decode_step import DecodeStep, compare_step
 from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
 from .inputs import build_prefill_inputs
 from .memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
+from .prefill_graphs import PrefillGraphs, check_prefill_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class KVSpec:
     # "thread_local" under tensor parallelism: NCCL's watchdog thread queries events while this thread
     # captures, which the global mode would count as an error; a host sync in the step still fails capture.
     capture_error_mode: str = "global"
+    compile_watch: CompileWatch | None = None  # names a Triton compile that broke a capture (graph_backends.py)
 
 
 @dataclass
@@ -64,6 +67,8 @@ class KVSetup:
     capture: CaptureReport
     report: str  # the start-up memory report, already logged
     plan: KVCachePlan | None  # the GPU budget split; None when the pool size was given (CPU, --num-kv-blocks)
+    prefill_graphs: PrefillGraphs | None = None
+    prefill_capture: CaptureReport | None = None
 
 
 def allocate_kv_cache(spec: KVSpec, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,6 +97,41 @@ def make_graph_runner(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], enf
                       backend: CudaGraphBackend | None = None) -> tuple[DecodeStep, CudaGraphRunner]:
     step = spec.make_step(decode_layout(spec, num_blocks, sizes))
     return step, step.graph_runner(sizes, enforce_eager, fallback, progress, backend)
+
+
+def make_prefill_graphs(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], progress: bool,
+                        backend: CudaGraphBackend | None) -> PrefillGraphs:
+    """Prefill graphs over a pool of num_blocks (+ the scratch block); sizes () or --enforce-eager: none."""
+    gc_cfg = spec.graph_config
+    return PrefillGraphs(spec.model, sizes, max(1, gc_cfg.prefill_max_seqs), max_blocks_per_seq(spec),
+                         spec.block_size, num_blocks, spec.scheduler_config.max_model_len, spec.device,
+                         fallback=gc_cfg.fallback, enforce_eager=gc_cfg.enforce_eager or not sizes,
+                         progress=progress, backend=backend)
+
+
+def _estimate_prefill_graph_bytes(spec: KVSpec, backend: CudaGraphBackend) -> int:
+    """Capture the largest prefill size once into a throwaway pool over a small temporary KV pool."""
+    tmp_blocks = max_blocks_per_seq(spec)
+    caches = allocate_kv_cache(spec, tmp_blocks)
+    probe = make_prefill_graphs(spec, tmp_blocks, (max(spec.graph_config.prefill_sizes),), False, backend)
+    try:
+        return probe.capture().total_bytes
+    finally:
+        del probe, caches
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _estimate_or_zero(estimate: Callable[[], int], gc_cfg: GraphConfig) -> int:
+    try:
+        return estimate()
+    except CudaGraphCaptureError:
+        if gc_cfg.fallback == "error":
+            raise
+        # Opted into eager fallback: the real capture below fails the same way, warns once and turns those
+        # graphs off, so no memory is set aside for them.
+        return 0
 
 
 def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[str, torch.Tensor]:
@@ -176,8 +216,9 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     plan = None
     sizes = gc_cfg.capture_sizes
     mode = {} if spec.capture_error_mode == "global" else {"capture_error_mode": spec.capture_error_mode}
-    backend = CudaGraphBackend(spec.device, **mode) if sizes else None
-    estimate = 0
+    backend = CudaGraphBackend(spec.device, compile_watch=spec.compile_watch, **mode) \
+        if sizes or gc_cfg.prefill_sizes else None
+    estimate = prefill_estimate = 0
     if spec.num_kv_blocks is not None:
         num_blocks = spec.num_kv_blocks
     elif spec.device.type != "cuda":
@@ -192,21 +233,17 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         # the graph probe: what the probe leaves behind (the capture stream's workspace) is in its estimate.
         in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
         if not gc_cfg.enforce_eager:
-            try:
-                estimate = _estimate_graph_bytes(spec, max(sizes), backend)
-            except CudaGraphCaptureError:
-                if gc_cfg.fallback == "error":
-                    raise
-                # Opted into eager fallback: the real capture below fails the same way, warns once and
-                # turns graphs off, so no memory is set aside for them.
-                estimate = 0
-        plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation, estimate, block_bytes,
-                             spec.block_size, max_len)
+            estimate = _estimate_or_zero(lambda: _estimate_graph_bytes(spec, max(sizes), backend), gc_cfg)
+            if gc_cfg.prefill_sizes:
+                prefill_estimate = _estimate_or_zero(lambda: _estimate_prefill_graph_bytes(spec, backend), gc_cfg)
+        plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation, estimate + prefill_estimate,
+                             block_bytes, spec.block_size, max_len)
         num_blocks = plan.num_blocks
         lines.append(plan.summary())
         lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
                      f"{spec.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
-                     f"graph estimate {estimate / 2**20:.0f} MiB)")
+                     f"graph estimate {estimate / 2**20:.0f} MiB decode + {prefill_estimate / 2**20:.0f} MiB "
+                     "prefill)")
     if spec.agree_num_blocks is not None:
         fits = num_blocks
         num_blocks = spec.agree_num_blocks(fits)
@@ -220,14 +257,28 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         with torch.inference_mode():
             graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
         step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
+    prefill = make_prefill_graphs(spec, num_blocks, gc_cfg.prefill_sizes, spec.device.type == "cuda", backend)
+    prefill_capture = prefill.capture()
+    if prefill.enabled and not gc_cfg.skip_graph_check:
+        with torch.inference_mode():
+            check_prefill_graphs(prefill, spec.model, num_blocks, spec.model_config.vocab_size)
     if sizes and graphs.graphs_enabled:
         lines.append(graph_memory_report(capture.bytes_by_size, estimate, block_bytes, spec.block_size, max_len))
         lines.append(f"captured {len(capture.sizes)} decode graphs in {capture.seconds:.2f} s")
     elif graphs.disabled_cause:
         lines.append(f"CUDA graphs disabled: {graphs.disabled_cause}")
+    if prefill.enabled:
+        lines.append(graph_memory_report(prefill_capture.bytes_by_size, prefill_estimate, block_bytes,
+                                         spec.block_size, max_len, what="prefill graphs", unit="tokens"))
+        lines.append(f"captured {len(prefill_capture.sizes)} prefill graphs ({prefill_capture.sizes[0]}.."
+                     f"{prefill_capture.sizes[-1]} tokens, up to {prefill.max_seqs} sequences) in "
+                     f"{prefill_capture.seconds:.2f} s")
+    elif gc_cfg.prefill_sizes:
+        lines.append(f"prefill graphs disabled: {prefill.graphs.disabled_cause}")
     lines.append(f"KV cache: {num_blocks} blocks x {spec.block_size} tokens "
                  f"({num_blocks * block_bytes / 2**30:.3f} GiB)")
     report = "\n".join(lines)
     for line in report.splitlines():
         logger.info(line)
-    return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, report, plan)
+    return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, report, plan, prefill,
+                   prefill_capture)

@@ -176,6 +176,8 @@ def graph_memory_report(
     block_bytes: int,
     block_size: int,
     max_model_len: int,
+    what: str = "CUDA graphs",
+    unit: str = "size",
 ) -> str:
     """A table of the memory each captured graph added (largest size first, the capture order), the total,
     the estimate it was budgeted with, and what the total costs in KV cache:
@@ -183,13 +185,14 @@ def graph_memory_report(
         CUDA graphs use X GiB = N KV blocks = T tokens of context (M sequences at max_model_len)
 
     per_size_bytes maps batch size to the bytes its capture added (later captures reuse the shared pool,
-    so small sizes usually add little). Negative readings (memory freed meanwhile) count as 0.
+    so small sizes usually add little). Negative readings (memory freed meanwhile) count as 0. `what` and
+    `unit` name the graphs and their size (the prefill graphs: "prefill graphs", "tokens").
     """
     if block_bytes < 1 or block_size < 1 or max_model_len < 1:
         raise ValueError("block_bytes, block_size and max_model_len must be >= 1")
     if not per_size_bytes:
-        return "CUDA graphs: none captured (eager decode); they use no memory."
-    lines = ["CUDA graph memory (capture order, largest first):", f"  {'size':>6}  {'incremental MiB':>16}"]
+        return f"{what}: none captured (eager); they use no memory."
+    lines = [f"{what} memory (capture order, largest first):", f"  {unit:>6}  {'incremental MiB':>16}"]
     total = 0
     for size in sorted(per_size_bytes, reverse=True):
         used = max(0, per_size_bytes[size])
@@ -204,7 +207,7 @@ def graph_memory_report(
     blocks = math.ceil(total / block_bytes)
     tokens = blocks * block_size
     lines.append(
-        f"CUDA graphs use {total / GiB:.3f} GiB = {blocks} KV blocks = {tokens} tokens of context "
+        f"{what} use {total / GiB:.3f} GiB = {blocks} KV blocks = {tokens} tokens of context "
         f"({tokens / max_model_len:.2f} sequences at max_model_len {max_model_len})"
     )
     return "\n".join(lines)

@@ -10,8 +10,9 @@ The mixed step (decode rows + prefill chunks, chunked prefill). Two ways to run 
 (b) one eager forward over the rows' tokens and the chunks' tokens together.
 We run (a). It keeps the decode contract whole: the rows stay the persistent DecodeBatch, their input tokens
 stay placeholders resolved on the device, sampling stays inside the graph, overlapped scheduling goes on
-through mixed steps (a chunk that does not end its prompt needs no host sync at all), and greedy output does
-not depend on whether a prefill happened to run beside a decode. (b) saves one read of the weights per mixed
+through mixed steps (no chunk waits for the host: one that ends its prompt has its token read with the
+step's, see _prefill), and greedy output does not depend on whether a prefill happened to run beside a
+decode. (b) saves one read of the weights per mixed
 step (the chunk's GEMMs read them anyway): for llama-3.1-8b about 3.6 ms at 4.13 TB/s, against a replay of
 ~6-7 ms at batch 32, i.e. (a) costs roughly replay + chunk where (b) costs ~chunk. (b) would need the rows'
 placeholder resolution and in-graph sampling rebuilt eagerly, and the decode attention of the rows run through
@@ -19,6 +20,13 @@ the prefill kernel. Under (a) the inter-token latency of running decodes during 
 replay + the chunk's forward, so --max-num-batched-tokens is the knob: `ostinato bench chunked` measures it
 (tools/bench_prefill.py), and the same bench with `--max-num-batched-tokens` large enough for the whole
 prompt shows what one unchunked prefill costs the decodes.
+
+The chunks themselves run as a CUDA-graph replay too when the step's tokens fit a captured count (the
+smallest of --prefill-graph-tokens >= its tokens, at most --prefill-graph-max-seqs sequences; padded tokens
+write only the scratch block: runner/prefill_graphs.py), so a mixed step is two replays on one stream. An
+eager forward of the 8B costs ~11 ms of host launches up to ~500 tokens whatever its GPU work (~4-6 ms at
+100-250 tokens), which is what stalled the decodes; a replay costs its GPU work. Larger steps run eager (the
+GPU work dominates there), counted in the prefill step stats.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -37,9 +46,10 @@ from ..model.loader import load_model, resolve_dtype, weights_nbytes
 from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
 from .compile_watch import CompileWatch
 from .decode_step import DecodeStep
+from .inputs import _to_device as to_device
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
-from .sampler import Sampler, SamplerOutput, finish_sampling
+from .sampler import HostCopy, SampledTokens, Sampler, SamplerOutput, finish_sampling
 from .warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
@@ -99,18 +109,26 @@ class ModelRunner:
         logger.info("loaded %s (%.2f GiB, %s) in %.1f s", args.model, self.weights_bytes / 2**30,
                     self.dtype, self.load_seconds)
         self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
+        if self.device.type == "cuda" and self.graph_config.prefill_sizes and self.backend.name != "triton":
+            # The torch backend's prefill reads sequence lengths on the host: it cannot be captured.
+            logger.info("prefill graphs off: --attention-backend %s reads lengths on the host (use triton)",
+                        self.backend.name)
+            self.graph_config = replace(self.graph_config, prefill_sizes=())
         # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
         self.kv_spec = KVSpec(
             self.model, rank_view(model_config, tp.world_size), scheduler_config, self.graph_config, self.device,
             self.dtype, self.block_size, self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
             make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed),
-            agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global")
+            agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
+            compile_watch=self.compile_watch)
         setup = allocate_kv_and_graphs(self.kv_spec)
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
         self.graphs = setup.graph_runner
         self.decode_step = setup.decode_step
         self.decode_batch = setup.decode_step.batch
+        self.prefill_graphs = setup.prefill_graphs  # prefill chunks as replays (runner/prefill_graphs.py)
+        self.prefill_capture_report = setup.prefill_capture
         # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
         rows = self.decode_batch.layout.rows
         cuda = self.device.type == "cuda"
@@ -154,14 +172,22 @@ class ModelRunner:
 
     @property
     def graph_memory_bytes(self) -> int:
-        return self.capture_report.total_bytes
+        """Every graph's memory: decode and prefill."""
+        return self.capture_report.total_bytes + self.prefill_graph_memory_bytes
+
+    @property
+    def prefill_graph_memory_bytes(self) -> int:
+        return self.prefill_capture_report.total_bytes
 
     @property
     def graph_capture_seconds(self) -> float:
-        return self.capture_report.seconds
+        return self.capture_report.seconds + self.prefill_capture_report.seconds
 
     def graph_stats(self):
         return self.graphs.stats
+
+    def prefill_graph_stats(self):
+        return self.prefill_graphs.stats()
 
     # ---- decode callable shared by graph capture, replay and the eager path -------------------------
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -200,20 +226,33 @@ class ModelRunner:
             pending.then(self._prefill(out))
         return pending
 
-    def _prefill(self, out: SchedulerOutput) -> StepResult | None:
-        """The step's prefill chunks in one eager forward; the chunks that end their prompt sample a token
-        (a host sync) and join the decode batch. None when no chunk samples (no sync at all)."""
-        inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
+    def _prefill(self, out: SchedulerOutput) -> "ChunkSamples | None":
+        """The step's prefill chunks in one forward: a graph replay when they fit a captured token count
+        (runner/prefill_graphs.py), else eager (counted). The chunks that end their prompt sample a token and
+        join the decode batch; None when no chunk samples.
+
+        No host sync here: the sampled tokens go to the host like the decode rows' (read by
+        PendingStep.result(), after the next step was launched), and each new row feeds a placeholder for its
+        token, copied into the decode step's `sampled` buffer on the device. Waiting here instead made the
+        step that ends a long prompt wait for two steps of GPU work (~42 ms at 8B, 32 decodes, 256-token
+        chunks: `bench chunked`), one whole gap for every running stream."""
+        replayed = self.prefill_graphs.run(out)
+        if replayed is not None:
+            hidden, last_rows = replayed  # [n, hidden], a view into the graph's static output
+        else:
+            inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
         seqs = [s for s in out.seqs if s.samples]
         if not seqs:
             return None
-        logits = self.model.compute_logits(hidden[inp.last_token_indices])  # [num_sampled, vocab]
+        last_token_indices = inp.last_token_indices if replayed is None else \
+            to_device(last_rows, torch.int64, self.device)
+        logits = self.model.compute_logits(hidden[last_token_indices])  # [num_sampled, vocab]
         sampled = self.sampler(logits, self.sampler.prepare(seqs))
-        result = _result([s.seq_id for s in seqs], sampled)
-        for seq, tok in zip(seqs, result.tokens):
-            self.decode_batch.join(seq, tok.token_id)
-        return result
+        rows = [self.decode_batch.join(seq) for seq in seqs]  # appended: consecutive rows
+        assert rows == list(range(rows[0], rows[0] + len(rows))), rows
+        self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
+        return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
 
     def _launch_decode(self, n: int) -> "PendingStep":
         batch, step = self.decode_batch, self.decode_step
@@ -247,14 +286,9 @@ class PendingStep:
         self._done, self._seq_ids, self._sampled, self._host, self._event = done, seq_ids, sampled, host, event
         self._then: StepResult | None = None
 
-    def then(self, chunks: StepResult | None) -> None:
-        """Append the tokens of the step's prefill chunks (known already: their sampling synced)."""
-        if chunks is None:
-            return
-        if self._done is not None:  # read already (profiling): append now
-            self._done = _concat(self._done, chunks)
-        else:
-            self._then = chunks
+    def then(self, chunks: "ChunkSamples | None") -> None:
+        """Append the tokens the step's prefill chunks sampled (read with the decode rows' in result())."""
+        self._then = chunks
 
     @property
     def seq_ids(self) -> list[int]:
@@ -268,9 +302,19 @@ class PendingStep:
             else:
                 self._event.synchronize()
                 self._done = _plain(self._seq_ids, self._host.tolist())
-            if self._then is not None:
-                self._done, self._then = _concat(self._done, self._then), None
+        if self._then is not None:  # after the decode rows' (also when those were read early: profiling)
+            self._done, self._then = _concat(self._done, self._then.result()), None
         return self._done
+
+
+class ChunkSamples:
+    """The tokens a step's prefill chunks sampled, on their way to the host (HostCopy)."""
+
+    def __init__(self, seq_ids: list[int], copy: HostCopy):
+        self.seq_ids, self._copy = seq_ids, copy
+
+    def result(self) -> StepResult:
+        return _from_host(self.seq_ids, self._copy.get())
 
 
 def _concat(a: StepResult, b: StepResult) -> StepResult:
@@ -282,7 +326,10 @@ def _plain(seq_ids: list[int], token_ids: list[int]) -> StepResult:
 
 
 def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
-    host = sampled.to_host()  # the step's one host sync
+    return _from_host(seq_ids, sampled.to_host())  # the step's one host sync
+
+
+def _from_host(seq_ids: list[int], host: SampledTokens) -> StepResult:
     if host.logprobs is None:
         return _plain(seq_ids, host.token_ids)
     return StepResult(seq_ids, host.token_ids, [

@@ -115,23 +115,51 @@ class SamplerOutput:
 
     def to_host(self) -> SampledTokens:
         """Move everything to the host with one device-to-host transfer (one sync)."""
+        return self.to_host_async().get()
+
+    def to_host_async(self) -> HostCopy:
+        """Start the one device-to-host transfer without waiting for it (into pinned memory on a GPU);
+        HostCopy.get() waits for it and reads the lists. float64 holds every token id (< 2**53) and every
+        float32 logprob exactly: one tensor, one copy."""
         if self.logprobs is None:
-            return SampledTokens(self.token_ids.tolist(), None, None, None)
-        # float64 holds every token id (< 2**53) and every float32 logprob exactly: one tensor, one copy.
+            return HostCopy(self.token_ids, None, self.num_logprobs)
         columns = [self.token_ids[:, None].double(), self.logprobs[:, None].double()]
         if self.top_ids is not None:
             columns += [self.top_ids.double(), self.top_logprobs.double()]
-        rows = torch.cat(columns, dim=1).tolist()  # [B, 2 + 2N]
         width = self.top_ids.shape[1] if self.top_ids is not None else 0
+        return HostCopy(torch.cat(columns, dim=1), width, self.num_logprobs)  # [B, 2 + 2N]
+
+
+class HostCopy:
+    """A SamplerOutput on its way to the host: the copy is queued on the current stream at construction;
+    get() waits for it (the sync) and returns the SampledTokens. width: top-N columns; None when the rows
+    carry token ids only."""
+
+    def __init__(self, packed: torch.Tensor, width: int | None, num_logprobs: tuple[int | None, ...]):
+        self._width, self._num_logprobs, self._event = width, num_logprobs, None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def get(self) -> SampledTokens:
+        if self._event is not None:
+            self._event.synchronize()
+        rows = self._host.tolist()
+        if self._width is None:
+            return SampledTokens(rows, None, None, None)
         token_ids = [int(row[0]) for row in rows]
         logprobs = [row[1] for row in rows]
-        if self.top_ids is None:
+        if self._width == 0:
             return SampledTokens(token_ids, logprobs, None, None)
         top_ids, top_logprobs = [], []
-        for row, n in zip(rows, self.num_logprobs):
+        for row, n in zip(rows, self._num_logprobs):
             n = n or 0  # each row gets the top-N its request asked for
             top_ids.append([int(i) for i in row[2 : 2 + n]])
-            top_logprobs.append(row[2 + width : 2 + width + n])
+            top_logprobs.append(row[2 + self._width : 2 + self._width + n])
         return SampledTokens(token_ids, logprobs, top_ids, top_logprobs)
 
 

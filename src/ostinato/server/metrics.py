@@ -74,12 +74,17 @@ class _EngineStatsCollector(Collector):
                       s.kernel_compiles_in_service)
         yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).", s.num_preemptions)
 
-        steps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: one CUDA-graph replay "
-                                    "or eager (graphs off, or a batch above the largest captured size).",
-                                    labels=["model_name", "path"])
-        steps.add_metric([name, "graph"], s.decode_steps_graph)
-        steps.add_metric([name, "eager"], s.decode_steps_eager)
-        yield steps
+        def by_path(metric: str, doc: str, graph: int, eager: int) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name", "path"])
+            c.add_metric([name, "graph"], graph)
+            c.add_metric([name, "eager"], eager)
+            return c
+
+        yield by_path("decode_steps", "Decode steps by how they ran: one CUDA-graph replay or eager (graphs off, or "
+                      "a batch above the largest captured size).", s.decode_steps_graph, s.decode_steps_eager)
+        yield by_path("prefill_steps", "Prefill steps (a mixed step's chunks included) by how they ran: one "
+                      "CUDA-graph replay at a captured token count, or eager.", s.prefill_steps_graph,
+                      s.prefill_steps_eager)
         yield counter("padded_rows", "Padding rows computed and dropped: a batch of n replays the graph of the "
                       "smallest captured size >= n.", s.padded_rows)
         replays = CounterMetricFamily(PREFIX + "cuda_graph_replays", "Graph replays by captured batch size.",

@@ -192,10 +192,13 @@ def run_chunked(args) -> int:
             step()
     for name in names:
         engine.abort(name)
+    stats = engine.stats()
     result = {
         "num_decodes": args.num_decodes, "prompt_len": args.prompt_len,
         "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
         "itl_median_ms_without_prefill": 1e3 * median, "rounds": rounds, **rounds[-1],
+        "prefill_steps_graph": stats.prefill_steps_graph, "prefill_steps_eager": stats.prefill_steps_eager,
+        "prefill_graph_sizes": list(stats.prefill_graph_sizes),
     }
     for r, rr in enumerate(rounds, 1):
         print(f"{args.num_decodes} decodes, inter-token latency: median {1e3 * median:.2f} ms without a prefill; "
@@ -203,6 +206,8 @@ def run_chunked(args) -> int:
               f"({rr['steps_during_prefill']} steps, --max-num-batched-tokens {result['max_num_batched_tokens']}): "
               f"p99 {rr['itl_p99_ms_during_prefill']:.2f} ms, max {rr['itl_max_ms_during_prefill']:.2f} ms = "
               f"{rr['ratio']:.2f}x the median (goal <= 2x); the long prompt's TTFT {rr['long_prompt_ttft_ms']:.0f} ms")
+    print(f"prefill steps: {stats.prefill_steps_graph} graph replays, {stats.prefill_steps_eager} eager "
+          f"(captured token counts {list(stats.prefill_graph_sizes) or 'none'})")
     _write(args, result)
     return 0
 

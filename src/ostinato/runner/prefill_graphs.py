@@ -1,0 +1,275 @@
+"""Prefill steps as CUDA-graph replays at fixed token counts (issue 12: a chunk beside running decodes).
+
+An eager forward of the 8B costs ~11 ms of host-side launches whatever its size up to ~500 tokens, while its
+GPU work at 100-250 tokens is ~4-6 ms; so a mixed step (decode replay + eager chunk) stalled the running
+decodes on launches. Here a prefill step of n tokens in k sequences replays the graph of the smallest captured
+token count T >= n, when k <= max_seqs; any other step runs eager, as before, and is counted.
+
+Static inputs, filled by three host-to-device copies per step (nothing else is copied or allocated):
+    tokens        [3, T_max] int64: input ids, positions, slot mapping; the graph of T reads [:, :T]
+    lengths       [2 * S + 3] int32: query_start_loc[0..S] (S + 1 entries), then context_lens[0..S]
+    block_tables  [S + 1, W] int32, W = ceil(max_model_len / block_size)
+with S = max_seqs. Sequence slots 0..k-1 hold the step's chunks (their tokens are rows [0, n), in the order
+of the eager path), slots k..S-1 are empty (no new tokens, context 0), and slot S is the padding sequence:
+it owns rows [n, T), which sit at positions 0..T-n-1 in the scratch block (its block-table row is the scratch
+block throughout, set once), so padded tokens write K/V only there and attend only over there: every row
+of the output is finite, and the padded rows are never read. The graph itself closes query_start_loc with T
+and sets the padding sequence's context to T - query_start_loc[S] (device ops, T fixed per graph), so a
+graph is consistent whatever the buffers hold, at warm-up and capture too.
+
+Why the attention kernel is graph-safe here (attention/triton_paged.py, `_prefill_kernel`): its grid is
+(cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads) and we pass max_query_len = T and num_seqs = S + 1,
+both fixed per graph; a program reads its sequence's query length and context from the device tensors and
+returns at once when its query tile starts past that sequence's length (`q_block * BLOCK_Q >= q_len`), so
+empty slots and short sequences cost one early exit. The metadata carries no host lengths (query_lens and
+context_lens_host are None), and max_context_len is the static bound max_model_len; a backend that plans its
+launch from host figures must plan from shapes when they are None (the split-KV prefill of issue 12 does: its
+"shapes only" plan, whose grid covers every token up to query_start_loc[num_seqs] = T). The torch backend's
+prefill reads lengths on the host (.tolist()): it cannot be captured, so on a GPU prefill graphs need the
+Triton backend (the runner turns them off otherwise). On CPU, RecordingGraphBackend runs this very code
+without capture (tests).
+
+Graph memory: every size shares one pool (largest captured first), so it is about the activations of the
+largest T; start-up charges it to the KV budget like the decode graphs' (runner/kv_setup.py) and reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..attention.base import AttentionMetadata
+from ..contract import ScheduledSeq, SchedulerOutput
+from ..errors import CudaGraphCaptureError
+from ..sampling_params import SamplingParams
+from .graphs import CaptureReport, CudaGraphRunner, GraphBackend, StaticInput, default_compare
+from .inputs import build_prefill_inputs
+
+logger = logging.getLogger(__name__)
+
+INPUTS = ("input_ids", "positions", "slot_mapping")  # the rows of `tokens`, in order
+
+
+@dataclass(frozen=True)
+class PrefillGraphStats:
+    """Counters since start-up. Every prefill step (a mixed step's chunks included) is a replay or eager."""
+
+    captured_sizes: tuple[int, ...]
+    graph_steps: int
+    eager_steps: int  # graphs off, or a step above the largest size / with more than max_seqs sequences
+    padded_tokens: int  # tokens of replays computed only to fill the graph
+    replays_by_size: dict[int, int] = field(default_factory=dict)
+
+
+class PrefillGraphs:
+    """Captured prefill forwards (the model up to its final hidden states; logits stay outside) over static
+    buffers; see the module docstring for the layout. `run(out)` replays a step that fits, else returns None
+    and counts the step as eager (the runner then runs its eager path)."""
+
+    def __init__(self, model: torch.nn.Module, sizes: Sequence[int], max_seqs: int, blocks_per_seq: int,
+                 block_size: int, scratch_block: int, max_model_len: int, device: torch.device,
+                 fallback: str = "error", enforce_eager: bool = False, progress: bool = False,
+                 backend: GraphBackend | None = None):
+        self.model = model
+        self.max_seqs = max_seqs
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_model_len = max_model_len
+        self.device = device
+        sizes = tuple(sorted(set(sizes)))
+        enforce_eager = enforce_eager or not sizes
+        t_max = max(sizes, default=1)
+        # The padding sequence reads up to T_max positions through its block-table row: the width covers both
+        # a real sequence (blocks_per_seq) and T_max tokens (a graph may be longer than max_model_len).
+        width = max(blocks_per_seq, math.ceil(t_max / block_size))
+        self._scratch_slot = scratch_block * block_size
+        self.tokens = torch.zeros(3, t_max, dtype=torch.int64, device=device)
+        self.tokens[2].fill_(self._scratch_slot)  # warm-up and capture write K/V only into the scratch block
+        self.lengths = torch.zeros(2 * max_seqs + 3, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((max_seqs + 1, width), scratch_block, dtype=torch.int32, device=device)
+        # Host mirrors, rewritten in place each step (then copied through fresh pinned memory: the caching host
+        # allocator keeps it until its copy ran, so a step needs no wait for the one before).
+        self._tokens_np = np.zeros((3, t_max), dtype=np.int64)
+        self._tokens_np[2] = self._scratch_slot
+        self._lengths_np = np.zeros(2 * max_seqs + 3, dtype=np.int32)
+        self._tables_np = np.full((max_seqs, width), scratch_block, dtype=np.int32)
+        # Padded tokens: positions only feed RoPE (the attention mask counts query rows), so any position below
+        # max_model_len will do; their slots walk the scratch block.
+        self._pad_positions = np.arange(t_max, dtype=np.int64) % max_model_len
+        self._pad_slots = self._scratch_slot + np.arange(t_max, dtype=np.int64) % block_size
+        pad = {"input_ids": 0, "positions": 0, "slot_mapping": self._scratch_slot}
+        self.graphs = CudaGraphRunner(
+            self.forward, [StaticInput(name, (t_max,), torch.int64, pad[name]) for name in INPUTS],
+            sizes or (1,), device, fallback=fallback, enforce_eager=enforce_eager, progress=progress,
+            backend=backend, buffers={name: self.tokens[i] for i, name in enumerate(INPUTS)},
+            step_name="prefill step (sizes in tokens)")
+        self._eager_steps = 0
+        self._before: PrefillGraphStats | None = None  # counts of the start-up check, not reported
+
+    def forget_counts(self) -> None:
+        """From now on, stats() counts from zero (what the start-up check replayed is not a served step)."""
+        self._before = self._raw_stats()
+
+    # ---- the captured function --------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """[T] inputs -> final hidden states [T, hidden]. Capturable: shapes come from T and S only."""
+        t, s = input_ids.shape[0], self.max_seqs
+        # query_start_loc closed by T, and the padding sequence's context T - start: both fixed by the graph.
+        starts = self.lengths[: s + 1]
+        query_start_loc = torch.cat([starts, starts.new_full((1,), t)])
+        contexts = self.lengths[s + 1:]
+        context_lens = torch.cat([contexts[:s], t - starts[s:]])
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=slot_mapping, block_tables=self.block_tables,
+                                 context_lens=context_lens, query_start_loc=query_start_loc,
+                                 max_query_len=t, max_context_len=self.max_model_len)
+        return self.model(input_ids, positions, meta)
+
+    # ---- state -----------------------------------------------------------------------------------------
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        return self.graphs.captured_sizes
+
+    @property
+    def enabled(self) -> bool:
+        return self.graphs.graphs_enabled and bool(self.graphs.captured_sizes)
+
+    def _raw_stats(self) -> PrefillGraphStats:
+        g = self.graphs.stats
+        return PrefillGraphStats(g.captured_sizes, g.graph_steps, self._eager_steps, g.padded_rows,
+                                 dict(g.replays_by_size))
+
+    def stats(self) -> PrefillGraphStats:
+        now, before = self._raw_stats(), self._before
+        if before is None:
+            return now
+        replays = {k: v - before.replays_by_size.get(k, 0) for k, v in now.replays_by_size.items()}
+        return PrefillGraphStats(now.captured_sizes, now.graph_steps - before.graph_steps,
+                                 now.eager_steps - before.eager_steps, now.padded_tokens - before.padded_tokens,
+                                 {k: v for k, v in replays.items() if v})
+
+    def capture(self) -> CaptureReport:
+        try:
+            return self.graphs.capture()
+        except CudaGraphCaptureError as e:  # its message says "batch size": here it is tokens per prefill step
+            raise CudaGraphCaptureError(f"prefill graphs (--prefill-graph-tokens: the size is tokens per step): "
+                                        f"{e} --prefill-graph-tokens none keeps decode graphs and runs prefill "
+                                        "eager.") from e
+
+    # ---- a step ----------------------------------------------------------------------------------------
+    def size_for(self, out: SchedulerOutput) -> int | None:
+        """The token count a step's chunks replay at, or None when they run eager."""
+        if not self.enabled or len(out.seqs) > self.max_seqs:
+            return None
+        return self.graphs.graph_size(sum(len(s.token_ids) for s in out.seqs))
+
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]] | None:
+        """Replay the step's chunks: (hidden [n, hidden], the rows of the last token of each chunk that
+        samples). hidden is a view into the graph's static output, valid until the next replay. None (counted
+        as an eager step) when the step does not fit a captured graph."""
+        size = self.size_for(out)
+        if size is None:
+            self._eager_steps += 1
+            return None
+        n, last_rows = self.fill(out.seqs, size)
+        return self.graphs.replay_filled(n), last_rows
+
+    def fill(self, seqs: Sequence[ScheduledSeq], size: int) -> tuple[int, list[int]]:
+        """Write the chunks into the static buffers for the graph of `size` tokens (three copies).
+        Returns (real tokens n, rows of the sampled chunks' last tokens)."""
+        s, bs = self.max_seqs, self.block_size
+        tok, lens, tables = self._tokens_np, self._lengths_np, self._tables_np
+        n, last_rows = 0, []
+        lens[: s + 1 + s] = 0  # query starts and contexts of empty slots: no tokens, no context
+        for i, seq in enumerate(seqs):
+            q = len(seq.token_ids)
+            pos = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int64)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            tok[0, n:n + q] = seq.token_ids
+            tok[1, n:n + q] = pos
+            tok[2, n:n + q] = table[pos // bs] * bs + pos % bs
+            lens[i] = n
+            lens[s + 1 + i] = seq.context_len
+            tables[i, : len(table)] = table
+            tables[i, len(table):] = self.scratch_block
+            n += q
+            if seq.samples:
+                last_rows.append(n - 1)
+        lens[len(seqs): s + 1] = n  # empty slots and the padding sequence start where the real tokens end
+        tok[0, n:size] = 0
+        tok[1, n:size] = self._pad_positions[: size - n]
+        tok[2, n:size] = self._pad_slots[: size - n]
+        k = len(seqs)
+        self._copy(self.tokens, tok)  # whole (3 x T_max, 12 KiB at 512): one contiguous copy
+        self._copy(self.lengths, lens)
+        self._copy(self.block_tables[:k], tables[:k])
+        return n, last_rows
+
+    def _copy(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        host = torch.from_numpy(np.ascontiguousarray(src))
+        if dst.device.type == "cuda":
+            host = host.pin_memory()
+        dst.copy_(host, non_blocking=dst.device.type == "cuda")
+
+
+# ---- start-up self-check --------------------------------------------------------------------------------
+
+
+def check_prefill_graphs(graphs: PrefillGraphs, model: torch.nn.Module, num_blocks: int, vocab_size: int,
+                         compare=default_compare) -> None:
+    """Replay every captured size against the eager prefill path (runner/inputs.py) on the same chunks and
+    compare the logits of their tokens (up to 32 rows, the sampled ones included); a mismatch disables the
+    graphs like a failed capture (fallback policy). Each size holds two chunks that leave it partly padding:
+    the first after a cached prefix that ends inside a block (written by an eager prefill first), the second
+    from position 0. Runs at start-up, before any sequence holds KV, so it may write any real block; the
+    replays are not counted in the stats."""
+    bs = graphs.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    gen = torch.Generator().manual_seed(0)
+    room = max(1, num_blocks * bs // 2)  # tokens of each half of the pool
+    previous = 0
+    for size in graphs.captured_sizes:
+        n = max(1, min(max(size * 3 // 4, previous + 1), room))  # padded (more so when the pool is small)
+        previous = size
+        q0, q1 = (n + 1) // 2, n // 2
+        prefix = max(0, min(3 * bs + bs // 2, room - q0))
+        ids = torch.randint(0, vocab_size, (prefix + n,), generator=gen).tolist()
+        first = tuple(range(math.ceil((prefix + q0) / bs)))
+        second = tuple(range(len(first), len(first) + math.ceil(q1 / bs)))
+        if prefix:
+            _eager_hidden(model, (ScheduledSeq(0, tuple(ids[:prefix]), 0, first, params, 0, samples=False),), graphs)
+        seqs = [ScheduledSeq(0, tuple(ids[prefix:prefix + q0]), prefix, first, params, 0)]
+        if q1 and graphs.max_seqs >= 2 and second[-1] < num_blocks:
+            seqs.append(ScheduledSeq(1, tuple(ids[prefix + q0:]), 0, second, params, 0))
+        seqs = tuple(seqs)
+        eager_hidden = _eager_hidden(model, seqs, graphs)
+        real, last_rows = graphs.fill(seqs, size)
+        rows = sorted(set(np.linspace(0, real - 1, min(real, 32)).round().astype(int).tolist()) | set(last_rows))
+        rows_dev = torch.tensor(rows, device=graphs.device)
+        # (1) The replay against the captured function run eagerly on the same filled buffers, at the same
+        # padded size: the same kernels on the same shapes, so any difference is the capture's fault.
+        same_inputs = graphs.forward(**{name: graphs.tokens[i][:size] for i, name in enumerate(INPUTS)})
+        replayed = model.compute_logits(graphs.graphs.replay_filled(real, size)[rows_dev])
+        mismatch = compare(replayed, model.compute_logits(same_inputs[rows_dev]))
+        # (2) Against the eager prefill path (runner/inputs.py), unpadded: the padding must not change the real
+        # rows. In fp32 that holds to rounding; in 16-bit dtypes the padded GEMMs run at another M and cuBLAS
+        # picks other kernels (DESIGN.md, numerics of padding), so there it is left to the fp32 tests.
+        if mismatch is None and eager_hidden.dtype == torch.float32:
+            mismatch = compare(replayed, model.compute_logits(eager_hidden[rows_dev]))
+        if mismatch is not None:
+            graphs.graphs.disable(size, f"prefill graph self-check failed for {size} tokens (chunks of {q0} and "
+                                  f"{real - q0} tokens, the first after a cached prefix of {prefix}): {mismatch}. The "
+                                  "replay computes something else than the eager prefill. --skip-graph-check skips "
+                                  "this check, --prefill-graph-tokens none turns prefill graphs off.")
+            break
+    graphs.forget_counts()
+
+
+def _eager_hidden(model: torch.nn.Module, seqs: tuple[ScheduledSeq, ...], graphs: PrefillGraphs) -> torch.Tensor:
+    inp = build_prefill_inputs(SchedulerOutput("prefill", seqs), graphs.block_size, graphs.scratch_block,
+                               graphs.device)
+    return model(inp.input_ids, inp.positions, inp.meta)
