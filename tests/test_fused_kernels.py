@@ -196,6 +196,74 @@ def test_qk_norm_rope_real_shapes(num_tokens, num_heads, num_kv_heads, qk_norm, 
     check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, 128, qk_norm, dtype, "cuda", max_positions=40960)
 
 
+# ---- qk_norm_rope_write_kv: the same kernel writing k and v into the paged cache -------------------------
+
+def check_qk_norm_rope_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device,
+                                block_size=4, num_blocks=9, max_positions=512):
+    """q against qk_norm_rope (same kernel, bit for bit) and the reference; the cache: k (rotated) and v at
+    each token's slot, the padded rows' k/v in the scratch block, a negative slot nowhere, every other slot
+    untouched (NaN filler)."""
+    total = num_heads + 2 * num_kv_heads
+    heads = rand(num_tokens, total, head_dim, dtype=dtype, device=device, seed=21)
+    with torch.device(device):
+        rope = RotaryEmbedding(head_dim, max_positions, 10000.0, None)
+    rope.rebuild(torch.device(device), dtype)
+    gen = torch.Generator().manual_seed(22)
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(device)
+    weights = (norm_weight(head_dim, dtype, device, 23), norm_weight(head_dim, dtype, device, 24)) \
+        if qk_norm else (None, None)
+    scratch = num_blocks  # the pool's extra block, as the runner allocates it
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]  # distinct real slots
+    padded = [t for t in (1, num_tokens - 1) if 0 < t < num_tokens]
+    slots[padded] = scratch * block_size  # padded decode rows: all to the scratch block's first slot
+    negative = [2] if num_tokens > 3 else []
+    slots[negative] = -1  # the vLLM convention for "write nowhere"
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    heads_before = heads.clone()
+
+    q = fused.qk_norm_rope_write_kv(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS,
+                                    k_cache, v_cache, slots.to(device))
+    qk = fused.qk_norm_rope(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS)
+    ref = fused.qk_norm_rope_ref(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS)
+    assert q.shape == (num_tokens, num_heads, head_dim) and q.is_contiguous()
+    assert torch.equal(q, qk[:, :num_heads])
+    assert_close(q, ref[:, :num_heads].contiguous())
+    assert torch.equal(heads, heads_before)
+
+    k, v = qk[:, num_heads:].cpu(), heads[:, num_heads + num_kv_heads:].cpu()  # [T, Hkv, D] each
+    flat_k = k_cache.cpu().flatten(0, 1)  # [slots, Hkv, D]
+    flat_v = v_cache.cpu().flatten(0, 1)
+    real = [t for t in range(num_tokens) if t not in padded and t not in negative]
+    assert torch.equal(flat_k[slots[real]], k[real]) and torch.equal(flat_v[slots[real]], v[real])
+    if padded:  # duplicates: some padded row wins, whole (k and v of the same row)
+        pad_slot = scratch * block_size
+        assert any(torch.equal(flat_k[pad_slot], k[t]) and torch.equal(flat_v[pad_slot], v[t]) for t in padded)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [
+    (1, 4, 2, 16), (6, 8, 1, 64), (7, 4, 4, 32), (5, 6, 2, 48), (6, 24, 8, 16)])  # 48: padded; 24+16: 3 blocks
+def test_qk_norm_rope_write_kv_matches_reference(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype,
+                                                 device):
+    check_qk_norm_rope_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads", [(1, 16, 8), (16, 32, 8), (300, 16, 8)])
+def test_qk_norm_rope_write_kv_real_shapes(num_tokens, num_heads, num_kv_heads, dtype):
+    check_qk_norm_rope_write_kv(num_tokens, num_heads, num_kv_heads, 128, True, dtype, "cuda", block_size=16,
+                                num_blocks=64, max_positions=40960)
+
+
 # ---- dispatch and errors ---------------------------------------------------------------------------------
 
 def test_kernels_are_chosen_by_device():
@@ -351,6 +419,52 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
             assert error.mean() <= 0.2 and error.max() <= 1.5, f"{name} step {step}: {error.mean():.3f}"
 
 
+def run_chunked_steps(model, kernels, device, prompts, decode_steps=3) -> list[torch.Tensor]:
+    """Chunked prefill (each prompt's first half, then its rest over the cached half: slot_mapping covers
+    only the new tokens), then decode steps on fixed tokens: logits of every step."""
+    pages = Pages(model, torch.float32, device)
+    model.bind_kv_caches(pages.caches, kernels=kernels)
+    out = []
+    with torch.no_grad():
+        halves = [(p[:len(p) // 2 + 1], p[len(p) // 2 + 1:]) for p in prompts]
+        for chunk in (0, 1):
+            new = {i: len(h[chunk]) for i, h in enumerate(halves) if len(h[chunk])}
+            positions, meta = pages.step(new, is_prefill=True)
+            ids = torch.cat([halves[i][chunk] for i in new]).to(device)
+            out.append(model.compute_logits(model(ids, positions, meta)))
+        for step in range(decode_steps):
+            positions, meta = pages.step({i: 1 for i in range(len(prompts))}, is_prefill=False)
+            tokens = torch.tensor([(5 * step + 3 * i) % model.config.vocab_size for i in range(len(prompts))],
+                                  device=device)
+            out.append(model.compute_logits(model(tokens, positions, meta)))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_on_the_triton_backend_writes_kv_from_the_rope_kernel(checkpoints, family, device):
+    """fp32, the Triton kernel set on the Triton backend (K/V written by the q/k-norm + RoPE kernel, attention
+    by the split-KV decode) against the torch kernels on the torch reference backend: chunked prefill, then
+    decode; logits close and every greedy token identical."""
+    from ostinato.attention.triton_paged import TritonPagedBackend
+
+    path = checkpoints[family]
+    config = ModelConfig.from_dir(path)
+    models = {name: load_model(path, config, torch.float32, torch.device(device), backend, progress=False)
+              for name, backend in (("triton", TritonPagedBackend()), ("torch", TorchRefBackend()))}
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (6, 11, 2)]
+    calls = []
+    counting = dataclasses.replace(fused.TRITON_KERNELS, qk_norm_rope_write_kv=lambda *a: calls.append(1) or
+                                   fused.qk_norm_rope_write_kv(*a))
+    actual = run_chunked_steps(models["triton"], counting, device, prompts)
+    expected = run_chunked_steps(models["torch"], fused.TORCH_KERNELS, device, prompts)
+    assert len(calls) == 5 * config.num_layers  # every step of every layer wrote K/V from the rope kernel
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(a.argmax(-1), e.argmax(-1)), f"step {step}"
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_binding_cuda_caches_picks_the_triton_kernels(checkpoints):
@@ -445,6 +559,8 @@ def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
             counts[kernels.name] = names
             print(f"{shape} {kernels.name}: {len(names)} kernels per layer: {names}")
     fused_names = counts["triton"]
-    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 1), ("_silu_and_mul_kernel", 1)]:
+    # The K/V write rides in the q/k-norm + RoPE kernel: no _write_kv_kernel launch on the Triton path.
+    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 1), ("_silu_and_mul_kernel", 1),
+                              ("_write_kv_kernel", 0)]:
         assert sum(kernel in name for name in fused_names) == per_layer, kernel
     assert len(fused_names) <= len(counts["torch"]) - min_saved

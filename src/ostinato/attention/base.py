@@ -46,6 +46,11 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    # True when K/V may reach the cache without write_kv: the decoder's kernel set then writes them from
+    # its q/k-norm + RoPE kernel, straight into this module's layout (model/fused.py,
+    # qk_norm_rope_write_kv), one launch fewer per layer. The reference backend keeps its own write, so it
+    # stays a whole oracle (write and attention).
+    accepts_fused_kv_write: bool = False
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -158,6 +158,7 @@ class TritonPagedBackend(AttentionBackend):
     """Paged attention in Triton; see the module docstring for the algorithm, layout and limits."""
 
     name = "triton"
+    accepts_fused_kv_write = True  # write_kv is then skipped on the Triton kernel set's path
 
     def __init__(self, tuning: TritonAttentionTuning | None = None):
         self.tuning = tuning or TritonAttentionTuning()

@@ -84,11 +84,15 @@ class Attention(nn.Module):
         h, kv = self.num_heads, self.num_kv_heads
         heads = kernels.linear(hidden, self.qkv_proj).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H+2Hkv, D]
         q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
-        qk = kernels.qk_norm_rope(heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
-        q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
-
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        norm_rope = (heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
+        if kernels.qk_norm_rope_write_kv is not None and self.backend.accepts_fused_kv_write:
+            # One kernel: (Qwen3: per-head RMSNorm, then) RoPE; k and v go straight to their cache slots.
+            q = kernels.qk_norm_rope_write_kv(*norm_rope, self.k_cache, self.v_cache, meta.slot_mapping)  # [T, H, D]
+        else:
+            # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
+            qk = kernels.qk_norm_rope(*norm_rope)
+            q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = self.backend.prefill if meta.is_prefill else self.backend.decode
         out = attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
         return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
