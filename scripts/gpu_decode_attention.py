@@ -6,10 +6,12 @@ backend's decode over every layer; the figure is the median replay / layers. Byt
 context token of every kv head (q and out are negligible). The first layer's output is compared with a
 float32 torch reference at each case.
 
-    PYTHONPATH=src python3 scripts/gpu_decode_attention.py [--sweep] [--json out.json]
+    PYTHONPATH=src python3 scripts/gpu_decode_attention.py [--sweep] [--compare-merge] [--cases 1x512,16x512]
+        [--shapes qwen3-0.6b] [--json out.json]
 
 Runs against whatever `ostinato` PYTHONPATH names, so the same file measures an older tree ("before");
---sweep (needs attention/triton_decode.py) also times other decode tunings.
+--sweep (needs attention/triton_decode.py) also times other decode tunings; --compare-merge times the
+two-kernel decode (split + reduce kernel, single_launch_max_splits=0) beside the default single launch.
 """
 
 from __future__ import annotations
@@ -91,8 +93,17 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048, help="block-table width (as the engine's)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compare-merge", action="store_true", help="also time the split + reduce-kernel decode")
+    ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES), help="BATCHxCONTEXT,...")
     args = ap.parse_args()
+    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
     variants = {"default": TritonPagedBackend()}
+    if args.compare_merge:
+        from ostinato.attention.triton_decode import DecodeTuning
+        from ostinato.attention.triton_paged import TritonAttentionTuning
+
+        two_kernels = DecodeTuning(single_launch_max_splits=0)
+        variants["reduce-kernel"] = TritonPagedBackend(TritonAttentionTuning(decode=two_kernels))
     if args.sweep:
         from ostinato.attention.triton_decode import DecodeTuning
         from ostinato.attention.triton_paged import TritonAttentionTuning
@@ -104,12 +115,12 @@ def main() -> None:
                     variants[f"bn{bn}_st{stages}_pps{pps}"] = TritonPagedBackend(TritonAttentionTuning(decode=tuning))
     rows = []
     for name in args.shapes.split(","):
-        for bs, ctx in CASES:
+        for bs, ctx in cases:
             mml = max(args.max_model_len, ctx + BLOCK)
             inputs = make_inputs(SHAPES[name], bs, ctx, mml)
             for vname, backend in variants.items():
-                if vname != "default" and ((bs, ctx) not in ((1, 512), (64, 512), (16, 512), (1, 32768))
-                                           or name == "llama-3.1-8b"):
+                if vname.startswith("bn") and ((bs, ctx) not in ((1, 512), (64, 512), (16, 512), (1, 32768))
+                                               or name == "llama-3.1-8b"):
                     continue
                 r = measure(backend, inputs, SHAPES[name])
                 r.update(shape=name, batch=bs, context=ctx, variant=vname, max_model_len=mml)

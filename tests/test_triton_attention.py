@@ -167,16 +167,43 @@ def run_decode(device, dtype, context_lens, group, num_kv_heads=2, head_dim=64, 
     return out, reference_attention(q, cache, [1] * len(context_lens), scale)
 
 
-# 1 split: the split kernel writes the output (no reduce); 5 (not a power of two): slices of 16 tokens
-# merged by the reduce kernel, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
+# How a split launch merges its partials: in its last-arriving program (one launch), or by the reduce kernel.
+MERGES = {"single-launch": {}, "reduce-kernel": {"single_launch_max_splits": 0}}
+
+
+# 1 split: the split kernel writes the output (no merge); 5 (not a power of two): slices of 16 tokens
+# merged either way, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("splits", [1, 5])
-def test_decode_matches_reference(device, dtype, group, splits):
+@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (5, "single-launch"), (5, "reduce-kernel")])
+def test_decode_matches_reference(device, dtype, group, splits, merge):
     out, ref = run_decode(device, dtype, [1, 15, 16, 17, 100, 200], group,
-                          backend=backend_with(splits=splits, block_n=16))
+                          backend=backend_with(splits=splits, block_n=16, **MERGES[merge]))
     assert_close_to_reference(out, ref, dtype)
+
+
+# The single-launch merge at several split counts, GQA ratios and head dims, contexts crossing block and
+# slice boundaries. group 8 at head_dim 128 merges in chunks of 8 slices (20 splits: 2 chunks of 13 active).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim,group,splits", [(64, 1, 2), (64, 2, 7), (128, 4, 3), (128, 8, 20), (64, 3, 16)])
+def test_single_launch_decode_matches_reference(device, head_dim, group, splits):
+    backend = backend_with(splits=splits, block_n=16)
+    out, ref = run_decode(device, torch.float32, [1, 16, 17, 33, 400], group, num_kv_heads=2, head_dim=head_dim,
+                          backend=backend)
+    assert_close_to_reference(out, ref, torch.float32)
+    counters = backend.split_counters.get(out.device, 0)
+    assert not counters.any()  # every (sequence, kv head) counter reset by its merging program
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_single_launch_decode_twice_with_new_data(device):
+    """The counters must be back at 0 after a launch: a second launch (other data, other lengths, the same
+    backend and shapes, as a graph replay) merges correctly too."""
+    backend = backend_with(splits=6, block_n=16)
+    for seed, lens in ((0, [40, 7, 90]), (1, [90, 33, 1])):
+        out, ref = run_decode(device, torch.float32, lens, 2, backend=backend, seed=seed)
+        assert_close_to_reference(out, ref, torch.float32)
 
 
 # Contexts of thousands of tokens, slices of many tiles each. The interpreter takes seconds for these, so
@@ -202,11 +229,11 @@ def test_decode_other_shapes(device, head_dim, block_size, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_zero_context_row_gives_zeros_not_nan(device, splits):
+@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (4, "single-launch"), (4, "reduce-kernel")])
+def test_decode_zero_context_row_gives_zeros_not_nan(device, splits, merge):
     cache = PagedCache([0, 20], num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32, device=device)
     q = torch.randn(2, 2, 16)
-    out = backend_with(splits=splits, block_n=16).decode(
+    out = backend_with(splits=splits, block_n=16, **MERGES[merge]).decode(
         q.to(device), cache.k_cache, cache.v_cache, decode_meta(cache), 0.25)
     assert torch.equal(out[0].cpu(), torch.zeros(2, 16))
     ref = reference_attention(q[1:], _only_seq(cache, 1), [1], 0.25)
@@ -315,6 +342,8 @@ def test_bad_tuning_arguments_raise_a_config_error():
         DecodeTuning(num_warps=0)
     with pytest.raises(ConfigError, match="splits"):
         DecodeTuning(splits=0)
+    with pytest.raises(ConfigError, match="single_launch_max_splits"):
+        DecodeTuning(single_launch_max_splits=-1)
     with pytest.raises(ConfigError, match="prefill_block_n must be a power of two"):
         TritonAttentionTuning(prefill_block_n=48)
 
@@ -368,3 +397,88 @@ def test_decode_replays_in_a_cuda_graph_with_new_tables(splits):
     assert_close_to_reference(static_out, reference_attention(static_q, view, [1] * 4, 0.1), dtype)
     eager = backend.decode(static_q, k_cache, v_cache, meta, 0.1)
     assert torch.equal(static_out, eager)
+
+
+# ---- the single-launch decode at real shapes, in CUDA graphs (GPU) -------------------------------------------
+
+def _reshuffle(cache: PagedCache, new_lens: list[int], gen: torch.Generator) -> None:
+    """Another step over the same pool (same tensors, as a captured graph needs): new lengths, a new
+    shuffle of the blocks and new K/V contents, written in place."""
+    perm = torch.randperm(cache.scratch_block, generator=gen)
+    tables = torch.full(cache.block_tables.shape, cache.scratch_block, dtype=torch.int32)
+    used = 0
+    for s, ctx in enumerate(new_lens):
+        n = math.ceil(ctx / cache.block_size)
+        tables[s, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    assert used <= cache.scratch_block
+    cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=gen).to(cache.k_cache.dtype))
+    cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=gen).to(cache.v_cache.dtype))
+    cache.block_tables.copy_(tables)
+    cache.context_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("context", [512, 8192])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, batch, context):
+    """head_dim 128, 8 kv heads, bf16, the split count the backend chooses (> 1 here: the merge runs in the
+    last-arriving program): eager, then one captured graph replayed twice on new lengths, tables, K/V and
+    q, each against the float64 reference and eager; the counters end at zero; one kernel per call."""
+    from ostinato.attention.decode_plan import num_sms
+
+    dtype, num_kv_heads, head_dim, block_size = torch.bfloat16, 8, 128, 16
+    backend = TritonPagedBackend()
+    lens = [max(1, context - 37 * i) for i in range(batch)]
+    cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype, "cuda", seed=20)
+    width = cache.block_tables.shape[1] * block_size
+    splits = choose_num_splits(backend.tuning.decode, batch, num_kv_heads, width, num_sms(torch.device("cuda")))
+    assert backend.tuning.decode.single_launch(splits), splits
+    gen = torch.Generator().manual_seed(21)
+    static_q = torch.randn(batch, num_heads, head_dim, generator=gen).to("cuda", dtype)
+    meta = decode_meta(cache)
+    scale = head_dim ** -0.5
+
+    eager = backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale)  # compiles outside the capture
+    assert_close_to_reference(eager, reference_attention(static_q, cache, [1] * batch, scale), dtype)
+    names = count_cuda_kernels(lambda: backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale))
+    assert names == [n for n in names if "_decode_split_kernel" in n] and len(names) == 1, names
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale)
+    for step in range(2):
+        _reshuffle(cache, lens[step + 1:] + lens[:step + 1], gen)  # the same blocks in all, other lengths
+        static_q.copy_(torch.randn(static_q.shape, generator=gen).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(static_out, reference_attention(static_q, cache, [1] * batch, scale), dtype)
+        assert torch.equal(static_out, backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale))
+        assert not backend.split_counters.get(static_q.device, 0).any()
+
+
+def count_cuda_kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("batch,context", [(1, 512), (16, 512), (1, 8192)])
+def test_single_launch_and_reduce_kernel_agree(batch, context):
+    """At real shapes the two merges give the same attention (up to fp32 summation order)."""
+    lens = [max(1, context - 29 * i) for i in range(batch)]
+    outs = {}
+    for merge, extra in MERGES.items():
+        out, ref = run_decode("cuda", torch.bfloat16, lens, 2, num_kv_heads=8, head_dim=128, seed=30,
+                              backend=backend_with(**extra))
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        outs[merge] = out.float()
+    torch.testing.assert_close(outs["single-launch"], outs["reduce-kernel"], atol=1e-2, rtol=1e-2)

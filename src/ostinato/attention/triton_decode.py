@@ -13,8 +13,15 @@ Algorithm
               from context_lens in the kernel. A context of 512 split 32 ways is 16 slices of 32 tokens and
               16 programs that return at once; a context of 32k is 32 slices of 1024. The grid depends on
               num_splits alone, so a captured graph stays valid for every context the table holds.
-    reduce    grid (num_seqs, num_heads): merges the active slices' (max, sum, unnormalised output). With
-              num_splits == 1 the split kernel normalises and writes the output itself: no reduce launch.
+    merge     the active slices' partials (max, sum, unnormalised output) become the output. By default in
+              the same launch: each slice stores its partials, then counts its arrival on a per-(sequence,
+              kv head) counter (atomic add, acq_rel, after a CTA barrier, so the partials are published
+              before the count); the slice that arrives last merges them all at once and resets the counter
+              to 0, so the next launch (or graph replay) starts clean. One launch per layer, where the
+              two-kernel form paid a second dependent launch (~2 us at batch 1, docs/PERFORMANCE.md).
+              The reduce kernel (grid (num_seqs, num_heads)) is kept for shapes that may do better with it
+              (DecodeTuning.single_launch_max_splits). With num_splits == 1 the split kernel normalises and
+              writes the output itself: no merge at all.
 
 Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, block-table width, SM count),
 so it is fixed before a graph is captured and never changes during replays. A batch whose own programs
@@ -29,20 +36,21 @@ partition count came from the table width (the max model length), so a batch of 
 programs for every partition of a 2048-token table, most of them empty, plus a reduce.
 
 Limits: as attention/triton_paged.py (any head_dim, padded; block_size any; fp32/bf16/fp16). Run once
-before capture so that Triton compiles outside it (the runner's warm-up does).
+before capture so that Triton compiles outside it (the runner's warm-up does), and so that the arrival
+counters (SplitCounters, allocated once, zeroed) exist before it. Decode launches on one device must not
+run concurrently on two streams: they share the counters (a decode step is one stream).
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..errors import ConfigError
-from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+from .decode_plan import DecodeTuning, SplitCounters, choose_num_splits, num_sms
+from .triton_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+
+__all__ = ["DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
 
 
 @triton.jit
@@ -56,24 +64,31 @@ def _split_span(context_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
     scale_log2e, num_splits,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1.
+    # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
+    # MERGE: the last split to finish merges the partials (no reduce launch).
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     span = _split_span(context_len, num_splits, BLOCK_N)
     start = split * span
+    # Slices holding tokens; with MERGE a context of 0 still has one (empty) slice, so that somebody
+    # arrives, merges and writes the zeros.
+    num_active = tl.cdiv(context_len, span)
+    if MERGE:
+        num_active = tl.maximum(num_active, 1)
     if SPLIT:
-        if start >= context_len:
-            return  # an inactive slice: the reduce reads only the active ones
+        if split >= num_active:
+            return  # an inactive slice: the merge reads only the active ones
     end = tl.minimum(start + span, context_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -120,6 +135,59 @@ def _decode_split_kernel(
         tl.store(part_max_ptr + part_idx, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part_idx, l_i, mask=g_mask)
         tl.store(part_out_ptr + part_idx[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=g_mask[:, None])
+        if MERGE:
+            # Publish, then count: every thread's partial stores are issued before the barrier, and the
+            # release half of the counter's acq_rel makes them visible (cumulatively) to whoever acquires
+            # the count after us. One thread performs the scalar atomic; Triton broadcasts its result.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_active - 1:
+                # The last to arrive: its acquire saw every other slice's release. Reset the counter for
+                # the next launch (graph replays reuse it; launches on one stream never overlap).
+                tl.debug_barrier()
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active,
+                                num_splits, stride_os, stride_oh, NUM_HEADS, GROUP, MERGE_GROUP, HEAD_DIM,
+                                HEAD_DIM_PAD, MERGE_CHUNK, SPLITS_PAD)
+
+
+@triton.jit
+def _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active, num_splits,
+                    stride_os, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, MERGE_GROUP: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr):
+    """out[seq, heads of kv_head] from the num_active partials (max, sum, unnormalised output) of those
+    heads, all loaded at once: [MERGE_GROUP, SPLITS_PAD] maxima and sums, then [MERGE_GROUP, MERGE_CHUNK,
+    HEAD_DIM_PAD] outputs per chunk of slices (one chunk up to 32 slices at GROUP 2, head_dim 128). Loads
+    are .cg (L2, not this SM's L1): the partials were written by other SMs during this launch."""
+    offs_g = tl.arange(0, MERGE_GROUP)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * GROUP + offs_g  # [MERGE_GROUP]
+    g_mask = offs_g < GROUP
+    base = (seq * NUM_HEADS + heads) * num_splits  # [MERGE_GROUP] first partial of each head
+    gs_mask = g_mask[:, None] & (offs_s < num_active)[None, :]
+    m_s = tl.load(part_max_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"),
+                  cache_modifier=".cg")  # [MERGE_GROUP, SPLITS_PAD]
+    l_s = tl.load(part_sum_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_s, 1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context 0 (or a padded head): weights 0, not NaN
+    total = tl.sum(l_s * tl.exp2(m_s - m_max[:, None]), 1)  # [MERGE_GROUP]
+    acc = tl.zeros([MERGE_GROUP, HEAD_DIM_PAD], tl.float32)
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    for s0 in range(0, num_active, MERGE_CHUNK):
+        chunk = s0 + offs_c  # [MERGE_CHUNK] slice indices
+        gc_mask = g_mask[:, None] & (chunk < num_active)[None, :]  # [MERGE_GROUP, MERGE_CHUNK]
+        idx = base[:, None] + chunk[None, :]
+        m_c = tl.load(part_max_ptr + idx, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(m_c - m_max[:, None])  # [MERGE_GROUP, MERGE_CHUNK]; 0 where masked
+        o = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :],
+                    mask=gc_mask[:, :, None], other=0.0, cache_modifier=".cg")  # [G, CHUNK, HEAD_DIM_PAD]
+        acc += tl.sum(o * w[:, :, None], 1)
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -150,56 +218,9 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@dataclass(frozen=True)
-class DecodeTuning:
-    """Launch settings of the decode kernels. The defaults were the fastest of a sweep (block_n 32/64,
-    num_stages 1/3, programs_per_sm 2/4) on the H200 at batch 1, 16, 64 (docs/PERFORMANCE.md, issue 11).
-
-    block_n: tokens per inner-loop tile (a power of two >= 16).
-    programs_per_sm: split until num_seqs * num_kv_heads * splits reaches this many programs per SM.
-    max_splits: at most this many slices (bounds the reduce's work and the partials' memory).
-    splits: force this split count for every shape (tests, measurements); None chooses per shape.
-    """
-
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    programs_per_sm: int = 4
-    max_splits: int = 64
-    splits: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ConfigError(f"decode block_n must be a power of two >= 16, got {self.block_n}")
-        for name in ("num_warps", "num_stages", "programs_per_sm", "max_splits"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"decode {name} must be >= 1, got {getattr(self, name)}")
-        if self.splits is not None and self.splits < 1:
-            raise ConfigError(f"decode splits must be >= 1 or None, got {self.splits}")
-
-
-def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, max_context: int,
-                      num_sms: int) -> int:
-    """Slices per sequence for a decode launch; shapes only (see the module docstring)."""
-    if tuning.splits is not None:
-        return tuning.splits
-    programs = max(1, num_seqs * num_kv_heads)
-    if programs >= num_sms:
-        return 1
-    wanted = triton.cdiv(tuning.programs_per_sm * num_sms, programs)
-    useful = triton.cdiv(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
-    return max(1, min(wanted, useful, tuning.max_splits))
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter on CPU: a small pretend GPU, so CPU tests split small batches too
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, group: int, tuning: DecodeTuning) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, group: int, tuning: DecodeTuning,
+                 counters: SplitCounters) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] (head_dim contiguous) -> out, same shape. CUDA-graph safe: no host
     sync, and every allocation and the grid depend on shapes only."""
     num_seqs, num_heads, head_dim = q.shape
@@ -208,7 +229,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_seqs == 0:
         return out
     splits = choose_num_splits(tuning, num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
-                               _num_sms(q.device))
+                               num_sms(q.device))
+    merge = tuning.single_launch(splits)
     head_dim_pad = pad_dim(head_dim)
     if splits > 1:
         # Sized by shapes only, so allocating here is fine inside a CUDA-graph capture (graph pool).
@@ -217,25 +239,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused: the kernel writes `out` directly
+    arrivals = counters.get(q.device, num_seqs * num_kv_heads) if merge else out  # unused without merge
+    splits_pad = triton.next_power_of_2(splits)
+    merge_group = triton.next_power_of_2(group)
+    # Merge tile [merge_group, chunk, head_dim_pad] of at most 8192 fp32 (64 registers a thread at 4 warps).
+    merge_chunk = max(1, min(splits_pad, 8192 // (merge_group * head_dim_pad)))
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_max, part_sum,
+        out, part_out, part_max, part_sum, arrivals,
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=pad_dim(group),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=pad_dim(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=splits > 1, **dot_settings(q.dtype),
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
+        **dot_settings(q.dtype), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and not merge:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, context_lens,
             splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=tuning.block_n,
-            SPLITS_PAD=triton.next_power_of_2(splits),
+            SPLITS_PAD=splits_pad,
             num_warps=4,
         )
     return out
-
-

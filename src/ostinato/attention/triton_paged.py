@@ -9,8 +9,10 @@ Memory layout (attention/base.py)
 Algorithm
     write_kv   one program per token copies its [num_kv_heads, head_dim] K and V rows to their slot.
                Negative slots are skipped (the vLLM convention for padding), so a runner may use either a
-               sentinel slot or the scratch block for padded rows.
-    decode     split-KV flash-decoding, GQA-aware, split count chosen per shape: attention/triton_decode.py.
+               sentinel slot or the scratch block for padded rows. The decoder's Triton kernel set skips
+               this launch: its q/k-norm + RoPE kernel writes K/V itself (accepts_fused_kv_write).
+    decode     split-KV flash-decoding, GQA-aware, split count chosen per shape, partials merged by the last
+               slice to finish (one launch): attention/triton_decode.py.
     prefill    varlen flash attention. Grid (cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads); a
                program takes BLOCK_Q new tokens of one sequence times its GROUP query heads as the rows of
                one tile, and scans the sequence's cache from position 0 up to its last query, with the
@@ -47,7 +49,7 @@ from .base import AttentionBackend, AttentionMetadata
 from .triton_common import (
     LOG2E, check_inputs, contiguous_last, dot, dot_settings, group_size, pad_dim, paged_kv_offsets,
 )
-from .triton_decode import DecodeTuning, paged_decode
+from .triton_decode import DecodeTuning, SplitCounters, paged_decode
 
 
 @triton.jit
@@ -162,6 +164,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def __init__(self, tuning: TritonAttentionTuning | None = None):
         self.tuning = tuning or TritonAttentionTuning()
+        self.split_counters = SplitCounters()  # the single-launch decode's workspace, shared by all layers
 
     # ---- K/V write -------------------------------------------------------------------------------------
 
@@ -192,7 +195,7 @@ class TritonPagedBackend(AttentionBackend):
         block_tables, context_lens = meta.block_tables, meta.context_lens  # [num_seqs, W], [num_seqs]
         assert block_tables.shape[0] == q.shape[0] and context_lens.shape == (q.shape[0],)
         return paged_decode(contiguous_last(q), k_cache, v_cache, block_tables, context_lens, scale, group,
-                            self.tuning.decode)
+                            self.tuning.decode, self.split_counters)
 
     # ---- prefill ---------------------------------------------------------------------------------------
 
