@@ -8,8 +8,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 echo "== gpu tests"
 timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_triton_attention.py \
   tests/test_fused_kernels.py 2>&1 | tail -5
-echo "== decode attention alone (us per layer; default = single launch)"
-timeout 150 python3 scripts/gpu_decode_attention.py --shapes qwen3-0.6b,llama-3.2-1b --compare-merge \
+echo "== decode attention alone (us per layer; default = single launch), and with the q/k-norm + RoPE + KV write"
+timeout 200 python3 scripts/gpu_decode_attention.py --shapes qwen3-0.6b,llama-3.2-1b --compare-merge --rope \
   --cases 1x512,4x512,16x512,1x4096,1x32768 --json $OUT/decode_attention.json 2>&1 | grep -v -i warn
 python3 -m ostinato.cli make-checkpoint /tmp/ck-qwen3-0.6b --shape qwen3-0.6b --dtype bfloat16 2>&1 | tail -1
 G="--max-model-len 1024 --gpu-memory-utilization 0.5"

@@ -443,23 +443,32 @@ def run_chunked_steps(model, kernels, device, prompts, decode_steps=3) -> list[t
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_model_on_the_triton_backend_writes_kv_from_the_rope_kernel(checkpoints, family, device):
-    """fp32, the Triton kernel set on the Triton backend (K/V written by the q/k-norm + RoPE kernel, attention
-    by the split-KV decode) against the torch kernels on the torch reference backend: chunked prefill, then
-    decode; logits close and every greedy token identical."""
+    """fp32, the Triton kernel set on the Triton backend (prefill: K/V written by the q/k-norm + RoPE kernel;
+    decode: norm, RoPE, K/V write and attention in the decode kernel) against the torch kernels on the
+    torch reference backend: chunked prefill, then decode; logits close and every greedy token identical."""
     from ostinato.attention.triton_paged import TritonPagedBackend
 
     path = checkpoints[family]
     config = ModelConfig.from_dir(path)
+    triton_backend = TritonPagedBackend()
     models = {name: load_model(path, config, torch.float32, torch.device(device), backend, progress=False)
-              for name, backend in (("triton", TritonPagedBackend()), ("torch", TorchRefBackend()))}
+              for name, backend in (("triton", triton_backend), ("torch", TorchRefBackend()))}
     gen = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (6, 11, 2)]
-    calls = []
-    counting = dataclasses.replace(fused.TRITON_KERNELS, qk_norm_rope_write_kv=lambda *a: calls.append(1) or
-                                   fused.qk_norm_rope_write_kv(*a))
-    actual = run_chunked_steps(models["triton"], counting, device, prompts)
-    expected = run_chunked_steps(models["torch"], fused.TORCH_KERNELS, device, prompts)
-    assert len(calls) == 5 * config.num_layers  # every step of every layer wrote K/V from the rope kernel
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (5, 9, 2)]
+    calls = {"rope_write_kv": 0, "decode_with_rope": 0}
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+    counting = dataclasses.replace(fused.TRITON_KERNELS, qk_norm_rope_write_kv=counted(
+        "rope_write_kv", fused.qk_norm_rope_write_kv))
+    triton_backend.decode_with_rope = counted("decode_with_rope", triton_backend.decode_with_rope)
+    actual = run_chunked_steps(models["triton"], counting, device, prompts, decode_steps=2)
+    expected = run_chunked_steps(models["torch"], fused.TORCH_KERNELS, device, prompts, decode_steps=2)
+    # Every layer of the 2 prefill chunks wrote K/V from the rope kernel, of the 2 decodes from the attention.
+    assert calls == {"rope_write_kv": 2 * config.num_layers, "decode_with_rope": 2 * config.num_layers}
     for step, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a, e, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
         assert torch.equal(a.argmax(-1), e.argmax(-1)), f"step {step}"
@@ -528,7 +537,8 @@ def count_cuda_kernels(fn) -> list[str]:
 @pytest.mark.parametrize("shape,min_saved", [("qwen3-0.6b", 9), ("llama-3.1-8b", 6)])
 def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
     """One decoder layer at a real shape (random weights), a batch-1 decode step over 512 cached tokens:
-    the fused path launches each of its 4 kernels once and at least `min_saved` fewer kernels in all."""
+    the fused path launches each of its kernels as often as listed below and at least `min_saved` fewer
+    kernels in all."""
     from ostinato.attention.triton_paged import TritonPagedBackend
 
     config = ModelConfig.from_hf_dict(hf_config_dict(shape))
@@ -559,8 +569,8 @@ def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
             counts[kernels.name] = names
             print(f"{shape} {kernels.name}: {len(names)} kernels per layer: {names}")
     fused_names = counts["triton"]
-    # The K/V write rides in the q/k-norm + RoPE kernel: no _write_kv_kernel launch on the Triton path.
-    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 1), ("_silu_and_mul_kernel", 1),
-                              ("_write_kv_kernel", 0)]:
+    # At decode the q/k norm, RoPE and K/V write ride in the attention kernel (one launch, no reduce).
+    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 0), ("_silu_and_mul_kernel", 1),
+                              ("_write_kv_kernel", 0), ("_decode_split_kernel", 1), ("_decode_reduce_kernel", 0)]:
         assert sum(kernel in name for name in fused_names) == per_layer, kernel
     assert len(fused_names) <= len(counts["torch"]) - min_saved

@@ -269,6 +269,98 @@ def test_decode_with_the_chosen_split_count_at_batch_one(device):
     assert_close_to_reference(out, ref, torch.float32)
 
 
+# ---- decode_with_rope: q/k norm, RoPE and the K/V write inside the decode kernel ----------------------------
+
+class RopeCase:
+    """decode_with_rope's inputs: sequence s's new token at position context_len - 1, its slot taken from
+    the table; the last row is a padded one (context 1, its slot in the scratch block). refresh() derives
+    positions and slots from the cache's current tables and lengths (in place: a graph may hold them)."""
+
+    def __init__(self, device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, seed=0, filler=1e4):
+        from ostinato.model.layers import RotaryEmbedding
+
+        lens = list(context_lens) + [1]
+        self.cache = PagedCache(lens, num_kv_heads, head_dim, 16, dtype, device, seed=seed, filler=filler,
+                                spare_blocks=3 + len(lens))
+        self.cache.block_tables[-1] = self.cache.scratch_block  # the padded row reads and writes scratch only
+        self.num_heads, self.num_kv_heads = num_kv_heads * group, num_kv_heads
+        gen = torch.Generator().manual_seed(seed + 50)
+        self.heads = torch.randn(len(lens), self.num_heads + 2 * num_kv_heads, head_dim,
+                                 generator=gen).to(device, dtype)
+        with torch.device(device):
+            self.rope = RotaryEmbedding(head_dim, 16384, 10000.0, None)
+        self.rope.rebuild(torch.device(device), dtype)
+        self.weights = tuple((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(device, dtype) for _ in range(2)) \
+            if qk_norm else (None, None)
+        self.positions = torch.zeros(len(lens), dtype=torch.int64, device=device)
+        self.meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros_like(self.positions),
+                                      block_tables=self.cache.block_tables, context_lens=self.cache.context_lens)
+        self.scale = head_dim ** -0.5
+        self.refresh()
+
+    def refresh(self) -> None:
+        rows = torch.arange(len(self.positions), device=self.positions.device)
+        self.positions.copy_(self.cache.context_lens.long() - 1)
+        blocks = self.cache.block_tables[rows, self.positions // 16].long()
+        self.meta.slot_mapping.copy_(blocks * 16 + self.positions % 16)
+
+    def run(self, backend) -> torch.Tensor:
+        return backend.decode_with_rope(self.heads, *self.weights, self.rope.cos_sin_cache, self.positions, 1e-6,
+                                        self.cache.k_cache, self.cache.v_cache, self.meta, self.scale)
+
+    def expected(self, caches_before) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The unfused steps on the caches as they were before the run: torch q/k norm + RoPE, a plain
+        write, float64 attention. (reference out, (k_cache, v_cache) after the write)."""
+        from ostinato.model import fused
+
+        h, kv = self.num_heads, self.num_kv_heads
+        qk = fused.qk_norm_rope_ref(self.heads, *self.weights, self.rope.cos_sin_cache, self.positions, h, kv, 1e-6)
+        k_cache, v_cache = (c.clone() for c in caches_before)
+        slots = self.meta.slot_mapping
+        k_cache.flatten(0, 1)[slots] = qk[:, h:]
+        v_cache.flatten(0, 1)[slots] = self.heads[:, h + kv:]
+        written = PagedCache.__new__(PagedCache)
+        written.__dict__.update(self.cache.__dict__)
+        written.k_cache, written.v_cache = k_cache, v_cache
+        return reference_attention(qk[:, :h], written, [1] * len(slots), self.scale), (k_cache, v_cache)
+
+
+def run_decode_with_rope(device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, backend, seed=0):
+    """(out, reference out, caches after, expected caches after) of one decode_with_rope call."""
+    case = RopeCase(device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, seed)
+    ref, expected = case.expected((case.cache.k_cache, case.cache.v_cache))
+    out = case.run(backend)
+    return out, ref, (case.cache.k_cache, case.cache.v_cache), expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (5, "single-launch"), (5, "reduce-kernel")])
+def test_decode_with_rope_matches_the_unfused_steps(device, dtype, qk_norm, splits, merge):
+    """Contexts whose newest token opens a block (17, 33), ends one (16), is the only one (1), and longer."""
+    backend = backend_with(splits=splits, block_n=16, **MERGES[merge])
+    out, ref, caches, expected = run_decode_with_rope(device, dtype, [1, 16, 17, 33, 90], 2, 2, 32, qk_norm,
+                                                      backend)
+    assert out.shape == ref.shape
+    assert_close_to_reference(out, ref, dtype)
+    for actual, want in zip(caches, expected):
+        if dtype == torch.float32:
+            torch.testing.assert_close(actual.cpu(), want.cpu(), atol=1e-6, rtol=1e-6)
+        else:  # the kernel's RMSNorm sums in another order than torch's: rare 1-ulp flips
+            torch.testing.assert_close(actual.cpu().float(), want.cpu().float(), atol=1e-2, rtol=1e-2)
+            assert (actual == want).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (48, 3)])
+def test_decode_with_rope_other_shapes(device, head_dim, group):
+    out, ref, caches, expected = run_decode_with_rope(device, torch.float32, [5, 40], group, 2, head_dim, True,
+                                                      backend_with(splits=3, block_n=16))
+    assert_close_to_reference(out, ref, torch.float32)
+    torch.testing.assert_close(caches[0].cpu(), expected[0].cpu(), atol=1e-6, rtol=1e-6)
+
+
 # ---- prefill ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -482,3 +574,43 @@ def test_single_launch_and_reduce_kernel_agree(batch, context):
         assert_close_to_reference(out, ref, torch.bfloat16)
         outs[merge] = out.float()
     torch.testing.assert_close(outs["single-launch"], outs["reduce-kernel"], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("context", [512, 8192])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_decode_with_rope_real_shapes_replays_in_a_cuda_graph(num_heads, batch, context):
+    """head_dim 128, 8 kv heads, bf16, Qwen3's q/k norm, the backend's own split choice: eager against the
+    unfused steps (reference attention and cache contents), then a graph replayed twice on new lengths,
+    tables, K/V, qkv and positions, each against the unfused steps and eager; counters back at zero."""
+    backend = TritonPagedBackend()
+    lens = [max(1, context - 37 * i) for i in range(batch)]
+    case = RopeCase("cuda", torch.bfloat16, lens, num_heads // 8, 8, 128, True, seed=40, filler=0.0)
+    ref, expected = case.expected((case.cache.k_cache, case.cache.v_cache))
+    out = case.run(backend)  # eager; compiles outside the capture
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    for actual, want in zip((case.cache.k_cache, case.cache.v_cache), expected):
+        torch.testing.assert_close(actual.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = case.run(backend)
+    gen = torch.Generator().manual_seed(41)
+    all_lens = lens + [1]
+    for step in range(2):
+        new_lens = all_lens[:-1][step + 1:] + all_lens[:-1][:step + 1] + [1]
+        _reshuffle(case.cache, new_lens, gen)
+        case.cache.block_tables[-1] = case.cache.scratch_block
+        case.refresh()
+        case.heads.copy_(torch.randn(case.heads.shape, generator=gen).to(torch.bfloat16))
+        before = (case.cache.k_cache.clone(), case.cache.v_cache.clone())
+        ref, expected = case.expected(before)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(static_out, ref, torch.bfloat16)
+        for actual, want in zip((case.cache.k_cache, case.cache.v_cache), expected):
+            torch.testing.assert_close(actual.float(), want.float(), atol=1e-2, rtol=1e-2)
+        assert torch.equal(static_out, case.run(backend))  # eager on the same inputs (rewrites the same K/V)
+        assert not backend.split_counters.get(static_out.device, 0).any()

@@ -26,6 +26,9 @@ class DecodeTuning:
         last-arriving program (one launch); above it, or at 0, a separate reduce kernel merges them (two).
         The default merges in the kernel at every split count (max_splits): not yet measured against the
         reduce kernel, see scripts/gpu_decode_attention.py --compare-merge.
+    apply_rope: the decoder's Triton path may hand decode the qkv projection itself (decode_with_rope: q/k
+        norm, RoPE and the K/V write in this kernel, one launch fewer per layer); False keeps the q/k-norm +
+        RoPE kernel before it. scripts/gpu_decode_attention.py --rope times both.
     """
 
     block_n: int = 64
@@ -35,6 +38,7 @@ class DecodeTuning:
     max_splits: int = 64
     splits: int | None = None
     single_launch_max_splits: int = 64
+    apply_rope: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):

@@ -23,6 +23,13 @@ Algorithm
               (DecodeTuning.single_launch_max_splits). With num_splits == 1 the split kernel normalises and
               writes the output itself: no merge at all.
 
+    rope      (decode_with_rope, the decoder's Triton path) q comes in as the fused qkv projection: each
+              program normalises (Qwen3) and rotates its group's q rows itself; the slice holding the newest
+              token (position context_len - 1) computes that token's k (normalised, rotated) and v, writes
+              them to slot_mapping[seq] and attends to them from registers, while every slice reads only the
+              tokens before it from the cache (so no program reads a slot written in this launch). This
+              replaces the q/k-norm + RoPE kernel's launch at decode; prefill keeps that kernel.
+
 Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, block-table width, SM count),
 so it is fixed before a graph is captured and never changes during replays. A batch whose own programs
 (num_seqs * num_kv_heads) already cover every SM is not split (no reduce kernel); a smaller one is split
@@ -43,14 +50,17 @@ run concurrently on two streams: they share the counters (a decode step is one s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .decode_plan import DecodeTuning, SplitCounters, choose_num_splits, num_sms
-from .triton_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+from .rope_tile import load_norm_rope, rope_table
+from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 
-__all__ = ["DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
+__all__ = ["DecodeRope", "DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
 
 
 @triton.jit
@@ -65,16 +75,21 @@ def _split_span(context_len, num_splits, BLOCK_N: tl.constexpr):
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
-    scale_log2e, num_splits,
-    stride_qs, stride_qh, stride_os, stride_oh,
+    q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, slot_mapping_ptr,
+    scale_log2e, num_splits, eps,
+    stride_qs, stride_qh, stride_os, stride_oh, stride_cs,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
-    # MERGE: the last split to finish merges the partials (no reduce launch).
+    # MERGE: the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
+    # projection [num_seqs, H + 2Hkv, D]; the kernel normalises (QK_NORM) and rotates q itself, and the
+    # slice holding the newest token computes its k and v, writes them to slot_mapping[seq] and attends
+    # to them from registers (decode_with_rope: no q/k-norm + RoPE launch before the attention).
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,7 +104,6 @@ def _decode_split_kernel(
     if SPLIT:
         if split >= num_active:
             return  # an inactive slice: the merge reads only the active ones
-    end = tl.minimum(start + span, context_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -97,8 +111,15 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads reading this kv head
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+    q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh  # [GROUP_PAD, 1]
+    if ROPE:
+        cos, signed_sin = rope_table(cos_sin_ptr, tl.load(positions_ptr + seq), stride_cs, offs_d, HEAD_DIM)
+        q = load_norm_rope(q_rows, g_mask[:, None], offs_d, q_weight_ptr, cos, signed_sin, eps, q_ptr, HEAD_DIM,
+                           QK_NORM, EMULATE_BF16).to(q_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM_PAD]
+        end = tl.minimum(start + span, context_len - 1)  # the newest token comes from registers, below
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        end = tl.minimum(start + span, context_len)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
@@ -124,6 +145,29 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
+
+    if ROPE:
+        if split == num_active - 1:  # the slice holding position context_len - 1, the newest token
+            one = tl.arange(0, 1)
+            k_row = q_ptr + seq * stride_qs + (NUM_HEADS + kv_head + one)[:, None] * stride_qh  # [1, 1]
+            k_new = load_norm_rope(k_row, one[:, None] < 1, offs_d, k_weight_ptr, cos, signed_sin, eps, q_ptr,
+                                   HEAD_DIM, QK_NORM, EMULATE_BF16)  # [1, HEAD_DIM_PAD] fp32, rounded
+            v_new = tl.load(k_row + NUM_KV_HEADS * stride_qh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            if slot >= 0:  # a negative slot writes nowhere (as write_kv); padded rows use the scratch block
+                dst = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok \
+                    + kv_head * stride_cache_head + offs_d[None, :]
+                tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
+                tl.store(v_cache_ptr + dst, v_new, mask=d_mask[None, :])
+            # The loop's step for one more key: q . k in fp32 (the dot's products are exact in fp32 too),
+            # p rounded to the value dtype as the loop's P @ V does.
+            s_new = tl.sum(q.to(tl.float32) * k_new, 1) * scale_log2e  # [GROUP_PAD]
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            m_i = m_new
 
     if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context 0 -> zeros, not NaN
@@ -218,14 +262,37 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to apply (Qwen3: per-head RMSNorm, then) RoPE itself and write the new
+    token's K/V: q_weight, k_weight [D] or both None; cos_sin_cache [max_positions, 2D] (cos | signed sin);
+    positions [num_seqs] (the new token's); slot_mapping [num_seqs] (where its K/V goes; < 0: nowhere)."""
+
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    cos_sin_cache: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    eps: float
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, group: int, tuning: DecodeTuning,
-                 counters: SplitCounters) -> torch.Tensor:
-    """q [num_seqs, num_heads, head_dim] (head_dim contiguous) -> out, same shape. CUDA-graph safe: no host
-    sync, and every allocation and the grid depend on shapes only."""
+                 counters: SplitCounters, rope: DecodeRope | None = None) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim] (head_dim contiguous) -> out, same shape. With `rope`, q is the qkv
+    projection [num_seqs, num_heads + 2 * num_kv_heads, head_dim] instead (heads q | k | v, as from the
+    fused projection): q and the new k are normalised and rotated here, the new K/V written to the cache,
+    and context_lens count the new token (>= 1). CUDA-graph safe: no host sync, and every allocation and
+    the grid depend on shapes only."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
+    if rope is not None:
+        num_heads -= 2 * num_kv_heads
+        assert num_heads == group * num_kv_heads and head_dim % 2 == 0
+        assert rope.cos_sin_cache.shape[-1] == 2 * head_dim and rope.cos_sin_cache.stride(-1) == 1
+        assert rope.cos_sin_cache.dtype == q.dtype and rope.positions.shape == rope.slot_mapping.shape == (num_seqs,)
+        assert (rope.q_weight is None) == (rope.k_weight is None)
+    out = torch.empty(num_seqs, num_heads, head_dim, device=q.device, dtype=q.dtype)
     if num_seqs == 0:
         return out
     splits = choose_num_splits(tuning, num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
@@ -245,15 +312,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # Merge tile [merge_group, chunk, head_dim_pad] of at most 4096 fp32 (32 registers a thread at 4 warps):
     # with 8192 the kernel needed 135 registers instead of 90 (sm_90, group 2, head_dim 128, cuobjdump).
     merge_chunk = max(1, min(splits_pad, 4096 // (merge_group * head_dim_pad)))
+    if rope is not None:
+        norm = rope.q_weight is not None
+        rope_args = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos_sin_cache, rope.positions,
+                     rope.slot_mapping)  # q stands in for the unread weights without qk-norm
+        eps, stride_cs = rope.eps, rope.cos_sin_cache.stride(0)
+    else:
+        rope_args, eps, stride_cs, norm = (q,) * 5, 0.0, 0, False  # unread placeholders
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_max, part_sum, arrivals,
-        scale * LOG2E, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out, part_out, part_max, part_sum, arrivals, *rope_args,
+        scale * LOG2E, splits, eps,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=pad_dim(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
+        ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
         **dot_settings(q.dtype), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if splits > 1 and not merge:

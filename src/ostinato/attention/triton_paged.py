@@ -49,7 +49,7 @@ from .base import AttentionBackend, AttentionMetadata
 from .triton_common import (
     LOG2E, check_inputs, contiguous_last, dot, dot_settings, group_size, pad_dim, paged_kv_offsets,
 )
-from .triton_decode import DecodeTuning, SplitCounters, paged_decode
+from .triton_decode import DecodeRope, DecodeTuning, SplitCounters, paged_decode
 
 
 @triton.jit
@@ -196,6 +196,23 @@ class TritonPagedBackend(AttentionBackend):
         assert block_tables.shape[0] == q.shape[0] and context_lens.shape == (q.shape[0],)
         return paged_decode(contiguous_last(q), k_cache, v_cache, block_tables, context_lens, scale, group,
                             self.tuning.decode, self.split_counters)
+
+    @property
+    def decode_applies_rope(self) -> bool:  # type: ignore[override]  # fixed by the tuning, before capture
+        return self.tuning.decode.apply_rope
+
+    def decode_with_rope(self, heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                         cos_sin_cache: torch.Tensor, positions: torch.Tensor, eps: float, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # heads: [num_seqs, H + 2Hkv, D], the qkv projection -> out: [num_seqs, H, D]
+        check_inputs(heads, k_cache, v_cache)
+        num_kv_heads = k_cache.shape[2]
+        group = group_size(heads.shape[1] - 2 * num_kv_heads, num_kv_heads)
+        block_tables, context_lens = meta.block_tables, meta.context_lens  # [num_seqs, W], [num_seqs]
+        assert block_tables.shape[0] == heads.shape[0] and context_lens.shape == (heads.shape[0],)
+        rope = DecodeRope(q_weight, k_weight, cos_sin_cache, positions, meta.slot_mapping, eps)
+        return paged_decode(contiguous_last(heads), k_cache, v_cache, block_tables, context_lens, scale, group,
+                            self.tuning.decode, self.split_counters, rope)
 
     # ---- prefill ---------------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ weight-read floor). These kernels fold the elementwise work around the GEMMs int
     silu_and_mul                    silu(gate) * up from the fused gate|up projection   (2 -> 1)
     qk_norm_rope                    optional per-head q/k RMSNorm (Qwen3), then RoPE on q and k, reading
                                     cos/sin straight from the table by position         (3-7 -> 1)
-    qk_norm_rope_write_kv           the same, and k and v written to their paged-cache slots (+ KV write)
+    qk_norm_rope_write_kv           the same, and k and v written to their paged-cache slots (+ KV write);
+                                    at decode the Triton attention backend does all of it inside its
+                                    attention kernel instead (attention/triton_decode.py, decode_with_rope)
 
 `DecoderKernels` bundles one implementation of each step; the decoder picks `TRITON_KERNELS` for CUDA
 tensors when triton is importable and `TORCH_KERNELS` otherwise (`kernels_for`), once, when the KV
@@ -46,6 +48,9 @@ from .layers import apply_rope
 try:
     import triton
     import triton.language as tl
+
+    from ..attention.rope_tile import norm_rope, rope_partner, rope_table
+    from ..attention.rope_tile import round_like as _round_like
 except ImportError:  # optional dependency (pip install ostinato[triton]); the torch path needs none
     triton = None
 
@@ -99,17 +104,6 @@ def qk_norm_rope_ref(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weigh
 
 
 # ---- Triton kernels --------------------------------------------------------------------------------------
-
-@_jit
-def _round_like(x, ptr, EMULATE_BF16: tl.constexpr):
-    """fp32 x rounded to ptr's element type and back to fp32: what storing it in the model dtype does.
-    EMULATE_BF16 rounds to nearest even by hand (the interpreter's own cast truncates)."""
-    if EMULATE_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(ptr.dtype.element_ty).to(tl.float32)
-
 
 @_jit
 def _rms_norm_kernel(
@@ -166,8 +160,7 @@ def _qk_norm_rope_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    # rotate_half pairs element d with d +- D/2; the signed-sin table carries rotate_half's minus sign.
-    partner = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+    partner = rope_partner(d, HEAD_DIM)
     num_read = NUM_QK_HEADS + NUM_KV_HEADS if WRITE_KV else NUM_QK_HEADS
     mask = (head[:, None] < num_read) & (d[None, :] < HEAD_DIM)
     row = heads_ptr + token * stride_ht + head[:, None] * stride_hh
@@ -175,26 +168,16 @@ def _qk_norm_rope_kernel(
     v = x  # the v heads' rows, stored as read (WRITE_KV)
     # The partner elements are read a second time rather than permuted in registers: same cache lines.
     x_partner = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    w, w_partner = x, x  # unread without QK_NORM
     if QK_NORM:
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]  # [BLOCK_H, 1]
         is_q = (head < NUM_HEADS)[:, None]
         d_mask = d < HEAD_DIM
         w = tl.where(is_q, tl.load(q_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
                      tl.load(k_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
         w_partner = tl.where(is_q, tl.load(q_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :],
                              tl.load(k_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :])
-        # As the torch path: normalise, round, multiply by the head's weight, round (x and partner alike).
-        x = _round_like(_round_like(x * rstd, out_ptr, EMULATE_BF16) * w, out_ptr, EMULATE_BF16)
-        x_partner = _round_like(_round_like(x_partner * rstd, out_ptr, EMULATE_BF16) * w_partner,
-                                out_ptr, EMULATE_BF16)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    table = cos_sin_ptr + position * stride_cs
-    d_mask = d < HEAD_DIM
-    cos = tl.load(table + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    signed_sin = tl.load(table + HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    # apply_rope's order: x * cos rounded (a mul kernel), then one addcmul with the swapped halves.
-    out = _round_like(x * cos, out_ptr, EMULATE_BF16) + x_partner * signed_sin
-    out = _round_like(out, out_ptr, EMULATE_BF16)
+    cos, signed_sin = rope_table(cos_sin_ptr, tl.load(positions_ptr + token), stride_cs, d, HEAD_DIM)
+    out = norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, out_ptr, HEAD_DIM, QK_NORM, EMULATE_BF16)
     if WRITE_KV:
         is_q = (head < NUM_HEADS)[:, None]
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
