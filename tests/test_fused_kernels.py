@@ -29,6 +29,7 @@ from ostinato.model.decoder import DecoderLayer  # noqa: E402
 from ostinato.model.layers import RotaryEmbedding  # noqa: E402
 from ostinato.model.loader import load_model  # noqa: E402
 from ostinato.tools.checkpoint import hf_config_dict, make_checkpoint  # noqa: E402
+from cuda_profile import count_cuda_kernels  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 gpu = [pytest.mark.gpu, requires_cuda]
@@ -328,14 +329,19 @@ class Pages:
         return torch.tensor(positions, device=dev), meta
 
 
-def run_steps(model, kernels, dtype, device, prompts, decode_steps=3) -> list[torch.Tensor]:
-    """A ragged batched prefill, then greedy-free decode steps on fixed tokens: logits of every step."""
+def run_steps(model, kernels, dtype, device, prompts, decode_steps=3, chunks=1) -> list[torch.Tensor]:
+    """A ragged batched prefill (chunks=2: each prompt's first half + 1 tokens, then the rest over the cached
+    part, so slot_mapping covers only the new tokens), then greedy-free decode steps on fixed tokens:
+    logits of every step."""
     pages = Pages(model, dtype, device)
     model.bind_kv_caches(pages.caches, kernels=kernels)
     out = []
     with torch.no_grad():
-        positions, meta = pages.step({i: len(p) for i, p in enumerate(prompts)}, is_prefill=True)
-        out.append(model.compute_logits(model(torch.cat(prompts).to(device), positions, meta)))
+        cut = [len(p) // 2 + 1 if chunks == 2 else len(p) for p in prompts]
+        for piece in ([p[:c] for p, c in zip(prompts, cut)], [p[c:] for p, c in zip(prompts, cut)])[:chunks]:
+            new = {i: len(x) for i, x in enumerate(piece) if len(x)}
+            positions, meta = pages.step(new, is_prefill=True)
+            out.append(model.compute_logits(model(torch.cat([piece[i] for i in new]).to(device), positions, meta)))
         for step in range(decode_steps):
             positions, meta = pages.step({i: 1 for i in range(len(prompts))}, is_prefill=False)
             tokens = torch.tensor([(7 * step + 3 * i) % model.config.vocab_size for i in range(len(prompts))],
@@ -419,27 +425,6 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
             assert error.mean() <= 0.2 and error.max() <= 1.5, f"{name} step {step}: {error.mean():.3f}"
 
 
-def run_chunked_steps(model, kernels, device, prompts, decode_steps=3) -> list[torch.Tensor]:
-    """Chunked prefill (each prompt's first half, then its rest over the cached half: slot_mapping covers
-    only the new tokens), then decode steps on fixed tokens: logits of every step."""
-    pages = Pages(model, torch.float32, device)
-    model.bind_kv_caches(pages.caches, kernels=kernels)
-    out = []
-    with torch.no_grad():
-        halves = [(p[:len(p) // 2 + 1], p[len(p) // 2 + 1:]) for p in prompts]
-        for chunk in (0, 1):
-            new = {i: len(h[chunk]) for i, h in enumerate(halves) if len(h[chunk])}
-            positions, meta = pages.step(new, is_prefill=True)
-            ids = torch.cat([halves[i][chunk] for i in new]).to(device)
-            out.append(model.compute_logits(model(ids, positions, meta)))
-        for step in range(decode_steps):
-            positions, meta = pages.step({i: 1 for i in range(len(prompts))}, is_prefill=False)
-            tokens = torch.tensor([(5 * step + 3 * i) % model.config.vocab_size for i in range(len(prompts))],
-                                  device=device)
-            out.append(model.compute_logits(model(tokens, positions, meta)))
-    return out
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_model_on_the_triton_backend_writes_kv_from_the_rope_kernel(checkpoints, family, device):
@@ -465,8 +450,9 @@ def test_model_on_the_triton_backend_writes_kv_from_the_rope_kernel(checkpoints,
     counting = dataclasses.replace(fused.TRITON_KERNELS, qk_norm_rope_write_kv=counted(
         "rope_write_kv", fused.qk_norm_rope_write_kv))
     triton_backend.decode_with_rope = counted("decode_with_rope", triton_backend.decode_with_rope)
-    actual = run_chunked_steps(models["triton"], counting, device, prompts, decode_steps=2)
-    expected = run_chunked_steps(models["torch"], fused.TORCH_KERNELS, device, prompts, decode_steps=2)
+    actual = run_steps(models["triton"], counting, torch.float32, device, prompts, decode_steps=2, chunks=2)
+    expected = run_steps(models["torch"], fused.TORCH_KERNELS, torch.float32, device, prompts, decode_steps=2,
+                         chunks=2)
     # Every layer of the 2 prefill chunks wrote K/V from the rope kernel, of the 2 decodes from the attention.
     assert calls == {"rope_write_kv": 2 * config.num_layers, "decode_with_rope": 2 * config.num_layers}
     for step, (a, e) in enumerate(zip(actual, expected)):
@@ -520,17 +506,6 @@ def test_decode_step_with_triton_kernels_replays_in_a_cuda_graph(checkpoints, fa
 
 
 # ---- kernel count per decoder layer (GPU) ----------------------------------------------------------------
-
-def count_cuda_kernels(fn) -> list[str]:
-    """Names of the GPU kernels (and memcpy/memset) `fn` launches, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
 
 @pytest.mark.gpu
 @requires_cuda

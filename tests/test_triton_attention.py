@@ -23,6 +23,7 @@ from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.triton_decode import DecodeTuning, choose_num_splits  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
 from ostinato.errors import ConfigError  # noqa: E402
+from cuda_profile import count_cuda_kernels  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [
@@ -493,6 +494,16 @@ def test_decode_replays_in_a_cuda_graph_with_new_tables(splits):
 
 # ---- the single-launch decode at real shapes, in CUDA graphs (GPU) -------------------------------------------
 
+def real_gpu_shapes(test):
+    """On the GPU at the real shapes: head_dim 128, 8 kv heads, 16 or 32 q heads, batch 1/4/16, context 512
+    and 8192 (the test body sets head_dim and kv heads)."""
+    marks = (pytest.mark.parametrize("context", [512, 8192]), pytest.mark.parametrize("batch", [1, 4, 16]),
+             pytest.mark.parametrize("num_heads", [16, 32]), requires_cuda, pytest.mark.gpu)
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
 def _reshuffle(cache: PagedCache, new_lens: list[int], gen: torch.Generator) -> None:
     """Another step over the same pool (same tensors, as a captured graph needs): new lengths, a new
     shuffle of the blocks and new K/V contents, written in place."""
@@ -510,11 +521,7 @@ def _reshuffle(cache: PagedCache, new_lens: list[int], gen: torch.Generator) -> 
     cache.context_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
 
 
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("context", [512, 8192])
-@pytest.mark.parametrize("batch", [1, 4, 16])
-@pytest.mark.parametrize("num_heads", [16, 32])
+@real_gpu_shapes
 def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, batch, context):
     """head_dim 128, 8 kv heads, bf16, the split count the backend chooses (> 1 here: the merge runs in the
     last-arriving program): eager, then one captured graph replayed twice on new lengths, tables, K/V and
@@ -551,16 +558,6 @@ def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, bat
         assert not backend.split_counters.get(static_q.device, 0).any()
 
 
-def count_cuda_kernels(fn) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("batch,context", [(1, 512), (16, 512), (1, 8192)])
@@ -576,11 +573,7 @@ def test_single_launch_and_reduce_kernel_agree(batch, context):
     torch.testing.assert_close(outs["single-launch"], outs["reduce-kernel"], atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("context", [512, 8192])
-@pytest.mark.parametrize("batch", [1, 4, 16])
-@pytest.mark.parametrize("num_heads", [16, 32])
+@real_gpu_shapes
 def test_decode_with_rope_real_shapes_replays_in_a_cuda_graph(num_heads, batch, context):
     """head_dim 128, 8 kv heads, bf16, Qwen3's q/k norm, the backend's own split choice: eager against the
     unfused steps (reference attention and cache contents), then a graph replayed twice on new lengths,
