@@ -84,6 +84,10 @@ class PagedCache:
 def reference_attention(q: torch.Tensor, cache: PagedCache, query_lens: list[int], scale: float) -> torch.Tensor:
     """Causal float64 attention; query i of a sequence with context C and Q new tokens is at C - Q + i."""
     q = q.cpu().double()  # [num_tokens, H, D]
+    host = PagedCache.__new__(PagedCache)  # the pool copied to the host once, not once per sequence
+    host.__dict__.update(cache.__dict__)
+    host.to("cpu")
+    cache = host
     outs, start = [], 0
     for s, q_len in enumerate(query_lens):
         ctx = int(cache.context_lens[s])
@@ -515,8 +519,9 @@ def _reshuffle(cache: PagedCache, new_lens: list[int], gen: torch.Generator) -> 
         tables[s, :n] = perm[used:used + n].to(torch.int32)
         used += n
     assert used <= cache.scratch_block
-    cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=gen).to(cache.k_cache.dtype))
-    cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=gen).to(cache.v_cache.dtype))
+    device_gen = torch.Generator(device=cache.k_cache.device).manual_seed(int(perm[0]))  # fast for a large pool
+    for pool in (cache.k_cache, cache.v_cache):
+        pool.copy_(torch.randn(pool.shape, generator=device_gen, device=pool.device).to(pool.dtype))
     cache.block_tables.copy_(tables)
     cache.context_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
 
