@@ -34,6 +34,18 @@ QUESTIONS = [
     "What is the boiling point of water at sea level in Celsius and Fahrenheit?",
     "List four planets of the solar system and one fact about each.",
     "How does a bicycle stay upright while it is moving? Keep it short.",
+    "What is photosynthesis? Explain it in two sentences.",
+    "Write a haiku about the first snow of winter.",
+    "Give me three ideas for a rainy weekend afternoon at home.",
+    "Why is it important to drink water every day?",
+    "Explain what a computer program is to a child.",
+    "What are two benefits and two risks of social media?",
+    "Describe the taste of a lemon to someone who has never had one.",
+    "How do bees make honey? Answer briefly.",
+    "What should I pack for a one-day hike in the mountains?",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Tell me a short story about a robot who learns to paint.",
+    "What is the difference between weather and climate?",
 ]
 
 
@@ -83,22 +95,25 @@ def hf_run(model_dir, dtype, prompts, max_tokens: int, eos: int):
 def compare(a, b) -> dict:
     """Per prompt: identical, or the first differing token and whether it is logprob-close there."""
     (a_ids, a_tops), (b_ids, b_tops) = a, b
-    identical = close = 0
+    identical = close = agreed = 0
     first_diffs = []
     for x, xt, y, yt in zip(a_ids, a_tops, b_ids, b_tops):
         i = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
         if i is None and len(x) == len(y):
             identical += 1
             close += 1
+            agreed += len(x)
             continue
         if i is None:  # one stopped (EOS) where the other went on: that step differs
             i = min(len(x), len(y))
         first_diffs.append(i)
+        agreed += i
         tx = x[i] if i < len(x) else None
         ty = y[i] if i < len(y) else None
         ok = (ty is None or i >= len(xt) or ty in xt[i]) and (tx is None or i >= len(yt) or tx in yt[i])
         close += ok
-    return {"identical": identical, "close": close, "n": len(a_ids), "first_diffs": first_diffs}
+    return {"identical": identical, "close": close, "n": len(a_ids), "first_diffs": first_diffs, "agreed": agreed,
+            "tokens": sum(len(y) for y in b_ids)}
 
 
 def main() -> int:
@@ -130,12 +145,14 @@ def main() -> int:
     print(g_info)
     print(e_info)
     print(f"first answer: {answer!r}\n")
-    print("| pair | identical | logprob-close | first differing token (per differing prompt) |")
-    print("|---|---:|---:|---|")
+    print("| pair | identical | logprob-close | tokens agreed before the first difference | first differing token "
+          "(per differing prompt) |")
+    print("|---|---:|---:|---:|---|")
     failed = False
     for name, a, b in pairs:
         r = compare(a, b)
-        print(f"| {name} | {r['identical']}/{r['n']} | {r['close']}/{r['n']} | {r['first_diffs'] or '-'} |")
+        print(f"| {name} | {r['identical']}/{r['n']} | {r['close']}/{r['n']} | {r['agreed']}/{r['tokens']} | "
+              f"{r['first_diffs'] or '-'} |")
         failed |= r["close"] < r["n"] and not name.startswith("HF bf16 vs")
     return 1 if failed else 0
 

@@ -42,3 +42,9 @@ def test_bench_chunked_prefills_in_chunks_beside_the_decodes(checkpoint, tmp_pat
     result = json.loads(out.read_text())
     assert result["steps_during_prefill"] >= 100 // (24 - 4)  # chunks of what the 4 decode rows leave
     assert result["itl_p99_ms_during_prefill"] > 0 and result["max_num_batched_tokens"] == 24
+    assert len(result["rounds"]) == 2 and all(r["step_ms"] for r in result["rounds"])  # default --rounds 2
+
+
+def test_bench_chunked_refuses_zero_rounds(checkpoint, capsys):
+    assert main(["bench", "chunked", str(checkpoint), *COMMON, "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err

@@ -82,3 +82,20 @@ def test_bench_subcommands_are_spelled_like_the_others(sub, capsys):
         cli.main(["bench", sub, "--help"])
     assert exit_info.value.code == 0
     assert f"bench-{sub}" in capsys.readouterr().out
+
+
+def test_the_floor_reads_an_untied_embedding_table_one_row_a_token_not_whole():
+    from types import SimpleNamespace
+
+    import torch
+
+    from ostinato.tools.bench import weights_read_per_step
+
+    def runner(tied: bool, world_size: int = 1):
+        mc = SimpleNamespace(tie_word_embeddings=tied, vocab_size=128256, hidden_size=4096)
+        return SimpleNamespace(model_config=mc, weights_bytes=16_060_522_496 // world_size, dtype=torch.bfloat16,
+                               tp=SimpleNamespace(world_size=world_size))
+
+    assert weights_read_per_step(runner(True)) == 16_060_522_496
+    assert weights_read_per_step(runner(False)) == 16_060_522_496 - 128256 * 4096 * 2  # 15.01 GB, DESIGN.md
+    assert weights_read_per_step(runner(False, 2)) == 16_060_522_496 // 2 - 128256 * 4096

@@ -71,9 +71,12 @@ def test_generate_needs_a_prompt(ckpt, capsys):
 
 
 def _weights_and_kv_bytes(ckpt) -> tuple[int, int]:
-    """Weight bytes in float32 and K+V bytes per token, from the checkpoint's files."""
+    """Weight bytes a decode step reads in float32 (an untied embedding table is read one row a token, so it is
+    left out) and K+V bytes per token, from the checkpoint's files."""
     weights = sum(t.numel() for t in load_file(ckpt / "model.safetensors").values()) * 4
     cfg = json.loads((ckpt / "config.json").read_text())
+    if not cfg.get("tie_word_embeddings", False):
+        weights -= cfg["vocab_size"] * cfg["hidden_size"] * 4
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return weights, 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
 

@@ -19,6 +19,9 @@ Algorithm
                causal mask key_pos <= query_pos where query i of a sequence with context C and Q new tokens
                sits at position C - Q + i. So an already-cached prefix (prefix caching, chunked prefill,
                recompute after preemption) is read from the cache like any other token.
+               When those programs are too few to fill the GPU and the context is long (a short chunk of a
+               chunked prefill), prefill instead splits each program's key range over several programs:
+               attention/triton_prefill_split.py (when: attention/prefill_split_plan.py).
 
 Limits
     head_dim: any size; tiles are padded to the next power of two >= 16 (64 and 128 need no padding).
@@ -46,10 +49,12 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from .base import AttentionBackend, AttentionMetadata
+from .prefill_split_plan import PrefillSplitTuning
 from .triton_common import (
     LOG2E, check_inputs, contiguous_last, dot, dot_settings, group_size, pad_dim, paged_kv_offsets,
 )
 from .triton_decode import DecodeRope, DecodeTuning, SplitCounters, paged_decode
+from .triton_prefill_split import paged_prefill_split, plan_for
 
 
 @triton.jit
@@ -146,6 +151,7 @@ class TritonAttentionTuning:
     prefill_block_m: int = 64  # rows per prefill program: queries x (query heads per kv head)
     prefill_block_n: int = 32
     prefill_num_warps: int = 4
+    prefill_split: PrefillSplitTuning = field(default_factory=PrefillSplitTuning)  # triton_prefill_split.py
 
     def __post_init__(self) -> None:
         for name in ("prefill_block_m", "prefill_block_n"):
@@ -229,12 +235,18 @@ class TritonPagedBackend(AttentionBackend):
         q = contiguous_last(q)
         block_tables = meta.block_tables  # [num_seqs, W]
         num_seqs = block_tables.shape[0]
+        # A short chunk over a long context: too few (query block, kv head) programs to fill the GPU, so
+        # split the key range (attention/triton_prefill_split.py). The plan uses the step's host figures when
+        # meta has them, else shapes only (a captured prefill: leave query_lens / context_lens_host None).
+        plan = plan_for(self.tuning.prefill_split, q, k_cache, meta, group)
+        if plan.splits > 1:
+            return paged_prefill_split(q, k_cache, v_cache, meta, scale, group, self.tuning.prefill_split, plan)
         out = torch.empty_like(q)
         if num_tokens == 0 or num_seqs == 0:
             return out
         group_pad = triton.next_power_of_2(group)
         block_q = max(1, self.tuning.prefill_block_m // group_pad)  # rows = block_q * group_pad >= 16
-        grid = (triton.cdiv(max(meta.max_query_len, 1), block_q), num_seqs, num_kv_heads)
+        grid = (triton.cdiv(plan.max_query_len, block_q), num_seqs, num_kv_heads)
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, meta.context_lens, meta.query_start_loc,
             scale * LOG2E,

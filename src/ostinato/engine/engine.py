@@ -344,4 +344,5 @@ class LLMEngine:
             ranks=tuple(self.runner.rank_health()) if hasattr(self.runner, "rank_health") else (),
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
+            kernel_compiles_in_service=getattr(getattr(self.runner, "compile_watch", None), "compiles_in_service", 0),
         )

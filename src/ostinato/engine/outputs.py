@@ -104,3 +104,5 @@ class EngineStats:
     # Prefix caching, in tokens (vLLM's counters): tokens of admitted sequences looked up, and found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Triton kernels compiled after start-up, i.e. inside a live step (runner/compile_watch.py).
+    kernel_compiles_in_service: int = 0

@@ -35,10 +35,12 @@ from ..contract import SampledToken, SchedulerOutput, StepResult
 from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
 from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
+from .compile_watch import CompileWatch
 from .decode_step import DecodeStep
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
 from .sampler import Sampler, SamplerOutput, finish_sampling
+from .warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,11 @@ class ModelRunner:
         self.device = pick_device(args.device)
         self.dtype = resolve_dtype(args.dtype, model_config, self.device)
         self.backend = make_backend(args.attention_backend, self.device)
+        # Installed before anything compiles (capture included), sealed at the end of start-up: an earlier
+        # engine's sealed watch in this process must not count this engine's start-up compiles.
+        self.compile_watch = CompileWatch()
+        if self.device.type == "cuda":
+            self.compile_watch.install()
         self.block_size = args.block_size
         t0 = time.perf_counter()
         self.model = load_model(args.model, model_config, self.dtype, self.device, self.backend,
@@ -116,6 +123,12 @@ class ModelRunner:
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
         self.sampler = Sampler(self.device, args.seed)
+        if cuda:  # compile the eager prefill path's kernel variants now, not inside a user's step
+            ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
+                                           self.device, scheduler_config.max_model_len)
+            logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
+                        self.compile_watch.compiles_at_startup, seconds)
+            self.compile_watch.seal()
 
     # ---- graph state, as the engine reports it ------------------------------------------------------
     @property

@@ -69,6 +69,9 @@ class _EngineStatsCollector(Collector):
                       "recompute after preemption included).", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their K/V not computed).",
                       s.prefix_cache_hits)
+        yield counter("kernel_compiles_in_service", "Triton kernels compiled after start-up, inside a live step "
+                      "(each a 0.1-1 s stall for every running request; start-up warm-up should leave this 0).",
+                      s.kernel_compiles_in_service)
         yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).", s.num_preemptions)
 
         steps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: one CUDA-graph replay "

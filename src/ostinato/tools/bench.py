@@ -18,6 +18,16 @@ import time
 HBM_READ_BYTES_PER_S = 4.13e12  # measured on our H200 (DESIGN.md, 2026-11-29)
 
 
+def weights_read_per_step(runner) -> int:
+    """Weight bytes a decode step reads: all of them, less an untied embedding table, of which a step reads
+    one row per token (a tied table is read whole, as the lm_head). DESIGN.md: llama-3.1-8b reads 15.01 GB
+    per step, not its 16.06 GB file."""
+    mc = runner.model_config
+    untied_table = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size * runner.dtype.itemsize
+    world_size = getattr(getattr(runner, "tp", None), "world_size", 1)  # a rank holds 1/world_size of the table
+    return runner.weights_bytes - untied_table // world_size
+
+
 def register(sub) -> None:
     from ..cli_args import _int_list, add_engine_args
 
@@ -136,13 +146,14 @@ def run(args) -> int:
 
     engine = LLMEngine(engine_args_from(args))
     runner = engine.runner
-    weights = runner.weights_bytes
+    weights = weights_read_per_step(runner)
     mc = runner.model_config
     kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
     gen = torch.Generator().manual_seed(0)
     rows = []
     hf = None if args.no_hf else _load_hf(engine.model_dir, runner.dtype, runner.device)
-    print(f"model {args.model}: {weights / 1e9:.2f} GB weights, {runner.dtype}, graphs: {engine.graph_status}")
+    print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), "
+          f"{runner.dtype}, graphs: {engine.graph_status}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
             eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup)

@@ -120,6 +120,7 @@ def run_throughput(args) -> int:
     from ..cli_args import engine_args_from
     from ..engine.llm import LLM
     from ..sampling_params import SamplingParams
+    from .bench import weights_read_per_step
 
     llm = LLM.from_engine_args(engine_args_from(args))
     vocab = llm.engine.model_config.vocab_size
@@ -133,8 +134,7 @@ def run_throughput(args) -> int:
     out_tokens = sum(p.max_tokens for p in params)
     runner = llm.engine.runner
     mc = runner.model_config
-    untied_table = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size * runner.dtype.itemsize
-    floor_s = workload_floor_seconds(mc, runner.weights_bytes - untied_table, runner.dtype.itemsize,
+    floor_s = workload_floor_seconds(mc, weights_read_per_step(runner), runner.dtype.itemsize,
                                      [len(p) for p in prompts], [p.max_tokens for p in params])
     result = {"model": args.model, "num_seqs": args.num_seqs, "output_tokens": out_tokens,
               "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,

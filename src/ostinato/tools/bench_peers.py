@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 
-from .bench import HBM_READ_BYTES_PER_S, _hf_step_ms, _load_hf, _time_cuda, replay_ms
+from .bench import HBM_READ_BYTES_PER_S, _hf_step_ms, _load_hf, _time_cuda, replay_ms, weights_read_per_step
 
 
 def register(sub) -> None:
@@ -79,7 +79,7 @@ def run(args) -> int:
     mc = runner.model_config
     gen = torch.Generator().manual_seed(0)
     kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize * (args.context + 1)
-    floor_ms = (runner.weights_bytes + kv_bytes) / HBM_READ_BYTES_PER_S * 1e3
+    floor_ms = (weights_read_per_step(runner) + kv_bytes) / HBM_READ_BYTES_PER_S * 1e3
     result: dict = {"model": args.model, "context": args.context, "batch": 1, "dtype": str(runner.dtype),
                     "torch": torch.__version__, "graph_status": engine.graph_status, "floor_ms": floor_ms}
     if torch.cuda.is_available():

@@ -1,0 +1,65 @@
+"""Start-up warm-up of the eager prefill path, so that no kernel compiles inside a user's step.
+
+Why: the decode graphs' warm-up compiles the decode kernels, but prefill (and the chunks of chunked prefill)
+runs eagerly, and Triton compiles a new variant of a kernel the first time an integer argument falls in a
+new class (equal to 1, divisible by 16, or neither) or a launch picks another constexpr tile. Measured on the
+H200 (llama-3.1-8b shape): the first 1-token prompt after start-up took 870 ms, the second 34 ms. So before
+serving, run prefill steps whose shapes cover those classes: one and several sequences, token counts of 1,
+odd and multiples of 16, with and without a cached prefix (the chunked-prefill and prefix-cache case), and
+both sampling paths (greedy; temperature with top-k/top-p and logprobs). runner/compile_watch.py reports
+anything this misses.
+
+The steps write their K/V into the scratch block only (every block-table entry is the scratch block, which
+the scheduler never hands out: attention/base.py), so no sequence's cache is touched and nothing joins the
+decode batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..contract import ScheduledSeq, SchedulerOutput
+from ..sampling_params import SamplingParams
+from .inputs import build_prefill_inputs
+
+# (new tokens, cached tokens before them) per sequence, one tuple of sequences per warm-up step.
+WARMUP_STEPS: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((1, 0),),
+    ((3, 0),),
+    ((16, 0),),
+    ((33, 0),),
+    ((7, 37),),
+    ((32, 48),),
+    ((1, 20), (17, 5)),
+    ((16, 0), (48, 16), (5, 0)),
+    ((16, 496),),  # a context of 512: the split prefill (attention/triton_prefill_split.py) compiles here
+)
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+_RANDOM = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=1, logprobs=2)
+
+
+def warm_up_prefill(model, sampler, block_size: int, scratch_block: int, device: torch.device,
+                    max_model_len: int) -> tuple[int, float]:
+    """Run the warm-up steps that fit max_model_len; returns (steps run, seconds)."""
+    t0 = time.perf_counter()
+    ran = 0
+    for step_index, shape in enumerate(WARMUP_STEPS):
+        if any(new + cached > max_model_len for new, cached in shape):
+            continue
+        params = _GREEDY if step_index % 2 == 0 else _RANDOM
+        seqs = tuple(
+            ScheduledSeq(i, tuple(range(3, 3 + new)), cached, (scratch_block,) * math.ceil((new + cached) / block_size),
+                         params, 0)
+            for i, (new, cached) in enumerate(shape))
+        with torch.inference_mode():
+            inp = build_prefill_inputs(SchedulerOutput("prefill", seqs), block_size, scratch_block, device)
+            hidden = model(inp.input_ids, inp.positions, inp.meta)  # [T, hidden]
+            logits = model.compute_logits(hidden[inp.last_token_indices])
+            sampler(logits, sampler.prepare(seqs))
+        ran += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return ran, time.perf_counter() - t0

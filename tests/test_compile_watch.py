@@ -1,0 +1,118 @@
+"""Start-up warm-up of the eager prefill path and the watch that reports a Triton compile inside a live step."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ostinato.config import EngineArgs
+from ostinato.engine.engine import LLMEngine
+from ostinato.runner import compile_watch as cw
+from ostinato.runner.warmup import WARMUP_STEPS, warm_up_prefill
+from ostinato.sampling_params import SamplingParams
+from ostinato.tools.checkpoint import make_checkpoint
+
+
+@pytest.fixture
+def knobs(monkeypatch):
+    fake = SimpleNamespace(jit_cache_hook=None)
+    monkeypatch.setattr(cw, "_runtime_knobs", lambda: fake)
+    return fake
+
+
+def test_compiles_count_as_startup_until_sealed_then_warn(knobs, caplog):
+    watch = cw.CompileWatch()
+    assert watch.install() and knobs.jit_cache_hook == watch.on_compile
+    knobs.jit_cache_hook(key="k1", repr="_prefill_kernel[...]", fn=None)
+    assert (watch.compiles_at_startup, watch.compiles_in_service) == (1, 0)
+    watch.seal()
+    with caplog.at_level(logging.WARNING, logger=cw.__name__):
+        assert knobs.jit_cache_hook(key="k2", repr="_gemv_kernel[M=1]", fn=None) is None  # never skips a compile
+    assert (watch.compiles_at_startup, watch.compiles_in_service) == (1, 1)
+    assert watch.kernels_in_service == ["_gemv_kernel[M=1]"]
+    assert "_gemv_kernel[M=1]" in caplog.text and "inside a live step" in caplog.text
+    watch.uninstall()
+    assert knobs.jit_cache_hook is None
+
+
+def test_a_foreign_hook_is_chained_and_an_older_watch_is_taken_over(knobs):
+    calls = []
+
+    def foreign(**kw):
+        calls.append(kw["key"])
+        return True  # e.g. a tool that skips compiles: its answer passes through
+
+    knobs.jit_cache_hook = foreign
+    old = cw.CompileWatch()
+    old.install()
+    new = cw.CompileWatch()
+    new.install()
+    new.seal()
+    assert knobs.jit_cache_hook(key="k", repr="r", fn=None) is True
+    assert calls == ["k"] and new.compiles_in_service == 1
+    assert old.compiles_at_startup == old.compiles_in_service == 0  # not chained twice through the old watch
+    new.uninstall()
+    assert knobs.jit_cache_hook is foreign
+
+
+def test_without_a_hook_in_triton_nothing_is_installed(monkeypatch):
+    monkeypatch.setattr(cw, "_runtime_knobs", lambda: SimpleNamespace())
+    watch = cw.CompileWatch()
+    assert not watch.install() and not watch.installed
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("warmup")
+    make_checkpoint(path, shape="tiny", family="qwen3", seed=3)
+    return LLMEngine(EngineArgs(model=str(path), device="cpu", max_model_len=128, num_kv_blocks=32))
+
+
+def test_warm_up_writes_only_the_scratch_block_and_leaves_the_engine_as_it_was(engine):
+    runner = engine.runner
+    caches = [torch.stack(kv) for kv in runner.kv_caches]  # [2, blocks + 1, block_size, Hkv, D] per layer
+    scratch = runner.scratch_block
+    ran, _ = warm_up_prefill(runner.model, runner.sampler, runner.block_size, scratch, runner.device, 128)
+    assert ran == sum(all(new + cached <= 128 for new, cached in shape) for shape in WARMUP_STEPS) > 0
+    changed_scratch = False
+    for before, (k, v) in zip(caches, runner.kv_caches):
+        after = torch.stack((k, v))
+        assert torch.equal(before[:, :scratch], after[:, :scratch]), "warm-up wrote into a real KV block"
+        changed_scratch |= not torch.equal(before[:, scratch], after[:, scratch])
+    assert changed_scratch  # it did run the forwards (their K/V went to the scratch block)
+    assert len(runner.decode_batch) == 0 and engine.scheduler.block_manager.num_free_blocks == 32
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_warm_up_skips_steps_longer_than_the_model(engine):
+    runner = engine.runner
+    longest = max(new + cached for shape in WARMUP_STEPS for new, cached in shape)
+    ran, _ = warm_up_prefill(runner.model, runner.sampler, runner.block_size, runner.scratch_block, runner.device,
+                             longest - 1)
+    assert 0 < ran < len(WARMUP_STEPS)
+
+
+@pytest.mark.gpu
+def test_no_kernel_compiles_inside_live_steps_on_the_gpu(tmp_path):
+    """Prompts of 1, odd and multiple-of-16 lengths, several at once, chunked over a cached prefix, greedy and
+    sampled: after start-up's warm-up none of them makes Triton compile (the first 1-token prompt used to)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    make_checkpoint(tmp_path, shape="tiny", family="qwen3", seed=4, dtype="bfloat16")
+    eng = LLMEngine(EngineArgs(model=str(tmp_path), dtype="bfloat16", max_model_len=512, num_kv_blocks=128,
+                               max_num_seqs=8, max_num_batched_tokens=40))
+    watch = eng.runner.compile_watch
+    assert watch.installed and watch.compiles_at_startup >= 0
+    base = list(range(3, 200))
+    lengths = (1, 2, 5, 16, 17, 31, 64, 100, 150)
+    for i, n in enumerate(lengths):
+        params = (SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4, ignore_eos=True, logprobs=1))
+        eng.add_request(f"r{i}", base[:n], params)
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats().kernel_compiles_in_service == 0, watch.kernels_in_service
