@@ -278,16 +278,19 @@ def test_decode_with_the_chosen_split_count_at_batch_one(device):
 
 class RopeCase:
     """decode_with_rope's inputs: sequence s's new token at position context_len - 1, its slot taken from
-    the table; the last row is a padded one (context 1, its slot in the scratch block). refresh() derives
+    the table; the last `pad_rows` rows are padded ones as the runner pads a graph (context 1, every table
+    entry the scratch block, so their new K/V all go to the scratch block's first slot). refresh() derives
     positions and slots from the cache's current tables and lengths (in place: a graph may hold them)."""
 
-    def __init__(self, device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, seed=0, filler=1e4):
+    def __init__(self, device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, seed=0, filler=1e4,
+                 pad_rows=1):
         from ostinato.model.layers import RotaryEmbedding
 
-        lens = list(context_lens) + [1]
+        lens = list(context_lens) + [1] * pad_rows
+        self.num_real = len(context_lens)
         self.cache = PagedCache(lens, num_kv_heads, head_dim, 16, dtype, device, seed=seed, filler=filler,
                                 spare_blocks=3 + len(lens))
-        self.cache.block_tables[-1] = self.cache.scratch_block  # the padded row reads and writes scratch only
+        self.pad_tables()
         self.num_heads, self.num_kv_heads = num_kv_heads * group, num_kv_heads
         gen = torch.Generator().manual_seed(seed + 50)
         self.heads = torch.randn(len(lens), self.num_heads + 2 * num_kv_heads, head_dim,
@@ -302,6 +305,10 @@ class RopeCase:
                                       block_tables=self.cache.block_tables, context_lens=self.cache.context_lens)
         self.scale = head_dim ** -0.5
         self.refresh()
+
+    def pad_tables(self) -> None:
+        """The padded rows read and write the scratch block only."""
+        self.cache.block_tables[self.num_real:] = self.cache.scratch_block
 
     def refresh(self) -> None:
         rows = torch.arange(len(self.positions), device=self.positions.device)
@@ -600,7 +607,7 @@ def test_decode_with_rope_real_shapes_replays_in_a_cuda_graph(num_heads, batch, 
     for step in range(2):
         new_lens = all_lens[:-1][step + 1:] + all_lens[:-1][:step + 1] + [1]
         _reshuffle(case.cache, new_lens, gen)
-        case.cache.block_tables[-1] = case.cache.scratch_block
+        case.pad_tables()
         case.refresh()
         case.heads.copy_(torch.randn(case.heads.shape, generator=gen).to(torch.bfloat16))
         before = (case.cache.k_cache.clone(), case.cache.v_cache.clone())

@@ -339,7 +339,12 @@ def _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, nu
     if num_tokens == 0:
         return out
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(grid_heads), max(1, _ROPE_ELEMENTS // head_dim_pad))
+    # The tile height comes from the q|k heads in both forms (the v heads of the K/V-writing form take more
+    # programs, not taller tiles): Triton lays a [BLOCK_H, HEAD_DIM_PAD] tile out by its shape, and the layout
+    # sets the order in which a row's sum of squares adds up. With BLOCK_H 16 against 8 (4 q and 4 kv heads,
+    # head_dim 32: sm_90 sums 4 values a thread over 8 lanes, against 2 over 16) fp32 q and k differed from
+    # qk_norm_rope's in the last bit; with one tile both forms round alike, to the bit.
+    block_h = min(triton.next_power_of_2(qk_heads), max(1, _ROPE_ELEMENTS // head_dim_pad))
     weights = (q_weight, k_weight) if qk_norm else (heads, heads)  # unread placeholders without qk-norm
     _qk_norm_rope_kernel[(num_tokens, triton.cdiv(grid_heads, block_h))](
         heads, *weights, cos_sin_cache, positions, out, k_cache, v_cache, slot_mapping,
