@@ -13,6 +13,8 @@ GPU the races too: `PYTHONPATH=src python3 -m pytest -m gpu tests/test_decode_re
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ from ostinato.attention.decode_plan import choose_num_splits, num_sms  # noqa: E
 from ostinato.attention.triton_paged import TritonPagedBackend  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-REPLAYS = 200
+REPLAYS = int(os.environ.get("OSTINATO_DECODE_REPLAYS", "200"))  # scripts/gpu_hB_check.sh's stress sets 2000
 
 
 def decode_call(case: RopeCase, backend: TritonPagedBackend, rope: bool):
@@ -48,8 +50,8 @@ def real_blocks(case: RopeCase) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("batch,pad_rows,context", [(1, 0, 512), (5, 3, 512), (13, 3, 2048), (2, 2, 8192)])
 def test_replays_are_bit_identical_to_eager(rope, batch, pad_rows, context):
     """Qwen3-0.6B's attention shape (16 q heads, 8 kv heads, head_dim 128, bf16) at split counts > 1 (the merge
-    runs in the last-arriving program), pad rows as the runner pads a graph: one captured launch replayed 200
-    times on the same inputs gives eager's output to the bit every time, leaves every real slot of the cache
+    runs in the last-arriving program), pad rows as the runner pads a graph: one captured launch replayed
+    REPLAYS times on the same inputs gives eager's output to the bit every time, leaves every real slot of the cache
     as eager left it, and ends with every arrival counter at 0."""
     backend = TritonPagedBackend()
     lens = [max(2, context - 37 * i) for i in range(batch)]
