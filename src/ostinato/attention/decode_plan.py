@@ -1,6 +1,6 @@
 """Host-side plan of the split-KV decode (attention/triton_decode.py): its launch settings, the split count
-per shape, and the single launch's arrival counters. Everything here is decided from shapes before a CUDA
-graph is captured."""
+per shape, what it needs to apply RoPE itself, and the single launch's arrival counters. Everything here is
+decided from shapes before a CUDA graph is captured."""
 
 from __future__ import annotations
 
@@ -74,6 +74,20 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter on CPU: a small pretend GPU, so CPU tests split small batches too
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to apply (Qwen3: per-head RMSNorm, then) RoPE itself and write the new
+    token's K/V: q_weight, k_weight [D] or both None; cos_sin_cache [max_positions, 2D] (cos | signed sin);
+    positions [num_seqs] (the new token's); slot_mapping [num_seqs] (where its K/V goes; < 0: nowhere)."""
+
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    cos_sin_cache: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    eps: float
 
 
 class SplitCounters:

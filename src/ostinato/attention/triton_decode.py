@@ -42,21 +42,30 @@ Why not fixed-size partitions (the kernel this replaced): a partition of 256 tok
 partition count came from the table width (the max model length), so a batch of 64 launched
 programs for every partition of a 2048-token table, most of them empty, plus a reduce.
 
+Determinism (tests/test_decode_replay.py): the same inputs at the same row count give the same bits, in a
+graph or eager, whichever slice arrives last: the merge reads every active partial in slice order, and the
+count it waits on is published the way CUTLASS's split-K barrier does it (CTA barrier, then one thread's
+release) and acquired before a CTA barrier and L2-only (.cg) loads (the PTX of triton 3.6 and 3.9 for
+sm_90 reads that way). No program reads a slot written in the same launch: the new token comes from
+registers, and a graph's pad rows (context 1, all in the scratch block) read no cache at all, so their
+racing writes to the scratch slot are never read. What does differ: the split count depends on the row
+count, so n rows eager and the same n rows padded into a graph of S rows may sum in another order (as the
+GEMMs, whose kernels cuBLAS picks by M, do too).
+
 Limits: as attention/triton_paged.py (any head_dim, padded; block_size any; fp32/bf16/fp16). Run once
 before capture so that Triton compiles outside it (the runner's warm-up does), and so that the arrival
-counters (SplitCounters, allocated once, zeroed) exist before it. Decode launches on one device must not
-run concurrently on two streams: they share the counters (a decode step is one stream).
+counters (SplitCounters, allocated once, zeroed) exist before it. Decode launches of one backend must not
+run concurrently on two streams: they share the counters (a decode step is one stream; the runner's
+warm-up and capture stream waits for the serving stream and the other way round).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .decode_plan import DecodeTuning, SplitCounters, choose_num_splits, num_sms
+from .decode_plan import DecodeRope, DecodeTuning, SplitCounters, choose_num_splits, num_sms
 from .rope_tile import load_norm_rope, rope_table
 from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 
@@ -260,20 +269,6 @@ def _decode_reduce_kernel(
     out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
-
-
-@dataclass(frozen=True)
-class DecodeRope:
-    """What the decode kernel needs to apply (Qwen3: per-head RMSNorm, then) RoPE itself and write the new
-    token's K/V: q_weight, k_weight [D] or both None; cos_sin_cache [max_positions, 2D] (cos | signed sin);
-    positions [num_seqs] (the new token's); slot_mapping [num_seqs] (where its K/V goes; < 0: nowhere)."""
-
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    cos_sin_cache: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    eps: float
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
