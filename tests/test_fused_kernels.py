@@ -258,6 +258,37 @@ def test_qk_norm_rope_write_kv_matches_reference(num_tokens, num_heads, num_kv_h
     check_qk_norm_rope_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device)
 
 
+@pytest.mark.skipif(not fused._interpreted() and not torch.cuda.is_available(), reason="needs triton kernels")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 48), (24, 8, 16), (16, 8, 128),
+                                                              (32, 8, 128), (4, 2, 16)])
+def test_both_rope_forms_launch_one_tile_height(monkeypatch, num_heads, num_kv_heads, head_dim):
+    """The q and k rows of qk_norm_rope and qk_norm_rope_write_kv agree to the bit on a GPU only if both launch
+    the same [BLOCK_H, HEAD_DIM_PAD] tile: Triton picks the tile's layout from its shape, and the layout sets
+    the order in which a row's sum of squares adds up (the H200 failed fp32 [7-4-4-32] when the K/V-writing
+    form took BLOCK_H 16 against 8). The interpreter sums alike either way, so the launch is checked here."""
+    launched = {}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.__setitem__(self.name, kw["BLOCK_H"])
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    heads = torch.zeros(3, num_heads + 2 * num_kv_heads, head_dim, device=dev)
+    cos_sin = torch.zeros(8, 2 * head_dim, device=dev)
+    positions = torch.zeros(3, dtype=torch.int64, device=dev)
+    cache = torch.zeros(2, 4, num_kv_heads, head_dim, device=dev)
+    weight = torch.ones(head_dim, device=dev)
+    args = (heads, weight, weight, cos_sin, positions, num_heads, num_kv_heads, EPS)
+    monkeypatch.setattr(fused, "_qk_norm_rope_kernel", Spy("qk_norm_rope"))
+    fused.qk_norm_rope(*args)
+    monkeypatch.setattr(fused, "_qk_norm_rope_kernel", Spy("write_kv"))
+    fused.qk_norm_rope_write_kv(*args, cache, cache.clone(), positions)
+    assert launched["qk_norm_rope"] == launched["write_kv"], launched
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
