@@ -4,7 +4,7 @@
 # The GPU tests of the single-launch decode (split-KV merged by the last-arriving program, q/k norm + RoPE +
 # K/V write inside it), the fused prefill RoPE + K/V write, the graph/engine tests, then a determinism stress:
 # one captured decode replayed 2000 times per shape (bit-identical to eager every time), two graph engines on
-# the same schedule (identical tokens and logprobs), graph vs eager end to end again.
+# the same schedule (identical tokens and logprobs), graph vs eager end to end again at batch 25 and 33.
 # The log streams to $OUT/gpu_hB_check.log (pytest -v --tb=short -rf: failures print as they happen, and
 # again in each section's summary, even if a later section is killed). The last line is PASS or FAIL.
 set -uo pipefail
@@ -39,10 +39,10 @@ fi
 
 section "decode + fused kernels" 120 -m gpu tests/test_triton_attention.py tests/test_fused_kernels.py \
   tests/test_decode_replay.py tests/test_triton_prefill_split.py tests/test_attention_ref.py
-section "graphs + engine" 80 -m gpu tests/test_gpu_e2e.py tests/test_decode_batch.py tests/test_graphs_gpu.py \
+section "graphs + engine" 75 -m gpu tests/test_gpu_e2e.py tests/test_decode_batch.py tests/test_graphs_gpu.py \
   tests/test_graph_path_engine.py tests/test_prefix_chunked_gpu.py tests/test_compile_watch.py
-OSTINATO_DECODE_REPLAYS=2000 section "determinism stress" 50 -m gpu tests/test_decode_replay.py \
-  tests/test_gpu_e2e.py -k "bit_identical or twice or graph_replay_matches_eager"
+OSTINATO_DECODE_REPLAYS=2000 section "determinism stress" 40 -m gpu tests/test_decode_replay.py \
+  tests/test_gpu_e2e.py -k "bit_identical or twice or (graph_replay_matches_eager and (25 or 33))"
 
 {
   echo
