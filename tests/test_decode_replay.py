@@ -51,8 +51,8 @@ def real_blocks(case: RopeCase) -> tuple[torch.Tensor, torch.Tensor]:
 def test_replays_are_bit_identical_to_eager(rope, batch, pad_rows, context):
     """Qwen3-0.6B's attention shape (16 q heads, 8 kv heads, head_dim 128, bf16) at split counts > 1 (the merge
     runs in the last-arriving program), pad rows as the runner pads a graph: one captured launch replayed
-    REPLAYS times on the same inputs gives eager's output to the bit every time, leaves every real slot of the cache
-    as eager left it, and ends with every arrival counter at 0."""
+    REPLAYS times on the same inputs gives eager's output to the bit every time, leaves every real slot of
+    the cache as eager left it, and ends with every arrival counter at 0."""
     backend = TritonPagedBackend()
     lens = [max(2, context - 37 * i) for i in range(batch)]
     case = RopeCase("cuda", torch.bfloat16, lens, 2, 8, 128, True, seed=60, filler=0.0, pad_rows=pad_rows)
