@@ -6,10 +6,14 @@ backend's decode over every layer; the figure is the median replay / layers. Byt
 context token of every kv head (q and out are negligible). The first layer's output is compared with a
 float32 torch reference at each case.
 
-    PYTHONPATH=src python3 scripts/gpu_decode_attention.py [--sweep] [--json out.json]
+    PYTHONPATH=src python3 scripts/gpu_decode_attention.py [--sweep] [--compare-merge] [--rope]
+        [--cases 1x512,16x512] [--shapes qwen3-0.6b] [--json out.json]
 
 Runs against whatever `ostinato` PYTHONPATH names, so the same file measures an older tree ("before");
---sweep (needs attention/triton_decode.py) also times other decode tunings.
+--sweep (needs attention/triton_decode.py) also times other decode tunings; --compare-merge times the
+two-kernel decode (split + reduce kernel, single_launch_max_splits=0) beside the default single launch;
+--rope also times the step from the qkv projection: the q/k-norm + RoPE kernel (writing K/V) then decode,
+against decode_with_rope (all three in the decode kernel).
 """
 
 from __future__ import annotations
@@ -85,14 +89,62 @@ def measure(backend, inputs, shape, iters=30):
             "floor_us": kv_bytes / HBM_READ_BYTES_PER_S * 1e6, "rel_err": err}
 
 
+def measure_with_rope(backend, inputs, shape, fused_rope, iters=30):
+    """µs per layer of what a decode layer runs from the qkv projection to the attention output: the
+    q/k-norm + RoPE kernel writing K/V, then decode (fused_rope False), or decode_with_rope (True). q/k
+    RMSNorm as Qwen3 when the shape is qwen3's. rel_err: fused against unfused on the first layer."""
+    from ostinato.model import fused
+    from ostinato.model.layers import RotaryEmbedding
+
+    caches, q, meta = inputs
+    layers, heads, kv, dim = shape
+    bs, ctx = q.shape[0], int(meta.context_lens[0])
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(bs, heads + 2 * kv, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(dim, max(ctx + 1, 4096), 1e6, None)
+    rope.rebuild(torch.device("cuda"), torch.bfloat16)
+    weights = (torch.ones(dim, device="cuda", dtype=torch.bfloat16),) * 2 if heads == 16 else (None, None)
+    positions = meta.context_lens.long() - 1
+    slots = meta.block_tables[torch.arange(bs, device="cuda"), positions // BLOCK].long() * BLOCK + positions % BLOCK
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=meta.block_tables,
+                             context_lens=meta.context_lens)
+    scale = dim ** -0.5
+
+    def layer(i, fused_rope=fused_rope):
+        k_cache, v_cache = caches[i]
+        if fused_rope:
+            return backend.decode_with_rope(qkv, *weights, rope.cos_sin_cache, positions, 1e-6, k_cache, v_cache,
+                                            meta, scale)
+        q_rot = fused.qk_norm_rope_write_kv(qkv, *weights, rope.cos_sin_cache, positions, heads, kv, 1e-6,
+                                            k_cache, v_cache, slots)
+        return backend.decode(q_rot, k_cache, v_cache, meta, scale)
+
+    a, b = layer(0, True).float(), layer(0, False).float()
+    err = ((a - b).norm() / b.norm()).item()
+    us = time_graph(layer, layers, iters)
+    return {"us_per_layer": us, "rel_err": err}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=2048, help="block-table width (as the engine's)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compare-merge", action="store_true", help="also time the split + reduce-kernel decode")
+    ap.add_argument("--rope", action="store_true",
+                    help="time q/k-norm + RoPE + K/V write + decode: two launches vs decode_with_rope (one)")
+    ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES), help="BATCHxCONTEXT,...")
     args = ap.parse_args()
+    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
     variants = {"default": TritonPagedBackend()}
+    if args.compare_merge:
+        from ostinato.attention.triton_decode import DecodeTuning
+        from ostinato.attention.triton_paged import TritonAttentionTuning
+
+        two_kernels = DecodeTuning(single_launch_max_splits=0)
+        variants["reduce-kernel"] = TritonPagedBackend(TritonAttentionTuning(decode=two_kernels))
     if args.sweep:
         from ostinato.attention.triton_decode import DecodeTuning
         from ostinato.attention.triton_paged import TritonAttentionTuning
@@ -104,12 +156,20 @@ def main() -> None:
                     variants[f"bn{bn}_st{stages}_pps{pps}"] = TritonPagedBackend(TritonAttentionTuning(decode=tuning))
     rows = []
     for name in args.shapes.split(","):
-        for bs, ctx in CASES:
+        for bs, ctx in cases:
             mml = max(args.max_model_len, ctx + BLOCK)
             inputs = make_inputs(SHAPES[name], bs, ctx, mml)
+            if args.rope:
+                for fused_rope in (False, True):
+                    r = measure_with_rope(variants["default"], inputs, SHAPES[name], fused_rope)
+                    vname = "decode_with_rope" if fused_rope else "rope kernel+decode"
+                    r.update(shape=name, batch=bs, context=ctx, variant=vname, max_model_len=mml)
+                    rows.append(r)
+                    print(f"{name:13s} bs {bs:4d} ctx {ctx:6d} {vname:18s} {r['us_per_layer']:8.2f} us/layer "
+                          f"(fused vs unfused rel err {r['rel_err']:.1e})", flush=True)
             for vname, backend in variants.items():
-                if vname != "default" and ((bs, ctx) not in ((1, 512), (64, 512), (16, 512), (1, 32768))
-                                           or name == "llama-3.1-8b"):
+                if vname.startswith("bn") and ((bs, ctx) not in ((1, 512), (64, 512), (16, 512), (1, 32768))
+                                               or name == "llama-3.1-8b"):
                     continue
                 r = measure(backend, inputs, SHAPES[name])
                 r.update(shape=name, batch=bs, context=ctx, variant=vname, max_model_len=mml)

@@ -29,6 +29,7 @@ from ostinato.model.decoder import DecoderLayer  # noqa: E402
 from ostinato.model.layers import RotaryEmbedding  # noqa: E402
 from ostinato.model.loader import load_model  # noqa: E402
 from ostinato.tools.checkpoint import hf_config_dict, make_checkpoint  # noqa: E402
+from cuda_profile import count_cuda_kernels  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 gpu = [pytest.mark.gpu, requires_cuda]
@@ -196,6 +197,107 @@ def test_qk_norm_rope_real_shapes(num_tokens, num_heads, num_kv_heads, qk_norm, 
     check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, 128, qk_norm, dtype, "cuda", max_positions=40960)
 
 
+# ---- qk_norm_rope_write_kv: the same kernel writing k and v into the paged cache -------------------------
+
+def check_qk_norm_rope_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device,
+                                block_size=4, num_blocks=9, max_positions=512):
+    """q against qk_norm_rope (same kernel, bit for bit) and the reference; the cache: k (rotated) and v at
+    each token's slot, the padded rows' k/v in the scratch block, a negative slot nowhere, every other slot
+    untouched (NaN filler)."""
+    total = num_heads + 2 * num_kv_heads
+    heads = rand(num_tokens, total, head_dim, dtype=dtype, device=device, seed=21)
+    with torch.device(device):
+        rope = RotaryEmbedding(head_dim, max_positions, 10000.0, None)
+    rope.rebuild(torch.device(device), dtype)
+    gen = torch.Generator().manual_seed(22)
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(device)
+    weights = (norm_weight(head_dim, dtype, device, 23), norm_weight(head_dim, dtype, device, 24)) \
+        if qk_norm else (None, None)
+    scratch = num_blocks  # the pool's extra block, as the runner allocates it
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]  # distinct real slots
+    padded = [t for t in (1, num_tokens - 1) if 0 < t < num_tokens]
+    slots[padded] = scratch * block_size  # padded decode rows: all to the scratch block's first slot
+    negative = [2] if num_tokens > 3 else []
+    slots[negative] = -1  # the vLLM convention for "write nowhere"
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    heads_before = heads.clone()
+
+    q = fused.qk_norm_rope_write_kv(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS,
+                                    k_cache, v_cache, slots.to(device))
+    qk = fused.qk_norm_rope(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS)
+    ref = fused.qk_norm_rope_ref(heads, *weights, rope.cos_sin_cache, positions, num_heads, num_kv_heads, EPS)
+    assert q.shape == (num_tokens, num_heads, head_dim) and q.is_contiguous()
+    assert torch.equal(q, qk[:, :num_heads])
+    assert_close(q, ref[:, :num_heads].contiguous())
+    assert torch.equal(heads, heads_before)
+
+    k, v = qk[:, num_heads:].cpu(), heads[:, num_heads + num_kv_heads:].cpu()  # [T, Hkv, D] each
+    flat_k = k_cache.cpu().flatten(0, 1)  # [slots, Hkv, D]
+    flat_v = v_cache.cpu().flatten(0, 1)
+    real = [t for t in range(num_tokens) if t not in padded and t not in negative]
+    assert torch.equal(flat_k[slots[real]], k[real]) and torch.equal(flat_v[slots[real]], v[real])
+    if padded:  # duplicates race for the scratch slot: on a GPU the programs' stores interleave, so every value
+        # there comes from some padded row, not necessarily one row for k and v, every head or every element
+        pad_slot = scratch * block_size
+        assert (flat_k[pad_slot][None] == k[padded]).any(0).all()
+        assert (flat_v[pad_slot][None] == v[padded]).any(0).all()
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [
+    (1, 4, 2, 16), (6, 8, 1, 64), (7, 4, 4, 32), (5, 6, 2, 48), (6, 24, 8, 16)])  # 48: padded; 24+16: 3 blocks
+def test_qk_norm_rope_write_kv_matches_reference(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype,
+                                                 device):
+    check_qk_norm_rope_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device)
+
+
+@pytest.mark.skipif(not fused._interpreted() and not torch.cuda.is_available(), reason="needs triton kernels")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 48), (24, 8, 16), (16, 8, 128),
+                                                              (32, 8, 128), (4, 2, 16)])
+def test_both_rope_forms_launch_one_tile_height(monkeypatch, num_heads, num_kv_heads, head_dim):
+    """The q and k rows of qk_norm_rope and qk_norm_rope_write_kv agree to the bit on a GPU only if both launch
+    the same [BLOCK_H, HEAD_DIM_PAD] tile: Triton picks the tile's layout from its shape, and the layout sets
+    the order in which a row's sum of squares adds up (the H200 failed fp32 [7-4-4-32] when the K/V-writing
+    form took BLOCK_H 16 against 8). The interpreter sums alike either way, so the launch is checked here."""
+    launched = {}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.__setitem__(self.name, kw["BLOCK_H"])
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    heads = torch.zeros(3, num_heads + 2 * num_kv_heads, head_dim, device=dev)
+    cos_sin = torch.zeros(8, 2 * head_dim, device=dev)
+    positions = torch.zeros(3, dtype=torch.int64, device=dev)
+    cache = torch.zeros(2, 4, num_kv_heads, head_dim, device=dev)
+    weight = torch.ones(head_dim, device=dev)
+    args = (heads, weight, weight, cos_sin, positions, num_heads, num_kv_heads, EPS)
+    monkeypatch.setattr(fused, "_qk_norm_rope_kernel", Spy("qk_norm_rope"))
+    fused.qk_norm_rope(*args)
+    monkeypatch.setattr(fused, "_qk_norm_rope_kernel", Spy("write_kv"))
+    fused.qk_norm_rope_write_kv(*args, cache, cache.clone(), positions)
+    assert launched["qk_norm_rope"] == launched["write_kv"], launched
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads", [(1, 16, 8), (16, 32, 8), (300, 16, 8)])
+def test_qk_norm_rope_write_kv_real_shapes(num_tokens, num_heads, num_kv_heads, dtype):
+    check_qk_norm_rope_write_kv(num_tokens, num_heads, num_kv_heads, 128, True, dtype, "cuda", block_size=16,
+                                num_blocks=64, max_positions=40960)
+
+
 # ---- dispatch and errors ---------------------------------------------------------------------------------
 
 def test_kernels_are_chosen_by_device():
@@ -260,14 +362,19 @@ class Pages:
         return torch.tensor(positions, device=dev), meta
 
 
-def run_steps(model, kernels, dtype, device, prompts, decode_steps=3) -> list[torch.Tensor]:
-    """A ragged batched prefill, then greedy-free decode steps on fixed tokens: logits of every step."""
+def run_steps(model, kernels, dtype, device, prompts, decode_steps=3, chunks=1) -> list[torch.Tensor]:
+    """A ragged batched prefill (chunks=2: each prompt's first half + 1 tokens, then the rest over the cached
+    part, so slot_mapping covers only the new tokens), then greedy-free decode steps on fixed tokens:
+    logits of every step."""
     pages = Pages(model, dtype, device)
     model.bind_kv_caches(pages.caches, kernels=kernels)
     out = []
     with torch.no_grad():
-        positions, meta = pages.step({i: len(p) for i, p in enumerate(prompts)}, is_prefill=True)
-        out.append(model.compute_logits(model(torch.cat(prompts).to(device), positions, meta)))
+        cut = [len(p) // 2 + 1 if chunks == 2 else len(p) for p in prompts]
+        for piece in ([p[:c] for p, c in zip(prompts, cut)], [p[c:] for p, c in zip(prompts, cut)])[:chunks]:
+            new = {i: len(x) for i, x in enumerate(piece) if len(x)}
+            positions, meta = pages.step(new, is_prefill=True)
+            out.append(model.compute_logits(model(torch.cat([piece[i] for i in new]).to(device), positions, meta)))
         for step in range(decode_steps):
             positions, meta = pages.step({i: 1 for i in range(len(prompts))}, is_prefill=False)
             tokens = torch.tensor([(7 * step + 3 * i) % model.config.vocab_size for i in range(len(prompts))],
@@ -336,9 +443,13 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
     same_linear = run_steps(model, dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref), dtype,
                             device, prompts) if kernels is fused.TRITON_KERNELS else actual
     same_rounding = run_steps(model, HF_ORDER_TORCH_KERNELS, dtype, device, prompts)
+    # On the GPU the decode attention sums its splits in another order than the torch path (one launch, the
+    # last split merging), and the 1-ulp flips that leaves compound over the layers: the H200 gave a mean of
+    # 0.0214 and a max of 0.147 (3 of 1536 logits) at the old bounds of 0.02 / 0.125. The bounds below keep
+    # that noise level; accuracy itself is held to the fp32 model just after, as for the torch path.
     for step, (a, e) in enumerate(zip(same_linear, same_rounding)):
-        torch.testing.assert_close(a, e, atol=0.125, rtol=0, msg=lambda m: f"step {step}: {m}")
-        assert (a - e).abs().mean() <= 0.02, f"step {step}"
+        torch.testing.assert_close(a, e, atol=0.25, rtol=0, msg=lambda m: f"step {step}: {m}")
+        assert (a - e).abs().mean() <= 0.03, f"step {step}"
     # Against the plain torch path (F.rms_norm rounds once) the logits (std ~3) differ by bf16 noise
     # (mean 0.03-0.07, max <= 0.55 on CPU), so both are held to the same distance from the fp32 model;
     # `actual` is the whole Triton set, small-batch linear included (on the GPU).
@@ -349,6 +460,41 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
         for name, logits in (("triton", a), ("torch", t)):
             error = (logits - g).abs()
             assert error.mean() <= 0.2 and error.max() <= 1.5, f"{name} step {step}: {error.mean():.3f}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_on_the_triton_backend_writes_kv_from_the_rope_kernel(checkpoints, family, device):
+    """fp32, the Triton kernel set on the Triton backend (prefill: K/V written by the q/k-norm + RoPE kernel;
+    decode: norm, RoPE, K/V write and attention in the decode kernel) against the torch kernels on the
+    torch reference backend: chunked prefill, then decode; logits close and every greedy token identical."""
+    from ostinato.attention.triton_paged import TritonPagedBackend
+
+    path = checkpoints[family]
+    config = ModelConfig.from_dir(path)
+    triton_backend = TritonPagedBackend()
+    models = {name: load_model(path, config, torch.float32, torch.device(device), backend, progress=False)
+              for name, backend in (("triton", triton_backend), ("torch", TorchRefBackend()))}
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (5, 9, 2)]
+    calls = {"rope_write_kv": 0, "decode_with_rope": 0}
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+    counting = dataclasses.replace(fused.TRITON_KERNELS, qk_norm_rope_write_kv=counted(
+        "rope_write_kv", fused.qk_norm_rope_write_kv))
+    triton_backend.decode_with_rope = counted("decode_with_rope", triton_backend.decode_with_rope)
+    actual = run_steps(models["triton"], counting, torch.float32, device, prompts, decode_steps=2, chunks=2)
+    expected = run_steps(models["torch"], fused.TORCH_KERNELS, torch.float32, device, prompts, decode_steps=2,
+                         chunks=2)
+    # Every layer of the 2 prefill chunks wrote K/V from the rope kernel, of the 2 decodes from the attention.
+    assert calls == {"rope_write_kv": 2 * config.num_layers, "decode_with_rope": 2 * config.num_layers}
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(a.argmax(-1), e.argmax(-1)), f"step {step}"
 
 
 @pytest.mark.gpu
@@ -398,23 +544,13 @@ def test_decode_step_with_triton_kernels_replays_in_a_cuda_graph(checkpoints, fa
 
 # ---- kernel count per decoder layer (GPU) ----------------------------------------------------------------
 
-def count_cuda_kernels(fn) -> list[str]:
-    """Names of the GPU kernels (and memcpy/memset) `fn` launches, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("shape,min_saved", [("qwen3-0.6b", 9), ("llama-3.1-8b", 6)])
 def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
     """One decoder layer at a real shape (random weights), a batch-1 decode step over 512 cached tokens:
-    the fused path launches each of its 4 kernels once and at least `min_saved` fewer kernels in all."""
+    the fused path launches each of its kernels as often as listed below and at least `min_saved` fewer
+    kernels in all."""
     from ostinato.attention.triton_paged import TritonPagedBackend
 
     config = ModelConfig.from_hf_dict(hf_config_dict(shape))
@@ -445,6 +581,8 @@ def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
             counts[kernels.name] = names
             print(f"{shape} {kernels.name}: {len(names)} kernels per layer: {names}")
     fused_names = counts["triton"]
-    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 1), ("_silu_and_mul_kernel", 1)]:
+    # At decode the q/k norm, RoPE and K/V write ride in the attention kernel (one launch, no reduce).
+    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 0), ("_silu_and_mul_kernel", 1),
+                              ("_write_kv_kernel", 0), ("_decode_split_kernel", 1), ("_decode_reduce_kernel", 0)]:
         assert sum(kernel in name for name in fused_names) == per_layer, kernel
     assert len(fused_names) <= len(counts["torch"]) - min_saved

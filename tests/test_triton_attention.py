@@ -23,6 +23,7 @@ from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.triton_decode import DecodeTuning, choose_num_splits  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
 from ostinato.errors import ConfigError  # noqa: E402
+from cuda_profile import count_cuda_kernels  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [
@@ -83,6 +84,10 @@ class PagedCache:
 def reference_attention(q: torch.Tensor, cache: PagedCache, query_lens: list[int], scale: float) -> torch.Tensor:
     """Causal float64 attention; query i of a sequence with context C and Q new tokens is at C - Q + i."""
     q = q.cpu().double()  # [num_tokens, H, D]
+    host = PagedCache.__new__(PagedCache)  # the pool copied to the host once, not once per sequence
+    host.__dict__.update(cache.__dict__)
+    host.to("cpu")
+    cache = host
     outs, start = [], 0
     for s, q_len in enumerate(query_lens):
         ctx = int(cache.context_lens[s])
@@ -167,16 +172,43 @@ def run_decode(device, dtype, context_lens, group, num_kv_heads=2, head_dim=64, 
     return out, reference_attention(q, cache, [1] * len(context_lens), scale)
 
 
-# 1 split: the split kernel writes the output (no reduce); 5 (not a power of two): slices of 16 tokens
-# merged by the reduce kernel, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
+# How a split launch merges its partials: in its last-arriving program (one launch), or by the reduce kernel.
+MERGES = {"single-launch": {}, "reduce-kernel": {"single_launch_max_splits": 0}}
+
+
+# 1 split: the split kernel writes the output (no merge); 5 (not a power of two): slices of 16 tokens
+# merged either way, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("splits", [1, 5])
-def test_decode_matches_reference(device, dtype, group, splits):
+@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (5, "single-launch"), (5, "reduce-kernel")])
+def test_decode_matches_reference(device, dtype, group, splits, merge):
     out, ref = run_decode(device, dtype, [1, 15, 16, 17, 100, 200], group,
-                          backend=backend_with(splits=splits, block_n=16))
+                          backend=backend_with(splits=splits, block_n=16, **MERGES[merge]))
     assert_close_to_reference(out, ref, dtype)
+
+
+# The single-launch merge at several split counts, GQA ratios and head dims, contexts crossing block and
+# slice boundaries. group 8 at head_dim 128 merges in chunks of 8 slices (20 splits: 2 chunks of 13 active).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim,group,splits", [(64, 1, 2), (64, 2, 7), (128, 4, 3), (128, 8, 20), (64, 3, 16)])
+def test_single_launch_decode_matches_reference(device, head_dim, group, splits):
+    backend = backend_with(splits=splits, block_n=16)
+    out, ref = run_decode(device, torch.float32, [1, 16, 17, 33, 400], group, num_kv_heads=2, head_dim=head_dim,
+                          backend=backend)
+    assert_close_to_reference(out, ref, torch.float32)
+    counters = backend.split_counters.get(out.device, 0)
+    assert not counters.any()  # every (sequence, kv head) counter reset by its merging program
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_single_launch_decode_twice_with_new_data(device):
+    """The counters must be back at 0 after a launch: a second launch (other data, other lengths, the same
+    backend and shapes, as a graph replay) merges correctly too."""
+    backend = backend_with(splits=6, block_n=16)
+    for seed, lens in ((0, [40, 7, 90]), (1, [90, 33, 1])):
+        out, ref = run_decode(device, torch.float32, lens, 2, backend=backend, seed=seed)
+        assert_close_to_reference(out, ref, torch.float32)
 
 
 # Contexts of thousands of tokens, slices of many tiles each. The interpreter takes seconds for these, so
@@ -202,11 +234,11 @@ def test_decode_other_shapes(device, head_dim, block_size, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_zero_context_row_gives_zeros_not_nan(device, splits):
+@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (4, "single-launch"), (4, "reduce-kernel")])
+def test_decode_zero_context_row_gives_zeros_not_nan(device, splits, merge):
     cache = PagedCache([0, 20], num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32, device=device)
     q = torch.randn(2, 2, 16)
-    out = backend_with(splits=splits, block_n=16).decode(
+    out = backend_with(splits=splits, block_n=16, **MERGES[merge]).decode(
         q.to(device), cache.k_cache, cache.v_cache, decode_meta(cache), 0.25)
     assert torch.equal(out[0].cpu(), torch.zeros(2, 16))
     ref = reference_attention(q[1:], _only_seq(cache, 1), [1], 0.25)
@@ -244,6 +276,105 @@ def test_decode_with_the_chosen_split_count_at_batch_one(device):
     out, ref = run_decode(device, torch.float32, [130], 2, num_kv_heads=1, head_dim=32,
                           backend=backend_with(block_n=16))
     assert_close_to_reference(out, ref, torch.float32)
+
+
+# ---- decode_with_rope: q/k norm, RoPE and the K/V write inside the decode kernel ----------------------------
+
+class RopeCase:
+    """decode_with_rope's inputs: sequence s's new token at position context_len - 1, its slot taken from
+    the table; the last `pad_rows` rows are padded ones as the runner pads a graph (context 1, every table
+    entry the scratch block, so their new K/V all go to the scratch block's first slot). refresh() derives
+    positions and slots from the cache's current tables and lengths (in place: a graph may hold them)."""
+
+    def __init__(self, device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, seed=0, filler=1e4,
+                 pad_rows=1):
+        from ostinato.model.layers import RotaryEmbedding
+
+        lens = list(context_lens) + [1] * pad_rows
+        self.num_real = len(context_lens)
+        self.cache = PagedCache(lens, num_kv_heads, head_dim, 16, dtype, device, seed=seed, filler=filler,
+                                spare_blocks=3 + len(lens))
+        self.pad_tables()
+        self.num_heads, self.num_kv_heads = num_kv_heads * group, num_kv_heads
+        gen = torch.Generator().manual_seed(seed + 50)
+        self.heads = torch.randn(len(lens), self.num_heads + 2 * num_kv_heads, head_dim,
+                                 generator=gen).to(device, dtype)
+        with torch.device(device):
+            self.rope = RotaryEmbedding(head_dim, 16384, 10000.0, None)
+        self.rope.rebuild(torch.device(device), dtype)
+        self.weights = tuple((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(device, dtype) for _ in range(2)) \
+            if qk_norm else (None, None)
+        self.positions = torch.zeros(len(lens), dtype=torch.int64, device=device)
+        self.meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros_like(self.positions),
+                                      block_tables=self.cache.block_tables, context_lens=self.cache.context_lens)
+        self.scale = head_dim ** -0.5
+        self.refresh()
+
+    def pad_tables(self) -> None:
+        """The padded rows read and write the scratch block only."""
+        self.cache.block_tables[self.num_real:] = self.cache.scratch_block
+
+    def refresh(self) -> None:
+        rows = torch.arange(len(self.positions), device=self.positions.device)
+        self.positions.copy_(self.cache.context_lens.long() - 1)
+        blocks = self.cache.block_tables[rows, self.positions // 16].long()
+        self.meta.slot_mapping.copy_(blocks * 16 + self.positions % 16)
+
+    def run(self, backend) -> torch.Tensor:
+        return backend.decode_with_rope(self.heads, *self.weights, self.rope.cos_sin_cache, self.positions, 1e-6,
+                                        self.cache.k_cache, self.cache.v_cache, self.meta, self.scale)
+
+    def expected(self, caches_before) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The unfused steps on the caches as they were before the run: torch q/k norm + RoPE, a plain
+        write, float64 attention. (reference out, (k_cache, v_cache) after the write)."""
+        from ostinato.model import fused
+
+        h, kv = self.num_heads, self.num_kv_heads
+        qk = fused.qk_norm_rope_ref(self.heads, *self.weights, self.rope.cos_sin_cache, self.positions, h, kv, 1e-6)
+        k_cache, v_cache = (c.clone() for c in caches_before)
+        slots = self.meta.slot_mapping
+        k_cache.flatten(0, 1)[slots] = qk[:, h:]
+        v_cache.flatten(0, 1)[slots] = self.heads[:, h + kv:]
+        written = PagedCache.__new__(PagedCache)
+        written.__dict__.update(self.cache.__dict__)
+        written.k_cache, written.v_cache = k_cache, v_cache
+        return reference_attention(qk[:, :h], written, [1] * len(slots), self.scale), (k_cache, v_cache)
+
+
+def run_decode_with_rope(device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, backend, seed=0):
+    """(out, reference out, caches after, expected caches after) of one decode_with_rope call."""
+    case = RopeCase(device, dtype, context_lens, group, num_kv_heads, head_dim, qk_norm, seed)
+    ref, expected = case.expected((case.cache.k_cache, case.cache.v_cache))
+    out = case.run(backend)
+    return out, ref, (case.cache.k_cache, case.cache.v_cache), expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (5, "single-launch"), (5, "reduce-kernel")])
+def test_decode_with_rope_matches_the_unfused_steps(device, dtype, qk_norm, splits, merge):
+    """Contexts whose newest token opens a block (17, 33), ends one (16), is the only one (1), and longer."""
+    backend = backend_with(splits=splits, block_n=16, **MERGES[merge])
+    out, ref, caches, expected = run_decode_with_rope(device, dtype, [1, 16, 17, 33, 90], 2, 2, 32, qk_norm,
+                                                      backend)
+    assert out.shape == ref.shape
+    assert_close_to_reference(out, ref, dtype)
+    for actual, want in zip(caches, expected):
+        if dtype == torch.float32:
+            torch.testing.assert_close(actual.cpu(), want.cpu(), atol=1e-6, rtol=1e-6)
+        else:  # the kernel's RMSNorm sums in another order than torch's: rare 1-ulp flips
+            torch.testing.assert_close(actual.cpu().float(), want.cpu().float(), atol=1e-2, rtol=1e-2)
+            assert (actual == want).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (48, 3)])
+def test_decode_with_rope_other_shapes(device, head_dim, group):
+    out, ref, caches, expected = run_decode_with_rope(device, torch.float32, [5, 40], group, 2, head_dim, True,
+                                                      backend_with(splits=3, block_n=16))
+    assert_close_to_reference(out, ref, torch.float32)
+    torch.testing.assert_close(caches[0].cpu(), expected[0].cpu(), atol=1e-6, rtol=1e-6)
 
 
 # ---- prefill ----------------------------------------------------------------------------------------------
@@ -319,6 +450,8 @@ def test_bad_tuning_arguments_raise_a_config_error():
         DecodeTuning(num_warps=0)
     with pytest.raises(ConfigError, match="splits"):
         DecodeTuning(splits=0)
+    with pytest.raises(ConfigError, match="single_launch_max_splits"):
+        DecodeTuning(single_launch_max_splits=-1)
     with pytest.raises(ConfigError, match="prefill_block_n must be a power of two"):
         TritonAttentionTuning(prefill_block_n=48)
 
@@ -372,3 +505,121 @@ def test_decode_replays_in_a_cuda_graph_with_new_tables(splits):
     assert_close_to_reference(static_out, reference_attention(static_q, view, [1] * 4, 0.1), dtype)
     eager = backend.decode(static_q, k_cache, v_cache, meta, 0.1)
     assert torch.equal(static_out, eager)
+
+
+# ---- the single-launch decode at real shapes, in CUDA graphs (GPU) -------------------------------------------
+
+def real_gpu_shapes(test):
+    """On the GPU at the real shapes: head_dim 128, 8 kv heads, 16 or 32 q heads, batch 1/4/16, context 512
+    and 8192 (the test body sets head_dim and kv heads)."""
+    marks = (pytest.mark.parametrize("context", [512, 8192]), pytest.mark.parametrize("batch", [1, 4, 16]),
+             pytest.mark.parametrize("num_heads", [16, 32]), requires_cuda, pytest.mark.gpu)
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
+def _reshuffle(cache: PagedCache, new_lens: list[int], gen: torch.Generator) -> None:
+    """Another step over the same pool (same tensors, as a captured graph needs): new lengths, a new
+    shuffle of the blocks and new K/V contents, written in place."""
+    perm = torch.randperm(cache.scratch_block, generator=gen)
+    tables = torch.full(cache.block_tables.shape, cache.scratch_block, dtype=torch.int32)
+    used = 0
+    for s, ctx in enumerate(new_lens):
+        n = math.ceil(ctx / cache.block_size)
+        tables[s, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    assert used <= cache.scratch_block
+    device_gen = torch.Generator(device=cache.k_cache.device).manual_seed(int(perm[0]))  # fast for a large pool
+    for pool in (cache.k_cache, cache.v_cache):
+        pool.copy_(torch.randn(pool.shape, generator=device_gen, device=pool.device).to(pool.dtype))
+    cache.block_tables.copy_(tables)
+    cache.context_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+
+
+@real_gpu_shapes
+def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, batch, context):
+    """head_dim 128, 8 kv heads, bf16, the split count the backend chooses (> 1 here: the merge runs in the
+    last-arriving program): eager, then one captured graph replayed twice on new lengths, tables, K/V and
+    q, each against the float64 reference and eager; the counters end at zero; one kernel per call."""
+    from ostinato.attention.decode_plan import num_sms
+
+    dtype, num_kv_heads, head_dim, block_size = torch.bfloat16, 8, 128, 16
+    backend = TritonPagedBackend()
+    lens = [max(1, context - 37 * i) for i in range(batch)]
+    cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype, "cuda", seed=20)
+    width = cache.block_tables.shape[1] * block_size
+    splits = choose_num_splits(backend.tuning.decode, batch, num_kv_heads, width, num_sms(torch.device("cuda")))
+    assert backend.tuning.decode.single_launch(splits), splits
+    gen = torch.Generator().manual_seed(21)
+    static_q = torch.randn(batch, num_heads, head_dim, generator=gen).to("cuda", dtype)
+    meta = decode_meta(cache)
+    scale = head_dim ** -0.5
+
+    eager = backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale)  # compiles outside the capture
+    assert_close_to_reference(eager, reference_attention(static_q, cache, [1] * batch, scale), dtype)
+    names = count_cuda_kernels(lambda: backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale))
+    assert names == [n for n in names if "_decode_split_kernel" in n] and len(names) == 1, names
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale)
+    for step in range(2):
+        _reshuffle(cache, lens[step + 1:] + lens[:step + 1], gen)  # the same blocks in all, other lengths
+        static_q.copy_(torch.randn(static_q.shape, generator=gen).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(static_out, reference_attention(static_q, cache, [1] * batch, scale), dtype)
+        assert torch.equal(static_out, backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale))
+        assert not backend.split_counters.get(static_q.device, 0).any()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("batch,context", [(1, 512), (16, 512), (1, 8192)])
+def test_single_launch_and_reduce_kernel_agree(batch, context):
+    """At real shapes the two merges give the same attention (up to fp32 summation order)."""
+    lens = [max(1, context - 29 * i) for i in range(batch)]
+    outs = {}
+    for merge, extra in MERGES.items():
+        out, ref = run_decode("cuda", torch.bfloat16, lens, 2, num_kv_heads=8, head_dim=128, seed=30,
+                              backend=backend_with(**extra))
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        outs[merge] = out.float()
+    torch.testing.assert_close(outs["single-launch"], outs["reduce-kernel"], atol=1e-2, rtol=1e-2)
+
+
+@real_gpu_shapes
+def test_decode_with_rope_real_shapes_replays_in_a_cuda_graph(num_heads, batch, context):
+    """head_dim 128, 8 kv heads, bf16, Qwen3's q/k norm, the backend's own split choice: eager against the
+    unfused steps (reference attention and cache contents), then a graph replayed twice on new lengths,
+    tables, K/V, qkv and positions, each against the unfused steps and eager; counters back at zero."""
+    backend = TritonPagedBackend()
+    lens = [max(1, context - 37 * i) for i in range(batch)]
+    case = RopeCase("cuda", torch.bfloat16, lens, num_heads // 8, 8, 128, True, seed=40, filler=0.0)
+    ref, expected = case.expected((case.cache.k_cache, case.cache.v_cache))
+    out = case.run(backend)  # eager; compiles outside the capture
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    for actual, want in zip((case.cache.k_cache, case.cache.v_cache), expected):
+        torch.testing.assert_close(actual.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = case.run(backend)
+    gen = torch.Generator().manual_seed(41)
+    all_lens = lens + [1]
+    for step in range(2):
+        new_lens = all_lens[:-1][step + 1:] + all_lens[:-1][:step + 1] + [1]
+        _reshuffle(case.cache, new_lens, gen)
+        case.pad_tables()
+        case.refresh()
+        case.heads.copy_(torch.randn(case.heads.shape, generator=gen).to(torch.bfloat16))
+        before = (case.cache.k_cache.clone(), case.cache.v_cache.clone())
+        ref, expected = case.expected(before)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(static_out, ref, torch.bfloat16)
+        for actual, want in zip((case.cache.k_cache, case.cache.v_cache), expected):
+            torch.testing.assert_close(actual.float(), want.float(), atol=1e-2, rtol=1e-2)
+        assert torch.equal(static_out, case.run(backend))  # eager on the same inputs (rewrites the same K/V)
+        assert not backend.split_counters.get(static_out.device, 0).any()

@@ -115,7 +115,7 @@ def test_backend_keeps_the_one_pass_kernel_when_programs_fill_the_gpu(device, mo
     # group 1 (BLOCK_Q 64) over one kv head are one program, so a long context splits; 4 kv heads x 4 blocks of
     # 16 are 16 programs: no split.
     from ostinato.attention import triton_prefill_split
-    monkeypatch.setattr(triton_prefill_split, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(triton_prefill_split, "num_sms", lambda device: 4)
     calls = spy_on_split(monkeypatch)
     out, ref = run_prefill(device, torch.float32, [64], [200], 1, split_backend(min_split_keys=64), seed=13)
     assert_close_to_reference(out, ref, torch.float32)

@@ -46,6 +46,14 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    # True when K/V may reach the cache without write_kv: the decoder's kernel set then writes them from
+    # its q/k-norm + RoPE kernel, straight into this module's layout (model/fused.py,
+    # qk_norm_rope_write_kv), one launch fewer per layer. The reference backend keeps its own write, so it
+    # stays a whole oracle (write and attention).
+    accepts_fused_kv_write: bool = False
+    # True when decode_with_rope exists: decode straight from the qkv projection, q/k-norm + RoPE and the
+    # K/V write inside the attention kernel (one launch for all three at decode).
+    decode_applies_rope: bool = False
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,3 +69,11 @@ class AttentionBackend(ABC):
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """One query token per sequence over its context_lens[s] cached tokens. [num_seqs, H, D]."""
+
+    def decode_with_rope(self, heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                         cos_sin_cache: torch.Tensor, positions: torch.Tensor, eps: float, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """decode() from the fused qkv projection heads [num_seqs, H + 2Hkv, D]: (with weights, per-head
+        RMSNorm of q and k, then) RoPE at `positions`, the new K/V written at meta.slot_mapping, attention
+        over context_lens tokens, the new one included. [num_seqs, H, D]. Only where decode_applies_rope."""
+        raise NotImplementedError(f"the {self.name} attention backend does not apply RoPE in its decode")

@@ -13,8 +13,22 @@ Algorithm
               from context_lens in the kernel. A context of 512 split 32 ways is 16 slices of 32 tokens and
               16 programs that return at once; a context of 32k is 32 slices of 1024. The grid depends on
               num_splits alone, so a captured graph stays valid for every context the table holds.
-    reduce    grid (num_seqs, num_heads): merges the active slices' (max, sum, unnormalised output). With
-              num_splits == 1 the split kernel normalises and writes the output itself: no reduce launch.
+    merge     the active slices' partials (max, sum, unnormalised output) become the output. By default in
+              the same launch: each slice stores its partials, then counts its arrival on a per-(sequence,
+              kv head) counter (atomic add, acq_rel, after a CTA barrier, so the partials are published
+              before the count); the slice that arrives last merges them all at once and resets the counter
+              to 0, so the next launch (or graph replay) starts clean. One launch per layer, where the
+              two-kernel form paid a second dependent launch (~2 us at batch 1, docs/PERFORMANCE.md).
+              The reduce kernel (grid (num_seqs, num_heads)) is kept for shapes that may do better with it
+              (DecodeTuning.single_launch_max_splits). With num_splits == 1 the split kernel normalises and
+              writes the output itself: no merge at all.
+
+    rope      (decode_with_rope, the decoder's Triton path) q comes in as the fused qkv projection: each
+              program normalises (Qwen3) and rotates its group's q rows itself; the slice holding the newest
+              token (position context_len - 1) computes that token's k (normalised, rotated) and v, writes
+              them to slot_mapping[seq] and attends to them from registers, while every slice reads only the
+              tokens before it from the cache (so no program reads a slot written in this launch). This
+              replaces the q/k-norm + RoPE kernel's launch at decode; prefill keeps that kernel.
 
 Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, block-table width, SM count),
 so it is fixed before a graph is captured and never changes during replays. A batch whose own programs
@@ -30,21 +44,34 @@ Why not fixed-size partitions (the kernel this replaced): a partition of 256 tok
 partition count came from the table width (the max model length), so a batch of 64 launched
 programs for every partition of a 2048-token table, most of them empty, plus a reduce.
 
+Determinism (tests/test_decode_replay.py): the same inputs at the same row count give the same bits, in a
+graph or eager, whichever slice arrives last: the merge reads every active partial in slice order, and the
+count it waits on is published the way CUTLASS's split-K barrier does it (CTA barrier, then one thread's
+release) and acquired before a CTA barrier and L2-only (.cg) loads (the PTX of triton 3.6 and 3.9 for
+sm_90 reads that way). No program reads a slot written in the same launch: the new token comes from
+registers, and a graph's pad rows (context 1, all in the scratch block) read no cache at all, so their
+racing writes to the scratch slot are never read. What does differ: the split count depends on the row
+count, so n rows eager and the same n rows padded into a graph of S rows may sum in another order (as the
+GEMMs, whose kernels cuBLAS picks by M, do too).
+
 Limits: as attention/triton_paged.py (any head_dim, padded; block_size any; fp32/bf16/fp16). Run once
-before capture so that Triton compiles outside it (the runner's warm-up does).
+before capture so that Triton compiles outside it (the runner's warm-up does), and so that the arrival
+counters (SplitCounters, allocated once, zeroed) exist before it. Decode launches of one backend must not
+run concurrently on two streams: they share the counters (a decode step is one stream; the runner's
+warm-up and capture stream waits for the serving stream and the other way round).
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..errors import ConfigError
+from .decode_plan import DecodeRope, DecodeTuning, SplitCounters, choose_num_splits, num_sms
+from .rope_tile import load_norm_rope, rope_table
 from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+
+__all__ = ["DecodeRope", "DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
 
 
 @triton.jit
@@ -58,25 +85,36 @@ def _split_span(context_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2e, num_splits,
-    stride_qs, stride_qh, stride_os, stride_oh,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
+    q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, slot_mapping_ptr,
+    scale_log2e, num_splits, eps,
+    stride_qs, stride_qh, stride_os, stride_oh, stride_cs,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1.
+    # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
+    # MERGE: the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
+    # projection [num_seqs, H + 2Hkv, D]; the kernel normalises (QK_NORM) and rotates q itself, and the
+    # slice holding the newest token computes its k and v, writes them to slot_mapping[seq] and attends
+    # to them from registers (decode_with_rope: no q/k-norm + RoPE launch before the attention).
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     span = _split_span(context_len, num_splits, BLOCK_N)
     start = split * span
+    # Slices holding tokens; with MERGE a context of 0 still has one (empty) slice, so that somebody
+    # arrives, merges and writes the zeros.
+    num_active = tl.cdiv(context_len, span)
+    if MERGE:
+        num_active = tl.maximum(num_active, 1)
     if SPLIT:
-        if start >= context_len:
-            return  # an inactive slice: the reduce reads only the active ones
-    end = tl.minimum(start + span, context_len)
+        if split >= num_active:
+            return  # an inactive slice: the merge reads only the active ones
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -84,8 +122,15 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads reading this kv head
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+    q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh  # [GROUP_PAD, 1]
+    if ROPE:
+        cos, signed_sin = rope_table(cos_sin_ptr, tl.load(positions_ptr + seq), stride_cs, offs_d, HEAD_DIM)
+        q = load_norm_rope(q_rows, g_mask[:, None], offs_d, q_weight_ptr, cos, signed_sin, eps, q_ptr, HEAD_DIM,
+                           QK_NORM, EMULATE_BF16).to(q_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM_PAD]
+        end = tl.minimum(start + span, context_len - 1)  # the newest token comes from registers, below
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        end = tl.minimum(start + span, context_len)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
@@ -112,6 +157,29 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
+    if ROPE:
+        if split == num_active - 1:  # the slice holding position context_len - 1, the newest token
+            one = tl.arange(0, 1)
+            k_row = q_ptr + seq * stride_qs + (NUM_HEADS + kv_head + one)[:, None] * stride_qh  # [1, 1]
+            k_new = load_norm_rope(k_row, one[:, None] < 1, offs_d, k_weight_ptr, cos, signed_sin, eps, q_ptr,
+                                   HEAD_DIM, QK_NORM, EMULATE_BF16)  # [1, HEAD_DIM_PAD] fp32, rounded
+            v_new = tl.load(k_row + NUM_KV_HEADS * stride_qh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            if slot >= 0:  # a negative slot writes nowhere (as write_kv); padded rows use the scratch block
+                dst = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok \
+                    + kv_head * stride_cache_head + offs_d[None, :]
+                tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
+                tl.store(v_cache_ptr + dst, v_new, mask=d_mask[None, :])
+            # The loop's step for one more key: q . k in fp32 (the dot's products are exact in fp32 too),
+            # p rounded to the value dtype as the loop's P @ V does.
+            s_new = tl.sum(q.to(tl.float32) * k_new, 1) * scale_log2e  # [GROUP_PAD]
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            m_i = m_new
+
     if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context 0 -> zeros, not NaN
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
@@ -122,6 +190,59 @@ def _decode_split_kernel(
         tl.store(part_max_ptr + part_idx, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part_idx, l_i, mask=g_mask)
         tl.store(part_out_ptr + part_idx[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=g_mask[:, None])
+        if MERGE:
+            # Publish, then count: every thread's partial stores are issued before the barrier, and the
+            # release half of the counter's acq_rel makes them visible (cumulatively) to whoever acquires
+            # the count after us. One thread performs the scalar atomic; Triton broadcasts its result.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_active - 1:
+                # The last to arrive: its acquire saw every other slice's release. Reset the counter for
+                # the next launch (graph replays reuse it; launches on one stream never overlap).
+                tl.debug_barrier()
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active,
+                                num_splits, stride_os, stride_oh, NUM_HEADS, GROUP, MERGE_GROUP, HEAD_DIM,
+                                HEAD_DIM_PAD, MERGE_CHUNK, SPLITS_PAD)
+
+
+@triton.jit
+def _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active, num_splits,
+                    stride_os, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, MERGE_GROUP: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr):
+    """out[seq, heads of kv_head] from the num_active partials (max, sum, unnormalised output) of those
+    heads, all loaded at once: [MERGE_GROUP, SPLITS_PAD] maxima and sums, then [MERGE_GROUP, MERGE_CHUNK,
+    HEAD_DIM_PAD] outputs per chunk of slices (one chunk up to 32 slices at GROUP 2, head_dim 128). Loads
+    are .cg (L2, not this SM's L1): the partials were written by other SMs during this launch."""
+    offs_g = tl.arange(0, MERGE_GROUP)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * GROUP + offs_g  # [MERGE_GROUP]
+    g_mask = offs_g < GROUP
+    base = (seq * NUM_HEADS + heads) * num_splits  # [MERGE_GROUP] first partial of each head
+    gs_mask = g_mask[:, None] & (offs_s < num_active)[None, :]
+    m_s = tl.load(part_max_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"),
+                  cache_modifier=".cg")  # [MERGE_GROUP, SPLITS_PAD]
+    l_s = tl.load(part_sum_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_s, 1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context 0 (or a padded head): weights 0, not NaN
+    total = tl.sum(l_s * tl.exp2(m_s - m_max[:, None]), 1)  # [MERGE_GROUP]
+    acc = tl.zeros([MERGE_GROUP, HEAD_DIM_PAD], tl.float32)
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    for s0 in range(0, num_active, MERGE_CHUNK):
+        chunk = s0 + offs_c  # [MERGE_CHUNK] slice indices
+        gc_mask = g_mask[:, None] & (chunk < num_active)[None, :]  # [MERGE_GROUP, MERGE_CHUNK]
+        idx = base[:, None] + chunk[None, :]
+        m_c = tl.load(part_max_ptr + idx, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(m_c - m_max[:, None])  # [MERGE_GROUP, MERGE_CHUNK]; 0 where masked
+        o = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :],
+                    mask=gc_mask[:, :, None], other=0.0, cache_modifier=".cg")  # [G, CHUNK, HEAD_DIM_PAD]
+        acc += tl.sum(o * w[:, :, None], 1)
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -152,73 +273,28 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@dataclass(frozen=True)
-class DecodeTuning:
-    """Launch settings of the decode kernels. The defaults were the fastest of a sweep (block_n 32/64,
-    num_stages 1/3, programs_per_sm 2/4) on the H200 at batch 1, 16, 64 (docs/PERFORMANCE.md, issue 11).
-
-    block_n: tokens per inner-loop tile (a power of two >= 16).
-    programs_per_sm: split until num_seqs * num_kv_heads * splits reaches this many programs per SM.
-    max_splits: at most this many slices (bounds the reduce's work and the partials' memory).
-    max_keys_per_program: split a table wider than this many tokens at any batch (a long sequence's scan
-    must not set the step's time; choose_num_splits).
-    splits: force this split count for every shape (tests, measurements); None chooses per shape.
-    """
-
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    programs_per_sm: int = 4
-    max_splits: int = 64
-    max_keys_per_program: int = 2048
-    splits: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ConfigError(f"decode block_n must be a power of two >= 16, got {self.block_n}")
-        for name in ("num_warps", "num_stages", "programs_per_sm", "max_splits", "max_keys_per_program"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"decode {name} must be >= 1, got {getattr(self, name)}")
-        if self.splits is not None and self.splits < 1:
-            raise ConfigError(f"decode splits must be >= 1 or None, got {self.splits}")
-
-
-def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, max_context: int,
-                      num_sms: int) -> int:
-    """Slices per sequence for a decode launch; shapes only (see the module docstring)."""
-    if tuning.splits is not None:
-        return tuning.splits
-    programs = max(1, num_seqs * num_kv_heads)
-    # One long sequence among short ones: unsplit, its programs scan its whole context while the rest of the
-    # GPU idles, and the step waits for them (H200, llama-3.1-8b shape, 32 rows at context 256 beside one at
-    # 8192: +6.5 ms a step). So no program gets more than max_keys_per_program keys of the widest context
-    # the table holds, even when the batch alone fills the GPU.
-    straggler = triton.cdiv(max(max_context, 1), tuning.max_keys_per_program)
-    if programs >= num_sms:
-        return max(1, min(straggler, tuning.max_splits))
-    wanted = max(triton.cdiv(tuning.programs_per_sm * num_sms, programs), straggler)
-    useful = triton.cdiv(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
-    return max(1, min(wanted, useful, tuning.max_splits))
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter on CPU: a small pretend GPU, so CPU tests split small batches too
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, group: int, tuning: DecodeTuning) -> torch.Tensor:
-    """q [num_seqs, num_heads, head_dim] (head_dim contiguous) -> out, same shape. CUDA-graph safe: no host
-    sync, and every allocation and the grid depend on shapes only."""
+                 context_lens: torch.Tensor, scale: float, group: int, tuning: DecodeTuning,
+                 counters: SplitCounters, rope: DecodeRope | None = None) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim] (head_dim contiguous) -> out, same shape. With `rope`, q is the qkv
+    projection [num_seqs, num_heads + 2 * num_kv_heads, head_dim] instead (heads q | k | v, as from the
+    fused projection): q and the new k are normalised and rotated here, the new K/V written to the cache,
+    and context_lens count the new token (>= 1). CUDA-graph safe: no host sync, and every allocation and
+    the grid depend on shapes only."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
+    if rope is not None:
+        num_heads -= 2 * num_kv_heads
+        assert num_heads == group * num_kv_heads and head_dim % 2 == 0
+        assert rope.cos_sin_cache.shape[-1] == 2 * head_dim and rope.cos_sin_cache.stride(-1) == 1
+        assert rope.cos_sin_cache.dtype == q.dtype and rope.positions.shape == rope.slot_mapping.shape == (num_seqs,)
+        assert (rope.q_weight is None) == (rope.k_weight is None)
+    out = torch.empty(num_seqs, num_heads, head_dim, device=q.device, dtype=q.dtype)
     if num_seqs == 0:
         return out
     splits = choose_num_splits(tuning, num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
-                               _num_sms(q.device))
+                               num_sms(q.device))
+    merge = tuning.single_launch(splits)
     head_dim_pad = pad_dim(head_dim)
     if splits > 1:
         # Sized by shapes only, so allocating here is fine inside a CUDA-graph capture (graph pool).
@@ -227,25 +303,37 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused: the kernel writes `out` directly
+    arrivals = counters.get(q.device, num_seqs * num_kv_heads) if merge else out  # unused without merge
+    splits_pad = triton.next_power_of_2(splits)
+    merge_group = triton.next_power_of_2(group)
+    # Merge tile [merge_group, chunk, head_dim_pad] of at most 4096 fp32 (32 registers a thread at 4 warps):
+    # with 8192 the kernel needed 135 registers instead of 90 (sm_90, group 2, head_dim 128, cuobjdump).
+    merge_chunk = max(1, min(splits_pad, 4096 // (merge_group * head_dim_pad)))
+    if rope is not None:
+        norm = rope.q_weight is not None
+        rope_args = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos_sin_cache, rope.positions,
+                     rope.slot_mapping)  # q stands in for the unread weights without qk-norm
+        eps, stride_cs = rope.eps, rope.cos_sin_cache.stride(0)
+    else:
+        rope_args, eps, stride_cs, norm = (q,) * 5, 0.0, 0, False  # unread placeholders
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_max, part_sum,
-        scale * LOG2E, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out, part_out, part_max, part_sum, arrivals, *rope_args,
+        scale * LOG2E, splits, eps,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=pad_dim(group),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=pad_dim(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=splits > 1, **dot_settings(q.dtype),
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
+        ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
+        **dot_settings(q.dtype), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and not merge:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, context_lens,
             splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=tuning.block_n,
-            SPLITS_PAD=triton.next_power_of_2(splits),
+            SPLITS_PAD=splits_pad,
             num_warps=4,
         )
     return out
-
-

@@ -9,8 +9,10 @@ Memory layout (attention/base.py)
 Algorithm
     write_kv   one program per token copies its [num_kv_heads, head_dim] K and V rows to their slot.
                Negative slots are skipped (the vLLM convention for padding), so a runner may use either a
-               sentinel slot or the scratch block for padded rows.
-    decode     split-KV flash-decoding, GQA-aware, split count chosen per shape: attention/triton_decode.py.
+               sentinel slot or the scratch block for padded rows. The decoder's Triton kernel set skips
+               this launch: its q/k-norm + RoPE kernel writes K/V itself (accepts_fused_kv_write).
+    decode     split-KV flash-decoding, GQA-aware, split count chosen per shape, partials merged by the last
+               slice to finish (one launch): attention/triton_decode.py.
     prefill    varlen flash attention. Grid (cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads); a
                program takes BLOCK_Q new tokens of one sequence times its GROUP query heads as the rows of
                one tile, and scans the sequence's cache from position 0 up to its last query, with the
@@ -51,7 +53,7 @@ from .prefill_split_plan import PrefillSplitTuning
 from .triton_common import (
     LOG2E, check_inputs, contiguous_last, dot, dot_settings, group_size, pad_dim, paged_kv_offsets,
 )
-from .triton_decode import DecodeTuning, paged_decode
+from .triton_decode import DecodeRope, DecodeTuning, SplitCounters, paged_decode
 from .triton_prefill_split import paged_prefill_split, plan_for
 
 
@@ -164,9 +166,11 @@ class TritonPagedBackend(AttentionBackend):
     """Paged attention in Triton; see the module docstring for the algorithm, layout and limits."""
 
     name = "triton"
+    accepts_fused_kv_write = True  # write_kv is then skipped on the Triton kernel set's path
 
     def __init__(self, tuning: TritonAttentionTuning | None = None):
         self.tuning = tuning or TritonAttentionTuning()
+        self.split_counters = SplitCounters()  # the single-launch decode's workspace, shared by all layers
 
     # ---- K/V write -------------------------------------------------------------------------------------
 
@@ -197,7 +201,24 @@ class TritonPagedBackend(AttentionBackend):
         block_tables, context_lens = meta.block_tables, meta.context_lens  # [num_seqs, W], [num_seqs]
         assert block_tables.shape[0] == q.shape[0] and context_lens.shape == (q.shape[0],)
         return paged_decode(contiguous_last(q), k_cache, v_cache, block_tables, context_lens, scale, group,
-                            self.tuning.decode)
+                            self.tuning.decode, self.split_counters)
+
+    @property
+    def decode_applies_rope(self) -> bool:  # type: ignore[override]  # fixed by the tuning, before capture
+        return self.tuning.decode.apply_rope
+
+    def decode_with_rope(self, heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                         cos_sin_cache: torch.Tensor, positions: torch.Tensor, eps: float, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # heads: [num_seqs, H + 2Hkv, D], the qkv projection -> out: [num_seqs, H, D]
+        check_inputs(heads, k_cache, v_cache)
+        num_kv_heads = k_cache.shape[2]
+        group = group_size(heads.shape[1] - 2 * num_kv_heads, num_kv_heads)
+        block_tables, context_lens = meta.block_tables, meta.context_lens  # [num_seqs, W], [num_seqs]
+        assert block_tables.shape[0] == heads.shape[0] and context_lens.shape == (heads.shape[0],)
+        rope = DecodeRope(q_weight, k_weight, cos_sin_cache, positions, meta.slot_mapping, eps)
+        return paged_decode(contiguous_last(heads), k_cache, v_cache, block_tables, context_lens, scale, group,
+                            self.tuning.decode, self.split_counters, rope)
 
     # ---- prefill ---------------------------------------------------------------------------------------
 

@@ -54,9 +54,9 @@ import triton
 import triton.language as tl
 
 from .base import AttentionMetadata
+from .decode_plan import num_sms
 from .prefill_split_plan import PrefillPlan, PrefillSplitTuning, plan_prefill
 from .triton_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
-from .triton_decode import _num_sms
 
 _REDUCE_TILE = 4096  # fp32 partial-output values per reduce program (32 registers a thread at 4 warps)
 
@@ -221,7 +221,7 @@ def _prefill_reduce_kernel(
 def plan_for(tuning: PrefillSplitTuning, q: torch.Tensor, k_cache: torch.Tensor,
              meta: AttentionMetadata, group: int) -> PrefillPlan:
     """plan_prefill for a launch on q's device."""
-    return plan_prefill(tuning, meta, q.shape[0], group, k_cache.shape[2], k_cache.shape[1], _num_sms(q.device))
+    return plan_prefill(tuning, meta, q.shape[0], group, k_cache.shape[2], k_cache.shape[1], num_sms(q.device))
 
 
 def paged_prefill_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

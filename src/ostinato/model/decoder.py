@@ -9,8 +9,10 @@ separates them through AttentionMetadata.
 
 The steps between the GEMMs (norms with the residual add, q/k norm + RoPE, SiLU-and-mul) go through a
 `DecoderKernels` picked once at bind time: fused Triton kernels on CUDA, plain torch elsewhere
-(model/fused.py). On the GPU a layer is then 8 kernels (4 GEMMs, 4 fused) plus the attention backend's
-KV write and attention, where the torch ops take 13 (Llama) to 16 (Qwen3) plus the same attention.
+(model/fused.py). On the GPU a decode layer is then 9 kernels: 4 GEMMs, 3 fused (two norms, SiLU-and-mul)
+and one attention kernel that also does the q/k norm, RoPE and K/V write (decode_with_rope); a prefill
+layer 10 (the q/k norm + RoPE kernel writes K/V, then attention). The torch ops take 13 (Llama) to 16
+(Qwen3) plus the backend's KV write and attention.
 """
 
 from __future__ import annotations
@@ -84,11 +86,22 @@ class Attention(nn.Module):
         h, kv = self.num_heads, self.num_kv_heads
         heads = kernels.linear(hidden, self.qkv_proj).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H+2Hkv, D]
         q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
-        qk = kernels.qk_norm_rope(heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
-        q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
-
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        norm_rope = (heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
+        # Fused K/V writes: decided by the kernel set and the backend (static attributes, before capture).
+        fused_write = kernels.qk_norm_rope_write_kv is not None and self.backend.accepts_fused_kv_write
+        if fused_write and not meta.is_prefill and self.backend.decode_applies_rope:
+            # Decode in one kernel: (Qwen3: per-head RMSNorm, then) RoPE, the K/V write and attention.
+            out = self.backend.decode_with_rope(heads, q_weight, k_weight, rope_cache, positions, self.norm_eps,
+                                                self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
+            return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
+        if fused_write:
+            # One kernel: (Qwen3: per-head RMSNorm, then) RoPE; k and v go straight to their cache slots.
+            q = kernels.qk_norm_rope_write_kv(*norm_rope, self.k_cache, self.v_cache, meta.slot_mapping)  # [T, H, D]
+        else:
+            # (Qwen3: per-head RMSNorm, then) RoPE on q and k together: [T, H + Hkv, D], a new tensor.
+            qk = kernels.qk_norm_rope(*norm_rope)
+            q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = self.backend.prefill if meta.is_prefill else self.backend.decode
         out = attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
         return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)

@@ -8,6 +8,9 @@ weight-read floor). These kernels fold the elementwise work around the GEMMs int
     silu_and_mul                    silu(gate) * up from the fused gate|up projection   (2 -> 1)
     qk_norm_rope                    optional per-head q/k RMSNorm (Qwen3), then RoPE on q and k, reading
                                     cos/sin straight from the table by position         (3-7 -> 1)
+    qk_norm_rope_write_kv           the same, and k and v written to their paged-cache slots (+ KV write);
+                                    at decode the Triton attention backend does all of it inside its
+                                    attention kernel instead (attention/triton_decode.py, decode_with_rope)
 
 `DecoderKernels` bundles one implementation of each step; the decoder picks `TRITON_KERNELS` for CUDA
 tensors when triton is importable and `TORCH_KERNELS` otherwise (`kernels_for`), once, when the KV
@@ -45,6 +48,9 @@ from .layers import apply_rope
 try:
     import triton
     import triton.language as tl
+
+    from ..attention.rope_tile import norm_rope, rope_partner, rope_table
+    from ..attention.rope_tile import round_like as _round_like
 except ImportError:  # optional dependency (pip install ostinato[triton]); the torch path needs none
     triton = None
 
@@ -100,17 +106,6 @@ def qk_norm_rope_ref(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weigh
 # ---- Triton kernels --------------------------------------------------------------------------------------
 
 @_jit
-def _round_like(x, ptr, EMULATE_BF16: tl.constexpr):
-    """fp32 x rounded to ptr's element type and back to fp32: what storing it in the model dtype does.
-    EMULATE_BF16 rounds to nearest even by hand (the interpreter's own cast truncates)."""
-    if EMULATE_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(ptr.dtype.element_ty).to(tl.float32)
-
-
-@_jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, eps,
@@ -152,43 +147,55 @@ def _silu_and_mul_kernel(
 @_jit
 def _qk_norm_rope_kernel(
     heads_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, out_ptr,
-    stride_ht, stride_hh, stride_ot, stride_oh, stride_cs, eps,
-    NUM_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_ht, stride_hh, stride_ot, stride_oh, stride_cs,
+    stride_cache_block, stride_cache_tok, stride_cache_head, eps,
+    NUM_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    # Grid (tokens, head blocks): BLOCK_H heads (q heads first, then k heads) of one token per program.
+    # Grid (tokens, head blocks): BLOCK_H heads (q heads first, then k heads, then with WRITE_KV the v
+    # heads) of one token per program. Without WRITE_KV, q and k go to out [T, H + Hkv, D]; with it, q
+    # goes to out [T, H, D] and k (rotated) and v (as read) go straight to their slot of the paged cache.
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    # rotate_half pairs element d with d +- D/2; the signed-sin table carries rotate_half's minus sign.
-    partner = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
-    mask = (head[:, None] < NUM_QK_HEADS) & (d[None, :] < HEAD_DIM)
+    partner = rope_partner(d, HEAD_DIM)
+    num_read = NUM_QK_HEADS + NUM_KV_HEADS if WRITE_KV else NUM_QK_HEADS
+    mask = (head[:, None] < num_read) & (d[None, :] < HEAD_DIM)
     row = heads_ptr + token * stride_ht + head[:, None] * stride_hh
     x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HEAD_DIM_PAD]
+    v = x  # the v heads' rows, stored as read (WRITE_KV)
     # The partner elements are read a second time rather than permuted in registers: same cache lines.
     x_partner = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    w, w_partner = x, x  # unread without QK_NORM
     if QK_NORM:
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]  # [BLOCK_H, 1]
         is_q = (head < NUM_HEADS)[:, None]
         d_mask = d < HEAD_DIM
         w = tl.where(is_q, tl.load(q_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
                      tl.load(k_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
         w_partner = tl.where(is_q, tl.load(q_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :],
                              tl.load(k_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :])
-        # As the torch path: normalise, round, multiply by the head's weight, round (x and partner alike).
-        x = _round_like(_round_like(x * rstd, out_ptr, EMULATE_BF16) * w, out_ptr, EMULATE_BF16)
-        x_partner = _round_like(_round_like(x_partner * rstd, out_ptr, EMULATE_BF16) * w_partner,
-                                out_ptr, EMULATE_BF16)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    table = cos_sin_ptr + position * stride_cs
-    d_mask = d < HEAD_DIM
-    cos = tl.load(table + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    signed_sin = tl.load(table + HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    # apply_rope's order: x * cos rounded (a mul kernel), then one addcmul with the swapped halves.
-    out = _round_like(x * cos, out_ptr, EMULATE_BF16) + x_partner * signed_sin
-    out = _round_like(out, out_ptr, EMULATE_BF16)
-    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    cos, signed_sin = rope_table(cos_sin_ptr, tl.load(positions_ptr + token), stride_cs, d, HEAD_DIM)
+    out = norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, out_ptr, HEAD_DIM, QK_NORM, EMULATE_BF16)
+    if WRITE_KV:
+        is_q = (head < NUM_HEADS)[:, None]
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask & is_q)
+        # A negative slot marks a token with nowhere to go (as _write_kv_kernel); padded decode rows carry
+        # a slot in the scratch block instead and are written there like any other.
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            cache_row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok
+            is_k = ((head >= NUM_HEADS) & (head < NUM_QK_HEADS))[:, None]
+            is_v = (head >= NUM_QK_HEADS)[:, None]
+            k_dst = k_cache_ptr + cache_row + (head - NUM_HEADS)[:, None] * stride_cache_head + d[None, :]
+            v_dst = v_cache_ptr + cache_row + (head - NUM_QK_HEADS)[:, None] * stride_cache_head + d[None, :]
+            tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=mask & is_k)
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask & is_v)
+    else:
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launchers -------------------------------------------------------------------------------------------
@@ -289,6 +296,24 @@ def qk_norm_rope(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: t
     With q_weight and k_weight ([D] each, Qwen3) each q and k head is RMS-normalised first; without
     them only RoPE is applied. The v heads are not touched (the caller keeps heads[:, H + Hkv:] as a view).
     """
+    return _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, num_heads, num_kv_heads,
+                                eps, None)
+
+
+def qk_norm_rope_write_kv(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                          cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`qk_norm_rope` and the attention backend's `write_kv` in one kernel: returns q, a new contiguous
+    [T, H, D], and writes token t's rotated k and its v (heads[:, H + Hkv:], unchanged) to slot
+    slot_mapping[t] of k_cache / v_cache ([num_blocks, block_size, Hkv, D], attention/base.py's layout);
+    negative slots are skipped. Saves one launch per layer and the k round trip through memory."""
+    return _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, num_heads, num_kv_heads,
+                                eps, (k_cache, v_cache, slot_mapping))
+
+
+def _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, num_heads, num_kv_heads, eps,
+                         kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     flags = _checked_flags(heads, "heads")
     num_tokens, total_heads, head_dim = heads.shape
     qk_heads = num_heads + num_kv_heads
@@ -300,17 +325,34 @@ def qk_norm_rope(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: t
     if qk_norm:
         assert q_weight.shape == k_weight.shape == (head_dim,)
         assert q_weight.is_contiguous() and k_weight.is_contiguous()
-    out = torch.empty(num_tokens, qk_heads, head_dim, device=heads.device, dtype=heads.dtype)
+    if kv_write is not None:
+        k_cache, v_cache, slot_mapping = kv_write
+        assert total_heads == qk_heads + num_kv_heads, "the v heads must follow the k heads"
+        assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+        assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
+        assert k_cache.dtype == heads.dtype and slot_mapping.shape == (num_tokens,)
+        out_heads, grid_heads = num_heads, total_heads
+    else:
+        k_cache = v_cache = slot_mapping = heads  # unread placeholders
+        out_heads, grid_heads = qk_heads, qk_heads
+    out = torch.empty(num_tokens, out_heads, head_dim, device=heads.device, dtype=heads.dtype)
     if num_tokens == 0:
         return out
     head_dim_pad = triton.next_power_of_2(head_dim)
+    # The tile height comes from the q|k heads in both forms (the v heads of the K/V-writing form take more
+    # programs, not taller tiles): Triton lays a [BLOCK_H, HEAD_DIM_PAD] tile out by its shape, and the layout
+    # sets the order in which a row's sum of squares adds up. With BLOCK_H 16 against 8 (4 q and 4 kv heads,
+    # head_dim 32: sm_90 sums 4 values a thread over 8 lanes, against 2 over 16) fp32 q and k differed from
+    # qk_norm_rope's in the last bit; with one tile both forms round alike, to the bit.
     block_h = min(triton.next_power_of_2(qk_heads), max(1, _ROPE_ELEMENTS // head_dim_pad))
     weights = (q_weight, k_weight) if qk_norm else (heads, heads)  # unread placeholders without qk-norm
-    _qk_norm_rope_kernel[(num_tokens, triton.cdiv(qk_heads, block_h))](
-        heads, *weights, cos_sin_cache, positions, out,
-        heads.stride(0), heads.stride(1), out.stride(0), out.stride(1), cos_sin_cache.stride(0), eps,
-        NUM_HEADS=num_heads, NUM_QK_HEADS=qk_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_H=block_h, QK_NORM=qk_norm, num_warps=4, **flags,
+    _qk_norm_rope_kernel[(num_tokens, triton.cdiv(grid_heads, block_h))](
+        heads, *weights, cos_sin_cache, positions, out, k_cache, v_cache, slot_mapping,
+        heads.stride(0), heads.stride(1), out.stride(0), out.stride(1), cos_sin_cache.stride(0),
+        *(k_cache.stride()[:3] if kv_write is not None else (0, 0, 0)), eps,
+        NUM_HEADS=num_heads, NUM_QK_HEADS=qk_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h, QK_NORM=qk_norm, WRITE_KV=kv_write is not None,
+        BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4, **flags,
     )
     return out
 
@@ -328,6 +370,9 @@ class DecoderKernels:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     qk_norm_rope: Callable[..., torch.Tensor]
     linear: Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor]  # (x, layer) -> layer(x)
+    # qk_norm_rope that also writes k and v to the paged cache (the backend's write_kv folded in), or None
+    # where the set has no such kernel; Attention uses it when its backend accepts it (attention/base.py).
+    qk_norm_rope_write_kv: Callable[..., torch.Tensor] | None = None
 
 
 def linear_ref(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -338,7 +383,7 @@ TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, si
                                qk_norm_rope_ref, linear_ref)
 # Projections: the Triton small-batch linear at the decode shapes where it beats cuBLAS (model/gemv.py).
 TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and_mul, qk_norm_rope,
-                                small_batch_linear)
+                                small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv)
 
 
 def kernels_for(device: torch.device) -> DecoderKernels:

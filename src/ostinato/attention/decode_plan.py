@@ -1,0 +1,128 @@
+"""Host-side plan of the split-KV decode (attention/triton_decode.py): its launch settings, the split count
+per shape, what it needs to apply RoPE itself, and the single launch's arrival counters. Everything here is
+decided from shapes before a CUDA graph is captured."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch settings of the decode kernels. The defaults were the fastest of a sweep (block_n 32/64,
+    num_stages 1/3, programs_per_sm 2/4) on the H200 at batch 1, 16, 64 (docs/PERFORMANCE.md, issue 11).
+
+    block_n: tokens per inner-loop tile (a power of two >= 16).
+    programs_per_sm: split until num_seqs * num_kv_heads * splits reaches this many programs per SM.
+    max_splits: at most this many slices (bounds the reduce's work and the partials' memory).
+    max_keys_per_program: split a table wider than this many tokens at any batch (a long sequence's scan
+    must not set the step's time; choose_num_splits).
+    splits: force this split count for every shape (tests, measurements); None chooses per shape.
+    single_launch_max_splits: a split launch with at most this many slices merges its partials in its
+        last-arriving program (one launch); above it, or at 0, a separate reduce kernel merges them (two).
+        The default merges in the kernel at every split count (max_splits): not yet measured against the
+        reduce kernel, see scripts/gpu_decode_attention.py --compare-merge.
+    apply_rope: the decoder's Triton path may hand decode the qkv projection itself (decode_with_rope: q/k
+        norm, RoPE and the K/V write in this kernel, one launch fewer per layer); False keeps the q/k-norm +
+        RoPE kernel before it. scripts/gpu_decode_attention.py --rope times both.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+    max_splits: int = 64
+    max_keys_per_program: int = 2048
+    splits: int | None = None
+    single_launch_max_splits: int = 64
+    apply_rope: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ConfigError(f"decode block_n must be a power of two >= 16, got {self.block_n}")
+        for name in ("num_warps", "num_stages", "programs_per_sm", "max_splits", "max_keys_per_program"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"decode {name} must be >= 1, got {getattr(self, name)}")
+        if self.splits is not None and self.splits < 1:
+            raise ConfigError(f"decode splits must be >= 1 or None, got {self.splits}")
+        if self.single_launch_max_splits < 0:
+            raise ConfigError(f"decode single_launch_max_splits must be >= 0, got {self.single_launch_max_splits}")
+
+    def single_launch(self, splits: int) -> bool:
+        """Whether a launch of `splits` slices merges in its last program (see single_launch_max_splits)."""
+        return 1 < splits <= self.single_launch_max_splits
+
+
+def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, max_context: int,
+                      num_sms: int) -> int:
+    """Slices per sequence for a decode launch; shapes only (see the module docstring)."""
+    if tuning.splits is not None:
+        return tuning.splits
+    programs = max(1, num_seqs * num_kv_heads)
+    # One long sequence among short ones: unsplit, its programs scan its whole context while the rest of the
+    # GPU idles, and the step waits for them (H200, llama-3.1-8b shape, 32 rows at context 256 beside one at
+    # 8192: +6.5 ms a step). So no program gets more than max_keys_per_program keys of the widest context
+    # the table holds, even when the batch alone fills the GPU.
+    straggler = triton.cdiv(max(max_context, 1), tuning.max_keys_per_program)
+    if programs >= num_sms:
+        return max(1, min(straggler, tuning.max_splits))
+    wanted = max(triton.cdiv(tuning.programs_per_sm * num_sms, programs), straggler)
+    useful = triton.cdiv(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
+    return max(1, min(wanted, useful, tuning.max_splits))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter on CPU: a small pretend GPU, so CPU tests split small batches too
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to apply (Qwen3: per-head RMSNorm, then) RoPE itself and write the new
+    token's K/V: q_weight, k_weight [D] or both None; cos_sin_cache [max_positions, 2D] (cos | signed sin);
+    positions [num_seqs] (the new token's); slot_mapping [num_seqs] (where its K/V goes; < 0: nowhere)."""
+
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    cos_sin_cache: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    eps: float
+
+
+class SplitCounters:
+    """The arrival counters of the single-launch decode: one int32 per (sequence, kv head), zero between
+    launches (the merging program resets its own). Allocated once per device, zeroed, and never freed or
+    moved while a graph may read it: a CUDA graph bakes in the address, and a zero-fill inside the graph
+    would be one more kernel per layer. Every layer shares it, since launches on one stream run one after
+    another; decode launches on one device must not run concurrently on two streams.
+
+    Sized generously (MIN_COUNTERS covers every batch the split rule splits: programs < SMs); a launch
+    that needs more grows it outside a capture only (the warm-up before each capture does), keeping the
+    old tensor alive for graphs captured before."""
+
+    MIN_COUNTERS = 4096
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, needed: int) -> torch.Tensor:
+        counters = self._by_device.get(device)
+        if counters is None or counters.numel() < needed:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"decode needs {needed} split counters while a CUDA graph is being "
+                                   "captured; run the same shape eagerly before capturing (the warm-up does)")
+            if counters is not None:
+                self._retired.append(counters)
+            counters = torch.zeros(max(needed, self.MIN_COUNTERS), dtype=torch.int32, device=device)
+            self._by_device[device] = counters
+        return counters
