@@ -24,7 +24,7 @@ def recorded_graphs(sizes: tuple[int, ...], prefill_sizes: tuple[int, ...] = (),
 
     def graph_config(self, device_is_cuda: bool) -> GraphConfig:
         return GraphConfig(False, tuple(sorted(sizes)), self.cuda_graph_fallback, self.skip_graph_check,
-                           tuple(sorted(prefill_sizes)), prefill_max_seqs)
+                           tuple(sorted(prefill_sizes)), prefill_max_seqs, self.mixed_step)
 
     with mock.patch.object(EngineArgs, "graph_config", graph_config), \
             mock.patch.object(kv_setup, "CudaGraphBackend", lambda device, **kwargs: backend()):

@@ -70,7 +70,7 @@ def _zero(engine):
         k.zero_(), v.zero_()
 
 
-def _replay_vs_eager(engine):
+def _replay_vs_eager(engine, before_each=None):
     runner = engine.runner
     pg, model = runner.prefill_graphs, runner.model
     steps = _steps(engine.model_config.vocab_size)
@@ -83,6 +83,8 @@ def _replay_vs_eager(engine):
     _zero(engine)
     before = pg.stats()
     for seqs, want in zip(steps, eager):
+        if before_each is not None:
+            before_each(pg)
         hidden, last_rows = pg.run(SchedulerOutput("prefill", seqs))
         torch.testing.assert_close(hidden, want, rtol=1e-4, atol=1e-4)
         assert last_rows == [i for i, row in enumerate(_rows(seqs)) if row]
@@ -151,6 +153,64 @@ def test_chunked_prefill_with_prefix_caching_on_prefill_graphs_gives_hf_tokens(c
     assert s.prefill_steps_graph > 0 and s.prefill_steps_graph + s.prefill_steps_eager == prefill_steps
     assert (s.prefill_steps_eager > 0) == (chunk == 100)  # only a budget of 100 makes steps above 32 tokens
     assert s.prefix_cache_hits > 0 and s.kv_blocks_free == s.kv_blocks_total
+
+
+# ---- mixed steps in one replay (--mixed-step one-replay) -------------------------------------------------------
+
+def _mixed_run(checkpoint, mode: str, params: list[SamplingParams]):
+    """Staggered prompts under a small step budget, so chunks run beside decode rows; the outputs (tokens,
+    logprobs) in order, and the engine's stats."""
+    engine = _engine(checkpoint, prefill_sizes=(8, 16, 32), prefill_max_seqs=3, mixed_step=mode,
+                     num_kv_blocks=64, max_num_batched_tokens=12, max_num_seqs=6)
+    prompts = _shared_prefix_prompts(engine.model_config.vocab_size)[:6]
+    done = {}
+
+    def step():
+        done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+        step()
+    while engine.has_unfinished():
+        step()
+    outs = [done[str(i)] for i in range(len(prompts))]
+    return prompts, [o.token_ids for o in outs], [o.logprobs for o in outs], engine.stats()
+
+
+def test_decode_rows_in_the_prefill_replay_give_hf_tokens_and_the_two_replay_tokens(checkpoint):
+    # Greedy rows, seeded sampled rows (their tokens must not depend on how a step ran), and rows with top-k
+    # and logprobs (the sampling finished after the replay).
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=3, max_tokens=9, ignore_eos=True), GREEDY,
+              SamplingParams(temperature=0.7, top_k=5, seed=4, max_tokens=7, ignore_eos=True, logprobs=2),
+              GREEDY, SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)]
+    prompts, one, one_lp, s1 = _mixed_run(checkpoint, "one-replay", params)
+    _, two, two_lp, s2 = _mixed_run(checkpoint, "two-replays", params)
+    assert one == two
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    assert [one[i] for i in greedy] == _hf_cached(checkpoint, [prompts[i] for i in greedy])
+    assert one_lp[3] and len(one_lp[3]) == len(two_lp[3])
+    for a, b in zip(one_lp[3], two_lp[3]):  # the logprobs row: same tokens, same values (fp32)
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
+    assert s1.decode_steps_mixed > 0 and s2.decode_steps_mixed == 0
+    assert s1.decode_steps_graph < s2.decode_steps_graph  # the mixed steps' decode replays are gone
+    assert s1.kv_blocks_free == s1.kv_blocks_total
+
+
+def test_a_prefill_replay_after_a_mixed_one_attends_no_stale_decode_row(checkpoint):
+    # The decode rows' contexts stay in the graph's buffers: a later replay with fewer (or no) decode rows
+    # must zero them, or the decode kernel would replace the chunk's first rows with a stale row's attention.
+    engine = _engine(checkpoint, mixed_step="one-replay")
+    pad_rows = engine.runner.decode_batch.np[:3].copy()  # pad rows: position 0 in the scratch block
+    pad_rows[:, 0] = 5  # a real token id
+
+    def leave_three_decode_rows(pg):
+        pg.fill((), 8, pad_rows)
+        assert pg.decode_cap >= 3 and int(pg.decode_contexts[:3].min()) == 1
+
+    _replay_vs_eager(engine, before_each=leave_three_decode_rows)  # each replay equals the eager prefill
+    assert int(engine.runner.prefill_graphs.decode_contexts.max()) == 0
 
 
 # ---- memory, the self-check, flags --------------------------------------------------------------------------

@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "in 1.5x steps, up to --max-num-batched-tokens; --enforce-eager turns them off too)")
     g.add_argument("--prefill-graph-max-seqs", type=int, default=16,
                    help="most sequences one prefill graph step holds; a step with more runs eager")
+    g.add_argument("--mixed-step", choices=("one-replay", "two-replays"), default="one-replay",
+                   help="a step with decode rows and prefill chunks: one prefill-graph replay for both when it "
+                        "fits a captured token count (reads the weights once; default), or the decode replay "
+                        "then the chunks")
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)

@@ -186,6 +186,9 @@ class GraphConfig:
     # every prefill step eager), and the most sequences one captured step holds.
     prefill_sizes: tuple[int, ...] = ()
     prefill_max_seqs: int = 0
+    # A mixed step (decode rows + prefill chunks): "one-replay" runs both in one prefill-graph replay when the
+    # step fits one (the weights read once), "two-replays" the decode replay then the chunks (runner/runner.py).
+    mixed_step: str = "one-replay"
 
 
 def default_capture_sizes(max_num_seqs: int, max_size: int = 256) -> tuple[int, ...]:
@@ -246,6 +249,7 @@ DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # A captured prefill step holds up to this many sequences (a chunk beside running decodes is one; a burst of
 # short prompts more). Unused sequence slots cost one early-returning program per query tile and KV head.
 DEFAULT_PREFILL_GRAPH_MAX_SEQS = 16
+MIXED_STEPS = ("one-replay", "two-replays")
 
 
 def plan_prefill_graph_tokens(max_num_batched_tokens: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -347,6 +351,8 @@ class EngineArgs:
     # step budget; () or "none": off); a step of more tokens or more sequences runs eager, counted.
     prefill_graph_tokens: tuple[int, ...] | None = None
     prefill_graph_max_seqs: int = DEFAULT_PREFILL_GRAPH_MAX_SEQS
+    # How a step with decode rows and prefill chunks runs (GraphConfig.mixed_step).
+    mixed_step: str = "one-replay"
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -380,6 +386,8 @@ class EngineArgs:
             (self.prefill_graph_tokens is None or all(
                 isinstance(s, int) and s >= 1 for s in self.prefill_graph_tokens),
              f"--prefill-graph-tokens must be positive integers or 'none', got {self.prefill_graph_tokens}"),
+            (self.mixed_step in MIXED_STEPS,
+             f"--mixed-step must be one of {', '.join(MIXED_STEPS)}, got {self.mixed_step!r}"),
             (self.prefill_graph_max_seqs >= 1,
              f"--prefill-graph-max-seqs must be >= 1, got {self.prefill_graph_max_seqs}"),
             (self.max_model_len is None or self.max_model_len >= 1,
@@ -434,4 +442,4 @@ class EngineArgs:
         sizes = plan_capture_sizes(self.max_num_seqs, self.cuda_graph_sizes, self.max_cuda_graph_size)
         prefill = plan_prefill_graph_tokens(self._max_num_batched_tokens(), self.prefill_graph_tokens)
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
-                           min(self.prefill_graph_max_seqs, self.max_num_seqs))
+                           min(self.prefill_graph_max_seqs, self.max_num_seqs), self.mixed_step)

@@ -35,6 +35,11 @@ class AttentionMetadata:
     context_lens_host: list[int] | None = None
     max_query_len: int = 1
     max_context_len: int = 0
+    # A mixed step (prefill only): its first decode_rows.context_lens.shape[0] token rows may be decode rows,
+    # one token each, attended by decode() with this metadata (its slot_mapping unused: every token's K/V is
+    # written once, by the step's slot_mapping); a row whose context_lens entry is 0 is none (the prefill
+    # sequences own it). See AttentionBackend.attend.
+    decode_rows: "AttentionMetadata | None" = None
 
 
 class AttentionBackend(ABC):
@@ -77,3 +82,22 @@ class AttentionBackend(ABC):
         RMSNorm of q and k, then) RoPE at `positions`, the new K/V written at meta.slot_mapping, attention
         over context_lens tokens, the new one included. [num_seqs, H, D]. Only where decode_applies_rope."""
         raise NotImplementedError(f"the {self.name} attention backend does not apply RoPE in its decode")
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The step's attention, after its K/V were written: prefill, decode, or a mixed step (prefill
+        metadata whose `decode_rows` covers its first D token rows). A mixed step runs both kernels on the
+        rows they own, with shapes fixed by the tensors (CUDA-graph safe): decode() on rows [0, D), prefill()
+        on the sequences of query_start_loc (which start past the decode rows), and the decode rows' output
+        is chosen where their context is not 0. Why not the prefill kernel for the decode rows: as one-token
+        sequences they would take a sequence slot each, and the prefill kernels' grids grow with them."""
+        if not meta.is_prefill:
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        out = self.prefill(q, k_cache, v_cache, meta, scale)  # rows of no prefill sequence: left unwritten
+        rows = meta.decode_rows
+        if rows is None:
+            return out
+        d = rows.context_lens.shape[0]
+        decoded = self.decode(q[:d], k_cache, v_cache, rows, scale)  # [D, H, Dh]
+        out[:d] = torch.where((rows.context_lens > 0)[:, None, None], decoded, out[:d])
+        return out

@@ -65,7 +65,8 @@ class TorchRefBackend(AttentionBackend):
             meta.context_lens.tolist()
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, H, D]
-        start = 0
+        # The sequences' rows start at query_start_loc[0]: 0, or past a mixed step's decode rows.
+        start = int(meta.query_start_loc[0]) if meta.decode_rows is not None else 0
         for seq, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
             num_blocks = -(-context_len // block_size)
             blocks = meta.block_tables[seq, :num_blocks]

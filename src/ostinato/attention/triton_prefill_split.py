@@ -14,7 +14,8 @@ Algorithm
               blocks of all sequences back to back: sequence s owns blocks from query_start_loc[s] //
               BLOCK_Q + s on, which leaves room for its cdiv(q_len, BLOCK_Q) blocks whatever the lengths,
               so the grid depends on shapes only; a program finds its sequence by a binary search over
-              query_start_loc, and one past the sequence's blocks returns at once. Its rows are
+              query_start_loc, and one past the sequence's blocks returns at once (as does one before
+              query_start_loc[0], which a mixed step's decode rows make > 0: AttentionBackend.attend). Its rows are
               BLOCK_Q new tokens x the GROUP query heads of one kv head (query-major), as in the one-pass
               kernel. The block's keys 0 .. kv_end - 1 (kv_end: one past its last query's position; new
               token i of a sequence with context C and Q new tokens sits at C - Q + i) are cut into
@@ -64,7 +65,8 @@ _REDUCE_TILE = 4096  # fp32 partial-output values per reduce program (32 registe
 @triton.jit
 def _sequence_of_block(query_start_loc_ptr, block_id, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence whose query blocks include flattened block `block_id`: the last s with start(s) <=
-    block_id, start(s) = query_start_loc[s] // BLOCK_Q + s (strictly increasing, start(0) = 0). A binary
+    block_id, start(s) = query_start_loc[s] // BLOCK_Q + s (strictly increasing; s = 0 for a block before
+    start(0), which the caller skips). A binary
     search with a run-time bound, so no sequence count compiles a variant of its own."""
     lo = block_id * 0  # a loop-carried value must be a tensor from the start
     hi = lo + num_seqs  # invariant: start(lo) <= block_id, and hi == num_seqs or start(hi) > block_id
@@ -134,8 +136,10 @@ def _prefill_split_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = block_id - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
-        return  # a spare block of the grid (sequence s has at most one more than cdiv(q_len, BLOCK_Q))
+    if q_block < 0 or q_block * BLOCK_Q >= q_len:
+        # A spare block of the grid (sequence s has at most one more than cdiv(q_len, BLOCK_Q)), or one
+        # before the first sequence's rows (a mixed step's decode rows come first: query_start_loc[0] > 0).
+        return
     cached_prefix = tl.load(context_lens_ptr + seq) - q_len  # new token i sits at position cached_prefix + i
 
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # (query, head-in-group) pairs, query-major
@@ -197,8 +201,8 @@ def _prefill_reduce_kernel(
     HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # padding past the last sequence (a captured token count): no partials, left unwritten
+    if token >= tl.load(query_start_loc_ptr + num_seqs) or token < tl.load(query_start_loc_ptr):
+        return  # padding past the last sequence (a captured token count), or a mixed step's decode row
     heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)

@@ -113,3 +113,6 @@ class EngineStats:
     prefill_padded_tokens: int = 0
     prefill_graph_sizes: tuple[int, ...] = ()
     prefill_graph_memory_bytes: int = 0
+    # Mixed steps whose decode rows rode in the chunks' prefill-graph replay (--mixed-step one-replay): decode
+    # steps too, counted here and not in decode_steps_graph / decode_steps_eager.
+    decode_steps_mixed: int = 0

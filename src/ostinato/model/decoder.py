@@ -102,8 +102,7 @@ class Attention(nn.Module):
             qk = kernels.qk_norm_rope(*norm_rope)
             q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        attend = self.backend.prefill if meta.is_prefill else self.backend.decode
-        out = attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
         return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
 
 

@@ -63,14 +63,17 @@ class DecodeLayout:
         block_tables = batch[:, BLOCKS:]
         offset = positions % self.block_size
         block = block_tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1).long()
-        key = (batch[:, KEY_HI].long() << 32) | (batch[:, KEY_LO].long() & 0xFFFFFFFF)
         return {
             "input_ids": batch[:, TOKEN].long(), "positions": positions,
             "slot_mapping": block * self.block_size + offset, "block_tables": block_tables,
-            "context_lens": batch[:, POS] + 1,
-            "temperature": batch[:, TEMP].view(torch.float32),
-            "key": key, "counter": batch[:, CTR].long(),
+            "context_lens": batch[:, POS] + 1, **self.sampling_inputs(batch),
         }
+
+    @staticmethod
+    def sampling_inputs(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What sample_tokens reads of the rows (temperature, key, counter), from [B, width] int32."""
+        key = (batch[:, KEY_HI].long() << 32) | (batch[:, KEY_LO].long() & 0xFFFFFFFF)
+        return {"temperature": batch[:, TEMP].view(torch.float32), "key": key, "counter": batch[:, CTR].long()}
 
     def pack(self, input_ids, positions, block_tables, temperature=None, keys=None, counters=None) -> torch.Tensor:
         """Rows built from whole tensors (self-check, bench, tests): [n, width] int32 on their device."""

@@ -100,13 +100,16 @@ def make_graph_runner(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], enf
 
 
 def make_prefill_graphs(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], progress: bool,
-                        backend: CudaGraphBackend | None) -> PrefillGraphs:
-    """Prefill graphs over a pool of num_blocks (+ the scratch block); sizes () or --enforce-eager: none."""
+                        backend: CudaGraphBackend | None, sampled: torch.Tensor | None = None) -> PrefillGraphs:
+    """Prefill graphs over a pool of num_blocks (+ the scratch block); sizes () or --enforce-eager: none.
+    With --mixed-step one-replay they carry up to max-num-seqs decode rows too (sampled: the decode step's
+    sampled-token buffer their placeholders read)."""
     gc_cfg = spec.graph_config
+    decode_rows = spec.scheduler_config.max_num_seqs if gc_cfg.mixed_step == "one-replay" else 0
     return PrefillGraphs(spec.model, sizes, max(1, gc_cfg.prefill_max_seqs), max_blocks_per_seq(spec),
                          spec.block_size, num_blocks, spec.scheduler_config.max_model_len, spec.device,
                          fallback=gc_cfg.fallback, enforce_eager=gc_cfg.enforce_eager or not sizes,
-                         progress=progress, backend=backend)
+                         progress=progress, backend=backend, decode_rows=decode_rows, sampled=sampled)
 
 
 def _estimate_prefill_graph_bytes(spec: KVSpec, backend: CudaGraphBackend) -> int:
@@ -257,7 +260,8 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         with torch.inference_mode():
             graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
         step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
-    prefill = make_prefill_graphs(spec, num_blocks, gc_cfg.prefill_sizes, spec.device.type == "cuda", backend)
+    prefill = make_prefill_graphs(spec, num_blocks, gc_cfg.prefill_sizes, spec.device.type == "cuda", backend,
+                                  step.sampled)
     prefill_capture = prefill.capture()
     if prefill.enabled and not gc_cfg.skip_graph_check:
         with torch.inference_mode():

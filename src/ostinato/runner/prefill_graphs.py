@@ -48,6 +48,7 @@ from ..contract import ScheduledSeq, SchedulerOutput
 from ..errors import CudaGraphCaptureError
 from ..sampling_params import SamplingParams
 from .graphs import CaptureReport, CudaGraphRunner, GraphBackend, StaticInput, default_compare
+from .decode_batch import BLOCKS, POS, TOKEN
 from .inputs import build_prefill_inputs
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class PrefillGraphStats:
     eager_steps: int  # graphs off, or a step above the largest size / with more than max_seqs sequences
     padded_tokens: int  # tokens of replays computed only to fill the graph
     replays_by_size: dict[int, int] = field(default_factory=dict)
+    mixed_steps: int = 0  # replays that carried the step's decode rows too (run_mixed: one forward for both)
 
 
 class PrefillGraphs:
@@ -74,7 +76,7 @@ class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, sizes: Sequence[int], max_seqs: int, blocks_per_seq: int,
                  block_size: int, scratch_block: int, max_model_len: int, device: torch.device,
                  fallback: str = "error", enforce_eager: bool = False, progress: bool = False,
-                 backend: GraphBackend | None = None):
+                 backend: GraphBackend | None = None, decode_rows: int = 0, sampled: torch.Tensor | None = None):
         self.model = model
         self.max_seqs = max_seqs
         self.block_size = block_size
@@ -102,6 +104,16 @@ class PrefillGraphs:
         # max_model_len will do; their slots walk the scratch block.
         self._pad_positions = np.arange(t_max, dtype=np.int64) % max_model_len
         self._pad_slots = self._scratch_slot + np.arange(t_max, dtype=np.int64) % block_size
+        # Mixed steps (run_mixed): up to `decode_rows` decode rows ride first in the token buffers, attended by
+        # the decode kernel (AttentionBackend.attend) over these tables and contexts; a context of 0 is no row.
+        # Their input tokens may be placeholders -(r + 1) for sampled[r] (DecodeBatch), resolved in forward.
+        self.decode_cap = min(decode_rows, t_max)
+        self.sampled = sampled
+        self.decode_tables = torch.full((max(self.decode_cap, 1), blocks_per_seq), scratch_block, dtype=torch.int32,
+                                        device=device)
+        self.decode_contexts = torch.zeros(max(self.decode_cap, 1), dtype=torch.int32, device=device)
+        self._decode_contexts_np = np.zeros(max(self.decode_cap, 1), dtype=np.int32)
+        self._decode_live = 0  # rows whose context on the device is not 0
         pad = {"input_ids": 0, "positions": 0, "slot_mapping": self._scratch_slot}
         self.graphs = CudaGraphRunner(
             self.forward, [StaticInput(name, (t_max,), torch.int64, pad[name]) for name in INPUTS],
@@ -109,6 +121,7 @@ class PrefillGraphs:
             backend=backend, buffers={name: self.tokens[i] for i, name in enumerate(INPUTS)},
             step_name="prefill step (sizes in tokens)")
         self._eager_steps = 0
+        self._mixed_steps = 0
         self._before: PrefillGraphStats | None = None  # counts of the start-up check, not reported
 
     def forget_counts(self) -> None:
@@ -119,6 +132,8 @@ class PrefillGraphs:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """[T] inputs -> final hidden states [T, hidden]. Capturable: shapes come from T and S only."""
         t, s = input_ids.shape[0], self.max_seqs
+        if self.sampled is not None:  # a decode row's placeholder: the token the last decode step sampled
+            input_ids = torch.where(input_ids >= 0, input_ids, self.sampled.gather(0, (-input_ids - 1).clamp(min=0)))
         # query_start_loc closed by T, and the padding sequence's context T - start: both fixed by the graph.
         starts = self.lengths[: s + 1]
         query_start_loc = torch.cat([starts, starts.new_full((1,), t)])
@@ -127,6 +142,12 @@ class PrefillGraphs:
         meta = AttentionMetadata(is_prefill=True, slot_mapping=slot_mapping, block_tables=self.block_tables,
                                  context_lens=context_lens, query_start_loc=query_start_loc,
                                  max_query_len=t, max_context_len=self.max_model_len)
+        if self.decode_cap:
+            d = min(self.decode_cap, t)
+            meta.decode_rows = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping[:d],
+                                                 block_tables=self.decode_tables[:d],
+                                                 context_lens=self.decode_contexts[:d],
+                                                 max_context_len=self.max_model_len)
         return self.model(input_ids, positions, meta)
 
     # ---- state -----------------------------------------------------------------------------------------
@@ -141,7 +162,7 @@ class PrefillGraphs:
     def _raw_stats(self) -> PrefillGraphStats:
         g = self.graphs.stats
         return PrefillGraphStats(g.captured_sizes, g.graph_steps, self._eager_steps, g.padded_rows,
-                                 dict(g.replays_by_size))
+                                 dict(g.replays_by_size), self._mixed_steps)
 
     def stats(self) -> PrefillGraphStats:
         now, before = self._raw_stats(), self._before
@@ -150,7 +171,7 @@ class PrefillGraphs:
         replays = {k: v - before.replays_by_size.get(k, 0) for k, v in now.replays_by_size.items()}
         return PrefillGraphStats(now.captured_sizes, now.graph_steps - before.graph_steps,
                                  now.eager_steps - before.eager_steps, now.padded_tokens - before.padded_tokens,
-                                 {k: v for k, v in replays.items() if v})
+                                 {k: v for k, v in replays.items() if v}, now.mixed_steps - before.mixed_steps)
 
     def capture(self) -> CaptureReport:
         try:
@@ -161,11 +182,21 @@ class PrefillGraphs:
                                         "eager.") from e
 
     # ---- a step ----------------------------------------------------------------------------------------
-    def size_for(self, out: SchedulerOutput) -> int | None:
-        """The token count a step's chunks replay at, or None when they run eager."""
-        if not self.enabled or len(out.seqs) > self.max_seqs:
+    def size_for(self, out: SchedulerOutput, decode_rows: int = 0) -> int | None:
+        """The token count a step's chunks (with `decode_rows` decode rows beside them: run_mixed) replay at,
+        or None when they do not fit a captured graph."""
+        if not self.enabled or len(out.seqs) > self.max_seqs or decode_rows > self.decode_cap:
             return None
-        return self.graphs.graph_size(sum(len(s.token_ids) for s in out.seqs))
+        return self.graphs.graph_size(decode_rows + sum(len(s.token_ids) for s in out.seqs))
+
+    def run_mixed(self, out: SchedulerOutput, decode_rows: np.ndarray, size: int) -> tuple[torch.Tensor, list[int]]:
+        """Replay the step's decode rows ([n, width] rows of the persistent DecodeBatch, one token each, first)
+        and its chunks in one forward at `size` tokens (from size_for(out, n)). Returns (hidden states [n +
+        chunk tokens, hidden], a view into the graph's output: rows 0..n-1 are the decode rows'; the rows of
+        the sampled chunks' last tokens)."""
+        n, last_rows = self.fill(out.seqs, size, decode_rows)
+        self._mixed_steps += 1
+        return self.graphs.replay_filled(n), last_rows
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]] | None:
         """Replay the step's chunks: (hidden [n, hidden], the rows of the last token of each chunk that
@@ -178,12 +209,14 @@ class PrefillGraphs:
         n, last_rows = self.fill(out.seqs, size)
         return self.graphs.replay_filled(n), last_rows
 
-    def fill(self, seqs: Sequence[ScheduledSeq], size: int) -> tuple[int, list[int]]:
-        """Write the chunks into the static buffers for the graph of `size` tokens (three copies).
-        Returns (real tokens n, rows of the sampled chunks' last tokens)."""
+    def fill(self, seqs: Sequence[ScheduledSeq], size: int, decode_rows: np.ndarray | None = None
+             ) -> tuple[int, list[int]]:
+        """Write the chunks (after `decode_rows`, DecodeBatch rows, if given) into the static buffers for the
+        graph of `size` tokens (three copies, five with decode rows). Returns (real tokens n, rows of the
+        sampled chunks' last tokens)."""
         s, bs = self.max_seqs, self.block_size
         tok, lens, tables = self._tokens_np, self._lengths_np, self._tables_np
-        n, last_rows = 0, []
+        n, last_rows = self._fill_decode_rows(decode_rows), []
         lens[: s + 1 + s] = 0  # query starts and contexts of empty slots: no tokens, no context
         for i, seq in enumerate(seqs):
             q = len(seq.token_ids)
@@ -208,6 +241,28 @@ class PrefillGraphs:
         self._copy(self.lengths, lens)
         self._copy(self.block_tables[:k], tables[:k])
         return n, last_rows
+
+    def _fill_decode_rows(self, rows: np.ndarray | None) -> int:
+        """Decode rows as the step's first tokens: token (or placeholder), position, slot, and for the decode
+        kernel their tables and contexts; every other row's context 0 (none). Returns how many rows."""
+        n = 0 if rows is None else len(rows)
+        live = max(n, self._decode_live)
+        if live == 0:
+            return 0
+        bs, ctx = self.block_size, self._decode_contexts_np
+        ctx[:live] = 0
+        if n:
+            pos = rows[:, POS].astype(np.int64)
+            tables = rows[:, BLOCKS:]
+            self._tokens_np[0, :n] = rows[:, TOKEN]
+            self._tokens_np[1, :n] = pos
+            self._tokens_np[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+            ctx[:n] = pos + 1
+            used = min(tables.shape[1], int(pos.max()) // bs + 1)  # columns past a row's context: never read
+            self._copy(self.decode_tables[:n, :used], tables[:, :used])
+        self._copy(self.decode_contexts[:live], ctx[:live])
+        self._decode_live = n
+        return n
 
     def _copy(self, dst: torch.Tensor, src: np.ndarray) -> None:
         host = torch.from_numpy(np.ascontiguousarray(src))

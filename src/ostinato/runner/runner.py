@@ -40,16 +40,18 @@ import torch
 
 from ..attention.base import AttentionBackend
 from ..config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, SchedulerConfig
-from ..contract import SampledToken, SchedulerOutput, StepResult
+from ..contract import ScheduledSeq, SchedulerOutput, StepResult
 from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
 from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
 from .compile_watch import CompileWatch
+from .decode_batch import DecodeLayout
 from .decode_step import DecodeStep
 from .inputs import _to_device as to_device
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
-from .sampler import HostCopy, SampledTokens, Sampler, SamplerOutput, finish_sampling
+from .pending import ChunkSamples, PendingStep, plain_result
+from .sampler import Sampler, finish_sampling, sample_tokens
 from .warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
@@ -207,14 +209,21 @@ class ModelRunner:
         return self.launch(out).result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> "PendingStep":
-        """Run a step: its decode rows as one replay (launched, not waited for: its tokens are read by
-        PendingStep.result(), which may come after the next step was launched, i.e. overlapped scheduling),
-        then its prefill chunks eager (see the module docstring for why they run beside the replay)."""
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Run a step (launched, not waited for: its tokens are read by PendingStep.result(), which may come
+        after the next step was launched, i.e. overlapped scheduling). A mixed step runs as one prefill-graph
+        replay when it fits one (design (b)), else as the decode replay and then the chunks (design (a)); see
+        the module docstring."""
         batch = self.decode_batch
         batch.apply(out.left, out.new_blocks)
         n = len(batch)
         assert n == out.num_decode, f"the scheduler decodes {out.num_decode} sequences, the runner holds {n}"
+        size = self.prefill_graphs.size_for(out, decode_rows=n) if n and out.seqs else None
+        if size is not None:
+            if _profiling():  # a step of its own kind: `verify` counts the launches of decode steps
+                with torch.profiler.record_function(f"ostinato.mixed_step[{n}]"):
+                    return self._launch_mixed(out, n, size)
+            return self._launch_mixed(out, n, size)
         pending = PendingStep(StepResult([], [], []))
         if n and _profiling():  # only then: the annotation costs a few microseconds per step
             with torch.profiler.record_function(f"ostinato.decode_step[{n}]"):
@@ -226,16 +235,9 @@ class ModelRunner:
             pending.then(self._prefill(out))
         return pending
 
-    def _prefill(self, out: SchedulerOutput) -> "ChunkSamples | None":
+    def _prefill(self, out: SchedulerOutput) -> ChunkSamples | None:
         """The step's prefill chunks in one forward: a graph replay when they fit a captured token count
-        (runner/prefill_graphs.py), else eager (counted). The chunks that end their prompt sample a token and
-        join the decode batch; None when no chunk samples.
-
-        No host sync here: the sampled tokens go to the host like the decode rows' (read by
-        PendingStep.result(), after the next step was launched), and each new row feeds a placeholder for its
-        token, copied into the decode step's `sampled` buffer on the device. Waiting here instead made the
-        step that ends a long prompt wait for two steps of GPU work (~42 ms at 8B, 32 decodes, 256-token
-        chunks: `bench chunked`), one whole gap for every running stream."""
+        (runner/prefill_graphs.py), else eager (counted). None when no chunk samples."""
         replayed = self.prefill_graphs.run(out)
         if replayed is not None:
             hidden, last_rows = replayed  # [n, hidden], a view into the graph's static output
@@ -247,18 +249,51 @@ class ModelRunner:
             return None
         last_token_indices = inp.last_token_indices if replayed is None else \
             to_device(last_rows, torch.int64, self.device)
-        logits = self.model.compute_logits(hidden[last_token_indices])  # [num_sampled, vocab]
+        return self._sample_chunks(seqs, self.model.compute_logits(hidden[last_token_indices]))
+
+    def _sample_chunks(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> ChunkSamples:
+        """Sample the chunks that end their prompt (logits [len(seqs), vocab]); they join the decode batch.
+
+        No host sync here: the sampled tokens go to the host like the decode rows' (read by
+        PendingStep.result(), after the next step was launched), and each new row feeds a placeholder for its
+        token, copied into the decode step's `sampled` buffer on the device. Waiting here instead made the
+        step that ends a long prompt wait for two steps of GPU work (~42 ms at 8B, 32 decodes, 256-token
+        chunks: `bench chunked`), one whole gap for every running stream."""
         sampled = self.sampler(logits, self.sampler.prepare(seqs))
         rows = [self.decode_batch.join(seq) for seq in seqs]  # appended: consecutive rows
         assert rows == list(range(rows[0], rows[0] + len(rows))), rows
         self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
         return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
 
-    def _launch_decode(self, n: int) -> "PendingStep":
+    def _launch_mixed(self, out: SchedulerOutput, n: int, size: int) -> PendingStep:
+        """Design (b): the n decode rows ride first in the chunks' prefill-graph replay, so a mixed step reads
+        the weights once. The rows keep their contract: their input tokens are the rows' own (placeholders
+        resolved in the graph), the decode kernel attends them, and their tokens are drawn by the decode
+        graph's sampling code on the same settings (then the same finishing and host copy), so a seed gives
+        the same tokens whichever way a step ran."""
         batch, step = self.decode_batch, self.decode_step
+        rows = batch.copy_to_device(n)  # their sampling settings (tokens and positions go in fill's buffers)
+        hidden, last_rows = self.prefill_graphs.run_mixed(out, batch.np[:n], size)
+        seqs = [s for s in out.seqs if s.samples]
+        index = to_device(list(range(n)) + last_rows, torch.int64, self.device)
+        logits = self.model.compute_logits(hidden[index])  # [n + len(seqs), vocab]
+        u = DecodeLayout.sampling_inputs(rows)
+        step.sampled[:n].copy_(sample_tokens(logits[:n], u["temperature"], u["key"], u["counter"]))
+        pending = self._decode_tokens(n, rows, logits[:n])
+        if seqs:
+            pending.then(self._sample_chunks(seqs, logits[n:]))
+        return pending
+
+    def _launch_decode(self, n: int) -> PendingStep:
         size = self.graphs.graph_size(n) or n
-        rows = batch.copy_to_device(size)  # the step's one host-to-device copy
+        rows = self.decode_batch.copy_to_device(size)  # the step's one host-to-device copy
         logits = self.graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
+        return self._decode_tokens(n, rows, logits)
+
+    def _decode_tokens(self, n: int, rows: torch.Tensor, logits: torch.Tensor) -> PendingStep:
+        """The decode rows' tokens are in step.sampled[:n] (logits [n, vocab]): advance the rows, finish the
+        sampling where asked, and start the tokens' way to the host."""
+        batch, step = self.decode_batch, self.decode_step
         seq_ids = list(batch.rows.seq_ids)
         batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
         if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
@@ -267,7 +302,7 @@ class ModelRunner:
             step.sampled[:n].copy_(sampled.token_ids)  # the next step's placeholders read the final tokens
             return PendingStep(seq_ids=seq_ids, sampled=sampled)
         if self._sampled_np is not None:  # CPU: the step ran, its tokens are in host memory already
-            return PendingStep(_plain(seq_ids, self._sampled_np[:n].tolist()))
+            return PendingStep(plain_result(seq_ids, self._sampled_np[:n].tolist()))
         # The one device-to-host copy, into pinned memory used every other step: the step before may
         # still be unread while this one is launched.
         self._turn ^= 1
@@ -275,65 +310,3 @@ class ModelRunner:
         host[:n].copy_(step.sampled[:n], non_blocking=True)
         event.record()
         return PendingStep(seq_ids=seq_ids, host=host[:n], event=event)
-
-
-class PendingStep:
-    """A launched step; result() waits for its tokens (once) and returns them: the decode rows', then those of
-    the prefill chunks that sampled in the same step (`then`)."""
-
-    def __init__(self, done: StepResult | None = None, seq_ids: list[int] | None = None,
-                 sampled: SamplerOutput | None = None, host: torch.Tensor | None = None, event=None):
-        self._done, self._seq_ids, self._sampled, self._host, self._event = done, seq_ids, sampled, host, event
-        self._then: StepResult | None = None
-
-    def then(self, chunks: "ChunkSamples | None") -> None:
-        """Append the tokens the step's prefill chunks sampled (read with the decode rows' in result())."""
-        self._then = chunks
-
-    @property
-    def seq_ids(self) -> list[int]:
-        ids = self._done.seq_ids if self._done is not None else self._seq_ids
-        return ids + self._then.seq_ids if self._then is not None else ids
-
-    def result(self) -> StepResult:
-        if self._done is None:
-            if self._sampled is not None:
-                self._done = _result(self._seq_ids, self._sampled)
-            else:
-                self._event.synchronize()
-                self._done = _plain(self._seq_ids, self._host.tolist())
-        if self._then is not None:  # after the decode rows' (also when those were read early: profiling)
-            self._done, self._then = _concat(self._done, self._then.result()), None
-        return self._done
-
-
-class ChunkSamples:
-    """The tokens a step's prefill chunks sampled, on their way to the host (HostCopy)."""
-
-    def __init__(self, seq_ids: list[int], copy: HostCopy):
-        self.seq_ids, self._copy = seq_ids, copy
-
-    def result(self) -> StepResult:
-        return _from_host(self.seq_ids, self._copy.get())
-
-
-def _concat(a: StepResult, b: StepResult) -> StepResult:
-    return StepResult(a.seq_ids + b.seq_ids, a.token_ids + b.token_ids, a.tokens + b.tokens)
-
-
-def _plain(seq_ids: list[int], token_ids: list[int]) -> StepResult:
-    return StepResult(seq_ids, token_ids, list(map(SampledToken, token_ids)))
-
-
-def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
-    return _from_host(seq_ids, sampled.to_host())  # the step's one host sync
-
-
-def _from_host(seq_ids: list[int], host: SampledTokens) -> StepResult:
-    if host.logprobs is None:
-        return _plain(seq_ids, host.token_ids)
-    return StepResult(seq_ids, host.token_ids, [
-        SampledToken(token_id=host.token_ids[i], logprob=host.logprobs[i],
-                     top=None if host.top_ids is None else list(zip(host.top_ids[i], host.top_logprobs[i])))
-        for i in range(len(seq_ids))
-    ])

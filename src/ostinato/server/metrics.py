@@ -80,8 +80,11 @@ class _EngineStatsCollector(Collector):
             c.add_metric([name, "eager"], eager)
             return c
 
-        yield by_path("decode_steps", "Decode steps by how they ran: one CUDA-graph replay or eager (graphs off, or "
-                      "a batch above the largest captured size).", s.decode_steps_graph, s.decode_steps_eager)
+        decode_steps = by_path("decode_steps", "Decode steps by how they ran: one CUDA-graph replay, eager (graphs "
+                               "off, or a batch above the largest captured size), or mixed (inside a prefill-graph "
+                               "replay with the step's prompt chunks).", s.decode_steps_graph, s.decode_steps_eager)
+        decode_steps.add_metric([name, "mixed"], s.decode_steps_mixed)
+        yield decode_steps
         yield by_path("prefill_steps", "Prefill steps (a mixed step's chunks included) by how they ran: one "
                       "CUDA-graph replay at a captured token count, or eager.", s.prefill_steps_graph,
                       s.prefill_steps_eager)

@@ -118,7 +118,7 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
         (engine.scheduler, "schedule"), (engine.scheduler, "update"), (runner, "launch"),
         (runner, "execute")) if hasattr(owner, name)]
     if hasattr(runner, "launch"):
-        from ..runner.runner import PendingStep
+        from ..runner.pending import PendingStep
 
         timers.append(_Timer(PendingStep, "result"))
     engine_s, core_s = [], []
