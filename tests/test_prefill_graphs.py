@@ -292,7 +292,11 @@ def test_real_prefill_graphs_replay_the_eager_prefill_with_cached_prefixes(check
     on = LLMEngine(_args(checkpoint, device="cuda", num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=4))
     off = LLMEngine(_args(checkpoint, device="cuda", num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=4,
                           prefill_graph_tokens="none"))
-    assert _generate(on, prompts)[0] == _generate(off, prompts)[0]
+    two = LLMEngine(_args(checkpoint, device="cuda", num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=4,
+                          mixed_step="two-replays"))
+    want = _generate(off, prompts)[0]
+    assert _generate(on, prompts)[0] == want and _generate(two, prompts)[0] == want
     s = on.stats()
     assert s.prefill_steps_graph > 0 and s.prefill_steps_eager == 0 and s.prefill_graph_memory_bytes > 0
-    assert off.stats().prefill_steps_graph == 0
+    assert s.decode_steps_mixed > 0  # decode rows rode in prefill replays (the real decode kernel in the graph)
+    assert off.stats().prefill_steps_graph == 0 and two.stats().decode_steps_mixed == 0
