@@ -27,7 +27,8 @@ from .decode_step import DecodeStep, compare_step
 from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
 from .inputs import build_prefill_inputs
 from .memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
-from .prefill_graphs import PrefillGraphs, check_prefill_graphs
+from .prefill_graph_check import check_prefill_graphs
+from .prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger(__name__)
 

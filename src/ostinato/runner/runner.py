@@ -5,28 +5,29 @@ step applies the step's changes to the rows (left, new blocks), copies the rows 
 replays the graph of the smallest captured size >= batch (runner/graphs.py; eager, counted, above the largest
 size or when graphs are off), which samples inside; then one device-to-host copy of the tokens.
 
-The mixed step (decode rows + prefill chunks, chunked prefill). Two ways to run it:
-(a) the decode rows as their usual graph replay, then the chunks as one eager forward, on the same stream;
-(b) one eager forward over the rows' tokens and the chunks' tokens together.
-We run (a). It keeps the decode contract whole: the rows stay the persistent DecodeBatch, their input tokens
-stay placeholders resolved on the device, sampling stays inside the graph, overlapped scheduling goes on
-through mixed steps (no chunk waits for the host: one that ends its prompt has its token read with the
-step's, see _prefill), and greedy output does not depend on whether a prefill happened to run beside a
-decode. (b) saves one read of the weights per mixed
-step (the chunk's GEMMs read them anyway): for llama-3.1-8b about 3.6 ms at 4.13 TB/s, against a replay of
-~6-7 ms at batch 32, i.e. (a) costs roughly replay + chunk where (b) costs ~chunk. (b) would need the rows'
-placeholder resolution and in-graph sampling rebuilt eagerly, and the decode attention of the rows run through
-the prefill kernel. Under (a) the inter-token latency of running decodes during a long prefill is bounded by
-replay + the chunk's forward, so --max-num-batched-tokens is the knob: `ostinato bench chunked` measures it
-(tools/bench_prefill.py), and the same bench with `--max-num-batched-tokens` large enough for the whole
-prompt shows what one unchunked prefill costs the decodes.
+The mixed step (decode rows + prefill chunks, chunked prefill). Two ways to run it (--mixed-step):
+(b) "one-replay" (default): the decode rows ride first in the chunks' prefill-graph replay, one token each
+    (runner/prefill_graphs.py run_mixed): the weights are read once for both. The rows keep the decode
+    contract: their input tokens are the persistent DecodeBatch's (placeholders resolved inside the graph),
+    the decode kernel attends them (AttentionBackend.attend: the prefill kernels never see them, so their
+    grids do not grow with the batch), and their tokens come from the decode graph's own sampling code on
+    the same settings, so a seed gives the same tokens whichever way a step ran. Used when the step's decode
+    rows + chunk tokens fit a captured prefill token count (--prefill-graph-tokens, up to 512 by default).
+(a) "two-replays", and any mixed step too large for (b): the decode rows as their usual decode replay, then
+    the chunks as a prefill replay (or eager above the largest captured count), on the same stream.
+Measured on the H200 (llama-3.1-8b shape, 32 decodes at context 256 beside an 8,192-token prompt, `ostinato
+bench chunked`, docs/PERFORMANCE.md): a mixed step of 256 tokens took 8.9-13.2 ms under (b) against 13.3-17.4
+ms under (a), where a decode step alone is 5.5 ms; (a) pays a second read of the weights (3.6 ms at 4.13
+TB/s) and the chunk's own GEMMs on top of the replay. With a budget of 128 tokens, (b) keeps the decodes'
+p99 inter-token gap at 1.6-1.8x their median. Either way no chunk waits for the host (one that ends its
+prompt has its token read with the step's: _sample_chunks), so overlapped scheduling goes on through mixed
+steps. --max-num-batched-tokens is the knob between that gap and the long prompt's time to first token.
 
-The chunks themselves run as a CUDA-graph replay too when the step's tokens fit a captured count (the
-smallest of --prefill-graph-tokens >= its tokens, at most --prefill-graph-max-seqs sequences; padded tokens
-write only the scratch block: runner/prefill_graphs.py), so a mixed step is two replays on one stream. An
-eager forward of the 8B costs ~11 ms of host launches up to ~500 tokens whatever its GPU work (~4-6 ms at
-100-250 tokens), which is what stalled the decodes; a replay costs its GPU work. Larger steps run eager (the
-GPU work dominates there), counted in the prefill step stats.
+Prefill chunks run as a CUDA-graph replay when the step's tokens fit a captured count (the smallest of
+--prefill-graph-tokens >= its tokens, at most --prefill-graph-max-seqs sequences; padded tokens write only
+the scratch block). An eager forward of the 8B costs ~11 ms of host launches up to ~500 tokens whatever its
+GPU work (~4-6 ms at 100-250 tokens), which is what stalled the decodes; a replay costs its GPU work. Larger
+steps run eager (the GPU work dominates there), counted in the prefill step stats.
 """
 
 from __future__ import annotations
