@@ -1,9 +1,10 @@
 """ModelRunner: owns the model, the KV pool and the decode rows; turns a SchedulerOutput into sampled tokens.
 
-Prefill runs eager; its sequences then join the persistent decode batch (runner/decode_batch.py). A decode
-step applies the step's changes to the rows (left, new blocks), copies the rows to the device once, and
-replays the graph of the smallest captured size >= batch (runner/graphs.py; eager, counted, above the largest
-size or when graphs are off), which samples inside; then one device-to-host copy of the tokens.
+Prefill runs as a prefill-graph replay when it fits one, else eager (below); its sequences then join the
+persistent decode batch (runner/decode_batch.py). A decode step applies the step's changes to the rows (left,
+new blocks), copies the rows to the device once, and replays the graph of the smallest captured size >= batch
+(runner/graphs.py; eager, counted, above the largest size or when graphs are off), which samples inside; then
+one device-to-host copy of the tokens.
 
 The mixed step (decode rows + prefill chunks, chunked prefill). Two ways to run it (--mixed-step):
 (b) "one-replay" (default): the decode rows ride first in the chunks' prefill-graph replay, one token each
