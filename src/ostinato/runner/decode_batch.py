@@ -94,6 +94,12 @@ class DecodeLayout:
         return out
 
 
+def resolve_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """Input ids with each placeholder -(r + 1) (DecodeBatch.advance, join) replaced by sampled[r], the token
+    the previous decode step sampled in row r. Device ops only (capturable)."""
+    return torch.where(input_ids >= 0, input_ids, sampled.gather(0, (-input_ids - 1).clamp_(min=0)))
+
+
 class DecodeBatch:
     """The running sequences' decode rows, on the host (pinned) and on the device."""
 

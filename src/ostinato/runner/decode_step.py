@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .decode_batch import DecodeBatch, DecodeLayout
+from .decode_batch import DecodeBatch, DecodeLayout, resolve_placeholders
 from .graphs import CudaGraphRunner, GraphBackend, default_compare
 from .sampler import sample_tokens
 
@@ -29,13 +29,17 @@ class DecodeStep:
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         u = self.layout.unpack(batch)
-        ids = u["input_ids"]
-        # A placeholder -(r + 1) is the token the previous decode step sampled in row r (DecodeBatch.advance);
-        # it is read here, before this step overwrites `sampled`.
-        ids = torch.where(ids >= 0, ids, self.sampled.gather(0, (-ids - 1).clamp_(min=0)))
+        # Placeholders are read here, before this step overwrites `sampled`.
+        ids = resolve_placeholders(u["input_ids"], self.sampled)
         logits = self.logits_fn(ids, u["positions"], u["slot_mapping"], u["block_tables"], u["context_lens"])
-        self.sampled[: batch.shape[0]].copy_(sample_tokens(logits, u["temperature"], u["key"], u["counter"]))
+        self.sample(logits, u)
         return logits
+
+    def sample(self, logits: torch.Tensor, settings: dict[str, torch.Tensor]) -> None:
+        """Draw the rows' tokens from logits [B, vocab] into sampled[:B]; settings: DecodeLayout.sampling_inputs
+        of the rows. The decode graph and a mixed step (runner.py, _launch_mixed) both draw through here."""
+        self.sampled[: logits.shape[0]].copy_(
+            sample_tokens(logits, settings["temperature"], settings["key"], settings["counter"]))
 
     def graph_runner(self, sizes: tuple[int, ...], enforce_eager: bool, fallback: str, progress: bool,
                      backend: GraphBackend | None) -> CudaGraphRunner:

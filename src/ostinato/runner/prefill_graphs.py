@@ -54,7 +54,7 @@ import torch
 from ..attention.base import AttentionMetadata
 from ..contract import ScheduledSeq, SchedulerOutput
 from ..errors import CudaGraphCaptureError
-from .decode_batch import BLOCKS, POS, TOKEN
+from .decode_batch import BLOCKS, POS, TOKEN, resolve_placeholders
 from .graphs import CaptureReport, CudaGraphRunner, GraphBackend, StaticInput
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class PrefillGraphs:
         """[T] inputs -> final hidden states [T, hidden]. Capturable: shapes come from T and S only."""
         t, s = input_ids.shape[0], self.max_seqs
         if self.sampled is not None:  # a decode row's placeholder: the token the last decode step sampled
-            input_ids = torch.where(input_ids >= 0, input_ids, self.sampled.gather(0, (-input_ids - 1).clamp(min=0)))
+            input_ids = resolve_placeholders(input_ids, self.sampled)
         # query_start_loc closed by T, and the padding sequence's context T - start: both fixed by the graph.
         starts = self.lengths[: s + 1]
         query_start_loc = torch.cat([starts, starts.new_full((1,), t)])

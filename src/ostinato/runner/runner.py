@@ -53,7 +53,7 @@ from .inputs import _to_device as to_device
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
 from .pending import ChunkSamples, PendingStep, plain_result
-from .sampler import Sampler, finish_sampling, sample_tokens
+from .sampler import Sampler, finish_sampling
 from .warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
@@ -279,8 +279,7 @@ class ModelRunner:
         seqs = [s for s in out.seqs if s.samples]
         index = to_device(list(range(n)) + last_rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[index])  # [n + len(seqs), vocab]
-        u = DecodeLayout.sampling_inputs(rows)
-        step.sampled[:n].copy_(sample_tokens(logits[:n], u["temperature"], u["key"], u["counter"]))
+        step.sample(logits[:n], DecodeLayout.sampling_inputs(rows))
         pending = self._decode_tokens(n, rows, logits[:n])
         if seqs:
             pending.then(self._sample_chunks(seqs, logits[n:]))
