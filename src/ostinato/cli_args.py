@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
-from .config import EngineArgs, read_cuda_graph_sizes, read_prefill_graph_tokens
+from .config import (
+    DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, EngineArgs, read_cuda_graph_sizes, read_prefill_graph_tokens,
+)
 from .errors import ConfigError
 
 
@@ -15,18 +18,15 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers like '1 2 4 8' or '1,2,4,8', got {text!r}") from None
 
 
-def _graph_sizes(text: str) -> tuple[int, ...]:
-    try:
-        return read_cuda_graph_sizes(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _prefill_graph_tokens(text: str) -> tuple[int, ...]:
-    try:
-        return read_prefill_graph_tokens(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _arg_type(read: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type from a config reader: the reader's ConfigError becomes argparse's usage error."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return read(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = read.__name__  # argparse names the type in some messages
+    return parse
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -47,18 +47,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode and prefill step runs eager")
-    g.add_argument("--cuda-graph-sizes", type=_graph_sizes, default=None,
+    g.add_argument("--cuda-graph-sizes", type=_arg_type(read_cuda_graph_sizes), default=None,
                    help="batch sizes to capture, e.g. '1 2 4 8 16', or @FILE (as `ostinato advise` writes)")
     g.add_argument("--max-cuda-graph-size", type=int, default=None)
     g.add_argument("--cuda-graph-fallback", default="error", choices=["error", "eager"],
                    help="what a capture failure does: stop start-up (default) or run eager, visibly")
-    g.add_argument("--prefill-graph-tokens", type=_prefill_graph_tokens, default=None,
+    g.add_argument("--prefill-graph-tokens", type=_arg_type(read_prefill_graph_tokens), default=None,
                    help="token counts at which prefill steps (and chunks beside running decodes) run as CUDA-graph "
                         "replays, e.g. '16 32 64 128 256'; 'none' runs every prefill eager (default: 16 to 512 "
                         "in 1.5x steps, up to --max-num-batched-tokens; --enforce-eager turns them off too)")
-    g.add_argument("--prefill-graph-max-seqs", type=int, default=16,
+    g.add_argument("--prefill-graph-max-seqs", type=int, default=DEFAULT_PREFILL_GRAPH_MAX_SEQS,
                    help="most sequences one prefill graph step holds; a step with more runs eager")
-    g.add_argument("--mixed-step", choices=("one-replay", "two-replays"), default="one-replay",
+    g.add_argument("--mixed-step", choices=MIXED_STEPS, default=MIXED_STEPS[0],
                    help="a step with decode rows and prefill chunks: one prefill-graph replay for both when it "
                         "fits a captured token count (reads the weights once; default), or the decode replay "
                         "then the chunks")

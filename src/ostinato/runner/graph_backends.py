@@ -19,6 +19,7 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from .compile_watch import CompileWatch
 
+
 @dataclass(frozen=True)
 class MemoryReading:
     device_bytes: int  # device memory in use (total - free), every process and the driver included
