@@ -389,3 +389,27 @@ def test_default_compare():
     ids = torch.tensor([3, 1, 2])
     assert default_compare(ids, ids.clone()) is None
     assert "rows [1]" in default_compare(torch.tensor([3, 0, 2]), ids)
+
+
+def test_capture_keeps_the_garbage_collector_off_and_restores_it():
+    # A collection inside a capture can finalize an earlier engine's objects, whose CUDA calls (an event query, a
+    # pinned free) would invalidate the capture: the CUDA backend captures inside _gc_paused.
+    import gc
+
+    from ostinato.runner.graph_backends import _gc_paused
+
+    assert gc.isenabled()
+    with _gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with _gc_paused():
+            raise RuntimeError("a failed capture")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # left as it was found
+    finally:
+        gc.enable()

@@ -7,6 +7,8 @@ very runner code that runs on the GPU.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,7 +93,10 @@ class CudaGraphBackend:
         torch.cuda.synchronize(self.device)
         mark = self._compile_watch.compiles if self._compile_watch is not None else 0
         # Not torch.cuda.graph(): when capture_end fails there, its __exit__ skips restoring the stream.
-        with torch.cuda.device(self.device), torch.cuda.stream(self._capture_stream()):
+        # No garbage collection inside the capture (CudaGraphRunner.capture collects before the first size):
+        # finalizing an earlier engine's objects there can make CUDA calls a capture forbids (an event query, a
+        # pinned-memory free), which would fail this capture for no fault of the step.
+        with torch.cuda.device(self.device), torch.cuda.stream(self._capture_stream()), _gc_paused():
             graph.capture_begin(pool=pool, capture_error_mode=self._capture_error_mode)
             try:
                 out = fn()
@@ -225,3 +230,15 @@ class RecordingGraphBackend:
 def first_line(e: BaseException) -> str:
     text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Keep the garbage collector off until the block ends (restored as it was)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -363,6 +364,7 @@ class CudaGraphRunner:
                 for spec in self.inputs.values()
             }
         start = time.perf_counter()
+        gc.collect()  # once, here: the backend keeps the collector off during each capture
         bytes_by_size: dict[int, int] = {}
         assert self._backend is not None
         pool = self._pool if self._pool is not None else self._backend.new_pool()
