@@ -26,11 +26,16 @@ def _reference(x, w, b):
 
 
 # Shapes not multiples of the tiles (masked rows and columns), M below and at its padded size, with bias.
+# peel_first with K inside one tile, across several and with a remainder; also K below a tile.
 @pytest.mark.parametrize("m,n,k,tiles,bias", [
     (1, 37, 100, GemvTiles(4, 32), False),
     (3, 64, 96, GemvTiles(8, 32), True),
     (4, 5, 40, GemvTiles(1, 16), True),
     (2, 48, 1030, GemvTiles(2, 256), False),
+    (1, 37, 100, GemvTiles(4, 32, peel_first=True), True),
+    (3, 20, 24, GemvTiles(2, 32, peel_first=True), False),
+    (1, 48, 1030, GemvTiles(2, 256, peel_first=True), False),
+    (4, 9, 64, GemvTiles(8, 64, peel_first=True), True),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_matches_float64_reference(m, n, k, tiles, bias, dtype):
@@ -54,14 +59,19 @@ def test_gemv_writes_float32_when_asked():
 
 
 def test_tile_rule_is_the_measured_one():
-    # M == 1 up to 8192 outputs, ~768-1024 programs; wider layers stay on cuBLAS.
-    assert choose_gemv_tiles(1, 1024, 2048) == GemvTiles(1, 1024)
+    # M == 1 up to 8192 outputs, ~768-1024 programs; wider layers stay on cuBLAS. The first K step peeled
+    # up to K = 3072 only.
+    assert choose_gemv_tiles(1, 1024, 2048) == GemvTiles(1, 1024, peel_first=True)
     assert choose_gemv_tiles(1, 2048, 8192) == GemvTiles(2, 1024)
-    assert choose_gemv_tiles(1, 4096, 1024) == GemvTiles(4, 1024)
+    assert choose_gemv_tiles(1, 4096, 1024) == GemvTiles(4, 1024, peel_first=True)
     assert choose_gemv_tiles(1, 6144, 4096) == GemvTiles(8, 1024)
     assert choose_gemv_tiles(1, 16384, 2048) is None
+    # With PDL the wide ones too (the harness measured GemvTiles(8, 1024) there).
+    assert choose_gemv_tiles(1, 16384, 2048, pdl=True) == GemvTiles(8, 1024, peel_first=True)
+    assert choose_gemv_tiles(1, 28672, 4096, pdl=True) == GemvTiles(8, 1024)
+    assert choose_gemv_tiles(8, 1024, 1024, pdl=True) is None
     # 2-4 rows: only narrow outputs.
-    assert choose_gemv_tiles(4, 1024, 3072) == GemvTiles(2, 1024)
+    assert choose_gemv_tiles(4, 1024, 3072) == GemvTiles(2, 1024, peel_first=True)
     assert choose_gemv_tiles(4, 2048, 2048) is None
     assert choose_gemv_tiles(8, 1024, 1024) is None
 

@@ -6,7 +6,8 @@ import argparse
 from collections.abc import Callable
 
 from .config import (
-    DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, EngineArgs, read_cuda_graph_sizes, read_prefill_graph_tokens,
+    DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, PDL_MODES, EngineArgs, read_cuda_graph_sizes,
+    read_prefill_graph_tokens,
 )
 from .errors import ConfigError
 
@@ -62,6 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a step with decode rows and prefill chunks: one prefill-graph replay for both when it "
                         "fits a captured token count (reads the weights once; default), or the decode replay "
                         "then the chunks")
+    g.add_argument("--pdl", choices=PDL_MODES, default=PDL_MODES[0],
+                   help="programmatic dependent launch of the Triton kernels (Hopper and newer): each may start "
+                        "while the one before it finishes; auto uses it where the GPU and triton support it, on "
+                        "fails start-up where they do not")
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)

@@ -250,6 +250,7 @@ DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # short prompts more). Unused sequence slots cost one early-returning program per query tile and KV head.
 DEFAULT_PREFILL_GRAPH_MAX_SEQS = 16
 MIXED_STEPS = ("one-replay", "two-replays")
+PDL_MODES = ("auto", "on", "off")  # --pdl (pdl.py)
 
 
 def plan_prefill_graph_tokens(max_num_batched_tokens: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -353,6 +354,9 @@ class EngineArgs:
     prefill_graph_max_seqs: int = DEFAULT_PREFILL_GRAPH_MAX_SEQS
     # How a step with decode rows and prefill chunks runs (GraphConfig.mixed_step).
     mixed_step: str = "one-replay"
+    # Programmatic dependent launch of the Triton kernels (pdl.py): auto (where the GPU and triton support it),
+    # on (an error where they do not) or off.
+    pdl: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -388,6 +392,7 @@ class EngineArgs:
              f"--prefill-graph-tokens must be positive integers or 'none', got {self.prefill_graph_tokens}"),
             (self.mixed_step in MIXED_STEPS,
              f"--mixed-step must be one of {', '.join(MIXED_STEPS)}, got {self.mixed_step!r}"),
+            (self.pdl in PDL_MODES, f"--pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}"),
             (self.prefill_graph_max_seqs >= 1,
              f"--prefill-graph-max-seqs must be >= 1, got {self.prefill_graph_max_seqs}"),
             (self.max_model_len is None or self.max_model_len >= 1,

@@ -59,6 +59,9 @@ class AttentionBackend(ABC):
     # True when decode_with_rope exists: decode straight from the qkv projection, q/k-norm + RoPE and the
     # K/V write inside the attention kernel (one launch for all three at decode).
     decode_applies_rope: bool = False
+    # True when the decoder's Triton kernels launch with programmatic dependent launch (pdl.py, --pdl): set by
+    # the Triton backend, whose decode kernel keeps PDL's contract; fixed before capture.
+    pdl: bool = False
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

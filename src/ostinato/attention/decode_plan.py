@@ -31,6 +31,8 @@ class DecodeTuning:
     apply_rope: the decoder's Triton path may hand decode the qkv projection itself (decode_with_rope: q/k
         norm, RoPE and the K/V write in this kernel, one launch fewer per layer); False keeps the q/k-norm +
         RoPE kernel before it. scripts/gpu_decode_attention.py --rope times both.
+    pdl: launch with programmatic dependent launch (pdl.py): the kernel may start while the projection before
+        it finishes. Only where pdl.resolve_pdl says the device supports it; the runner sets it from --pdl.
     """
 
     block_n: int = 64
@@ -42,6 +44,7 @@ class DecodeTuning:
     splits: int | None = None
     single_launch_max_splits: int = 64
     apply_rope: bool = True
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):

@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import launch_options, pdl_begin, pdl_wait
 from .decode_plan import DecodeRope, DecodeTuning, SplitCounters, choose_num_splits, num_sms
 from .rope_tile import load_norm_rope, rope_table
 from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
@@ -94,13 +95,16 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
     # MERGE: the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
     # projection [num_seqs, H + 2Hkv, D]; the kernel normalises (QK_NORM) and rotates q itself, and the
     # slice holding the newest token computes its k and v, writes them to slot_mapping[seq] and attends
     # to them from registers (decode_with_rope: no q/k-norm + RoPE launch before the attention).
+    # With PDL (pdl.py) nothing precedes the wait: every input here may come from the kernel before.
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -250,8 +254,10 @@ def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr,
     num_splits, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
@@ -326,14 +332,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
-        **dot_settings(q.dtype), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        PDL=tuning.pdl, **dot_settings(q.dtype), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        **launch_options(tuning.pdl),
     )
     if splits > 1 and not merge:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, context_lens,
             splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=tuning.block_n,
-            SPLITS_PAD=splits_pad,
-            num_warps=4,
+            SPLITS_PAD=splits_pad, PDL=tuning.pdl,
+            num_warps=4, **launch_options(tuning.pdl),
         )
     return out

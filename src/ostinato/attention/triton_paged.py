@@ -170,6 +170,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def __init__(self, tuning: TritonAttentionTuning | None = None):
         self.tuning = tuning or TritonAttentionTuning()
+        self.pdl = self.tuning.decode.pdl
         self.split_counters = SplitCounters()  # the single-launch decode's workspace, shared by all layers
 
     # ---- K/V write -------------------------------------------------------------------------------------

@@ -189,13 +189,15 @@ class DecoderForCausalLM(nn.Module):
         """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
 
         Also picks the norm / activation / RoPE kernels, once: `kernels`, or by default the fused Triton
-        ones when the caches are on CUDA and triton is importable, the torch ones otherwise.
+        ones when the caches are on CUDA and triton is importable (launched with PDL when the attention
+        backend's `pdl` says so: one launch policy for every kernel of the step), the torch ones otherwise.
         """
         if len(caches) != len(self.model.layers):
             raise ValueError(f"got {len(caches)} KV caches for {len(self.model.layers)} layers")
         for layer, (k_cache, v_cache) in zip(self.model.layers, caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
-        self.kernels = kernels if kernels is not None else kernels_for(caches[0][0].device)
+        pdl = self.model.layers[0].self_attn.backend.pdl if len(self.model.layers) else False
+        self.kernels = kernels if kernels is not None else kernels_for(caches[0][0].device, pdl)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -35,6 +35,7 @@ even, so the kernels round bf16 by hand there (EMULATE_BF16), making CPU results
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..pdl import launch_options, pdl_begin, pdl_wait
 from .gemv import small_batch_linear
 from .layers import apply_rope
 
@@ -110,18 +112,21 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per row. A whole row (hidden <= 16384) sits in registers, so x is read once.
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: may precede the wait
+    pdl_wait(PDL)
     h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N]
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         h = _round_like(h + r, residual_out_ptr, EMULATE_BF16)  # the sum lives in the model dtype
         tl.store(residual_out_ptr + row * stride_ro + offs, h.to(residual_out_ptr.dtype.element_ty), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # HF's order: normalise in fp32, round to the model dtype, multiply by the weight, round again.
     y = _round_like(_round_like(h * rstd, out_ptr, EMULATE_BF16) * w, out_ptr, EMULATE_BF16)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -130,9 +135,11 @@ def _rms_norm_kernel(
 @_jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride_in, stride_out,
-    I: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    I: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     # Grid (tokens, column blocks); the gate of column c is at c, its up at I + c.
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -152,11 +159,13 @@ def _qk_norm_rope_kernel(
     stride_cache_block, stride_cache_tok, stride_cache_head, eps,
     NUM_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     # Grid (tokens, head blocks): BLOCK_H heads (q heads first, then k heads, then with WRITE_KV the v
     # heads) of one token per program. Without WRITE_KV, q and k go to out [T, H + Hkv, D]; with it, q
     # goes to out [T, H, D] and k (rotated) and v (as read) go straight to their slot of the paged cache.
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
@@ -234,7 +243,7 @@ def _norm_warps(block: int) -> int:
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     eps: float, pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     flags = _checked_flags(x, "x")
     num_tokens, n = x.shape  # [T, N]
     assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
@@ -251,28 +260,30 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     _rms_norm_kernel[(num_tokens,)](
         x, r, weight, out, r_out,
         x.stride(0), r.stride(0), out.stride(0), r_out.stride(0), eps,
-        N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block), **flags,
+        N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block), PDL=pdl, **flags,
+        **launch_options(pdl),
     )
     return out, residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, N] -> rmsnorm(x) * weight [T, N] in one kernel (HF's rounding order; see module doc)."""
-    return _launch_rms_norm(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+    """x [T, N] -> rmsnorm(x) * weight [T, N] in one kernel (HF's rounding order; see module doc).
+    pdl (here and below): launch with programmatic dependent launch (pdl.py)."""
+    return _launch_rms_norm(x, None, weight, eps, pdl)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, N] -> (rmsnorm(residual + x) * weight, residual + x) in one kernel.
 
     The sum is rounded to the model dtype (it is the next residual, as in HF) and normalised in fp32.
     Both outputs are new tensors; the inputs are not modified.
     """
-    normed, new_residual = _launch_rms_norm(x, residual, weight, eps)
+    normed, new_residual = _launch_rms_norm(x, residual, weight, eps, pdl)
     return normed, new_residual
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up, the fused projection's output) -> silu(gate) * up [T, I], one kernel."""
     flags = _checked_flags(gate_up, "gate_up")
     num_tokens, two_i = gate_up.shape
@@ -283,37 +294,39 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_SILU_BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), I=inter, BLOCK=block, num_warps=4, **flags,
+        gate_up, out, gate_up.stride(0), out.stride(0), I=inter, BLOCK=block, num_warps=4, PDL=pdl, **flags,
+        **launch_options(pdl),
     )
     return out
 
 
 def qk_norm_rope(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 eps: float) -> torch.Tensor:
+                 eps: float, pdl: bool = False) -> torch.Tensor:
     """`qk_norm_rope_ref` in one kernel: heads [T, H + 2Hkv, D] -> new contiguous [T, H + Hkv, D].
 
     With q_weight and k_weight ([D] each, Qwen3) each q and k head is RMS-normalised first; without
     them only RoPE is applied. The v heads are not touched (the caller keeps heads[:, H + Hkv:] as a view).
     """
     return _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, num_heads, num_kv_heads,
-                                eps, None)
+                                eps, None, pdl)
 
 
 def qk_norm_rope_write_kv(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                           cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
                           eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """`qk_norm_rope` and the attention backend's `write_kv` in one kernel: returns q, a new contiguous
     [T, H, D], and writes token t's rotated k and its v (heads[:, H + Hkv:], unchanged) to slot
     slot_mapping[t] of k_cache / v_cache ([num_blocks, block_size, Hkv, D], attention/base.py's layout);
     negative slots are skipped. Saves one launch per layer and the k round trip through memory."""
     return _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, num_heads, num_kv_heads,
-                                eps, (k_cache, v_cache, slot_mapping))
+                                eps, (k_cache, v_cache, slot_mapping), pdl)
 
 
 def _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, num_heads, num_kv_heads, eps,
-                         kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                         kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                         pdl: bool) -> torch.Tensor:
     flags = _checked_flags(heads, "heads")
     num_tokens, total_heads, head_dim = heads.shape
     qk_heads = num_heads + num_kv_heads
@@ -352,7 +365,8 @@ def _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, nu
         *(k_cache.stride()[:3] if kv_write is not None else (0, 0, 0)), eps,
         NUM_HEADS=num_heads, NUM_QK_HEADS=qk_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h, QK_NORM=qk_norm, WRITE_KV=kv_write is not None,
-        BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4, **flags,
+        BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4, PDL=pdl, **flags,
+        **launch_options(pdl),
     )
     return out
 
@@ -386,6 +400,20 @@ TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and
                                 small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv)
 
 
-def kernels_for(device: torch.device) -> DecoderKernels:
-    """Triton on CUDA when triton is importable; torch otherwise (CPU, where torch is the reference)."""
-    return TRITON_KERNELS if device.type == "cuda" and triton is not None else TORCH_KERNELS
+def _with_pdl(fn: Callable) -> Callable:
+    return functools.partial(fn, pdl=True)
+
+
+# The same kernels launched with programmatic dependent launch (pdl.py): each may start while the one before it
+# finishes. Only for devices pdl.resolve_pdl accepts (sm_90+).
+TRITON_KERNELS_PDL = DecoderKernels("triton+pdl", *map(_with_pdl, (rms_norm, fused_add_rms_norm, silu_and_mul,
+                                                                 qk_norm_rope, small_batch_linear)),
+                                    qk_norm_rope_write_kv=_with_pdl(qk_norm_rope_write_kv))
+
+
+def kernels_for(device: torch.device, pdl: bool = False) -> DecoderKernels:
+    """Triton on CUDA when triton is importable (with PDL when `pdl`); torch otherwise (CPU, where torch is the
+    reference)."""
+    if device.type == "cuda" and triton is not None:
+        return TRITON_KERNELS_PDL if pdl else TRITON_KERNELS
+    return TORCH_KERNELS

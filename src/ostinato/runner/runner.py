@@ -70,18 +70,37 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, pdl: str = "off") -> AttentionBackend:
+    """The attention backend; it also carries the launch policy of the decoder's Triton kernels (`pdl`, --pdl:
+    model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (pdl.py)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         if device.type != "cuda":
             raise ConfigError("--attention-backend triton needs a CUDA device; use --attention-backend torch")
-        from ..attention.triton_paged import TritonPagedBackend
+        from ..attention.decode_plan import DecodeTuning
+        from ..attention.triton_paged import TritonAttentionTuning, TritonPagedBackend
+        from ..pdl import resolve_pdl
 
-        return TritonPagedBackend()
+        return TritonPagedBackend(TritonAttentionTuning(decode=DecodeTuning(pdl=resolve_pdl(pdl, device))))
+    if pdl == "on":
+        raise ConfigError(f"--pdl on needs --attention-backend triton (the {name} backend's kernels are torch's); "
+                          "use --pdl auto or off")
     from ..attention.torch_ref import TorchRefBackend
 
     return TorchRefBackend()
+
+
+def pdl_status(mode: str, on: bool, device: torch.device) -> str:
+    """How the start-up log states --pdl's outcome."""
+    if on:
+        return "programmatic dependent launch on"
+    if mode == "off":
+        return "programmatic dependent launch off: --pdl off"
+    from ..pdl import pdl_unsupported_reason
+
+    reason = pdl_unsupported_reason(device) or "the attention backend's kernels are torch's"
+    return f"programmatic dependent launch off: {reason}"
 
 
 class ModelRunner:
@@ -98,7 +117,7 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.device = pick_device(args.device)
         self.dtype = resolve_dtype(args.dtype, model_config, self.device)
-        self.backend = make_backend(args.attention_backend, self.device)
+        self.backend = make_backend(args.attention_backend, self.device, args.pdl)
         # Installed before anything compiles (capture included), sealed at the end of start-up: an earlier
         # engine's sealed watch in this process must not count this engine's start-up compiles.
         self.compile_watch = CompileWatch()
@@ -145,6 +164,9 @@ class ModelRunner:
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
         self.sampler = Sampler(self.device, args.seed)
+        if cuda:
+            logger.info("decoder kernels: %s (%s)", self.model.kernels.name, pdl_status(args.pdl, self.backend.pdl,
+                                                                                     self.device))
         if cuda:  # compile the eager prefill path's kernel variants now, not inside a user's step
             ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
                                            self.device, scheduler_config.max_model_len)

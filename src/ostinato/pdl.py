@@ -1,0 +1,91 @@
+"""Programmatic dependent launch (PDL, sm_90 and newer): a kernel starts while the one before it finishes.
+
+Why: a decode step of a small model is ~230 kernels of 2-6 us each, inside one CUDA graph, and each one
+still pays its launch and ramp-up after its predecessor's last block has retired and its writes have been
+flushed (the replay minus the kernel sum was 100-340 us a step on the H200, docs/PERFORMANCE.md). With PDL a
+kernel launched with the programmatic-stream-serialization attribute (Triton's `launch_pdl=True`) may start
+as soon as every block of its predecessor has called `griddepcontrol.launch_dependents`; it must then call
+`griddepcontrol.wait` before it touches anything the predecessor writes, and that wait returns only once the
+predecessor has completed and its memory is visible. CUDA-graph capture keeps these as programmatic edges.
+
+The contract every kernel launched with PDL keeps (`pdl_begin` / `pdl_wait` below):
+    - it lets its dependent launch at once (`pdl_begin`, first thing);
+    - before `pdl_wait` it reads only what no kernel of the step writes: weights, never activations, the KV
+      cache, block tables or anything the runner copies in; and it writes nothing;
+    - everything else comes after `pdl_wait`, which every program runs (an early return before it is
+      allowed only for a program that neither reads nor writes anything after).
+Waiting is transitive: a kernel's wait returns after its predecessor completed, and that predecessor did
+its work after its own wait, so the whole chain is ordered as without PDL. A kernel launched without the
+attribute (cuBLAS, torch ops) waits for its predecessor as usual.
+
+What runs before the wait is the point: the small-batch linear (model/gemv.py) loads its first weight tile
+there, so a projection's weight read overlaps the norm or attention kernel before it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import PDL_MODES
+from .errors import ConfigError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency: without triton there is nothing to launch with PDL
+    triton = None
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older triton: no PDL (pdl_unsupported_reason says so)
+    gdc_launch_dependents = gdc_wait = None
+
+
+def pdl_unsupported_reason(device: torch.device) -> str | None:
+    """Why kernels on `device` cannot be launched with PDL, or None when they can."""
+    if triton is None:
+        return "triton is not installed"
+    if gdc_wait is None:
+        return f"triton {triton.__version__} has no grid dependency control (triton.language.extra.cuda.gdc_wait)"
+    if device.type != "cuda":
+        return f"PDL is a CUDA feature and the device is {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"PDL needs compute capability 9.0 (Hopper) or newer; this GPU is {major}.{minor}"
+    return None
+
+
+def resolve_pdl(mode: str, device: torch.device) -> bool:
+    """--pdl auto|on|off -> whether the Triton kernels launch with PDL. auto: where supported; on: an error
+    saying why where not."""
+    if mode not in PDL_MODES:
+        raise ConfigError(f"--pdl must be one of {', '.join(PDL_MODES)}, got {mode!r}")
+    if mode == "off":
+        return False
+    reason = pdl_unsupported_reason(device)
+    if reason is not None and mode == "on":
+        raise ConfigError(f"--pdl on cannot be honoured: {reason}; use --pdl auto or --pdl off")
+    return reason is None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def pdl_begin(PDL: tl.constexpr):
+    """Let the next kernel launch now (it waits in its own pdl_wait for this one to complete)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@_jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel has completed and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+def launch_options(pdl: bool) -> dict:
+    """The Triton launch keyword for PDL; nothing when off, so the interpreter and older triton never see it."""
+    return {"launch_pdl": True} if pdl else {}
