@@ -48,6 +48,53 @@ def test_kernel_draws_what_the_torch_inverse_cdf_draws(vocab, block):
     assert got[0] == 5
 
 
+def test_kernel_reads_temperature_from_the_decode_rows_strided_column():
+    # The decode step hands the draw DecodeLayout.sampling_inputs' temperature: a column of the packed [B, width]
+    # int32 rows viewed as float32, so consecutive rows are `width` elements apart. Read as if contiguous, row r
+    # would take its temperature from other fields of row 0 (block-table entries as floats).
+    from ostinato.runner.decode_batch import DecodeLayout
+
+    g = torch.Generator().manual_seed(11)
+    rows, vocab, width = 6, 300, 40
+    packed = torch.randint(0, 1 << 20, (rows, width), generator=g, dtype=torch.int32)
+    wanted_t = torch.tensor([0.0, 0.3, 1.7, 0.05, 1.0, 2.5])
+    from ostinato.runner.decode_batch import TEMP
+
+    packed[:, TEMP] = wanted_t.view(torch.int32)
+    temperature = DecodeLayout.sampling_inputs(packed)["temperature"]
+    assert temperature.stride(0) == width and torch.equal(temperature, wanted_t)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    u = uniform(torch.arange(rows, dtype=torch.int64) * 31, torch.zeros(rows, dtype=torch.int64))
+    got = sampling_kernel.draw(logits, temperature, u, GREEDY_TEMPERATURE, block=64)
+    want = _torch_draw(logits, wanted_t, u)
+    ambiguous = _near_boundary(logits, wanted_t, u)
+    assert not ambiguous.any()
+    assert torch.equal(got, want)
+
+
+def test_decode_rows_draw_the_same_tokens_through_the_kernel_and_the_torch_path(monkeypatch):
+    # DecodeStep.sample's inputs as the decode graph has them (strided settings from the packed rows), through
+    # sample_tokens: with the kernel (forced on here; on a GPU from MIN_ROWS rows) and without it.
+    from ostinato.runner.decode_batch import CTR, KEY_HI, KEY_LO, TEMP, DecodeLayout
+
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 8, 200
+    packed = torch.zeros(rows, 30, dtype=torch.int32)
+    packed[:, TEMP] = torch.tensor([0.0, 0.7, 1.3, 0.2, 1.0, 0.0, 2.0, 0.9]).view(torch.int32)
+    packed[:, KEY_LO] = torch.randint(0, 1 << 30, (rows,), generator=g, dtype=torch.int32)
+    packed[:, KEY_HI] = torch.randint(0, 1 << 30, (rows,), generator=g, dtype=torch.int32)
+    packed[:, CTR] = torch.arange(rows, dtype=torch.int32)
+    settings = DecodeLayout.sampling_inputs(packed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    torch_path = sample_tokens(logits, settings["temperature"], settings["key"], settings["counter"])
+    monkeypatch.setattr(sampling_kernel, "available_for", lambda logits: True)
+    kernel_path = sample_tokens(logits, settings["temperature"], settings["key"], settings["counter"])
+    u = uniform(settings["key"], settings["counter"])
+    ambiguous = _near_boundary(logits, settings["temperature"], u)
+    assert not ambiguous.any()
+    assert torch.equal(kernel_path, torch_path)
+
+
 def test_kernel_skips_zero_probability_tokens_and_clamps_u_near_one():
     vocab = 300
     logits = torch.full((3, vocab), -1e4)

@@ -88,9 +88,18 @@ def available_for(logits: torch.Tensor) -> bool:
 def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, greedy_below: float,
          block: int = _BLOCK) -> torch.Tensor:
     """logits [B, V] (any float dtype, last dim contiguous), temperature [B] float32, u [B] float32 in [0, 1)
-    -> [B] int64 draws from softmax(logits / T). `block` (a power of two) is the tile: tests shrink it."""
+    -> [B] int64 draws from softmax(logits / T). `block` (a power of two) is the tile: tests shrink it.
+
+    temperature may be strided: the decode step passes a column of its packed [B, width] rows
+    (DecodeLayout.sampling_inputs). The kernel reads it contiguous, so it gets a contiguous copy: that also
+    gives every caller the same Triton specialisation (the column starts 12 bytes into a row, a fresh tensor
+    on a 16-byte boundary), so a prefill step sampling >= MIN_ROWS rows does not compile another variant in
+    service (the likely cause of the compile `bench-engine` logged at batch 64, whose second run finds every
+    prompt cached and samples all 64 in one prefill step)."""
     assert logits.stride(-1) == 1, "logits: the vocabulary dimension must be contiguous"
     rows, vocab = logits.shape
+    assert temperature.shape == (rows,) and u.shape == (rows,)
+    temperature, u = temperature.contiguous(), u.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _inverse_cdf_kernel[(rows,)](logits, logits.stride(0), temperature, u, out, vocab, greedy_below,
                                  BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=8)
