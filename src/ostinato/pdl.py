@@ -29,11 +29,8 @@ import torch
 from .config import PDL_MODES
 from .errors import ConfigError
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # optional dependency: without triton there is nothing to launch with PDL
-    triton = None
+from .triton_optional import jit as _jit
+from .triton_optional import tl, triton  # noqa: F401  (tl: the helpers' annotations)
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -66,10 +63,6 @@ def resolve_pdl(mode: str, device: torch.device) -> bool:
     if reason is not None and mode == "on":
         raise ConfigError(f"--pdl on cannot be honoured: {reason}; use --pdl auto or --pdl off")
     return reason is None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit

@@ -47,19 +47,12 @@ from ..pdl import launch_options, pdl_begin, pdl_wait
 from .gemv import small_batch_linear
 from .layers import apply_rope
 
-try:
-    import triton
-    import triton.language as tl
+from ..triton_optional import jit as _jit
+from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
+if triton is not None:  # the torch path needs none of these
     from ..attention.rope_tile import norm_rope, rope_partner, rope_table
     from ..attention.rope_tile import round_like as _round_like
-except ImportError:  # optional dependency (pip install ostinato[triton]); the torch path needs none
-    triton = None
-
-
-def _jit(fn):
-    """triton.jit when triton is installed; otherwise the kernel stays a plain, never-called function."""
-    return triton.jit(fn) if triton is not None else fn
 
 
 # ---- plain-torch references (the CPU path) ---------------------------------------------------------------

@@ -20,16 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from ..pdl import launch_options, pdl_begin, pdl_wait
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # optional dependency: only the Triton kernel set (model/fused.py) calls in here
-    triton = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+from ..triton_optional import jit as _jit
+from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 
 @_jit

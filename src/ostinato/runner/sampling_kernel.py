@@ -19,18 +19,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # optional dependency; sampler.py keeps the torch path
-    triton = None
+from ..triton_optional import jit as _jit
+from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 # Entries per tile: large enough that a 152k vocabulary is ~37 tiles per pass.
 _BLOCK = 4096
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit
