@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -393,15 +393,11 @@ TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and
                                 small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv)
 
 
-def _with_pdl(fn: Callable) -> Callable:
-    return functools.partial(fn, pdl=True)
-
-
 # The same kernels launched with programmatic dependent launch (pdl.py): each may start while the one before it
 # finishes. Only for devices pdl.resolve_pdl accepts (sm_90+).
-TRITON_KERNELS_PDL = DecoderKernels("triton+pdl", *map(_with_pdl, (rms_norm, fused_add_rms_norm, silu_and_mul,
-                                                                 qk_norm_rope, small_batch_linear)),
-                                    qk_norm_rope_write_kv=_with_pdl(qk_norm_rope_write_kv))
+TRITON_KERNELS_PDL = DecoderKernels("triton+pdl", **{
+    f.name: functools.partial(getattr(TRITON_KERNELS, f.name), pdl=True)
+    for f in fields(DecoderKernels) if f.name != "name"})
 
 
 def kernels_for(device: torch.device, pdl: bool = False) -> DecoderKernels:

@@ -167,7 +167,7 @@ class ModelRunner:
         if cuda:
             logger.info("decoder kernels: %s (%s)", self.model.kernels.name, pdl_status(args.pdl, self.backend.pdl,
                                                                                      self.device))
-        if cuda:  # compile the eager prefill path's kernel variants now, not inside a user's step
+            # Compile the eager prefill path's kernel variants now, not inside a user's step.
             ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
                                            self.device, scheduler_config.max_model_len)
             logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
