@@ -23,6 +23,7 @@ QWEN3_06B = types.SimpleNamespace(num_layers=28, num_heads=16, num_kv_heads=8, h
      "projections"),
     ("_rms_norm_kernel", "norms"), ("_qk_norm_rope_kernel", "q/k norm + rope"),
     ("_silu_and_mul_kernel", "silu * up"),
+    ("_sample_chunk_kernel", "sampling"), ("_sample_pick_kernel", "sampling"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", OTHER),
 ])
 def test_kernel_names_fall_in_their_class(name, cls):

@@ -1,7 +1,7 @@
-"""The Triton draw of sample_tokens (runner/sampling_kernel.py) against the torch inverse CDF it replaces.
+"""The sampling kernels (runner/sampling_kernel.py) against the torch path of sample_tokens they replace on a GPU.
 
-On CPU the kernel runs under TRITON_INTERPRET=1 (conftest sets it), with small tiles so that a row spans
-several of them; on the GPU at a real vocabulary, inside the path sample_tokens takes.
+On CPU the kernels run under TRITON_INTERPRET=1 (conftest sets it), with small tiles and chunks so that a row
+spans several chunks and a chunk several tiles; on the GPU at a real vocabulary and through the decode step.
 """
 
 from __future__ import annotations
@@ -10,17 +10,21 @@ import pytest
 import torch
 
 from ostinato.runner import sampler
-from ostinato.runner.sampler import GREEDY_TEMPERATURE, sample_tokens, uniform
+from ostinato.runner.decode_batch import CTR, KEY_HI, KEY_LO, ROW_COLUMNS, TEMP, DecodeLayout
+from ostinato.runner.sampler import GREEDY_TEMPERATURE, PACKED_COLUMNS, pack_rows, uniform
 
 triton = pytest.importorskip("triton")
 from ostinato.runner import sampling_kernel  # noqa: E402
 
 
-def _torch_draw(logits, temperature, u):
-    """The torch path of sample_tokens for the sampled rows (runner/sampler._inverse_cdf)."""
-    probs = logits.float() / torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)[:, None]
-    probs = (probs - probs.amax(dim=-1, keepdim=True)).exp()
-    return sampler._inverse_cdf(probs, u)
+def _torch_path(logits, temperature, key, counter, monkeypatch=None):
+    """sample_tokens' torch path (the reference), whatever device the tensors are on."""
+    real = sampling_kernel.available_for
+    sampling_kernel.available_for = lambda _logits: False
+    try:
+        return sampler.sample_tokens(logits, temperature, key, counter)
+    finally:
+        sampling_kernel.available_for = real
 
 
 def _near_boundary(logits, temperature, u, rel=2e-6):
@@ -31,107 +35,146 @@ def _near_boundary(logits, temperature, u, rel=2e-6):
     return ((cdf - target).abs() <= rel * cdf[:, -1:]).any(dim=-1)
 
 
-@pytest.mark.parametrize("vocab,block", [(1000, 128), (257, 64), (64, 64)])
-def test_kernel_draws_what_the_torch_inverse_cdf_draws(vocab, block):
-    g = torch.Generator().manual_seed(vocab)
+def _kernel(logits, rows, columns, num_sms=4, block=64, chunk_max=256):
+    out = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+    sampling_kernel.sample(logits, rows, columns, out, GREEDY_TEMPERATURE, num_sms, block=block, chunk_max=chunk_max)
+    return out
+
+
+def _settings(rows, g):
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.1
+    temperature[1] = 0.0  # greedy rows
+    temperature[rows - 1] = 0.0
+    key = torch.randint(-(1 << 62), 1 << 62, (rows,), generator=g, dtype=torch.int64)
+    key[2] = -1  # all 64 bits set: the halves' sign and zero extension matter
+    counter = torch.randint(0, 5000, (rows,), generator=g, dtype=torch.int64)
+    return temperature, key, counter
+
+
+@pytest.mark.parametrize("vocab,block,chunk_max,num_sms", [(1000, 64, 256, 4), (1000, 64, 128, 64), (257, 64, 64, 4),
+                                                           (64, 64, 64, 4), (3000, 128, 1024, 1)])
+def test_kernels_draw_what_the_torch_path_draws(vocab, block, chunk_max, num_sms):
+    g = torch.Generator().manual_seed(vocab + num_sms)
     rows = 24
     logits = torch.randn(rows, vocab, generator=g) * 3
     logits[0, 5] = 40.0  # one row almost one-hot
-    temperature = torch.rand(rows, generator=g) * 1.5 + 0.1
-    temperature[1] = 0.0  # a greedy row: divides by 1, as the torch path does
-    u = uniform(torch.arange(rows, dtype=torch.int64) * 7919, torch.full((rows,), 3, dtype=torch.int64))
-    got = sampling_kernel.draw(logits, temperature, u, GREEDY_TEMPERATURE, block=block)
-    want = _torch_draw(logits, temperature, u)
-    ambiguous = _near_boundary(logits, temperature, u)
+    logits[3, :] = 0.5  # a row of ties: greedy or not, the tie rules must agree
+    temperature, key, counter = _settings(rows, g)
+    temperature[3] = 0.0
+    plan = sampling_kernel.plan_chunks(rows, vocab, num_sms, block, chunk_max)
+    assert plan.chunk <= max(chunk_max, plan.block)
+    got = _kernel(logits, pack_rows(temperature, key, counter), PACKED_COLUMNS, num_sms, block, chunk_max)
+    want = _torch_path(logits, temperature, key, counter)
+    ambiguous = _near_boundary(logits, temperature, uniform(key, counter)) & (temperature >= GREEDY_TEMPERATURE)
     assert ambiguous.sum() <= 2  # the comparison below must cover the rows
     assert torch.equal(got[~ambiguous], want[~ambiguous])
-    assert got[0] == 5
+    assert got[0] == 5 and got[3] == 0
 
 
-def test_kernel_reads_temperature_from_the_decode_rows_strided_column():
-    # The decode step hands the draw DecodeLayout.sampling_inputs' temperature: a column of the packed [B, width]
-    # int32 rows viewed as float32, so consecutive rows are `width` elements apart. Read as if contiguous, row r
-    # would take its temperature from other fields of row 0 (block-table entries as floats).
-    from ostinato.runner.decode_batch import DecodeLayout
-
-    g = torch.Generator().manual_seed(11)
-    rows, vocab, width = 6, 300, 40
-    packed = torch.randint(0, 1 << 20, (rows, width), generator=g, dtype=torch.int32)
-    wanted_t = torch.tensor([0.0, 0.3, 1.7, 0.05, 1.0, 2.5])
-    from ostinato.runner.decode_batch import TEMP
-
-    packed[:, TEMP] = wanted_t.view(torch.int32)
-    temperature = DecodeLayout.sampling_inputs(packed)["temperature"]
-    assert temperature.stride(0) == width and torch.equal(temperature, wanted_t)
-    logits = torch.randn(rows, vocab, generator=g) * 4
-    u = uniform(torch.arange(rows, dtype=torch.int64) * 31, torch.zeros(rows, dtype=torch.int64))
-    got = sampling_kernel.draw(logits, temperature, u, GREEDY_TEMPERATURE, block=64)
-    want = _torch_draw(logits, wanted_t, u)
-    ambiguous = _near_boundary(logits, wanted_t, u)
-    assert not ambiguous.any()
-    assert torch.equal(got, want)
+def test_greedy_rows_take_the_first_index_of_a_max_split_across_chunks():
+    vocab = 600
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
+    logits[0, [70, 130, 590]] = 9.0  # ties in different chunks and tiles: the first wins
+    logits[1, [64, 65]] = 9.0  # a tie inside one tile
+    logits[2, 599] = 9.0  # the last entry
+    logits[3, 0] = 9.0
+    zeros = torch.zeros(4, dtype=torch.int64)
+    got = _kernel(logits, pack_rows(torch.zeros(4), zeros, zeros), PACKED_COLUMNS, block=64, chunk_max=128)
+    assert got.tolist() == [70, 64, 599, 0] == logits.argmax(-1).tolist()
 
 
-def test_decode_rows_draw_the_same_tokens_through_the_kernel_and_the_torch_path(monkeypatch):
-    # DecodeStep.sample's inputs as the decode graph has them (strided settings from the packed rows), through
-    # sample_tokens: with the kernel (forced on here; on a GPU from MIN_ROWS rows) and without it.
-    from ostinato.runner.decode_batch import CTR, KEY_HI, KEY_LO, TEMP, DecodeLayout
+def test_the_device_hash_is_sampler_uniform():
+    # The pick kernel hashes key and counter itself: a draw whose u sits between two chunks' cumulative masses
+    # only lands right if its u equals uniform()'s. Here every token has the same mass, so the drawn index is
+    # floor(u * vocab) (away from boundaries) and exposes u directly.
+    g = torch.Generator().manual_seed(9)
+    rows, vocab = 64, 4096
+    key = torch.randint(-(1 << 63), (1 << 63) - 1, (rows,), generator=g, dtype=torch.int64)
+    counter = torch.randint(0, 1 << 30, (rows,), generator=g, dtype=torch.int64)
+    u = uniform(key, counter)
+    got = _kernel(torch.zeros(rows, vocab), pack_rows(torch.ones(rows), key, counter), PACKED_COLUMNS,
+                  block=256, chunk_max=1024)
+    exact = (u * vocab).floor()
+    clear = ((u * vocab) - exact).abs() > 1e-3
+    assert clear.sum() > rows // 2
+    assert torch.equal(got[clear], exact[clear].long())
 
+
+def test_decode_rows_are_read_in_place():
+    # DecodeStep.sample passes the packed decode rows (settings at ROW_COLUMNS, `width` apart): the same tokens as
+    # the torch path on DecodeLayout.sampling_inputs of those rows.
     g = torch.Generator().manual_seed(5)
-    rows, vocab = 8, 200
-    packed = torch.zeros(rows, 30, dtype=torch.int32)
+    rows, vocab, width = 8, 200, 30
+    packed = torch.randint(0, 1 << 20, (rows, width), generator=g, dtype=torch.int32)  # other fields: noise
     packed[:, TEMP] = torch.tensor([0.0, 0.7, 1.3, 0.2, 1.0, 0.0, 2.0, 0.9]).view(torch.int32)
-    packed[:, KEY_LO] = torch.randint(0, 1 << 30, (rows,), generator=g, dtype=torch.int32)
-    packed[:, KEY_HI] = torch.randint(0, 1 << 30, (rows,), generator=g, dtype=torch.int32)
+    packed[:, KEY_LO] = torch.randint(-(1 << 31), (1 << 31) - 1, (rows,), generator=g, dtype=torch.int32)
+    packed[:, KEY_HI] = torch.randint(-(1 << 31), (1 << 31) - 1, (rows,), generator=g, dtype=torch.int32)
     packed[:, CTR] = torch.arange(rows, dtype=torch.int32)
-    settings = DecodeLayout.sampling_inputs(packed)
+    s = DecodeLayout.sampling_inputs(packed)
     logits = torch.randn(rows, vocab, generator=g) * 3
-    torch_path = sample_tokens(logits, settings["temperature"], settings["key"], settings["counter"])
-    monkeypatch.setattr(sampling_kernel, "available_for", lambda logits: True)
-    kernel_path = sample_tokens(logits, settings["temperature"], settings["key"], settings["counter"])
-    u = uniform(settings["key"], settings["counter"])
-    ambiguous = _near_boundary(logits, settings["temperature"], u)
-    assert not ambiguous.any()
-    assert torch.equal(kernel_path, torch_path)
+    want = _torch_path(logits, s["temperature"], s["key"], s["counter"])
+    got = _kernel(logits, packed, ROW_COLUMNS)
+    assert not _near_boundary(logits, s["temperature"], uniform(s["key"], s["counter"])).any()
+    assert torch.equal(got, want)
+    # A step of fewer rows than the rows tensor holds (a graph of 8 running 5) reads the first ones only.
+    assert torch.equal(_kernel(logits[:5], packed, ROW_COLUMNS), want[:5])
 
 
-def test_kernel_skips_zero_probability_tokens_and_clamps_u_near_one():
+def test_kernels_skip_zero_probability_tokens_and_clamp_u_near_one():
     vocab = 300
     logits = torch.full((3, vocab), -1e4)
     logits[:, 10] = 0.0
     logits[:, 200] = 0.0  # two tokens of mass 1/2 each, every other token's mass underflows to 0
-    u = torch.tensor([0.25, 0.75, 0.999999])
-    got = sampling_kernel.draw(logits, torch.ones(3), u, GREEDY_TEMPERATURE, block=64)
-    assert got.tolist() == [10, 200, 200]
+    rows = torch.zeros(3, 4, dtype=torch.int32)
+    rows[:, PACKED_COLUMNS.temperature] = torch.ones(3).view(torch.int32)
+    # Keys whose u is 0.25, 0.75 and just below 1 cannot be chosen; instead check against the torch path, whose
+    # u comes from the same hash, over many keys: both pick 10 or 200 and agree row by row.
+    key = torch.arange(64, dtype=torch.int64) * 7919
+    counter = torch.zeros(64, dtype=torch.int64)
+    many = logits[:1].repeat(64, 1)
+    got = _kernel(many, pack_rows(torch.ones(64), key, counter), PACKED_COLUMNS)
+    assert set(got.tolist()) == {10, 200}
+    assert torch.equal(got, _torch_path(many, torch.ones(64), key, counter))
 
 
-def test_sample_tokens_uses_the_kernel_only_where_it_runs(monkeypatch):
-    """CPU tensors keep the torch path (the reference); the dispatch rule is available_for()."""
-    logits = torch.randn(4, 50)
+def test_plan_fills_the_gpu_and_bounds_the_walk():
+    p = sampling_kernel.plan_chunks(1, 151_936, 132)
+    assert p.chunk == 1024 and p.num_chunks == 149
+    p = sampling_kernel.plan_chunks(16, 151_936, 132)
+    assert p.num_chunks * 16 >= 4 * 132 and p.chunk % p.block == 0
+    p = sampling_kernel.plan_chunks(256, 151_936, 132)
+    assert p.chunk == sampling_kernel.CHUNK_MAX and p.num_chunks == 19
+    p = sampling_kernel.plan_chunks(3, 50, 132)
+    assert p.block == 64 and p.num_chunks == 1
+
+
+def test_sample_tokens_takes_the_kernels_where_they_run(monkeypatch):
+    """CPU tensors keep the torch path (the reference); with the kernels forced on, the same tokens."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 300, generator=g) * 2
+    temperature, key, counter = _settings(6, g)
     assert not sampling_kernel.available_for(logits)
-    assert not sampling_kernel.available_for(torch.randn(sampling_kernel.MIN_ROWS, 50))  # CPU
-    calls = []
+    want = sampler.sample_tokens(logits, temperature, key, counter)
     monkeypatch.setattr(sampling_kernel, "available_for", lambda _l: True)
-    monkeypatch.setattr(sampling_kernel, "draw", lambda *a, **k: calls.append(a) or torch.zeros(4, dtype=torch.int64))
-    temperature = torch.tensor([0.0, 1.0, 1.0, 0.0])
-    out = sample_tokens(logits, temperature, torch.arange(4), torch.zeros(4, dtype=torch.int64))
-    assert len(calls) == 1
-    assert out[0] == logits[0].argmax() and out[3] == logits[3].argmax()  # greedy rows: the argmax
-    assert out[1] == 0 and out[2] == 0  # sampled rows: the kernel's draw
+    got = sampler.sample_tokens(logits, temperature, key, counter)
+    assert not _near_boundary(logits, temperature, uniform(key, counter)).any()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_kernel_matches_torch_on_the_gpu_at_a_real_vocabulary():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rows, vocab = 64, 151_936
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 256])
+def test_kernels_match_torch_on_the_gpu_at_a_real_vocabulary(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    vocab = 151_936
     logits = torch.randn(rows, vocab, device="cuda", generator=g) * 4
     temperature = torch.rand(rows, device="cuda", generator=g) + 0.2
-    u = uniform(torch.arange(rows, device="cuda") * 31, torch.zeros(rows, dtype=torch.int64, device="cuda"))
-    got = sampling_kernel.draw(logits, temperature, u, GREEDY_TEMPERATURE)
-    want = _torch_draw(logits, temperature, u)
-    ambiguous = _near_boundary(logits, temperature, u)
-    assert ambiguous.sum() <= 8  # 152k boundaries per row: a few rows land within rounding of one
+    temperature[::3] = 0.0
+    key = torch.arange(rows, device="cuda", dtype=torch.int64) * 0x9E3779B97F4A7C1 - 12345
+    counter = torch.arange(rows, device="cuda", dtype=torch.int64) * 3
+    got = sampler.sample_tokens(logits, temperature, key, counter)
+    want = _torch_path(logits, temperature, key, counter)
+    ambiguous = _near_boundary(logits, temperature, uniform(key, counter)) & (temperature >= GREEDY_TEMPERATURE)
+    assert ambiguous.sum() <= max(2, rows // 16)  # 152k boundaries per row: a few land within rounding of one
     assert torch.equal(got[~ambiguous], want[~ambiguous])
-    rows_small = sampling_kernel.MIN_ROWS - 1
-    assert not sampling_kernel.available_for(logits[:rows_small]) and sampling_kernel.available_for(logits)
+    assert torch.equal(got[temperature == 0], logits[temperature == 0].argmax(-1))

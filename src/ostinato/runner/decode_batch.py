@@ -27,11 +27,13 @@ import numpy as np
 import torch
 
 from ..contract import DecodeRows, ScheduledSeq
+from . import sampling_kernel
 from .sampler import SamplingBatch, row_key, row_settings
 from .graphs import StaticInput
 
 # Column layout of a decode row. POS and CTR are adjacent: one slice advances both.
 TOKEN, POS, CTR, TEMP, KEY_LO, KEY_HI, TOP_K, TOP_P, BLOCKS = range(9)
+ROW_COLUMNS = sampling_kernel.RowColumns(counter=CTR, temperature=TEMP, key_lo=KEY_LO, key_hi=KEY_HI)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class DecodeLayout:
         return row
 
     def unpack(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Device tensors the model and the sampler need, from [B, width] int32. Capturable."""
+        """Device tensors the model needs, from [B, width] int32. Capturable. (The sampler reads its settings
+        from the rows themselves: sampling_inputs, or the sampling kernels on a GPU.)"""
         positions = batch[:, POS].long()
         block_tables = batch[:, BLOCKS:]
         offset = positions % self.block_size
@@ -66,7 +69,7 @@ class DecodeLayout:
         return {
             "input_ids": batch[:, TOKEN].long(), "positions": positions,
             "slot_mapping": block * self.block_size + offset, "block_tables": block_tables,
-            "context_lens": batch[:, POS] + 1, **self.sampling_inputs(batch),
+            "context_lens": batch[:, POS] + 1,
         }
 
     @staticmethod
@@ -224,7 +227,7 @@ class DecodeBatch:
     def sampling(self, rows: torch.Tensor) -> SamplingBatch:
         """The step's sampling settings, read from the device rows (no host work per row)."""
         n = len(self.rows)
-        u = self.layout.unpack(rows)
+        u = self.layout.sampling_inputs(rows)
         asked = [k for k in self._num_logprobs if k is not None] if self._num_logprob_rows else []
         return SamplingBatch(
             num_rows=n, temperature=u["temperature"], top_k=rows[:, TOP_K].long(),

@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 import torch
 
-from .decode_batch import DecodeBatch, DecodeLayout, resolve_placeholders
+from ..attention.decode_plan import num_sms
+from . import sampling_kernel, unpack_kernel
+from .decode_batch import BLOCKS, POS, ROW_COLUMNS, TOKEN, DecodeBatch, DecodeLayout, resolve_placeholders
 from .graphs import CudaGraphRunner, GraphBackend, default_compare
-from .sampler import sample_tokens
+from .sampler import GREEDY_TEMPERATURE, sample_tokens
 
 # logits_fn(input_ids, positions, slot_mapping, block_tables, context_lens) -> [B, vocab] logits
 LogitsFn = Callable[..., torch.Tensor]
@@ -28,18 +30,31 @@ class DecodeStep:
         self.sampled = torch.zeros(layout.rows, dtype=torch.int64, device=device)  # written by every step
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
-        u = self.layout.unpack(batch)
         # Placeholders are read here, before this step overwrites `sampled`.
-        ids = resolve_placeholders(u["input_ids"], self.sampled)
-        logits = self.logits_fn(ids, u["positions"], u["slot_mapping"], u["block_tables"], u["context_lens"])
-        self.sample(logits, u)
+        ids, positions, slots, context_lens = self.unpack(batch)
+        logits = self.logits_fn(ids, positions, slots, batch[:, BLOCKS:], context_lens)
+        self.sample(logits, batch)
         return logits
 
-    def sample(self, logits: torch.Tensor, settings: dict[str, torch.Tensor]) -> None:
-        """Draw the rows' tokens from logits [B, vocab] into sampled[:B]; settings: DecodeLayout.sampling_inputs
-        of the rows. The decode graph and a mixed step (runner.py, _launch_mixed) both draw through here."""
-        self.sampled[: logits.shape[0]].copy_(
-            sample_tokens(logits, settings["temperature"], settings["key"], settings["counter"]))
+    def unpack(self, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(input ids with placeholders resolved, positions, slot mapping, context lengths) of the rows: one
+        Triton kernel on a GPU (unpack_kernel.py), DecodeLayout.unpack and resolve_placeholders elsewhere."""
+        if unpack_kernel.available_for(batch):
+            return unpack_kernel.unpack(batch, self.sampled, self.layout.block_size, TOKEN, POS, BLOCKS)
+        u = self.layout.unpack(batch)
+        return (resolve_placeholders(u["input_ids"], self.sampled), u["positions"], u["slot_mapping"],
+                u["context_lens"])
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """Draw the rows' tokens from logits [B, vocab] into sampled[:B]; rows: the packed decode rows [>= B,
+        width] holding their settings. The decode graph and a mixed step (runner.py, _launch_mixed) both draw
+        through here. On a GPU the sampling kernels read the settings from the rows as they are."""
+        out = self.sampled[: logits.shape[0]]
+        if sampling_kernel.available_for(logits):
+            sampling_kernel.sample(logits, rows, ROW_COLUMNS, out, GREEDY_TEMPERATURE, num_sms(logits.device))
+            return
+        s = DecodeLayout.sampling_inputs(rows[: logits.shape[0]])
+        out.copy_(sample_tokens(logits, s["temperature"], s["key"], s["counter"]))
 
     def graph_runner(self, sizes: tuple[int, ...], enforce_eager: bool, fallback: str, progress: bool,
                      backend: GraphBackend | None) -> CudaGraphRunner:

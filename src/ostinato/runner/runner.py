@@ -47,7 +47,6 @@ from ..errors import ConfigError
 from ..model.loader import load_model, resolve_dtype, weights_nbytes
 from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
 from .compile_watch import CompileWatch
-from .decode_batch import DecodeLayout
 from .decode_step import DecodeStep
 from .inputs import _to_device as to_device
 from .inputs import build_prefill_inputs, decode_metadata
@@ -301,7 +300,7 @@ class ModelRunner:
         seqs = [s for s in out.seqs if s.samples]
         index = to_device(list(range(n)) + last_rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[index])  # [n + len(seqs), vocab]
-        step.sample(logits[:n], DecodeLayout.sampling_inputs(rows))
+        step.sample(logits[:n], rows)
         pending = self._decode_tokens(n, rows, logits[:n])
         if seqs:
             pending.then(self._sample_chunks(seqs, logits[n:]))

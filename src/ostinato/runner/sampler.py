@@ -7,8 +7,9 @@ its own logits, key and counter: a seeded request gets the same tokens alone or 
 again after a preemption recomputes it. The key is the request's seed hashed (or, unseeded, the engine
 seed and the sequence id); the counter is the number of tokens the sequence generated before.
 
-`sample_tokens` (greedy, temperature, seeds) is what the decode graph captures. Rows with top-k or top-p
-need a sort of the vocabulary; a step that has such rows runs `sample_filtered` eagerly after the replay
+`sample_tokens` (greedy, temperature, seeds) is the draw every step makes: on a GPU as the two Triton kernels
+of sampling_kernel.py (the decode graph calls them on its packed rows), elsewhere in torch (below, their
+reference). Rows with top-k or top-p need a sort of the vocabulary; a step that has such rows runs `sample_filtered` eagerly after the replay
 on the same device tensors and takes its tokens for those rows. Prefill steps run both eagerly.
 """
 
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..attention.decode_plan import num_sms
 from ..contract import ScheduledSeq
 from ..sampling_params import SamplingParams
 from . import sampling_kernel
@@ -174,19 +176,31 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor,
                   counter: torch.Tensor) -> torch.Tensor:
     """Greedy rows (temperature 0) take the argmax; the others draw from softmax(logits / T). [B] int64.
-    No host sync, no data-dependent shape: the decode graph captures it."""
+    No host sync, no data-dependent shape: capturable. On a GPU the two Triton kernels of sampling_kernel.py
+    (the decode step calls them on its packed rows directly); elsewhere the torch path below, their reference."""
+    if sampling_kernel.available_for(logits):
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        sampling_kernel.sample(logits, pack_rows(temperature, key, counter), PACKED_COLUMNS, out,
+                               GREEDY_TEMPERATURE, num_sms(logits.device))
+        return out
     greedy_ids = logits.argmax(dim=-1)
     is_greedy = temperature < GREEDY_TEMPERATURE
-    if sampling_kernel.available_for(logits):  # the same draw without a [B, V] temporary (sampling_kernel.py)
-        sampled_ids = sampling_kernel.draw(logits, temperature, uniform(key, counter), GREEDY_TEMPERATURE)
-        return torch.where(is_greedy, greedy_ids, sampled_ids)
-    # One float32 [B, V] buffer, worked in place: inside a decode graph every temporary of this size stays
-    # allocated in the graph pool (155 MB each at batch 256 and a 152k vocabulary), charged to the KV cache.
+    # One float32 [B, V] buffer, worked in place.
     probs = logits.to(torch.float32, copy=True)  # never the caller's logits: they are the step's output
     probs.div_(torch.where(is_greedy, 1.0, temperature)[:, None])
     probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()  # [B, V] unnormalized
     sampled_ids = _inverse_cdf(probs, uniform(key, counter))
     return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+
+# Settings packed as int32 rows for sampling_kernel: counter, temperature bits, key low and high halves.
+PACKED_COLUMNS = sampling_kernel.RowColumns(counter=0, temperature=1, key_lo=2, key_hi=3)
+
+
+def pack_rows(temperature: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """[B] float32 temperature, int64 key and counter -> [B, 4] int32 rows at PACKED_COLUMNS."""
+    return torch.stack([counter.to(torch.int32), temperature.to(torch.float32).view(torch.int32),
+                        (key & 0xFFFFFFFF).to(torch.int32), (key >> 32).to(torch.int32)], dim=1)
 
 
 def sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
