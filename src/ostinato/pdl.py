@@ -10,8 +10,14 @@ predecessor has completed and its memory is visible. CUDA-graph capture keeps th
 
 The contract every kernel launched with PDL keeps (`pdl_begin` / `pdl_wait` below):
     - it lets its dependent launch at once (`pdl_begin`, first thing);
-    - before `pdl_wait` it reads only what no kernel of the step writes: weights, never activations, the KV
-      cache, block tables or anything the runner copies in; and it writes nothing;
+    - before `pdl_wait` it reads only what no kernel of the PDL chain writes, and it writes nothing. That is
+      the weights; and the step's inputs (positions, slot mapping, block tables, context lengths, the RoPE
+      table), because they are complete before the chain starts: they are copied in or computed by plain
+      launches ahead of the embedding lookup, itself a plain launch (a torch op), which starts only after
+      they finish and lets the first decoder kernel start only when it has finished. And the K/V of tokens
+      before this step's, which no kernel of the step writes (decode attention with RoPE, the one kernel that
+      reads K/V before its wait, excludes the slot its own layer writes: attention/triton_decode.py). Never
+      activations;
     - everything else comes after `pdl_wait`, which every program runs (an early return before it is
       allowed only for a program that neither reads nor writes anything after).
 Waiting is transitive: a kernel's wait returns after its predecessor completed, and that predecessor did
@@ -19,7 +25,9 @@ its work after its own wait, so the whole chain is ordered as without PDL. A ker
 attribute (cuBLAS, torch ops) waits for its predecessor as usual.
 
 What runs before the wait is the point: the small-batch linear (model/gemv.py) loads its first weight tile
-there, so a projection's weight read overlaps the norm or attention kernel before it.
+there, so a projection's weight read overlaps the norm or attention kernel before it; decode attention loads
+its first K/V tile there (with the context length and block table entries that locate it), overlapping the
+qkv projection before it.
 """
 
 from __future__ import annotations

@@ -84,6 +84,39 @@ def _split_span(context_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_row, tok0, end, kv_head, offs_n, offs_d, d_mask,
+                  stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """K and V of tokens [tok0, tok0 + BLOCK_N) below `end`, [BLOCK_N, HEAD_DIM_PAD] each (0 past end), and
+    the token mask [BLOCK_N]."""
+    toks = tok0 + offs_n
+    n_mask = toks < end
+    if HEAD_DIM == HEAD_DIM_PAD:
+        kv_mask = n_mask[:, None]  # no padded columns: a row mask keeps the loads 16 bytes wide
+    else:
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    kv_offs = paged_kv_offsets(block_tables_ptr, seq_row, toks, n_mask, kv_head, stride_cache_block,
+                               stride_cache_tok, stride_cache_head, BLOCK_SIZE)
+    tile = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+    k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0)
+    return k, v, n_mask
+
+
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """One step of the online softmax over a K/V tile holding at least one valid token."""
+    s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
@@ -96,15 +129,20 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
     # MERGE: the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
     # projection [num_seqs, H + 2Hkv, D]; the kernel normalises (QK_NORM) and rotates q itself, and the
     # slice holding the newest token computes its k and v, writes them to slot_mapping[seq] and attends
     # to them from registers (decode_with_rope: no q/k-norm + RoPE launch before the attention).
-    # With PDL (pdl.py) nothing precedes the wait: every input here may come from the kernel before.
+    # PREFETCH (PDL with ROPE, pdl.py): the slice's first K/V tile is read before the wait, with the context
+    # length, block table and RoPE row it needs: none of them is written by a kernel of the step (the step's
+    # inputs are complete before its first PDL kernel, and with ROPE no slice reads the one slot this layer
+    # writes: the newest token comes from registers). Without it nothing precedes the wait.
     pdl_begin(PDL)
-    pdl_wait(PDL)
+    if not PREFETCH:
+        pdl_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,38 +166,35 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh  # [GROUP_PAD, 1]
     if ROPE:
+        end = tl.minimum(start + span, context_len - 1)  # the newest token comes from registers, below
         cos, signed_sin = rope_table(cos_sin_ptr, tl.load(positions_ptr + seq), stride_cs, offs_d, HEAD_DIM)
+    else:
+        end = tl.minimum(start + span, context_len)
+    # Every tile holds at least one valid token (tok0 < end), so m_i is finite after the first. The first
+    # tile is loaded ahead of the loop (before the wait with PREFETCH).
+    k_first, v_first, n_first = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq * stride_bt, start,
+                                              end, kv_head, offs_n, offs_d, d_mask, stride_cache_block,
+                                              stride_cache_tok, stride_cache_head, BLOCK_SIZE, HEAD_DIM,
+                                              HEAD_DIM_PAD)
+    if PREFETCH:
+        pdl_wait(PDL)
+    if ROPE:
         q = load_norm_rope(q_rows, g_mask[:, None], offs_d, q_weight_ptr, cos, signed_sin, eps, q_ptr, HEAD_DIM,
                            QK_NORM, EMULATE_BF16).to(q_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM_PAD]
-        end = tl.minimum(start + span, context_len - 1)  # the newest token comes from registers, below
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        end = tl.minimum(start + span, context_len)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    # Every iteration holds at least one valid token (tok0 < end), so m_i is finite after the first.
-    for tok0 in range(start, end, BLOCK_N):
-        toks = tok0 + offs_n
-        n_mask = toks < end
-        if HEAD_DIM == HEAD_DIM_PAD:
-            kv_mask = n_mask[:, None]  # no padded columns: a row mask keeps the loads 16 bytes wide
-        else:
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-        kv_offs = paged_kv_offsets(block_tables_ptr, seq * stride_bt, toks, n_mask, kv_head,
-                                   stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE)
-        tile = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-        k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        m_i = m_new
+    if start < end:
+        m_i, l_i, acc = _attend_tile(q, k_first, v_first, n_first, m_i, l_i, acc, scale_log2e, DOT_PRECISION,
+                                     UPCAST_DOT)
+    for tok0 in range(start + BLOCK_N, end, BLOCK_N):
+        k, v, n_mask = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq * stride_bt, tok0, end,
+                                     kv_head, offs_n, offs_d, d_mask, stride_cache_block, stride_cache_tok,
+                                     stride_cache_head, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PRECISION, UPCAST_DOT)
 
     if ROPE:
         if split == num_active - 1:  # the slice holding position context_len - 1, the newest token
@@ -332,8 +367,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
-        PDL=tuning.pdl, **dot_settings(q.dtype), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
-        **launch_options(tuning.pdl),
+        PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, **dot_settings(q.dtype),
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages, **launch_options(tuning.pdl),
     )
     if splits > 1 and not merge:
         _decode_reduce_kernel[(num_seqs, num_heads)](
