@@ -9,7 +9,7 @@ import pytest
 from ostinato import cli
 from ostinato.tools import bench_plots
 from ostinato.tools.bench_engine import workload_floor_seconds
-from ostinato.tools.bench_kernels import OTHER, class_bytes, classify, summarize
+from ostinato.tools.bench_kernels import OTHER, class_bytes, classify, report_lines, summarize
 
 QWEN3_06B = types.SimpleNamespace(num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, hidden_size=1024,
                                   intermediate_size=3072, vocab_size=151936)
@@ -50,6 +50,11 @@ def test_summary_shares_and_gap():
     assert s["classes"]["attention"]["share_of_replay"] == pytest.approx(0.25)
     assert s["classes"][OTHER]["GBps"] is None
     assert s["top_kernels"][0]["name"] == "_gemv_kernel"
+    lines = report_lines(16, s, top=2)
+    assert lines[0] == "batch 16: replay 120 us, kernels 105 us (115 per step), gap 15 us"
+    assert lines[1].split()[0] == "projections" and "% HBM" in lines[1]  # longest class first, with its bandwidth
+    assert lines[-3] == "  longest kernels:" and "_gemv_kernel" in lines[-2] and "_decode_split_kernel" in lines[-1]
+    assert "longest kernels:" not in "\n".join(report_lines(16, s, top=0))
 
 
 def test_plots_write_png_files(tmp_path):

@@ -29,7 +29,7 @@ KERNEL_CLASSES = (
     ("silu * up", ("_silu_and_mul_kernel",)),
     ("sampling", ("_sample_chunk_kernel", "_sample_pick_kernel")),
 )
-OTHER = "other (embedding, sampling, copies)"
+OTHER = "other (embedding, row unpacking, copies)"
 
 
 def classify(kernel_name: str) -> str:
@@ -63,6 +63,8 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
     p.add_argument("--steps", type=int, default=5, help="profiled eager steps per batch size")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per batch size")
+    p.add_argument("--top", type=int, default=5, help="print this many of the longest kernels per batch size "
+                   "(the JSON keeps 15)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG path for the kernel-breakdown bar chart")
     p.set_defaults(func=run)
@@ -117,6 +119,21 @@ def summarize(kernels: dict[str, dict[str, float]], nbytes: dict[str, int], repl
             "top_kernels": [{"name": n[:120], "class": classify(n), **k} for n, k in top]}
 
 
+def report_lines(batch: int, summary: dict, top: int) -> list[str]:
+    """What `bench kernels` prints for one batch size: the totals, a line per class (longest first), then
+    the `top` longest kernels by name."""
+    lines = [f"batch {batch}: replay {_fmt(summary['replay_us'])} us, kernels {summary['kernel_us']:.0f} us "
+             f"({summary['kernels_per_step']:.0f} per step), gap {_fmt(summary['gap_us'])} us"]
+    for name, c in sorted(summary["classes"].items(), key=lambda kv: -kv[1]["us"]):
+        bw = f"{c['GBps']:6.0f} GB/s ({100 * c['hbm_share']:4.1f}% HBM)" if c["GBps"] else " " * 24
+        share = f"{100 * c['share_of_replay']:5.1f}%" if c["share_of_replay"] else "   -  "
+        lines.append(f"  {name:36s} {c['us']:8.1f} us  {c['kernels']:5.0f} kernels  {bw}  {share} of replay")
+    if top > 0:
+        lines.append("  longest kernels:")
+        lines += [f"    {k['us']:8.1f} us  {k['calls']:5.0f} calls  {k['name'][:90]}" for k in summary["top_kernels"][:top]]
+    return lines
+
+
 def run(args) -> int:
     import torch
 
@@ -139,12 +156,7 @@ def run(args) -> int:
             nbytes = class_bytes(runner.model_config, runner.dtype.itemsize, bs, args.context)
             summary = summarize(kernels, nbytes, graph_ms * 1e3 if graph_ms else None)
             report["batches"].append({"batch": bs, **summary})
-            print(f"batch {bs}: replay {_fmt(summary['replay_us'])} us, kernels {summary['kernel_us']:.0f} us "
-                  f"({summary['kernels_per_step']:.0f} per step), gap {_fmt(summary['gap_us'])} us")
-            for name, c in sorted(summary["classes"].items(), key=lambda kv: -kv[1]["us"]):
-                bw = f"{c['GBps']:6.0f} GB/s ({100 * c['hbm_share']:4.1f}% HBM)" if c["GBps"] else " " * 24
-                share = f"{100 * c['share_of_replay']:5.1f}%" if c["share_of_replay"] else "   -  "
-                print(f"  {name:36s} {c['us']:8.1f} us  {c['kernels']:5.0f} kernels  {bw}  {share} of replay")
+            print("\n".join(report_lines(bs, summary, args.top)))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
