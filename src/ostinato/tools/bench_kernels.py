@@ -127,7 +127,7 @@ def report_lines(batch: int, summary: dict, top: int) -> list[str]:
     for name, c in sorted(summary["classes"].items(), key=lambda kv: -kv[1]["us"]):
         bw = f"{c['GBps']:6.0f} GB/s ({100 * c['hbm_share']:4.1f}% HBM)" if c["GBps"] else " " * 24
         share = f"{100 * c['share_of_replay']:5.1f}%" if c["share_of_replay"] else "   -  "
-        lines.append(f"  {name:36s} {c['us']:8.1f} us  {c['kernels']:5.0f} kernels  {bw}  {share} of replay")
+        lines.append(f"  {name:40s} {c['us']:8.1f} us  {c['kernels']:5.0f} kernels  {bw}  {share} of replay")
     if top > 0:
         lines.append("  longest kernels:")
         lines += [f"    {k['us']:8.1f} us  {k['calls']:5.0f} calls  {k['name'][:90]}" for k in summary["top_kernels"][:top]]
