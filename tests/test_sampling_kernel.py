@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from ostinato.runner import sampling_kernel  # noqa: E402
 
 
-def _torch_path(logits, temperature, key, counter, monkeypatch=None):
+def _torch_path(logits, temperature, key, counter):
     """sample_tokens' torch path (the reference), whatever device the tensors are on."""
     real = sampling_kernel.available_for
     sampling_kernel.available_for = lambda _logits: False
@@ -120,21 +120,18 @@ def test_decode_rows_are_read_in_place():
     assert torch.equal(_kernel(logits[:5], packed, ROW_COLUMNS), want[:5])
 
 
-def test_kernels_skip_zero_probability_tokens_and_clamp_u_near_one():
-    vocab = 300
-    logits = torch.full((3, vocab), -1e4)
+def test_kernels_skip_zero_probability_tokens():
+    # Two tokens of mass 1/2 each; every other token's mass underflows to 0, and no draw may land on one. u comes
+    # from the hash, so over 64 keys both tokens are drawn, and each row agrees with the torch path's draw.
+    vocab, rows = 300, 64
+    logits = torch.full((rows, vocab), -1e4)
     logits[:, 10] = 0.0
-    logits[:, 200] = 0.0  # two tokens of mass 1/2 each, every other token's mass underflows to 0
-    rows = torch.zeros(3, 4, dtype=torch.int32)
-    rows[:, PACKED_COLUMNS.temperature] = torch.ones(3).view(torch.int32)
-    # Keys whose u is 0.25, 0.75 and just below 1 cannot be chosen; instead check against the torch path, whose
-    # u comes from the same hash, over many keys: both pick 10 or 200 and agree row by row.
-    key = torch.arange(64, dtype=torch.int64) * 7919
-    counter = torch.zeros(64, dtype=torch.int64)
-    many = logits[:1].repeat(64, 1)
-    got = _kernel(many, pack_rows(torch.ones(64), key, counter), PACKED_COLUMNS)
+    logits[:, 200] = 0.0
+    key = torch.arange(rows, dtype=torch.int64) * 7919
+    counter = torch.zeros(rows, dtype=torch.int64)
+    got = _kernel(logits, pack_rows(torch.ones(rows), key, counter), PACKED_COLUMNS)
     assert set(got.tolist()) == {10, 200}
-    assert torch.equal(got, _torch_path(many, torch.ones(64), key, counter))
+    assert torch.equal(got, _torch_path(logits, torch.ones(rows), key, counter))
 
 
 def test_plan_fills_the_gpu_and_bounds_the_walk():
