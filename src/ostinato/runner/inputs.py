@@ -23,7 +23,8 @@ class PrefillInputs:
     last_token_indices: torch.Tensor  # [num_sampled] int64: row of the last fed token of each chunk that samples
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor of `dtype` (the runner's small per-step index tensors use it too)."""
     # Pinned host memory lets the copy run asynchronously with respect to the host.
     t = torch.tensor(data, dtype=dtype)
     if device.type == "cuda":
@@ -59,21 +60,21 @@ def build_prefill_inputs(out: SchedulerOutput, block_size: int, scratch_block: i
         starts.append(starts[-1] + q)
     meta = AttentionMetadata(
         is_prefill=True,
-        slot_mapping=_to_device(slots, torch.int64, device),
-        block_tables=_to_device(_pad_tables([s.block_table for s in out.seqs], width, scratch_block),
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(_pad_tables([s.block_table for s in out.seqs], width, scratch_block),
                                 torch.int32, device),
-        context_lens=_to_device(context_lens, torch.int32, device),
-        query_start_loc=_to_device(starts, torch.int32, device),
+        context_lens=to_device(context_lens, torch.int32, device),
+        query_start_loc=to_device(starts, torch.int32, device),
         query_lens=query_lens,
         context_lens_host=context_lens,
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
     )
     return PrefillInputs(
-        input_ids=_to_device(input_ids, torch.int64, device),
-        positions=_to_device(positions, torch.int64, device),
+        input_ids=to_device(input_ids, torch.int64, device),
+        positions=to_device(positions, torch.int64, device),
         meta=meta,
-        last_token_indices=_to_device(last_rows, torch.int64, device),
+        last_token_indices=to_device(last_rows, torch.int64, device),
     )
 
 

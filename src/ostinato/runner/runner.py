@@ -48,7 +48,7 @@ from ..model.loader import load_model, resolve_dtype, weights_nbytes
 from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
 from .compile_watch import CompileWatch
 from .decode_step import DecodeStep
-from .inputs import _to_device as to_device
+from .inputs import to_device
 from .inputs import build_prefill_inputs, decode_metadata
 from .kv_setup import KVSpec, allocate_kv_and_graphs
 from .pending import ChunkSamples, PendingStep, plain_result
