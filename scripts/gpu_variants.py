@@ -1,0 +1,236 @@
+"""Variants of one decode step, in one process: where the batch-1 time goes, and which tunings beat the default.
+
+The same DecodeStep (forward and in-graph sampling, PDL as the engine resolves it) is captured once per variant
+and batch size, then the graphs are replayed in alternating rounds, so that clocks and process-to-process
+noise (up to 9% between two `ostinato bench` runs) hit every variant alike; the spread within a process is
+well under 1%. Two kinds of variant:
+
+- ablations (`no-attention`, `no-norms`, `no-silu`): that work replaced by nothing (no kernel; its output is
+  an uninitialised or aliased tensor of the right shape). The step is then wrong; its time says what that
+  class of kernel costs the step, with PDL's overlap counted, which the profiler's per-kernel times cannot;
+- tunings (`attn-...`, `gemv-...`): the decode attention's launch settings (attention/decode_plan.py,
+  DecodeTuning) or the small-batch linear's tiles (model/gemv.py) changed before capture. Their logits are
+  compared with the default's (`rel diff`): a tuning changes summation order, never what is computed.
+  `--attn NAME:FIELD=V,...` adds any DecodeTuning; `--base-tree DIR` adds another tree's decode attention
+  kernel (`base-attention`), given this tree's tuning values for the fields that tree knows.
+
+    PYTHONPATH=src python3 scripts/gpu_variants.py /tmp/ck-llama-3.2-1b --batches 1 16 [--only attn-]
+    PYTHONPATH=src python3 scripts/gpu_variants.py CK --batches 1 16 64 --only no-attention --base-tree .base \
+        --attn w2:num_warps=2      (.base: `git archive REV src | tar -x -C .base`; --only none: no fixed ones)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+
+import torch
+
+from ostinato.config import EngineArgs
+from ostinato.engine.engine import LLMEngine
+from ostinato.model import gemv
+from ostinato.tools.bench import _decode_rows
+
+from gpu_pdl import capture, time_replays  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
+
+@contextlib.contextmanager
+def attention_tuning(runner, **fields):
+    backend = runner.backend
+    saved = backend.tuning
+    backend.tuning = dataclasses.replace(saved, decode=dataclasses.replace(saved.decode, **fields))
+    try:
+        yield
+    finally:
+        backend.tuning = saved
+
+
+@contextlib.contextmanager
+def kernels_replaced(runner, **fns):
+    saved = runner.model.kernels
+    runner.model.kernels = dataclasses.replace(saved, **fns)
+    try:
+        yield
+    finally:
+        runner.model.kernels = saved
+
+
+@contextlib.contextmanager
+def no_attention(runner):
+    backend = runner.backend
+    saved = backend.decode_with_rope
+
+    def skipped(heads, q_weight, k_weight, cos_sin_cache, positions, eps, k_cache, v_cache, meta, scale):
+        num_kv = k_cache.shape[2]
+        return heads.new_empty(heads.shape[0], heads.shape[1] - 2 * num_kv, heads.shape[2])
+
+    backend.decode_with_rope = skipped
+    try:
+        yield
+    finally:
+        backend.decode_with_rope = saved
+
+
+@contextlib.contextmanager
+def gemv_tiles(change):
+    rule = gemv.choose_gemv_tiles
+
+    def changed(m, n, k, pdl=False):
+        tiles = rule(m, n, k, pdl)
+        return None if tiles is None else change(tiles, m, n, k)
+
+    gemv.choose_gemv_tiles = changed
+    try:
+        yield
+    finally:
+        gemv.choose_gemv_tiles = rule
+
+
+def whole_k(tiles, m, n, k):
+    """Every weight byte of a program requested before the PDL wait: one K step covering K (up to 4096)."""
+    if k > 4096:
+        return tiles
+    return dataclasses.replace(tiles, block_k=max(tiles.block_k, 1 << (k - 1).bit_length()), peel_first=True)
+
+
+@contextlib.contextmanager
+def base_tree_attention(runner, tree: str):
+    """Decode attention from another source tree (`git archive REV src | tar -x -C TREE`), in this process: the
+    tree's ostinato package is copied as `ostinato_base` (its kernels import each other relatively) and its
+    paged_decode replaces this tree's with the same counters and inputs, and this tree's tuning values for
+    the fields its DecodeTuning has (a field only this tree has, e.g. split_num_stages, is dropped)."""
+    import importlib
+    import shutil
+    import sys
+
+    pkg_root = "/tmp/ostinato_base_pkg"
+    if not os.path.isdir(os.path.join(pkg_root, "ostinato_base")):
+        shutil.copytree(os.path.join(tree, "src", "ostinato"), os.path.join(pkg_root, "ostinato_base"))
+    if pkg_root not in sys.path:
+        sys.path.insert(0, pkg_root)
+    old = importlib.import_module("ostinato_base.attention.triton_decode")
+    backend = runner.backend
+    saved = backend.decode_with_rope
+
+    def base_decode_with_rope(heads, q_weight, k_weight, cos_sin_cache, positions, eps, k_cache, v_cache, meta,
+                              scale):
+        num_kv = k_cache.shape[2]
+        group = (heads.shape[1] - 2 * num_kv) // num_kv
+        known = {f.name for f in dataclasses.fields(old.DecodeTuning)}
+        tuning = old.DecodeTuning(**{k: v for k, v in dataclasses.asdict(backend.tuning.decode).items() if k in known})
+        rope = old.DecodeRope(q_weight, k_weight, cos_sin_cache, positions, meta.slot_mapping, eps)
+        return old.paged_decode(heads.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                group, tuning, backend.split_counters, rope)
+
+    backend.decode_with_rope = base_decode_with_rope
+    try:
+        yield
+    finally:
+        backend.decode_with_rope = saved
+
+
+def parse_attention_variants(specs):
+    """['name:field=value,field=value', ...] -> {name: {field: int value}} (DecodeTuning fields)."""
+    out = {}
+    for spec in specs:
+        name, _, body = spec.partition(":")
+        out[name] = {k: int(v) for k, v in (item.split("=") for item in body.split(",") if item)}
+    return out
+
+
+def variants(runner):
+    def silu_alias(gate_up, **_):
+        return gate_up[:, : gate_up.shape[1] // 2]
+
+    return {
+        "default": contextlib.nullcontext,
+        "no-attention": lambda: no_attention(runner),
+        "no-norms": lambda: kernels_replaced(runner, rms_norm=lambda x, w, eps, **_: x,
+                                             fused_add_rms_norm=lambda x, r, w, eps, **_: (x, r)),
+        "no-silu": lambda: kernels_replaced(runner, silu_and_mul=silu_alias),
+        "attn-splits1": lambda: attention_tuning(runner, splits=1),
+        "attn-splits4": lambda: attention_tuning(runner, splits=4),
+        "attn-splits8": lambda: attention_tuning(runner, splits=8),
+        "attn-splits16": lambda: attention_tuning(runner, splits=16),
+        "attn-bn32": lambda: attention_tuning(runner, block_n=32),
+        "attn-bn16": lambda: attention_tuning(runner, block_n=16),
+        "attn-bn128": lambda: attention_tuning(runner, block_n=128),
+        "attn-bn32-pps8": lambda: attention_tuning(runner, block_n=32, programs_per_sm=8),
+        "attn-warps2": lambda: attention_tuning(runner, num_warps=2),
+        "attn-warps8": lambda: attention_tuning(runner, num_warps=8),
+        "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
+        "gemv-whole-k": lambda: gemv_tiles(whole_k),
+        "gemv-bn-half": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, block_n=max(1, t.block_n // 2))),
+        "gemv-bn-double": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, block_n=t.block_n * 2)),
+        "gemv-warps8": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, num_warps=8)),
+        "gemv-warps2": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, num_warps=2)),
+        "gemv-bk512": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, block_k=512)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--only", nargs="*", default=None, help="name prefixes of the variants to run (default: all)")
+    ap.add_argument("--attn", nargs="*", default=[], metavar="NAME:FIELD=V,...",
+                    help="more decode-attention tunings, e.g. s1w2:num_stages=1,num_warps=2")
+    ap.add_argument("--base-tree", default=None, help="also time this source tree's decode attention (base-attention)")
+    args = ap.parse_args()
+    engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
+                                  gpu_memory_utilization=args.gpu_memory_utilization))
+    runner = engine.runner
+    chosen = {name: make for name, make in variants(runner).items()
+              if name == "default" or args.only is None or any(name.startswith(p) for p in args.only)}
+    for name, fields in parse_attention_variants(args.attn).items():
+        chosen[f"attn:{name}"] = lambda fields=fields: attention_tuning(runner, **fields)
+    if args.base_tree:
+        chosen["base-attention"] = lambda: base_tree_attention(runner, args.base_tree)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{args.model}: context {args.context}, table {args.max_model_len}, {args.rounds} rounds x "
+          f"{args.replays} replays, ms per step (median of rounds, min-max)", flush=True)
+    with torch.inference_mode():
+        for bs in args.batches:
+            batch = runner.decode_batch
+            batch.load_rows(_decode_rows(runner, bs, args.context, gen))
+            rows = batch.copy_to_device(bs)
+            graphs = {}
+            for name, make in chosen.items():
+                try:
+                    with make():
+                        graphs[name] = capture(runner.decode_step, rows)
+                except Exception as exc:  # a tuning the kernel cannot take: say so, go on
+                    print(f"bs {bs:>4}  {name:16s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            logits = {}  # the step returns its logits [bs, vocab]
+            for name, (graph, out) in graphs.items():
+                graph.replay()
+                torch.cuda.synchronize()
+                logits[name] = out[:bs].float().clone()
+            times = {name: [] for name in graphs}
+            for _ in range(args.rounds):
+                for name, (graph, _) in graphs.items():
+                    times[name].append(time_replays(graph, args.replays))
+            base = statistics.median(times["default"])
+            for name in graphs:
+                med = statistics.median(times[name])
+                diff = ""
+                if not name.startswith("no-"):
+                    ref = logits["default"]
+                    diff = f"  rel diff {((logits[name] - ref).abs().max() / ref.abs().max()).item():.1e}"
+                print(f"bs {bs:>4}  {name:16s} {med:.4f}  ({min(times[name]):.4f}-{max(times[name]):.4f})  "
+                      f"x{med / base:.3f}  {1000 * (med - base):+7.1f} us{diff}", flush=True)
+            del graphs
+            batch.load_rows(None)
+            batch.copy_to_device(batch.layout.rows)
+
+
+if __name__ == "__main__":
+    main()
