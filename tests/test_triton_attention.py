@@ -270,6 +270,11 @@ def test_split_count_fills_the_gpu_from_shapes_only():
     assert choose_num_splits(tuning, num_seqs=16, num_kv_heads=8, max_context=32768, num_sms=132) == 16
 
 
+def test_split_launches_take_their_own_warps_and_pipeline_depth():
+    tuning = DecodeTuning(num_warps=2, num_stages=3, split_num_warps=4, split_num_stages=1)
+    assert [tuning.launch_for(splits) for splits in (1, 2, 64)] == [(2, 3), (4, 1), (4, 1)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_with_the_chosen_split_count_at_batch_one(device):
     # Batch 1 is where splitting matters; the CPU pretends to have 4 SMs, so this splits 8 ways.
@@ -452,6 +457,8 @@ def test_bad_tuning_arguments_raise_a_config_error():
         DecodeTuning(splits=0)
     with pytest.raises(ConfigError, match="single_launch_max_splits"):
         DecodeTuning(single_launch_max_splits=-1)
+    with pytest.raises(ConfigError, match="split_num_stages"):
+        DecodeTuning(split_num_stages=0)
     with pytest.raises(ConfigError, match="prefill_block_n must be a power of two"):
         TritonAttentionTuning(prefill_block_n=48)
 

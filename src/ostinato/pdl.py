@@ -26,8 +26,8 @@ attribute (cuBLAS, torch ops) waits for its predecessor as usual.
 
 What runs before the wait is the point: the small-batch linear (model/gemv.py) loads its first weight tile
 there, so a projection's weight read overlaps the norm or attention kernel before it; decode attention loads
-its first K/V tile there (with the context length and block table entries that locate it), overlapping the
-qkv projection before it.
+its first K/V tile there (with the context length and block table entries that locate it, and the q/k norm
+weights), overlapping the qkv projection before it.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True)
 class DecodeTuning:
-    """Launch settings of the decode kernels. The defaults were the fastest of a sweep (block_n 32/64,
-    num_stages 1/3, programs_per_sm 2/4) on the H200 at batch 1, 16, 64 (docs/PERFORMANCE.md, issue 11).
+    """Launch settings of the decode kernels. The defaults were the fastest of two sweeps on the H200 at batch
+    1, 16, 64: the kernel alone (block_n 32/64, num_stages 1/3, programs_per_sm 2/4), then whole decode steps
+    in one process (scripts/gpu_variants.py: block_n 16-128, 2-8 warps, forced split counts; docs/PERFORMANCE.md,
+    issue 11). Warps and stages differ between split and unsplit launches (below).
 
     block_n: tokens per inner-loop tile (a power of two >= 16).
     programs_per_sm: split until num_seqs * num_kv_heads * splits reaches this many programs per SM.
@@ -33,10 +35,21 @@ class DecodeTuning:
         RoPE kernel before it. scripts/gpu_decode_attention.py --rope times both.
     pdl: launch with programmatic dependent launch (pdl.py): the kernel may start while the projection before
         it finishes. Only where pdl.resolve_pdl says the device supports it; the runner sets it from --pdl.
+    num_warps, num_stages: those of a launch that does not split the context (a batch that fills the GPU).
+        num_warps 2 instead of 4 took 307 and 278 us off qwen3-0.6b and llama-3.1-8b at batch 64, context 512
+        (head_dim 128; llama-3.2-1b, head_dim 64: +5 us, within noise), scripts/gpu_variants.py.
+    split_num_warps: num_warps of a launch that splits (2 instead of 4 added 35 and 51 us to llama-3.2-1b and
+        llama-3.1-8b at batch 1).
+    split_num_stages: num_stages of a launch that splits the context.
+        A split launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
+        on their latency; software pipelining then only adds a prologue. H200, a whole decode step in one
+        process (scripts/gpu_variants.py, context 512): 1 instead of 3 took 25, 10 and 39 us off qwen3-0.6b,
+        llama-3.2-1b and llama-3.1-8b at batch 1, and 90, 17 and 57 us at batch 16; unsplit (batch 64) it
+        added 289 and 67 us, so unsplit launches keep 3. At context 8192: batch 4 -265 us, batch 1 +14 us.
     """
 
     block_n: int = 64
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 3
     programs_per_sm: int = 4
     max_splits: int = 64
@@ -45,17 +58,26 @@ class DecodeTuning:
     single_launch_max_splits: int = 64
     apply_rope: bool = True
     pdl: bool = False
+    split_num_warps: int = 4
+    split_num_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ConfigError(f"decode block_n must be a power of two >= 16, got {self.block_n}")
-        for name in ("num_warps", "num_stages", "programs_per_sm", "max_splits", "max_keys_per_program"):
+        for name in ("num_warps", "num_stages", "split_num_warps", "split_num_stages", "programs_per_sm", "max_splits",
+                     "max_keys_per_program"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"decode {name} must be >= 1, got {getattr(self, name)}")
         if self.splits is not None and self.splits < 1:
             raise ConfigError(f"decode splits must be >= 1 or None, got {self.splits}")
         if self.single_launch_max_splits < 0:
             raise ConfigError(f"decode single_launch_max_splits must be >= 0, got {self.single_launch_max_splits}")
+
+    def launch_for(self, splits: int) -> tuple[int, int]:
+        """(num_warps, num_stages) of a launch of `splits` slices (see split_num_warps, split_num_stages)."""
+        if splits > 1:
+            return self.split_num_warps, self.split_num_stages
+        return self.num_warps, self.num_stages
 
     def single_launch(self, splits: int) -> bool:
         """Whether a launch of `splits` slices merges in its last program (see single_launch_max_splits)."""

@@ -52,17 +52,29 @@ def norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, dtype_ptr, HEAD_
 
 
 @triton.jit
-def load_norm_rope(row_ptrs, row_mask, d, w_ptr, cos, signed_sin, eps, dtype_ptr, HEAD_DIM: tl.constexpr,
+def norm_weights(w_ptr, d, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """The per-head RMSNorm weight and its rotate_half partner, [1, HEAD_DIM_PAD] fp32 each (zeros, unread,
+    without QK_NORM). Separate from the rows' loads so that a kernel can request them early: they are
+    weights, which no kernel of the step writes (the decode kernel reads them before its PDL wait)."""
+    d_mask = d < HEAD_DIM
+    if QK_NORM:
+        partner = rope_partner(d, HEAD_DIM)
+        w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w_partner = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    else:
+        w = tl.zeros_like(d)[None, :].to(tl.float32)
+        w_partner = w
+    return w, w_partner
+
+
+@triton.jit
+def load_norm_rope(row_ptrs, row_mask, d, w, w_partner, cos, signed_sin, eps, dtype_ptr, HEAD_DIM: tl.constexpr,
                    QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """Rows at row_ptrs [R, 1] (head_dim contiguous; row_mask [R, 1]) loaded with their partners, then
-    norm_rope with one weight vector w_ptr [HEAD_DIM] (unread without QK_NORM). [R, HEAD_DIM_PAD] fp32."""
+    norm_rope with one weight vector (w, w_partner from norm_weights). [R, HEAD_DIM_PAD] fp32."""
     partner = rope_partner(d, HEAD_DIM)
     d_mask = d < HEAD_DIM
     mask = row_mask & d_mask[None, :]
     x = tl.load(row_ptrs + d[None, :], mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(row_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    w, w_partner = x, x
-    if QK_NORM:
-        w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w_partner = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     return norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, dtype_ptr, HEAD_DIM, QK_NORM, EMULATE_BF16)

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from ..pdl import launch_options, pdl_begin, pdl_wait
 from .decode_plan import DecodeRope, DecodeTuning, SplitCounters, choose_num_splits, num_sms
-from .rope_tile import load_norm_rope, rope_table
+from .rope_tile import load_norm_rope, norm_weights, rope_table
 from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 
 __all__ = ["DecodeRope", "DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
@@ -137,9 +137,10 @@ def _decode_split_kernel(
     # slice holding the newest token computes its k and v, writes them to slot_mapping[seq] and attends
     # to them from registers (decode_with_rope: no q/k-norm + RoPE launch before the attention).
     # PREFETCH (PDL with ROPE, pdl.py): the slice's first K/V tile is read before the wait, with the context
-    # length, block table and RoPE row it needs: none of them is written by a kernel of the step (the step's
-    # inputs are complete before its first PDL kernel, and with ROPE no slice reads the one slot this layer
-    # writes: the newest token comes from registers). Without it nothing precedes the wait.
+    # length, block table and RoPE row it needs, and the q/k norm weights: no kernel of the step writes any of
+    # them (weights never; the step's inputs are complete before its first PDL kernel; and with ROPE no slice
+    # reads the one slot this layer writes: the newest token comes from registers). Without it nothing
+    # precedes the wait.
     pdl_begin(PDL)
     if not PREFETCH:
         pdl_wait(PDL)
@@ -168,6 +169,8 @@ def _decode_split_kernel(
     if ROPE:
         end = tl.minimum(start + span, context_len - 1)  # the newest token comes from registers, below
         cos, signed_sin = rope_table(cos_sin_ptr, tl.load(positions_ptr + seq), stride_cs, offs_d, HEAD_DIM)
+        q_w, q_w_partner = norm_weights(q_weight_ptr, offs_d, HEAD_DIM, QK_NORM)
+        k_w, k_w_partner = norm_weights(k_weight_ptr, offs_d, HEAD_DIM, QK_NORM)
     else:
         end = tl.minimum(start + span, context_len)
     # Every tile holds at least one valid token (tok0 < end), so m_i is finite after the first. The first
@@ -179,8 +182,26 @@ def _decode_split_kernel(
     if PREFETCH:
         pdl_wait(PDL)
     if ROPE:
-        q = load_norm_rope(q_rows, g_mask[:, None], offs_d, q_weight_ptr, cos, signed_sin, eps, q_ptr, HEAD_DIM,
-                           QK_NORM, EMULATE_BF16).to(q_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM_PAD]
+        # The newest token's k and v rows are requested with q's, in the same round trip to L2, by the slice
+        # that holds it (other programs' loads are masked off). Loaded after the loop, they were one more
+        # dependent read on the path of that slice, which is the one the merge usually waits for.
+        newest = split == num_active - 1
+        one = tl.arange(0, 1)
+        newest_row = (split + one[:, None]) == num_active - 1  # [1, 1] (a tensor mask: the interpreter's too)
+        k_row = q_ptr + seq * stride_qs + (NUM_HEADS + kv_head + one)[:, None] * stride_qh  # [1, 1]
+        k_new = load_norm_rope(k_row, newest_row, offs_d, k_w, k_w_partner, cos, signed_sin, eps, q_ptr, HEAD_DIM,
+                               QK_NORM, EMULATE_BF16)  # [1, HEAD_DIM_PAD] fp32, rounded
+        v_new = tl.load(k_row + NUM_KV_HEADS * stride_qh + offs_d[None, :], mask=newest_row & d_mask[None, :],
+                        other=0.0)
+        q = load_norm_rope(q_rows, g_mask[:, None], offs_d, q_w, q_w_partner, cos, signed_sin, eps, q_ptr,
+                           HEAD_DIM, QK_NORM, EMULATE_BF16).to(q_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM_PAD]
+        if newest:
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            if slot >= 0:  # a negative slot writes nowhere (as write_kv); padded rows use the scratch block
+                dst = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok \
+                    + kv_head * stride_cache_head + offs_d[None, :]
+                tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
+                tl.store(v_cache_ptr + dst, v_new, mask=d_mask[None, :])
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
@@ -197,18 +218,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PRECISION, UPCAST_DOT)
 
     if ROPE:
-        if split == num_active - 1:  # the slice holding position context_len - 1, the newest token
-            one = tl.arange(0, 1)
-            k_row = q_ptr + seq * stride_qs + (NUM_HEADS + kv_head + one)[:, None] * stride_qh  # [1, 1]
-            k_new = load_norm_rope(k_row, one[:, None] < 1, offs_d, k_weight_ptr, cos, signed_sin, eps, q_ptr,
-                                   HEAD_DIM, QK_NORM, EMULATE_BF16)  # [1, HEAD_DIM_PAD] fp32, rounded
-            v_new = tl.load(k_row + NUM_KV_HEADS * stride_qh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-            if slot >= 0:  # a negative slot writes nowhere (as write_kv); padded rows use the scratch block
-                dst = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok \
-                    + kv_head * stride_cache_head + offs_d[None, :]
-                tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
-                tl.store(v_cache_ptr + dst, v_new, mask=d_mask[None, :])
+        if newest:  # the slice holding position context_len - 1: its k and v were loaded and written above
             # The loop's step for one more key: q . k in fp32 (the dot's products are exact in fp32 too),
             # p rounded to the value dtype as the loop's P @ V does.
             s_new = tl.sum(q.to(tl.float32) * k_new, 1) * scale_log2e  # [GROUP_PAD]
@@ -262,17 +272,24 @@ def _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_h
     g_mask = offs_g < GROUP
     base = (seq * NUM_HEADS + heads) * num_splits  # [MERGE_GROUP] first partial of each head
     gs_mask = g_mask[:, None] & (offs_s < num_active)[None, :]
+    # The first chunk's outputs are requested with the maxima and sums: one round trip to L2 where the active
+    # slices fit in one chunk (batch 1 at short contexts, where this merge is on the step's critical path).
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    gc_mask = g_mask[:, None] & (offs_c < num_active)[None, :]  # [MERGE_GROUP, MERGE_CHUNK]
+    idx = base[:, None] + offs_c[None, :]
+    o = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=gc_mask[:, :, None],
+                other=0.0, cache_modifier=".cg")  # [MERGE_GROUP, MERGE_CHUNK, HEAD_DIM_PAD]
+    m_c = tl.load(part_max_ptr + idx, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
     m_s = tl.load(part_max_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"),
                   cache_modifier=".cg")  # [MERGE_GROUP, SPLITS_PAD]
     l_s = tl.load(part_sum_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
     m_max = tl.max(m_s, 1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context 0 (or a padded head): weights 0, not NaN
     total = tl.sum(l_s * tl.exp2(m_s - m_max[:, None]), 1)  # [MERGE_GROUP]
-    acc = tl.zeros([MERGE_GROUP, HEAD_DIM_PAD], tl.float32)
-    offs_c = tl.arange(0, MERGE_CHUNK)
-    for s0 in range(0, num_active, MERGE_CHUNK):
+    acc = tl.sum(o * tl.exp2(m_c - m_max[:, None])[:, :, None], 1)  # [MERGE_GROUP, HEAD_DIM_PAD]; 0 where masked
+    for s0 in range(MERGE_CHUNK, num_active, MERGE_CHUNK):
         chunk = s0 + offs_c  # [MERGE_CHUNK] slice indices
-        gc_mask = g_mask[:, None] & (chunk < num_active)[None, :]  # [MERGE_GROUP, MERGE_CHUNK]
+        gc_mask = g_mask[:, None] & (chunk < num_active)[None, :]
         idx = base[:, None] + chunk[None, :]
         m_c = tl.load(part_max_ptr + idx, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
         w = tl.exp2(m_c - m_max[:, None])  # [MERGE_GROUP, MERGE_CHUNK]; 0 where masked
@@ -350,6 +367,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # Merge tile [merge_group, chunk, head_dim_pad] of at most 4096 fp32 (32 registers a thread at 4 warps):
     # with 8192 the kernel needed 135 registers instead of 90 (sm_90, group 2, head_dim 128, cuobjdump).
     merge_chunk = max(1, min(splits_pad, 4096 // (merge_group * head_dim_pad)))
+    num_warps, num_stages = tuning.launch_for(splits)
     if rope is not None:
         norm = rope.q_weight is not None
         rope_args = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos_sin_cache, rope.positions,
@@ -368,7 +386,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
         PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, **dot_settings(q.dtype),
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages, **launch_options(tuning.pdl),
+        num_warps=num_warps, num_stages=num_stages, **launch_options(tuning.pdl),
     )
     if splits > 1 and not merge:
         _decode_reduce_kernel[(num_seqs, num_heads)](
