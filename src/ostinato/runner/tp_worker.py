@@ -88,8 +88,20 @@ def _injected_failure(rank: int) -> str | None:
 
 
 def run_worker(args: EngineArgs, info: RankInfo) -> None:
-    """A torchrun-style worker: steps come over a gloo broadcast from rank 0."""
+    """A torchrun-style worker: steps come over a gloo broadcast from rank 0.
+
+    Unlike a worker we launch (main(), which leaves by os._exit), this process goes on to the caller's
+    SystemExit and the interpreter's shutdown; a process group still alive then is torn down by finalizers
+    while rank 0, which hosts the store, may be gone, and on a loaded machine that aborted the process
+    ("terminate called without an active exception", exit -6; 1 in 8 runs of the torchrun test with both
+    cores busy). So the group this function created is destroyed here, in order; a group the user set up
+    before (torchrun scripts may) is theirs to keep."""
+    import torch.distributed as dist
+
+    owns_group = not dist.is_initialized()
     serve_rank(args, info, lambda cpu_group: BroadcastChannel(cpu_group, info.rank))
+    if owns_group and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_env_worker(ns) -> int:
