@@ -149,8 +149,10 @@ def variants(runner):
         "default": contextlib.nullcontext,
         "no-attention": lambda: no_attention(runner),
         "no-norms": lambda: kernels_replaced(runner, rms_norm=lambda x, w, eps, **_: x,
-                                             fused_add_rms_norm=lambda x, r, w, eps, **_: (x, r)),
+                                             fused_add_rms_norm=lambda x, r, w, eps, **_: (x, r), norm_linear=None),
         "no-silu": lambda: kernels_replaced(runner, silu_and_mul=silu_alias),
+        # The norms launched apart from the projections after them (model/gemv.py's fold off).
+        "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
         "attn-splits1": lambda: attention_tuning(runner, splits=1),
         "attn-splits4": lambda: attention_tuning(runner, splits=4),
         "attn-splits8": lambda: attention_tuning(runner, splits=8),

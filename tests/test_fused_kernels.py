@@ -403,6 +403,8 @@ def hf_order_add_rms_norm(x, residual, weight, eps):
     return hf_rms_norm(residual, weight, eps), residual
 
 
+# The Triton set with torch's projections (F.linear) and nothing folded into them (the folds use the Triton GEMV).
+UNFOLDED_TORCH_LINEAR = dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref, norm_linear=None)
 # The torch path with HF's norm rounding order: what the Triton kernels compute, step for step.
 HF_ORDER_TORCH_KERNELS = dataclasses.replace(fused.TORCH_KERNELS, name="torch-hf-order", rms_norm=hf_rms_norm,
                                              fused_add_rms_norm=hf_order_add_rms_norm)
@@ -430,7 +432,7 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
     if device == "cpu" and dtype == torch.bfloat16:
         # The interpreter emulates bf16 element by element: the small-batch linear over every projection of
         # the model took 190 s of CI here. tests/test_gemv.py checks that kernel itself, in bf16 too.
-        kernels = dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref)
+        kernels = UNFOLDED_TORCH_LINEAR
     actual = run_steps(model, kernels, dtype, device, prompts)
     if dtype == torch.float32:
         expected = run_steps(model, fused.TORCH_KERNELS, dtype, device, prompts)
@@ -440,7 +442,7 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
     # bf16. Against torch with the kernels' rounding order: equal up to rare 1-ulp flips (bit-equal on CPU).
     # Both sides use the same projections here (F.linear): the small-batch Triton linear sums in another
     # order, and its 1-ulp differences would hide what this compares (the norms, RoPE, activation).
-    same_linear = run_steps(model, dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref), dtype,
+    same_linear = run_steps(model, UNFOLDED_TORCH_LINEAR, dtype,
                             device, prompts) if kernels is fused.TRITON_KERNELS else actual
     same_rounding = run_steps(model, HF_ORDER_TORCH_KERNELS, dtype, device, prompts)
     # On the GPU the decode attention sums its splits in another order than the torch path (one launch, the
@@ -460,6 +462,44 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
         for name, logits in (("triton", a), ("torch", t)):
             error = (logits - g).abs()
             assert error.mean() <= 0.2 and error.max() <= 1.5, f"{name} step {step}: {error.mean():.3f}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_folded_norms_give_the_logits_of_separate_kernels(checkpoints, family, device, monkeypatch):
+    """Decode at batch 1, where the small-batch GEMV takes the projections and the norms fold into them
+    (model/gemv.py), against the same kernels launched apart: bit for bit under the interpreter; on the GPU
+    within the bf16 noise of the norm's other reduction order."""
+    from ostinato.model import gemv
+    from ostinato.model.gemv import small_batch_norm_linear
+
+    if device == "cpu":  # the interpreter runs each program in numpy: tiles of the tiny model's size, not the
+        # H200's (1 output x 1024 inputs a program took 4 min here); two K steps on down_proj (K 128)
+        monkeypatch.setattr(gemv, "choose_gemv_tiles",
+                            lambda m, n, k, pdl=False: gemv.GemvTiles(16, 64, peel_first=True) if m <= 4 else None)
+    model = load(checkpoints, family, torch.bfloat16, device)
+    folds = []
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            folds.append(fn.__name__) if out is not None else None
+            return out
+        return call
+
+    folded_set = dataclasses.replace(fused.TRITON_KERNELS, norm_linear=counted(small_batch_norm_linear))
+    prompts = [torch.arange(3, 10)]
+    folded = run_steps(model, folded_set, torch.bfloat16, device, prompts, decode_steps=2)
+    layers = model.config.num_layers
+    assert folds == ["small_batch_norm_linear"] * (2 * 2 * layers)  # qkv and gate_up, every layer, both steps
+    apart = run_steps(model, dataclasses.replace(fused.TRITON_KERNELS, norm_linear=None),
+                      torch.bfloat16, device, prompts, decode_steps=2)
+    for step, (a, e) in enumerate(zip(folded, apart)):
+        if device == "cpu":
+            assert torch.equal(a, e), f"step {step}"
+        else:
+            torch.testing.assert_close(a, e, atol=0.25, rtol=0, msg=lambda m: f"step {step}: {m}")
+            assert (a - e).abs().mean() <= 0.03, f"step {step}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -546,11 +586,12 @@ def test_decode_step_with_triton_kernels_replays_in_a_cuda_graph(checkpoints, fa
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("shape,min_saved", [("qwen3-0.6b", 9), ("llama-3.1-8b", 6)])
-def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
+@pytest.mark.parametrize("shape,min_saved,norms", [("qwen3-0.6b", 11, 0), ("llama-3.1-8b", 6, 2)])
+def test_fused_kernels_cut_kernels_per_layer(shape, min_saved, norms):
     """One decoder layer at a real shape (random weights), a batch-1 decode step over 512 cached tokens:
     the fused path launches each of its kernels as often as listed below and at least `min_saved` fewer
-    kernels in all."""
+    kernels in all. `norms`: RMSNorm launches left (Qwen3-0.6B, K 1024: both fold into the GEMVs after them;
+    Llama-3.1-8B, K 4096: neither, model/gemv.py small_batch_norm_linear says why)."""
     from ostinato.attention.triton_paged import TritonPagedBackend
 
     config = ModelConfig.from_hf_dict(hf_config_dict(shape))
@@ -582,7 +623,7 @@ def test_fused_kernels_cut_kernels_per_layer(shape, min_saved):
             print(f"{shape} {kernels.name}: {len(names)} kernels per layer: {names}")
     fused_names = counts["triton"]
     # At decode the q/k norm, RoPE and K/V write ride in the attention kernel (one launch, no reduce).
-    for kernel, per_layer in [("_rms_norm_kernel", 2), ("_qk_norm_rope_kernel", 0), ("_silu_and_mul_kernel", 1),
+    for kernel, per_layer in [("_rms_norm_kernel", norms), ("_qk_norm_rope_kernel", 0), ("_silu_and_mul_kernel", 1),
                               ("_write_kv_kernel", 0), ("_decode_split_kernel", 1), ("_decode_reduce_kernel", 0)]:
         assert sum(kernel in name for name in fused_names) == per_layer, kernel
     assert len(fused_names) <= len(counts["torch"]) - min_saved

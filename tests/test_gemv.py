@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ostinato.model.gemv import GemvTiles, choose_gemv_tiles, gemv_linear, small_batch_linear  # noqa: E402
+from ostinato.model import fused  # noqa: E402
+from ostinato.model.gemv import (GemvTiles, NORM_FOLD_MAX_K, choose_gemv_tiles, gemv_linear,  # noqa: E402
+                                 gemv_norm_linear, small_batch_linear, small_batch_norm_linear)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -91,6 +93,79 @@ def test_small_batch_linear_dispatch():
     assert torch.equal(small_batch_linear(x, layer32), F.linear(x, layer32.weight, layer32.bias))
 
 
+# ---- the norm folded in -----------------------------------------------------------------------------------
+
+FOLD_CASES = [  # (m, n, k, tiles): one K step, several with a remainder, peeled or not, M padded
+    (1, 37, 100, GemvTiles(4, 32)),
+    (3, 20, 70, GemvTiles(2, 32, peel_first=True)),
+    (1, 48, 130, GemvTiles(2, 64, peel_first=True)),
+    (4, 9, 64, GemvTiles(8, 64)),
+]
+
+
+def _fold_inputs(m, k, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(m, k, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    return x, residual, norm_weight
+
+
+@pytest.mark.parametrize("m,n,k,tiles", FOLD_CASES)
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_fold_is_the_norm_kernel_then_the_gemv(m, n, k, tiles, with_residual, dtype):
+    """rmsnorm(x + residual) * w folded into the projection: the values of fused_add_rms_norm (rms_norm without
+    a residual) then gemv_linear, and the residual sum bit for bit (program 0 writes it, every program reads)."""
+    x, residual, norm_weight = _fold_inputs(m, k, dtype, m * 100 + k)
+    w = (torch.randn(n, k) * 0.1).to(dtype).to(DEVICE)
+    residual = residual if with_residual else None
+    out, new_residual = gemv_norm_linear(x, residual, norm_weight, 1e-6, w, None, tiles)
+    if residual is None:
+        normed, expected_residual = fused.rms_norm(x, norm_weight, 1e-6), x
+    else:
+        normed, expected_residual = fused.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(new_residual, expected_residual)
+    assert (new_residual is x) == (residual is None)  # no copy when there is nothing to add
+    expected = gemv_linear(normed, w, None, tiles)
+    # The same roundings in the same order: bit for bit under the interpreter. On the GPU the norm's sum of
+    # squares may reduce in another order than the norm kernel's (a 1-ulp change of a normalised value).
+    if DEVICE == "cpu":
+        assert torch.equal(out, expected)
+    else:
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    assert x.abs().sum() > 0 and out.abs().sum() > 0
+
+
+def test_norm_fold_takes_only_the_peeled_gemv_shapes():
+    """Where the GEMV does not take the projection with a peeled first step (rows cuBLAS takes, fp32, K above
+    3072, a row too wide to hold, a row-parallel layer), the fold answers None and the kernel set launches the
+    norm and the projection apart, same values."""
+    layer = torch.nn.Linear(64, 40, bias=False).to(torch.bfloat16).to(DEVICE)
+    x1, r1, nw = _fold_inputs(1, 64, torch.bfloat16, 1)
+    x8, r8, _ = _fold_inputs(8, 64, torch.bfloat16, 2)
+    assert small_batch_norm_linear(x1, r1, nw, 1e-6, layer) is not None
+    assert small_batch_norm_linear(x8, r8, nw, 1e-6, layer) is None  # 8 rows: cuBLAS
+    k4 = torch.nn.Linear(4096, 8, bias=False).to(torch.bfloat16).to(DEVICE)  # the 8B's K: no peel, no fold
+    x4, r4, nw4 = _fold_inputs(1, 4096, torch.bfloat16, 4)
+    assert small_batch_norm_linear(x4, r4, nw4, 1e-6, k4) is None
+    layer32 = torch.nn.Linear(64, 40).to(DEVICE)
+    assert small_batch_norm_linear(x1.float(), r1.float(), nw.float(), 1e-6, layer32) is None
+    wide = torch.nn.Linear(NORM_FOLD_MAX_K * 2, 8, bias=False).to(torch.bfloat16).to(DEVICE)
+    xw, rw, nww = _fold_inputs(1, NORM_FOLD_MAX_K * 2, torch.bfloat16, 3)
+    assert small_batch_norm_linear(xw, rw, nww, 1e-6, wide) is None
+
+    class RowParallel(torch.nn.Linear):
+        tp = type("TP", (), {"world_size": 2})()
+
+    assert small_batch_norm_linear(x1, r1, nw, 1e-6, RowParallel(64, 40).to(torch.bfloat16).to(DEVICE)) is None
+    # The kernel set's fallback: the norm kernel then the projection, the residual its sum.
+    kernels = fused.TRITON_KERNELS
+    out, residual = kernels.norm_then_linear(x8, r8, nw, 1e-6, layer)
+    normed, expected_residual = fused.fused_add_rms_norm(x8, r8, nw, 1e-6)
+    assert torch.equal(residual, expected_residual) and torch.equal(out, small_batch_linear(normed, layer))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (3072, 2048),
@@ -103,3 +178,18 @@ def test_gemv_at_the_real_projection_shapes(m, n, k):
     out = gemv_linear(x, w, None, tiles).float()
     ref = F.linear(x.float(), w.float())
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (3072, 2048), (16384, 2048)])  # qwen3, 1B: qkv, gate_up
+def test_norm_fold_at_the_real_shapes(n, k):
+    """Batch 1, where the GEMV (with PDL) takes the projections the fold applies to."""
+    x, residual, norm_weight = (t.cuda() for t in _fold_inputs(1, k, torch.bfloat16, 7))
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    tiles = choose_gemv_tiles(1, n, k, pdl=True)
+    out, new_residual = gemv_norm_linear(x, residual, norm_weight, 1e-6, w, None, tiles, pdl=True)
+    normed, expected_residual = fused.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(new_residual, expected_residual)
+    expected = gemv_linear(normed, w, None, tiles).float()
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2

@@ -51,7 +51,8 @@ def test_kernel_sets_differ_only_in_the_launch():
     assert kernels_for(cuda, False) is TRITON_KERNELS
     assert kernels_for(cuda, True) is TRITON_KERNELS_PDL
     assert kernels_for(torch.device("cpu"), True) is TORCH_KERNELS  # torch ops: nothing to launch with PDL
-    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope", "linear", "qk_norm_rope_write_kv"):
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope", "linear", "qk_norm_rope_write_kv",
+                 "norm_linear"):
         fn = getattr(TRITON_KERNELS_PDL, name)
         assert fn.keywords == {"pdl": True} and fn.func is getattr(TRITON_KERNELS, name)
 
@@ -78,10 +79,27 @@ def _layer_chain(pdl: bool, x, res, w):
     return fused.fused_add_rms_norm(h, res, w["norm"], 1e-6, pdl=pdl)
 
 
+def _folded_layer_chain(pdl: bool, x, res, w):
+    """The same layer as the decoder runs it at batch 1, the norms folded into the GEMVs after them: each
+    folded kernel reads a residual written two or three launches before it, and writes the next one."""
+    from ostinato.model import fused
+    from ostinato.model.gemv import choose_gemv_tiles, gemv_linear, gemv_norm_linear
+
+    def tiles(weight):
+        return choose_gemv_tiles(1, *weight.shape, pdl=True)
+
+    qkv, res = gemv_norm_linear(x, res, w["norm"], 1e-6, w["qkv"], None, tiles(w["qkv"]), pdl=pdl)
+    h = gemv_linear(qkv[:, : w["o"].shape[1]], w["o"], None, tiles(w["o"]), pdl=pdl)
+    gate_up, res = gemv_norm_linear(h, res, w["norm"], 1e-6, w["gate_up"], None, tiles(w["gate_up"]), pdl=pdl)
+    return gemv_linear(fused.silu_and_mul(gate_up, pdl=pdl), w["down"], None, tiles(w["down"]), pdl=pdl), res
+
+
 @pytest.mark.gpu
 @needs_pdl
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("hidden,inter", [(1024, 3072), (2048, 8192)])
-def test_pdl_chain_in_a_graph_matches_plain_launches_every_replay(hidden, inter):
+def test_pdl_chain_in_a_graph_matches_plain_launches_every_replay(hidden, inter, folded):
+    layer_chain = _folded_layer_chain if folded else _layer_chain
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*shape):
@@ -92,20 +110,20 @@ def test_pdl_chain_in_a_graph_matches_plain_launches_every_replay(hidden, inter)
     x, res = rand(1, hidden), rand(1, hidden)
     chain = 6  # layers in a row, so that PDL launches follow PDL launches
     for _ in range(2):  # compile outside the capture
-        _layer_chain(True, x, res, w)
-        _layer_chain(False, x, res, w)
+        layer_chain(True, x, res, w)
+        layer_chain(False, x, res, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         h, r = x, res
         for _ in range(chain):
-            h, r = _layer_chain(True, h, r, w)
+            h, r = layer_chain(True, h, r, w)
     for i in range(300):
         x.copy_(rand(1, hidden))  # new inputs each replay: a kernel reading early would see the old ones
         res.copy_(rand(1, hidden))
         graph.replay()
         eh, er = x, res
         for _ in range(chain):
-            eh, er = _layer_chain(False, eh, er, w)
+            eh, er = layer_chain(False, eh, er, w)
         assert torch.equal(h, eh) and torch.equal(r, er), f"replay {i} differs from the plain launches"
 
 

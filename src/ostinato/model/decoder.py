@@ -76,15 +76,16 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
                 meta: AttentionMetadata, kernels: DecoderKernels) -> torch.Tensor:
-        """hidden [T, hidden] (already normalised) -> attention output after o_proj [T, hidden].
+        """qkv [T, (H + 2Hkv) * D]: qkv_proj of the normalised hidden states (the layer runs it, so that the norm
+        can fold into it) -> attention output after o_proj [T, hidden].
         rope_cache: the model's [max_positions, 2 * head_dim] cos | signed-sin table."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("call DecoderForCausalLM.bind_kv_caches() before forward()")
-        num_tokens = hidden.shape[0]
+        num_tokens = qkv.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
-        heads = kernels.linear(hidden, self.qkv_proj).view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H+2Hkv, D]
+        heads = qkv.view(num_tokens, h + 2 * kv, self.head_dim)  # [T, H+2Hkv, D]
         q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         norm_rope = (heads, q_weight, k_weight, rope_cache, positions, h, kv, self.norm_eps)
         # Fused K/V writes: decided by the kernel set and the backend (static attributes, before capture).
@@ -109,13 +110,14 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block, with the residual stream carried between layers as vLLM does:
 
-        residual = residual + x;  normed = norm(residual)      (one fused add + norm)
-        x = attn(normed)
-        residual = residual + x;  normed = norm(residual)
-        x = mlp(normed)                                         -> (x, residual) to the next layer
+        residual = residual + x;  qkv = qkv_proj(norm(residual))    (one kernel at decode batches)
+        x = attn(qkv)
+        residual = residual + x;  gate_up = gate_up_proj(norm(residual))
+        x = down_proj(silu(gate) * up)                         -> (x, residual) to the next layer
 
     which is HF's x + attn(norm(x)), then x + mlp(norm(x)), with each residual add moved into the
-    following norm's kernel. The first layer gets residual=None: its input is the residual.
+    following norm's kernel, and each norm into the projection after it where the kernel set can
+    (DecoderKernels.norm_then_linear). The first layer gets residual=None: its input is the residual.
     """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK):
@@ -131,16 +133,12 @@ class DecoderLayer(nn.Module):
                 rope_cache: torch.Tensor, meta: AttentionMetadata,
                 kernels: DecoderKernels) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, residual: [T, hidden] -> (mlp output, residual stream before it), both [T, hidden]."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual = hidden
-            normed = kernels.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(normed, positions, rope_cache, meta, kernels)
+        norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
+        qkv, residual = kernels.norm_then_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj)
+        hidden = attn(qkv, positions, rope_cache, meta, kernels)
         norm = self.post_attention_layernorm
-        normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(normed, kernels), residual
+        gate_up, residual = kernels.norm_then_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj)
+        return kernels.linear(kernels.silu_and_mul(gate_up), mlp.down_proj), residual
 
 
 class DecoderModel(nn.Module):

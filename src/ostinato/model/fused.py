@@ -12,6 +12,11 @@ weight-read floor). These kernels fold the elementwise work around the GEMMs int
                                     at decode the Triton attention backend does all of it inside its
                                     attention kernel instead (attention/triton_decode.py, decode_with_rope)
 
+At decode batches the small-batch GEMV (model/gemv.py) takes the norm before a projection (qkv, gate_up) into
+its own kernel where that pays (DecoderKernels.norm_linear): one launch fewer for each, the same values but for
+the norm's reduction order. (The activation folded into down_proj was measured too, and lost: each program
+recomputed silu over its whole K, +19 to +716 us a step at batch 1.)
+
 `DecoderKernels` bundles one implementation of each step; the decoder picks `TRITON_KERNELS` for CUDA
 tensors when triton is importable and `TORCH_KERNELS` otherwise (`kernels_for`), once, when the KV
 caches are bound. The torch functions (`*_ref`) are the CPU path and the test oracle.
@@ -44,7 +49,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..pdl import launch_options, pdl_begin, pdl_wait
-from .gemv import small_batch_linear
+from .gemv import small_batch_linear, small_batch_norm_linear
 from .layers import apply_rope
 
 from ..triton_optional import jit as _jit
@@ -380,6 +385,23 @@ class DecoderKernels:
     # qk_norm_rope that also writes k and v to the paged cache (the backend's write_kv folded in), or None
     # where the set has no such kernel; Attention uses it when its backend accepts it (attention/base.py).
     qk_norm_rope_write_kv: Callable[..., torch.Tensor] | None = None
+    # The norm folded into the projection after it (model/gemv.py), where one kernel can take both at these
+    # shapes; it returns None where it cannot, and norm_then_linear then launches the two apart. None: never.
+    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+    def norm_then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                         layer: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer(rmsnorm(x + residual) * weight), x + residual); residual None: the norm of x alone, and x
+        is the residual returned. [T, K] -> ([T, N], [T, K])."""
+        if self.norm_linear is not None:
+            folded = self.norm_linear(x, residual, weight, eps, layer)
+            if folded is not None:
+                return folded
+        if residual is None:
+            normed, residual = self.rms_norm(x, weight, eps), x
+        else:
+            normed, residual = self.fused_add_rms_norm(x, residual, weight, eps)
+        return self.linear(normed, layer), residual
 
 
 def linear_ref(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -390,14 +412,15 @@ TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, si
                                qk_norm_rope_ref, linear_ref)
 # Projections: the Triton small-batch linear at the decode shapes where it beats cuBLAS (model/gemv.py).
 TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and_mul, qk_norm_rope,
-                                small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv)
+                                small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv,
+                                norm_linear=small_batch_norm_linear)
 
 
 # The same kernels launched with programmatic dependent launch (pdl.py): each may start while the one before it
 # finishes. Only for devices pdl.resolve_pdl accepts (sm_90+).
 TRITON_KERNELS_PDL = DecoderKernels("triton+pdl", **{
     f.name: functools.partial(getattr(TRITON_KERNELS, f.name), pdl=True)
-    for f in fields(DecoderKernels) if f.name != "name"})
+    for f in fields(DecoderKernels) if f.name != "name" and getattr(TRITON_KERNELS, f.name) is not None})
 
 
 def kernels_for(device: torch.device, pdl: bool = False) -> DecoderKernels:

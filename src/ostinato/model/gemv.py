@@ -11,6 +11,10 @@ BLOCK_K chunks: a [BLOCK_N, BLOCK_K] weight tile (K contiguous: coalesced 16-byt
 that is summed over K once, at the end (no cross-thread reduction inside the loop). No split over K, so
 no reduce kernel and no atomics: small BLOCK_N gives enough programs instead (N / BLOCK_N >= a few per SM).
 Exactly one kernel per call, grid from shapes only: CUDA-graph safe.
+
+The norm folded in (gemv_norm_linear): the decoder's RMSNorm (with the residual add) before qkv_proj and
+gate_up_proj runs inside this kernel instead of as its own launch: each program computes the rows' 1/rms from
+the whole row, then normalises each K tile as it loads it; program 0 writes the residual sum.
 """
 
 from __future__ import annotations
@@ -23,13 +27,54 @@ from ..pdl import launch_options, pdl_begin, pdl_wait
 from ..triton_optional import jit as _jit
 from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
+if triton is not None:  # the torch path needs none of these
+    from ..attention.rope_tile import round_like
+
+
+# What the kernel multiplies by W (X_MODE): x itself, or rmsnorm(x [+ residual]) * norm_weight, the norm before
+# the projection folded in (the residual sum, when given, written out by program 0 as the next residual).
+X_PLAIN, X_NORM = 0, 1
+
+
+@_jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps, write,
+              K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """1 / rms of each of the M rows of x (+ residual, the sum rounded to the model dtype; `write`: store that
+    sum to res_out): the whole row at once, as the RMSNorm kernel (model/fused.py) reads it. [M_PAD] fp32."""
+    offs = tl.arange(0, K_PAD)
+    mk = m_mask[:, None] & (offs < K)[None, :]
+    h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :], mask=mk, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs[None, :], mask=mk, other=0.0).to(tl.float32)
+        h = round_like(h + r, x_ptr, EMULATE_BF16)
+        if write:
+            tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs[None, :],
+                     h.to(res_out_ptr.dtype.element_ty), mask=mk)
+    return tl.math.rsqrt(tl.sum(h * h, axis=1) / K + eps)
+
+
+@_jit
+def _x_tile(x_ptr, res_ptr, stride_xm, stride_rm, offs_m, m_mask, ks, k_mask, rstd, nw,
+            X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Columns ks of what multiplies W, [M_PAD, BLOCK_K] fp32, rounded to the model dtype wherever the unfused
+    kernels store it (fused.py's rounding order), so the fold changes no value but by reduction order."""
+    mk = m_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=mk, other=0.0).to(tl.float32)
+    if X_MODE == 1:  # X_NORM: HF's order, normalise in fp32, round, multiply by the weight, round
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + ks[None, :], mask=mk, other=0.0).to(tl.float32)
+            x = round_like(x + r, x_ptr, EMULATE_BF16)
+        x = round_like(round_like(x * rstd[:, None], x_ptr, EMULATE_BF16) * nw[None, :], x_ptr, EMULATE_BF16)
+    return x
+
 
 @_jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PEEL_FIRST: tl.constexpr, PDL: tl.constexpr,
+    PEEL_FIRST: tl.constexpr, PDL: tl.constexpr, X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    K_PAD: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -39,26 +84,36 @@ def _gemv_kernel(
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [M_PAD, 1]
+    nw = tl.zeros([BLOCK_K], tl.float32)  # the norm's weight (X_NORM), loaded per K step
     if PEEL_FIRST:
         # The first K step out of the loop, its weight tile requested before the wait for the previous kernel
         # (pdl.py): weights are never written by the step, so with PDL their read overlaps that kernel.
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        pdl_wait(PDL)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [M_PAD, BLOCK_N, BLOCK_K]
+        if X_MODE == 1:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    rstd = tl.zeros([M_PAD], tl.float32)
+    if X_MODE == 1:
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps,
+                         pid == 0, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
+    if PEEL_FIRST:
+        x = _x_tile(x_ptr, res_ptr, stride_xm, stride_rm, offs_m, m_mask, offs_k, k_mask, rstd, nw, X_MODE,
+                    HAS_RESIDUAL, EMULATE_BF16)
+        acc = x[:, None, :] * w.to(tl.float32)[None, :, :]  # [M_PAD, BLOCK_N, BLOCK_K]
         k_start = BLOCK_K
     else:
-        pdl_wait(PDL)
         acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
         k_start = 0
     for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [M_PAD, BLOCK_K]
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if X_MODE == 1:
+            nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        x = _x_tile(x_ptr, res_ptr, stride_xm, stride_rm, offs_m, m_mask, ks, k_mask, rstd, nw, X_MODE,
+                    HAS_RESIDUAL, EMULATE_BF16)  # [M_PAD, BLOCK_K]
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -85,20 +140,57 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x's dtype), accumulated in fp32. Meant for M <= 8; the accumulator is M_PAD * block_n * block_k fp32.
     pdl: launch with programmatic dependent launch (pdl.py; the caller checked the device supports it)."""
     m, k = x.shape
+    assert x.stride(-1) == 1
+    return _launch(x, k, weight, bias, tiles, out_dtype or x.dtype, pdl)
+
+
+def gemv_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, bias: torch.Tensor | None, tiles: GemvTiles,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * norm_weight) @ W^T (+ b), and x + residual, in one kernel: the decoder's
+    fused_add_rms_norm (or rms_norm, residual None; the residual returned is then x itself) and the projection
+    after it. x, residual [M, K] (K contiguous, K <= NORM_FOLD_MAX_K), norm_weight [K] -> ([M, N], [M, K]).
+    Every program normalises the rows itself (they are a few KB, read from L2); program 0 also stores the sum."""
+    m, k = x.shape
+    assert x.stride(-1) == 1 and norm_weight.shape == (k,) and norm_weight.is_contiguous()
+    assert k <= NORM_FOLD_MAX_K, f"the norm fold holds a whole row in registers: K {k} > {NORM_FOLD_MAX_K}"
+    residual_out = x
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+        residual_out = torch.empty(m, k, device=x.device, dtype=x.dtype)
+    out = _launch(x, k, weight, bias, tiles, x.dtype, pdl, X_NORM, residual, norm_weight, residual_out, eps)
+    return out, residual_out
+
+
+def _launch(x, k, weight, bias, tiles, out_dtype, pdl, x_mode=X_PLAIN, residual=None, norm_weight=None,
+            residual_out=None, eps=0.0) -> torch.Tensor:
+    m = x.shape[0]
     n = weight.shape[0]
-    assert weight.shape == (n, k) and weight.is_contiguous() and x.stride(-1) == 1
-    out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    assert weight.shape == (n, k) and weight.is_contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
+    res = residual if residual is not None else x  # unread placeholders where the mode has none
+    res_out = residual_out if residual_out is not None else x
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias if bias is not None else weight, out, res,
+        norm_weight if norm_weight is not None else weight, res_out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-        PEEL_FIRST=tiles.peel_first, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **launch_options(pdl),
+        PEEL_FIRST=tiles.peel_first, PDL=pdl, X_MODE=x_mode, HAS_RESIDUAL=residual is not None,
+        K_PAD=triton.next_power_of_2(k) if x_mode == X_NORM else 1,
+        EMULATE_BF16=_interpreted() and x.dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
     )
     return out
 
+
+def _interpreted() -> bool:
+    """Kernels run under TRITON_INTERPRET (CPU tests), where bf16 rounding is emulated (model/fused.py)."""
+    return type(_gemv_kernel).__name__ == "InterpretedFunction"
+
+
+NORM_FOLD_MAX_K = 8192  # the norm fold loads a whole row of x: 64 fp32 registers a thread at 4 warps, M = 1
 
 _PEEL_MAX_K = 3072  # GemvTiles.peel_first up to this K (Qwen3-0.6B's projections, Llama-3.2-1B's qkv and o)
 
@@ -125,18 +217,41 @@ def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | 
     return None
 
 
+def _layer_tiles(x: torch.Tensor, k: int, layer: torch.nn.Linear, pdl: bool) -> GemvTiles | None:
+    """The GEMV's tiles for layer(x') with x' [M, k] read from x, or None where layer(x') goes elsewhere: a
+    row-parallel layer under tensor parallelism (its forward adds the all-reduce, model/parallel.py), dtypes
+    other than 16-bit, or shapes where choose_gemv_tiles prefers cuBLAS."""
+    tp = getattr(layer, "tp", None)
+    if tp is not None and tp.world_size > 1:
+        return None
+    weight = layer.weight
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype \
+            or not weight.is_contiguous() or x.stride(-1) != 1 or weight.shape[1] != k:
+        return None
+    return choose_gemv_tiles(x.shape[0], weight.shape[0], k, pdl)
+
+
 def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor:
     """layer(x) for x [M, K]: the Triton kernel where choose_gemv_tiles picks it, cuBLAS (F.linear) otherwise.
     For 16-bit CUDA tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a
     tensor-parallel one (model/parallel.py), which on one rank is an nn.Linear too."""
-    tp = getattr(layer, "tp", None)
-    if tp is not None and tp.world_size > 1:
-        return layer(x)  # a row-parallel projection: its forward adds the all-reduce (model/parallel.py)
-    weight = layer.weight
-    tiles = None
-    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype \
-            and weight.is_contiguous() and x.stride(-1) == 1:
-        tiles = choose_gemv_tiles(x.shape[0], weight.shape[0], weight.shape[1], pdl)
+    tiles = _layer_tiles(x, x.shape[-1], layer, pdl) if x.dim() == 2 else None
     if tiles is None:
-        return torch.nn.functional.linear(x, weight, layer.bias)
-    return gemv_linear(x, weight, layer.bias, tiles, pdl=pdl)
+        return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
+    return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl)
+
+
+def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                            layer: torch.nn.Linear, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """gemv_norm_linear where the GEMV takes layer's projection of these rows with its first K step peeled (K <=
+    3072), else None (the caller then launches the norm and the projection apart).
+
+    Why only there (H200, whole decode steps at batch 1 in one process, scripts/gpu_variants.py no-norm-fold):
+    the fold took 19.7 us off Llama-3.2-1B (K 2048) and 17.9 us off Qwen3-0.6B (K 1024), and added 103 us to
+    Llama-3.1-8B (K 4096: no peeled first step, so every program's weight reads wait behind its pass over the
+    whole row, and its gate_up has 3584 programs each normalising the row again)."""
+    tiles = _layer_tiles(x, x.shape[-1], layer, pdl) if x.dim() == 2 else None
+    if tiles is None or not tiles.peel_first or x.shape[1] > NORM_FOLD_MAX_K or norm_weight.dtype != x.dtype \
+            or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):
+        return None
+    return gemv_norm_linear(x, residual, norm_weight, eps, layer.weight, layer.bias, tiles, pdl=pdl)

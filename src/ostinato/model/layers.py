@@ -111,10 +111,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (rows: gate then up).
+    """The weights of down(silu(gate(x)) * up(x)), gate and up fused into one matmul (rows: gate then up).
 
-    `kernels` (model/fused.DecoderKernels) supplies `linear(x, layer)` and `silu_and_mul` (gate_up [T, 2I]
-    -> silu(gate) * up [T, I]): the torch or the Triton versions, so each is written once, there.
+    DecoderLayer runs it through its kernel set (model/fused.DecoderKernels: norm_then_linear for gate_up, then
+    silu_and_mul and linear for down), so that the norm before it can fold into gate_up.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None):
@@ -123,7 +123,3 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         # Tensor parallelism passes a row-parallel down projection (model/parallel.py); same shape.
         self.down_proj = down_proj if down_proj is not None else nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, kernels: Any) -> torch.Tensor:
-        gate_up = kernels.linear(x, self.gate_up_proj)  # [T, 2I]
-        return kernels.linear(kernels.silu_and_mul(gate_up), self.down_proj)  # [T, I] -> [T, hidden]
