@@ -92,14 +92,23 @@ def test_bench_runs_eager_on_cpu_and_reports_consistent_figures(ckpt, tmp_path, 
     assert [r["batch"] for r in rows] == [1, 2] and all(r["context"] == 8 for r in rows)
     weights, kv_per_token = _weights_and_kv_bytes(ckpt)
     for r in rows:
-        assert r["graph_ms"] is None and r["graph_speedup_vs_eager"] is None  # no graphs on CPU
+        assert r["graph_ms"] is None and r["graph_queued_ms"] is None  # no graphs on CPU: no figures made up
+        assert r["graph_speedup_vs_eager"] is None and r["floor_ratio_queued"] is None
         assert r["eager_ms"] > 0 and r["hf_ms"] > 0
         read = weights + r["batch"] * 9 * kv_per_token  # context 8 + the new token
         assert r["floor_ms"] == pytest.approx(read / 4.13e12 * 1e3, rel=1e-9)
         assert r["floor_ratio"] == pytest.approx(r["floor_ms"] / r["eager_ms"])
         assert r["speedup_vs_hf"] == pytest.approx(r["hf_ms"] / r["eager_ms"])
         assert r["achieved_GBps"] == pytest.approx(read / r["eager_ms"] / 1e6)
-        assert f"bs {r['batch']:>4}  graph - ms  eager {r['eager_ms']:.3f} ms  HF {r['hf_ms']:.3f} ms" in text
+        assert f"bs {r['batch']:>4}  graph - ms (queued -)  eager {r['eager_ms']:.3f} ms  HF {r['hf_ms']:.3f} ms" in text
+
+
+def test_bench_refuses_a_context_longer_than_the_engine_holds(ckpt, capsys):
+    """--context past --max-model-len: an error naming both flags, not a tensor shape error."""
+    assert cli.main(["bench", str(ckpt), *ENGINE_FLAGS, "--batch-sizes", "1", "--context", "5000", "--iters", "1",
+                     "--no-hf"]) == 2
+    err = capsys.readouterr().err
+    assert "--context 5000" in err and "--max-model-len" in err
 
 
 def test_bench_without_hf(ckpt, tmp_path, capsys):

@@ -97,6 +97,13 @@ class DecodeLayout:
         return out
 
 
+# Rows whose whole width is at most this many bytes (size x width x 4) go to the device in one copy, straight
+# into the device rows: the packed copy of the used columns needs a second copy on the device (a kernel, and
+# its launch on the host), which costs more than moving 64 KB over PCIe (~3 us). H200 host, batch 1 and 16
+# (scripts/gpu_step_gap.py): 32-41 us of host time per step with the packed copy alone, 6.6-10 us this way.
+WHOLE_ROWS_MAX_BYTES = 64 * 1024
+
+
 def resolve_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
     """Input ids with each placeholder -(r + 1) (DecodeBatch.advance, join) replaced by sampled[r], the token
     the previous decode step sampled in row r. Device ops only (capturable)."""
@@ -123,6 +130,7 @@ class DecodeBatch:
         self._staging = [torch.empty(flat, dtype=torch.int32).pin_memory() for _ in range(2)] if pin else []
         self._dev_staging = torch.empty(flat, dtype=torch.int32, device=device) if pin else None
         self._turn = 0
+        self._whole_row_views: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
         # Columns any row has used since the batch was last empty: only those are copied. A block table is
         # max_model_len / block_size wide (2,560 at 40k tokens); the rows rarely use more than a few hundred.
         # A device row's columns past its own blocks may hold an earlier row's ids: never read.
@@ -201,7 +209,13 @@ class DecodeBatch:
             self.add_block(seq_id, block)
 
     def copy_to_device(self, size: int) -> torch.Tensor:
-        """Rows [0, size) to the device in one copy (rows past len(self) are pad rows); returns them."""
+        """Rows [0, size) to the device (rows past len(self) are pad rows); returns them."""
+        if self._staging and size * self.layout.width * 4 <= WHOLE_ROWS_MAX_BYTES:
+            staging_np, staging, dev_rows = self._whole_rows(size)
+            self._turn ^= 1
+            staging_np[:] = self.np[:size]
+            dev_rows.copy_(staging, non_blocking=True)
+            return dev_rows
         if self._staging:
             # Packed [size, width used] through pinned memory, then into the strided device rows.
             w = self._width_used
@@ -212,6 +226,17 @@ class DecodeBatch:
             packed.copy_(staging, non_blocking=True)
             self.dev[:size, :w].copy_(packed)
         return self.dev[:size]
+
+    def _whole_rows(self, size: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """(numpy view of this turn's staging rows, the same as a tensor, the device rows) for `size` rows at full
+        width, made once: each view a torch op makes costs the host a microsecond or more a step."""
+        key = (self._turn, size)
+        views = self._whole_row_views.get(key)
+        if views is None:
+            width = self.layout.width
+            staging = self._staging[self._turn][: size * width].view(size, width)
+            views = self._whole_row_views[key] = (staging.numpy(), staging, self.dev[:size])
+        return views
 
     def advance(self, n: int, tokens: np.ndarray | None = None) -> None:
         """After a decode step: every row one position on, feeding `tokens` ([n] host) or, by default, a

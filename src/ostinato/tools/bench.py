@@ -3,7 +3,9 @@
 For each batch size, B sequences sit at `--context` tokens in the paged cache (random block tables drawn from
 the pool); the decode forward (inputs -> logits) is timed with CUDA events, median of `--iters` after warm-up:
 - ostinato graph: the engine's decode step without the scheduler: one copy of the persistent decode rows to
-  the device and one replay (forward and greedy sampling inside the graph);
+  the device and one replay (forward and greedy sampling inside the graph), each step between its own events
+  and a host sync, so the host's time to issue it counts; "queued": the same steps issued back to back, as
+  the engine's async scheduling runs them, per step;
 - ostinato eager: the same decode step launched op by op;
 - HF eager: transformers' own model class on the same checkpoint, one-token forward over a DynamicCache.
 The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (DESIGN.md: 4.13 TB/s on our H200).
@@ -72,6 +74,12 @@ def _decode_rows(runner, bs: int, context: int, gen):
 
     block = runner.block_size
     nblk = -(-(context + 1) // block)
+    if nblk > runner.decode_batch.layout.blocks_per_seq:
+        from ..errors import ConfigError
+
+        longest = runner.decode_batch.layout.blocks_per_seq * block - 1
+        raise ConfigError(f"--context {context} does not fit this engine's sequences (at most {longest} cached "
+                          f"tokens and the new one): raise --max-model-len above {context} or lower --context")
     total = runner.cache_config.num_blocks
     if bs * nblk <= total:
         perm = torch.randperm(total, generator=gen)[: bs * nblk].view(bs, nblk)
@@ -105,6 +113,46 @@ def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tu
         batch.load_rows(None)  # the rows go back to padding
         batch.copy_to_device(batch.layout.rows)
     return eager_ms, graph_ms
+
+
+def queued_graph_ms(runner, bs: int, context: int, gen, iters: int, rounds: int = 5) -> float | None:
+    """Milliseconds per graph step when steps are issued back to back: `iters` times (copy the rows, replay)
+    between two CUDA events and one sync, median of `rounds`. The engine runs decode steps that way (async
+    scheduling launches step n+1 before it reads step n's tokens), so the host's time to issue a step hides
+    behind the step before; replay_ms's synced figure counts it (H200, batch 1: 20 us on llama-3.2-1b, 77 us on
+    llama-3.1-8b, scripts/gpu_step_gap.py). None where there is no graph for bs; CUDA only."""
+    import torch
+
+    if hasattr(runner, "call_all"):
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        return runner.call_all(f"{__name__}:queued_graph_ms_seeded", bs, context, seed, iters, rounds)
+    size = runner.graphs.graph_size(bs)
+    if size is None or not torch.cuda.is_available():
+        return None
+    batch = runner.decode_batch
+    batch.load_rows(_decode_rows(runner, bs, context, gen))
+    try:
+        times = []
+        for _ in range(rounds + 1):  # the first round warms up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                batch.copy_to_device(size)
+                runner.graphs.replay_filled(bs)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+    finally:
+        batch.load_rows(None)
+        batch.copy_to_device(batch.layout.rows)
+    return statistics.median(times[1:])
+
+
+def queued_graph_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, rounds: int):
+    """queued_graph_ms with its rows drawn from `seed`: what each tensor-parallel rank runs."""
+    import torch
+
+    return queued_graph_ms(runner, bs, context, torch.Generator().manual_seed(seed), iters, rounds)
 
 
 def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmup: int):
@@ -157,20 +205,24 @@ def run(args) -> int:
     with torch.inference_mode():
         for bs in args.batch_sizes:
             eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup)
+            queued_ms = queued_graph_ms(runner, bs, args.context, gen, args.iters)
             floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
             hf_ms = None
             if hf is not None:
                 hf_ms = _hf_step_ms(hf, runner.device, bs, args.context, args.iters, args.warmup, mc.vocab_size)
             best = graph_ms or eager_ms
             rows.append({
-                "batch": bs, "context": args.context, "graph_ms": graph_ms, "eager_ms": eager_ms, "hf_ms": hf_ms,
+                "batch": bs, "context": args.context, "graph_ms": graph_ms, "graph_queued_ms": queued_ms,
+                "eager_ms": eager_ms, "hf_ms": hf_ms,
                 "floor_ms": floor_ms, "graph_speedup_vs_eager": eager_ms / graph_ms if graph_ms else None,
+                "floor_ratio_queued": floor_ms / queued_ms if queued_ms else None,
                 "speedup_vs_hf": hf_ms / best if hf_ms else None, "floor_ratio": floor_ms / best,
                 "achieved_GBps": (weights + bs * (args.context + 1) * kv_bytes_per_token) / best / 1e6,
             })
             r = rows[-1]
             fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
-            print(f"bs {bs:>4}  graph {fmt(graph_ms)} ms  eager {fmt(eager_ms)} ms  HF {fmt(hf_ms)} ms  "
+            print(f"bs {bs:>4}  graph {fmt(graph_ms)} ms (queued {fmt(queued_ms)})  eager {fmt(eager_ms)} ms  "
+                  f"HF {fmt(hf_ms)} ms  "
                   f"floor {floor_ms:.3f} ms  graph/eager x{fmt(r['graph_speedup_vs_eager'], '{:.2f}')}  "
                   f"vs HF x{fmt(r['speedup_vs_hf'], '{:.2f}')}  floor/achieved {r['floor_ratio']:.2f}  "
                   f"{r['achieved_GBps']:.0f} GB/s")
