@@ -272,7 +272,10 @@ def test_split_count_fills_the_gpu_from_shapes_only():
 
 def test_split_launches_take_their_own_warps_and_pipeline_depth():
     tuning = DecodeTuning(num_warps=2, num_stages=3, split_num_warps=4, split_num_stages=1)
-    assert [tuning.launch_for(splits) for splits in (1, 2, 64)] == [(2, 3), (4, 1), (4, 1)]
+    # batch 1 x 8 kv heads on 132 SMs: splitting fills the GPU, the split settings
+    assert [tuning.launch_for(splits, 8, 132) for splits in (1, 2, 64)] == [(2, 3), (4, 1), (4, 1)]
+    # 64 x 8 programs fill it already: a split for a wide table (max_keys_per_program) keeps the unsplit ones
+    assert [tuning.launch_for(splits, 512, 132) for splits in (1, 2, 16)] == [(2, 3), (2, 3), (2, 3)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

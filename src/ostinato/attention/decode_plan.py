@@ -40,8 +40,8 @@ class DecodeTuning:
         (head_dim 128; llama-3.2-1b, head_dim 64: +5 us, within noise), scripts/gpu_variants.py.
     split_num_warps: num_warps of a launch that splits (2 instead of 4 added 35 and 51 us to llama-3.2-1b and
         llama-3.1-8b at batch 1).
-    split_num_stages: num_stages of a launch that splits the context.
-        A split launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
+    split_num_stages: num_stages of a launch that splits the context to fill idle SMs (launch_for).
+        Such a launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
         on their latency; software pipelining then only adds a prologue. H200, a whole decode step in one
         process (scripts/gpu_variants.py, context 512): 1 instead of 3 took 25, 10 and 39 us off qwen3-0.6b,
         llama-3.2-1b and llama-3.1-8b at batch 1, and 90, 17 and 57 us at batch 16; unsplit (batch 64) it
@@ -73,9 +73,14 @@ class DecodeTuning:
         if self.single_launch_max_splits < 0:
             raise ConfigError(f"decode single_launch_max_splits must be >= 0, got {self.single_launch_max_splits}")
 
-    def launch_for(self, splits: int) -> tuple[int, int]:
-        """(num_warps, num_stages) of a launch of `splits` slices (see split_num_warps, split_num_stages)."""
-        if splits > 1:
+    def launch_for(self, splits: int, batch_programs: int, num_sms: int) -> tuple[int, int]:
+        """(num_warps, num_stages) of a launch of `splits` slices whose batch alone makes `batch_programs`
+        programs (sequences x kv heads): the split settings only where the split fills idle SMs. A batch that
+        fills the GPU and splits only so that no program scans more than max_keys_per_program (a table wider
+        than 2048 tokens) walks long slices as an unsplit launch does, and keeps its settings. H200, `ostinato
+        bench throughput` (max-model-len 4096: 2 slices at every batch), one run each: llama-3.2-1b 48% of its
+        floor with the split settings there, 54% with these."""
+        if splits > 1 and batch_programs < num_sms:
             return self.split_num_warps, self.split_num_stages
         return self.num_warps, self.num_stages
 

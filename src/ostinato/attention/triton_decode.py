@@ -367,7 +367,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # Merge tile [merge_group, chunk, head_dim_pad] of at most 4096 fp32 (32 registers a thread at 4 warps):
     # with 8192 the kernel needed 135 registers instead of 90 (sm_90, group 2, head_dim 128, cuobjdump).
     merge_chunk = max(1, min(splits_pad, 4096 // (merge_group * head_dim_pad)))
-    num_warps, num_stages = tuning.launch_for(splits)
+    num_warps, num_stages = tuning.launch_for(splits, num_seqs * num_kv_heads, num_sms(q.device))
     if rope is not None:
         norm = rope.q_weight is not None
         rope_args = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos_sin_cache, rope.positions,
