@@ -8,6 +8,8 @@ well under 1%. Two kinds of variant:
 - ablations (`no-attention`, `no-norms`, `no-silu`): that work replaced by nothing (no kernel; its output is
   an uninitialised or aliased tensor of the right shape). The step is then wrong; its time says what that
   class of kernel costs the step, with PDL's overlap counted, which the profiler's per-kernel times cannot;
+- `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (model/gemv.py's fold off): what the
+  fold saves;
 - tunings (`attn-...`, `gemv-...`): the decode attention's launch settings (attention/decode_plan.py,
   DecodeTuning) or the small-batch linear's tiles (model/gemv.py) changed before capture. Their logits are
   compared with the default's (`rel diff`): a tuning changes summation order, never what is computed.
