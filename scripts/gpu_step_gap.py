@@ -20,17 +20,7 @@ import torch
 
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
-from ostinato.tools.bench import _decode_rows, _time_cuda
-
-
-def queued_ms(fn, steps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
+from ostinato.tools.bench import _time_cuda, rows_loaded, time_cuda_queued
 
 
 def host_us(fn, steps: int) -> float:
@@ -55,30 +45,28 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len, gpu_memory_utilization=0.5,
                                   cuda_graph_sizes=tuple(args.batches)))
     runner = engine.runner
-    batch, graphs = runner.decode_batch, runner.graphs
+    graphs = runner.graphs
     gen = torch.Generator().manual_seed(0)
     print(f"{args.model}: context {args.context}; ms per step, medians of {args.rounds} rounds")
     print("batch | synced (bench) | queued copy+replay | queued replay | host us (copy, replay)")
     with torch.inference_mode():
         for bs in args.batches:
-            batch.load_rows(_decode_rows(runner, bs, args.context, gen))
-            size = graphs.graph_size(bs)
-            step = lambda: (batch.copy_to_device(size), graphs.replay_filled(bs))  # noqa: E731
-            copy = lambda: batch.copy_to_device(size)  # noqa: E731
-            replay = lambda: graphs.replay_filled(bs)  # noqa: E731
-            copy()
-            figures = {"synced": [], "queued": [], "replay": [], "host_copy": [], "host_replay": []}
-            for _ in range(args.rounds):
-                figures["synced"].append(_time_cuda(step, args.steps, 10))
-                figures["queued"].append(queued_ms(step, args.steps))
-                figures["replay"].append(queued_ms(replay, args.steps))
-                figures["host_copy"].append(host_us(copy, args.steps))
-                figures["host_replay"].append(host_us(replay, args.steps))
+            with rows_loaded(runner, bs, args.context, gen) as batch:
+                size = graphs.graph_size(bs)
+                step = lambda: (batch.copy_to_device(size), graphs.replay_filled(bs))  # noqa: E731
+                copy = lambda: batch.copy_to_device(size)  # noqa: E731
+                replay = lambda: graphs.replay_filled(bs)  # noqa: E731
+                copy()
+                figures = {"synced": [], "queued": [], "replay": [], "host_copy": [], "host_replay": []}
+                for _ in range(args.rounds):
+                    figures["synced"].append(_time_cuda(step, args.steps, 10))
+                    figures["queued"].append(time_cuda_queued(step, args.steps, 1, warmup_rounds=0))
+                    figures["replay"].append(time_cuda_queued(replay, args.steps, 1, warmup_rounds=0))
+                    figures["host_copy"].append(host_us(copy, args.steps))
+                    figures["host_replay"].append(host_us(replay, args.steps))
             med = {k: statistics.median(v) for k, v in figures.items()}
             print(f"{bs:5d} | {med['synced']:.4f} | {med['queued']:.4f} | {med['replay']:.4f} | "
                   f"{med['host_copy']:.1f}, {med['host_replay']:.1f}", flush=True)
-            batch.load_rows(None)
-            batch.copy_to_device(batch.layout.rows)
 
 
 if __name__ == "__main__":

@@ -350,8 +350,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty(num_seqs, num_heads, head_dim, device=q.device, dtype=q.dtype)
     if num_seqs == 0:
         return out
-    splits = choose_num_splits(tuning, num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
-                               num_sms(q.device))
+    sms = num_sms(q.device)
+    splits = choose_num_splits(tuning, num_seqs, num_kv_heads, block_tables.shape[1] * block_size, sms)
     merge = tuning.single_launch(splits)
     head_dim_pad = pad_dim(head_dim)
     if splits > 1:
@@ -367,7 +367,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # Merge tile [merge_group, chunk, head_dim_pad] of at most 4096 fp32 (32 registers a thread at 4 warps):
     # with 8192 the kernel needed 135 registers instead of 90 (sm_90, group 2, head_dim 128, cuobjdump).
     merge_chunk = max(1, min(splits_pad, 4096 // (merge_group * head_dim_pad)))
-    num_warps, num_stages = tuning.launch_for(splits, num_seqs * num_kv_heads, num_sms(q.device))
+    num_warps, num_stages = tuning.launch_for(splits, num_seqs * num_kv_heads, sms)
     if rope is not None:
         norm = rope.q_weight is not None
         rope_args = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos_sin_cache, rope.positions,

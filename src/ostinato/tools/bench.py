@@ -13,6 +13,7 @@ The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (DESIG
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -89,6 +90,36 @@ def _decode_rows(runner, bs: int, context: int, gen):
     return runner.decode_batch.layout.pack(ids, torch.full((bs,), context), perm)
 
 
+@contextlib.contextmanager
+def rows_loaded(runner, bs: int, context: int, gen):
+    """The decode batch holds `bs` random rows at `context` cached tokens (_decode_rows) inside the block; after
+    it, the rows go back to padding, on the device too."""
+    batch = runner.decode_batch
+    batch.load_rows(_decode_rows(runner, bs, context, gen))
+    try:
+        yield batch
+    finally:
+        batch.load_rows(None)
+        batch.copy_to_device(batch.layout.rows)
+
+
+def time_cuda_queued(fn, iters: int, rounds: int, warmup_rounds: int = 1) -> float:
+    """Median milliseconds per fn() over `rounds` rounds of `iters` calls issued back to back between two CUDA
+    events and one sync (after `warmup_rounds` such rounds untimed)."""
+    import torch
+
+    times = []
+    for _ in range(warmup_rounds + rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times[warmup_rounds:])
+
+
 def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tuple[float, float | None]:
     """(eager, graph) milliseconds of one decode step (forward and in-graph sampling) on the engine's own
     decode rows: the copy of the rows to the device plus the replay, as LLMEngine.step makes them. Graph is
@@ -99,19 +130,14 @@ def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tu
 
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         return runner.call_all(f"{__name__}:replay_ms_seeded", bs, context, seed, iters, warmup)
-    batch, step = runner.decode_batch, runner.decode_step
-    batch.load_rows(_decode_rows(runner, bs, context, gen))
-    try:
+    with rows_loaded(runner, bs, context, gen) as batch:
         rows = batch.copy_to_device(bs)
-        eager_ms = _time_cuda(lambda: step(rows), iters, warmup)
+        eager_ms = _time_cuda(lambda: runner.decode_step(rows), iters, warmup)
         graph_ms = None
         size = runner.graphs.graph_size(bs)
         if size is not None:
             graph_ms = _time_cuda(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
                                   warmup)
-    finally:
-        batch.load_rows(None)  # the rows go back to padding
-        batch.copy_to_device(batch.layout.rows)
     return eager_ms, graph_ms
 
 
@@ -129,23 +155,9 @@ def queued_graph_ms(runner, bs: int, context: int, gen, iters: int, rounds: int 
     size = runner.graphs.graph_size(bs)
     if size is None or not torch.cuda.is_available():
         return None
-    batch = runner.decode_batch
-    batch.load_rows(_decode_rows(runner, bs, context, gen))
-    try:
-        times = []
-        for _ in range(rounds + 1):  # the first round warms up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                batch.copy_to_device(size)
-                runner.graphs.replay_filled(bs)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-    finally:
-        batch.load_rows(None)
-        batch.copy_to_device(batch.layout.rows)
-    return statistics.median(times[1:])
+    with rows_loaded(runner, bs, context, gen) as batch:
+        return time_cuda_queued(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
+                                rounds)
 
 
 def queued_graph_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, rounds: int):

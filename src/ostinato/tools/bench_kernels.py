@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from .bench import HBM_READ_BYTES_PER_S, _decode_rows, replay_ms
+from .bench import HBM_READ_BYTES_PER_S, replay_ms, rows_loaded
 
 # (class, name fragments): the first class with a fragment in the kernel's name (lower case) wins.
 KERNEL_CLASSES = (
@@ -75,10 +75,8 @@ def profile_step(runner, batch: int, context: int, steps: int, gen) -> dict[str,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    rows_host = _decode_rows(runner, batch, context, gen)
-    decode_batch, step = runner.decode_batch, runner.decode_step
-    decode_batch.load_rows(rows_host)
-    try:
+    step = runner.decode_step
+    with rows_loaded(runner, batch, context, gen) as decode_batch:
         rows = decode_batch.copy_to_device(batch)
         for _ in range(2):
             step(rows)  # warm-up: compilation and cuBLAS handles outside the profile
@@ -87,9 +85,6 @@ def profile_step(runner, batch: int, context: int, steps: int, gen) -> dict[str,
             for _ in range(steps):
                 step(rows)
             torch.cuda.synchronize()
-    finally:
-        decode_batch.load_rows(None)
-        decode_batch.copy_to_device(decode_batch.layout.rows)
     kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"us": 0.0, "calls": 0.0})
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

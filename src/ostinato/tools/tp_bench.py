@@ -35,16 +35,15 @@ def nccl_share(runner, bs: int, context: int, seed: int, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench import _decode_rows
+    from .bench import rows_loaded
 
-    batch, step = runner.decode_batch, runner.decode_step
-    batch.load_rows(_decode_rows(runner, bs, context, torch.Generator().manual_seed(seed)))
+    step = runner.decode_step
     # CPU (a dry run of this script): gloo collectives are CPU ops named c10d::...
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activity, collective = (ProfilerActivity.CUDA, "nccl") if cuda else (ProfilerActivity.CPU, "c10d::")
     out = {}
-    try:
+    with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed)) as batch:
         rows = batch.copy_to_device(bs)
         size = runner.graphs.graph_size(bs)
         modes = {"eager": lambda: step(rows)}
@@ -70,9 +69,6 @@ def nccl_share(runner, bs: int, context: int, seed: int, steps: int) -> dict:
                     nccl_count += item.count
             out[mode] = {"nccl_us_per_step": nccl_us / steps, "kernel_us_per_step": kernel_us / steps,
                          "profiled_wall_us_per_step": wall_us, "collectives_per_step": nccl_count / steps}
-    finally:
-        batch.load_rows(None)
-        batch.copy_to_device(batch.layout.rows)
     return out
 
 
