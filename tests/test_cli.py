@@ -117,3 +117,22 @@ def test_bench_without_hf(ckpt, tmp_path, capsys):
                      "--warmup", "0", "--no-hf", "--output-json", str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())["rows"]
     assert row["hf_ms"] is None and row["speedup_vs_hf"] is None and row["eager_ms"] > 0
+
+
+def test_bench_throughput_repeats_without_prefix_hits(ckpt, tmp_path, capsys):
+    """--repeats runs the workload again in the one process: each run is timed, and a repeat's prompts are new
+    tokens of the same lengths, so the prefix cache serves none of them (the second run would be faster)."""
+    out_json = tmp_path / "tput.json"
+    assert cli.main(["bench", "throughput", str(ckpt), *ENGINE_FLAGS, "--num-seqs", "3", "--min-len", "5",
+                     "--max-len", "9", "--repeats", "2", "--output-json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert len(result["runs_seconds"]) == 2 and all(s > 0 for s in result["runs_seconds"])
+    assert result["seconds"] == pytest.approx(sorted(result["runs_seconds"])[0] / 2 + sorted(result["runs_seconds"])[1] / 2)
+    assert result["stats"]["prefix_cache_hits"] == 0
+    assert result["kernels_compiled_in_service"] == []  # CPU: nothing compiles
+    assert "2 runs, tok/s:" in capsys.readouterr().out
+
+
+def test_bench_throughput_refuses_zero_repeats(ckpt, capsys):
+    assert cli.main(["bench", "throughput", str(ckpt), *ENGINE_FLAGS, "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err

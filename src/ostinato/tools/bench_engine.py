@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 
 
@@ -38,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the workload this many times in the one process; the median is the figure, the "
+                        "spread shows the run-to-run noise")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG path: achieved vs floor output tokens per second")
     p.set_defaults(func=run_throughput)
@@ -120,8 +124,11 @@ def run_throughput(args) -> int:
     from ..cli_args import engine_args_from
     from ..engine.llm import LLM
     from ..sampling_params import SamplingParams
+    from ..errors import ConfigError
     from .bench import weights_read_per_step
 
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     llm = LLM.from_engine_args(engine_args_from(args))
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(args.workload_seed)
@@ -130,7 +137,13 @@ def run_throughput(args) -> int:
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True,
                              max_tokens=rng.randint(args.min_len, args.max_len)) for _ in range(args.num_seqs)]
     llm.generate(["warm-up"], SamplingParams(max_tokens=8))
-    seconds = _generate_seconds(llm, prompts, params)
+    runs = []
+    for repeat in range(args.repeats):
+        # A repeat's prompts keep their lengths (so the floor is the same) but not their tokens: the prefix cache
+        # would otherwise serve the second run's prompts from the first's KV blocks.
+        batch = prompts if repeat == 0 else [[(t + repeat) % min(vocab, 10000) for t in p] for p in prompts]
+        runs.append(_generate_seconds(llm, batch, params))
+    seconds = statistics.median(runs)
     out_tokens = sum(p.max_tokens for p in params)
     runner = llm.engine.runner
     mc = runner.model_config
@@ -138,13 +151,20 @@ def run_throughput(args) -> int:
                                      [len(p) for p in prompts], [p.max_tokens for p in params])
     result = {"model": args.model, "num_seqs": args.num_seqs, "output_tokens": out_tokens,
               "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
-              "output_tokens_per_s": out_tokens / seconds, "floor_seconds": floor_s,
+              "output_tokens_per_s": out_tokens / seconds, "runs_seconds": runs, "floor_seconds": floor_s,
               "floor_output_tokens_per_s": out_tokens / floor_s, "share_of_floor": floor_s / seconds,
               "graphs": llm.engine.graph_status,
-              "stats": {k: v for k, v in vars(llm.engine.stats()).items() if isinstance(v, (int, float))}}
+              "stats": {k: v for k, v in vars(llm.engine.stats()).items() if isinstance(v, (int, float))},
+              "kernels_compiled_in_service": list(runner.compile_watch.kernels_in_service)}
     print(f"{out_tokens} output tokens in {seconds:.2f} s: {out_tokens / seconds:.0f} tok/s "
           f"({result['prompt_tokens']} prompt tokens; graphs {llm.engine.graph_status}); floor "
           f"{out_tokens / floor_s:.0f} tok/s: {100 * floor_s / seconds:.0f}% of it")
+    if result["kernels_compiled_in_service"]:  # each one stalled the run it fell in (runner/compile_watch.py)
+        print(f"Triton compiled {len(result['kernels_compiled_in_service'])} kernels inside live steps: "
+              + "; ".join(name.split("[")[0] for name in result["kernels_compiled_in_service"]))
+    if len(runs) > 1:
+        print(f"{len(runs)} runs, tok/s: " + ", ".join(f"{out_tokens / s:.0f}" for s in runs)
+              + f" (median {out_tokens / seconds:.0f}, spread {100 * (max(runs) - min(runs)) / seconds:.1f}%)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
