@@ -1,6 +1,7 @@
 """Start-up warm-up of the eager prefill path and the watch that reports a Triton compile inside a live step."""
 
 import logging
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.runner import compile_watch as cw
-from ostinato.runner.warmup import WARMUP_STEPS, warm_up_prefill
+from ostinato.runner import sampling_kernel
+from ostinato.runner.warmup import WARMUP_STEPS, warm_up_prefill, warm_up_sampling
 from ostinato.sampling_params import SamplingParams
 from ostinato.tools.checkpoint import make_checkpoint
 
@@ -116,6 +118,38 @@ def test_no_kernel_compiles_inside_live_steps_on_the_gpu(tmp_path):
     while eng.has_unfinished():
         eng.step()
     assert eng.stats().kernel_compiles_in_service == 0, watch.kernels_in_service
+
+
+@pytest.mark.gpu
+def test_no_kernel_compiles_when_many_prompts_finish_in_one_step(tmp_path):
+    """nano-vllm's workload in small: prompts of 100-400 tokens arriving together, so that eager prefill steps
+    sample 1 to 40 rows at once (temperature and greedy). The sampling kernels pick their vocabulary chunks by
+    row count; start-up's warm-up samples each plan (runner/warmup.py), so none compiles in service. A real
+    vocabulary size, as the chunk plans depend on it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    make_checkpoint(tmp_path, shape="tiny-vocab128k", family="llama", seed=5, dtype="bfloat16")
+    eng = LLMEngine(EngineArgs(model=str(tmp_path), dtype="bfloat16", max_model_len=1024, num_kv_blocks=4096,
+                               max_num_seqs=64, max_num_batched_tokens=8192))
+    rng = random.Random(0)
+    for i in range(64):
+        params = SamplingParams(temperature=0.6 if i % 3 else 0.0, max_tokens=rng.randint(2, 40), ignore_eos=True)
+        eng.add_request(f"r{i}", [rng.randrange(3, 10000) for _ in range(rng.randint(100, 400))], params)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats().kernel_compiles_in_service == 0, eng.runner.compile_watch.kernels_in_service
+
+
+def test_warm_up_samples_one_batch_per_chunk_plan():
+    """Every row count up to the maximum shares its chunk plan with one of the row counts sampled at start-up,
+    and no two of those share one (one batch per plan, smallest first)."""
+    for vocab, sms in ((128256, 132), (151936, 132), (1000, 4)):
+        reps = sampling_kernel.plan_representatives(256, vocab, sms)
+        plans = [sampling_kernel.plan_chunks(r, vocab, sms) for r in reps]
+        assert reps[0] == 1 and reps == sorted(reps) and len(set(plans)) == len(plans)
+        assert all(sampling_kernel.plan_chunks(rows, vocab, sms) in plans for rows in range(1, 257))
+        assert all(sampling_kernel.plan_chunks(r - 1, vocab, sms) != p for r, p in zip(reps[1:], plans[1:]))
+    assert warm_up_sampling(1000, 8, torch.device("cpu")) == []  # CPU samples with torch: nothing to compile
 
 
 def test_a_capture_failure_names_the_kernels_compiled_inside_it(knobs):

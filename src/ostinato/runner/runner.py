@@ -168,7 +168,8 @@ class ModelRunner:
                                                                                      self.device))
             # Compile the eager prefill path's kernel variants now, not inside a user's step.
             ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
-                                           self.device, scheduler_config.max_model_len)
+                                           self.device, scheduler_config.max_model_len,
+                                           max_sampled_rows=scheduler_config.max_num_seqs)
             logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
                         self.compile_watch.compiles_at_startup, seconds)
             self.compile_watch.seal()

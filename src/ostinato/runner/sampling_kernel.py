@@ -156,6 +156,16 @@ def plan_chunks(rows: int, vocab: int, num_sms: int, block: int = _BLOCK, chunk_
     return ChunkPlan(block, chunk, -(-vocab // chunk))
 
 
+def plan_representatives(max_rows: int, vocab: int, num_sms: int) -> list[int]:
+    """The smallest row count of each distinct ChunkPlan for 1..max_rows rows: sampling these compiles every
+    variant the two kernels meet at those row counts (Triton specialises on chunk and num_chunks, and the pick
+    takes CHUNKS_PAD as a constant). A 128k or 152k vocabulary on 132 SMs has 8 plans up to 256 rows."""
+    reps: dict[ChunkPlan, int] = {}
+    for rows in range(1, max_rows + 1):
+        reps.setdefault(plan_chunks(rows, vocab, num_sms), rows)
+    return sorted(reps.values())
+
+
 def available_for(logits: torch.Tensor) -> bool:
     """True where the kernels run: CUDA tensors with triton installed (CPU tests call sample() under
     TRITON_INTERPRET=1 directly). Shapes only: the choice is fixed per graph."""
