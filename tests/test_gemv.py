@@ -137,18 +137,32 @@ def test_norm_fold_is_the_norm_kernel_then_the_gemv(m, n, k, tiles, with_residua
     assert x.abs().sum() > 0 and out.abs().sum() > 0
 
 
-def test_norm_fold_takes_only_the_peeled_gemv_shapes():
-    """Where the GEMV does not take the projection with a peeled first step (rows cuBLAS takes, fp32, K above
-    3072, a row too wide to hold, a row-parallel layer), the fold answers None and the kernel set launches the
-    norm and the projection apart, same values."""
+def test_norm_fold_takes_the_8b_row_with_its_first_k_step_peeled():
+    """K 4096 (Llama-3.1-8B's qkv_proj and gate_up_proj): the plain GEMV does not peel there, the fold does, and
+    gives the values of the norm kernel then the plain GEMV."""
+    assert not choose_gemv_tiles(1, 8, 4096).peel_first
+    layer = torch.nn.Linear(4096, 8, bias=False).to(torch.bfloat16).to(DEVICE)
+    x, residual, norm_weight = _fold_inputs(1, 4096, torch.bfloat16, 4)
+    folded = small_batch_norm_linear(x, residual, norm_weight, 1e-6, layer)
+    assert folded is not None
+    normed, expected_residual = fused.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(folded[1], expected_residual)
+    expected = small_batch_linear(normed, layer)
+    if DEVICE == "cpu":
+        assert torch.equal(folded[0], expected)
+    else:
+        torch.testing.assert_close(folded[0].float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_norm_fold_takes_only_the_gemv_shapes():
+    """Where the GEMV does not take the projection (rows cuBLAS takes, fp32, a row-parallel layer) or a row is
+    too wide to hold, the fold answers None and the kernel set launches the norm and the projection apart,
+    same values."""
     layer = torch.nn.Linear(64, 40, bias=False).to(torch.bfloat16).to(DEVICE)
     x1, r1, nw = _fold_inputs(1, 64, torch.bfloat16, 1)
     x8, r8, _ = _fold_inputs(8, 64, torch.bfloat16, 2)
     assert small_batch_norm_linear(x1, r1, nw, 1e-6, layer) is not None
     assert small_batch_norm_linear(x8, r8, nw, 1e-6, layer) is None  # 8 rows: cuBLAS
-    k4 = torch.nn.Linear(4096, 8, bias=False).to(torch.bfloat16).to(DEVICE)  # the 8B's K: no peel, no fold
-    x4, r4, nw4 = _fold_inputs(1, 4096, torch.bfloat16, 4)
-    assert small_batch_norm_linear(x4, r4, nw4, 1e-6, k4) is None
     layer32 = torch.nn.Linear(64, 40).to(DEVICE)
     assert small_batch_norm_linear(x1.float(), r1.float(), nw.float(), 1e-6, layer32) is None
     wide = torch.nn.Linear(NORM_FOLD_MAX_K * 2, 8, bias=False).to(torch.bfloat16).to(DEVICE)
@@ -182,13 +196,16 @@ def test_gemv_at_the_real_projection_shapes(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (3072, 2048), (16384, 2048)])  # qwen3, 1B: qkv, gate_up
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (3072, 2048), (16384, 2048),  # qwen3, 1B: qkv, gate_up
+                                 (6144, 4096), (28672, 4096)])  # 8B: qkv, gate_up
 def test_norm_fold_at_the_real_shapes(n, k):
-    """Batch 1, where the GEMV (with PDL) takes the projections the fold applies to."""
+    """Batch 1, where the GEMV (with PDL) takes the projections the fold applies to, with the tiles the decoder
+    folds them with (the first K step peeled, also at the 8B's K)."""
     x, residual, norm_weight = (t.cuda() for t in _fold_inputs(1, k, torch.bfloat16, 7))
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     tiles = choose_gemv_tiles(1, n, k, pdl=True)
-    out, new_residual = gemv_norm_linear(x, residual, norm_weight, 1e-6, w, None, tiles, pdl=True)
+    folded_tiles = GemvTiles(tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages, peel_first=True)
+    out, new_residual = gemv_norm_linear(x, residual, norm_weight, 1e-6, w, None, folded_tiles, pdl=True)
     normed, expected_residual = fused.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
     assert torch.equal(new_residual, expected_residual)
     expected = gemv_linear(normed, w, None, tiles).float()

@@ -9,9 +9,11 @@ separates them through AttentionMetadata.
 
 The steps between the GEMMs (norms with the residual add, q/k norm + RoPE, SiLU-and-mul) go through a
 `DecoderKernels` picked once at bind time: fused Triton kernels on CUDA, plain torch elsewhere
-(model/fused.py). On the GPU a decode layer is then 9 kernels: 4 GEMMs, 3 fused (two norms, SiLU-and-mul)
-and one attention kernel that also does the q/k norm, RoPE and K/V write (decode_with_rope); a prefill
-layer 10 (the q/k norm + RoPE kernel writes K/V, then attention). The torch ops take 13 (Llama) to 16
+(model/fused.py). On the GPU a decode layer is then at most 9 kernels: 4 GEMMs, 3 fused (two norms,
+SiLU-and-mul) and one attention kernel that also does the q/k norm, RoPE and K/V write (decode_with_rope);
+where the small-batch GEMV takes qkv_proj or gate_up_proj (a few rows), the norm before it rides in its
+kernel, down to 6 a layer at batch 1. A prefill layer is 10 (the q/k norm + RoPE kernel writes K/V, then
+attention). The torch ops take 13 (Llama) to 16
 (Qwen3) plus the backend's KV write and attention.
 """
 
