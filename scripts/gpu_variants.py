@@ -134,6 +134,25 @@ def base_tree_attention(runner, tree: str):
         backend.decode_with_rope = saved
 
 
+def norm_fold(runner, pick, peel: bool):
+    """The RMSNorm folded into the GEMV after it (gemv_norm_linear) for the projections `pick(layer)` accepts,
+    also where the rule in model/gemv.py does not fold (K > 3072: no peeled first K step); `peel` forces the
+    peeled first step there too. The other projections keep the rule."""
+    pdl = runner.model.kernels.name.endswith("pdl")
+
+    def folded(x, residual, weight, eps, layer):
+        if not pick(layer):
+            return gemv.small_batch_norm_linear(x, residual, weight, eps, layer, pdl=pdl)
+        tiles = gemv._layer_tiles(x, x.shape[-1], layer, pdl) if x.dim() == 2 else None
+        if tiles is None or x.shape[1] > gemv.NORM_FOLD_MAX_K:
+            return None
+        if peel:
+            tiles = dataclasses.replace(tiles, peel_first=True)
+        return gemv.gemv_norm_linear(x, residual, weight, eps, layer.weight, layer.bias, tiles, pdl=pdl)
+
+    return kernels_replaced(runner, norm_linear=folded)
+
+
 def parse_attention_variants(specs):
     """['name:field=value,field=value', ...] -> {name: {field: int value}} (DecodeTuning fields)."""
     out = {}
@@ -147,6 +166,7 @@ def variants(runner):
     def silu_alias(gate_up, **_):
         return gate_up[:, : gate_up.shape[1] // 2]
 
+    qkv = {id(layer.self_attn.qkv_proj) for layer in runner.model.model.layers}
     return {
         "default": contextlib.nullcontext,
         "no-attention": lambda: no_attention(runner),
@@ -155,6 +175,12 @@ def variants(runner):
         "no-silu": lambda: kernels_replaced(runner, silu_and_mul=silu_alias),
         # The norms launched apart from the projections after them (model/gemv.py's fold off).
         "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
+        # The fold where the rule leaves it out (the 8B, K 4096): for qkv_proj alone or every projection it
+        # can take, with or without the first K step peeled.
+        "fold-qkv": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=False),
+        "fold-qkv-peel": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=True),
+        "fold-all": lambda: norm_fold(runner, lambda layer: True, peel=False),
+        "fold-all-peel": lambda: norm_fold(runner, lambda layer: True, peel=True),
         "attn-splits1": lambda: attention_tuning(runner, splits=1),
         "attn-splits4": lambda: attention_tuning(runner, splits=4),
         "attn-splits8": lambda: attention_tuning(runner, splits=8),
