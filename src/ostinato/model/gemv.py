@@ -217,25 +217,25 @@ def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | 
     return None
 
 
-def _layer_tiles(x: torch.Tensor, k: int, layer: torch.nn.Linear, pdl: bool) -> GemvTiles | None:
-    """The GEMV's tiles for layer(x') with x' [M, k] read from x, or None where layer(x') goes elsewhere: a
-    row-parallel layer under tensor parallelism (its forward adds the all-reduce, model/parallel.py), dtypes
-    other than 16-bit, or shapes where choose_gemv_tiles prefers cuBLAS."""
+def _layer_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTiles | None:
+    """The GEMV's tiles for layer(x), x [M, K], or None where layer(x) goes elsewhere: a row-parallel layer under
+    tensor parallelism (its forward adds the all-reduce, model/parallel.py), x not 2-D, dtypes other than 16-bit,
+    or shapes where choose_gemv_tiles prefers cuBLAS."""
     tp = getattr(layer, "tp", None)
     if tp is not None and tp.world_size > 1:
         return None
     weight = layer.weight
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype \
-            or not weight.is_contiguous() or x.stride(-1) != 1 or weight.shape[1] != k:
+            or not weight.is_contiguous() or x.stride(-1) != 1 or weight.shape[1] != x.shape[1]:
         return None
-    return choose_gemv_tiles(x.shape[0], weight.shape[0], k, pdl)
+    return choose_gemv_tiles(x.shape[0], weight.shape[0], x.shape[1], pdl)
 
 
 def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor:
     """layer(x) for x [M, K]: the Triton kernel where choose_gemv_tiles picks it, cuBLAS (F.linear) otherwise.
     For 16-bit CUDA tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a
     tensor-parallel one (model/parallel.py), which on one rank is an nn.Linear too."""
-    tiles = _layer_tiles(x, x.shape[-1], layer, pdl) if x.dim() == 2 else None
+    tiles = _layer_tiles(x, layer, pdl)
     if tiles is None:
         return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
     return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl)
@@ -252,10 +252,9 @@ def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm
     wait, that pass overlaps the weight read instead of delaying it. Llama-3.1-8B (K 4096): the fold without the
     peel added 108 us a step, with it took 60.5 us off (4.0336 -> 3.9730 ms; qkv_proj alone: -36.7 us). The
     smaller models (K <= 3072, peeled anyway): -19.7 us (Llama-3.2-1B), -17.9 us (Qwen3-0.6B)."""
-    tiles = _layer_tiles(x, x.shape[-1], layer, pdl) if x.dim() == 2 else None
+    tiles = _layer_tiles(x, layer, pdl)
     if tiles is None or x.shape[1] > NORM_FOLD_MAX_K or norm_weight.dtype != x.dtype \
             or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):
         return None
-    if not tiles.peel_first:
-        tiles = replace(tiles, peel_first=True)
-    return gemv_norm_linear(x, residual, norm_weight, eps, layer.weight, layer.bias, tiles, pdl=pdl)
+    return gemv_norm_linear(x, residual, norm_weight, eps, layer.weight, layer.bias, replace(tiles, peel_first=True),
+                            pdl=pdl)
