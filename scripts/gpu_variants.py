@@ -34,7 +34,7 @@ import torch
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.model import gemv
-from ostinato.tools.bench import _decode_rows
+from ostinato.tools.bench import rows_loaded
 
 from gpu_pdl import capture, time_replays  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
@@ -135,19 +135,19 @@ def base_tree_attention(runner, tree: str):
 
 
 def norm_fold(runner, pick, peel: bool):
-    """The RMSNorm folded into the GEMV after it (gemv_norm_linear) for the projections `pick(layer)` accepts,
-    also where the rule in model/gemv.py does not fold (K > 3072: no peeled first K step); `peel` forces the
-    peeled first step there too. The other projections keep the rule."""
+    """The RMSNorm folded into the GEMV after it for the projections `pick(layer)` accepts, the others' norms
+    launched apart. peel: as model/gemv.py folds (small_batch_norm_linear: the first K step always peeled);
+    else with the plain GEMV's tiles, which peel only at K <= 3072 (how the seventh session tried the 8B)."""
     pdl = runner.model.kernels.name.endswith("pdl")
 
     def folded(x, residual, weight, eps, layer):
         if not pick(layer):
-            return gemv.small_batch_norm_linear(x, residual, weight, eps, layer, pdl=pdl)
-        tiles = gemv._layer_tiles(x, x.shape[-1], layer, pdl) if x.dim() == 2 else None
-        if tiles is None or x.shape[1] > gemv.NORM_FOLD_MAX_K:
             return None
         if peel:
-            tiles = dataclasses.replace(tiles, peel_first=True)
+            return gemv.small_batch_norm_linear(x, residual, weight, eps, layer, pdl=pdl)
+        tiles = gemv._layer_tiles(x, layer, pdl)
+        if tiles is None or x.shape[1] > gemv.NORM_FOLD_MAX_K:
+            return None
         return gemv.gemv_norm_linear(x, residual, weight, eps, layer.weight, layer.bias, tiles, pdl=pdl)
 
     return kernels_replaced(runner, norm_linear=folded)
@@ -175,8 +175,8 @@ def variants(runner):
         "no-silu": lambda: kernels_replaced(runner, silu_and_mul=silu_alias),
         # The norms launched apart from the projections after them (model/gemv.py's fold off).
         "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
-        # The fold where the rule leaves it out (the 8B, K 4096): for qkv_proj alone or every projection it
-        # can take, with or without the first K step peeled.
+        # The fold for qkv_proj alone or for every projection it can take, with the first K step peeled (as
+        # model/gemv.py folds; fold-all-peel is the default) or with the plain GEMV's tiles (no peel at K 4096).
         "fold-qkv": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=False),
         "fold-qkv-peel": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=True),
         "fold-all": lambda: norm_fold(runner, lambda layer: True, peel=False),
@@ -229,37 +229,34 @@ def main() -> None:
           f"{args.replays} replays, ms per step (median of rounds, min-max)", flush=True)
     with torch.inference_mode():
         for bs in args.batches:
-            batch = runner.decode_batch
-            batch.load_rows(_decode_rows(runner, bs, args.context, gen))
-            rows = batch.copy_to_device(bs)
-            graphs = {}
-            for name, make in chosen.items():
-                try:
-                    with make():
-                        graphs[name] = capture(runner.decode_step, rows)
-                except Exception as exc:  # a tuning the kernel cannot take: say so, go on
-                    print(f"bs {bs:>4}  {name:16s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            logits = {}  # the step returns its logits [bs, vocab]
-            for name, (graph, out) in graphs.items():
-                graph.replay()
-                torch.cuda.synchronize()
-                logits[name] = out[:bs].float().clone()
-            times = {name: [] for name in graphs}
-            for _ in range(args.rounds):
-                for name, (graph, _) in graphs.items():
-                    times[name].append(time_replays(graph, args.replays))
-            base = statistics.median(times["default"])
-            for name in graphs:
-                med = statistics.median(times[name])
-                diff = ""
-                if not name.startswith("no-"):
-                    ref = logits["default"]
-                    diff = f"  rel diff {((logits[name] - ref).abs().max() / ref.abs().max()).item():.1e}"
-                print(f"bs {bs:>4}  {name:16s} {med:.4f}  ({min(times[name]):.4f}-{max(times[name]):.4f})  "
-                      f"x{med / base:.3f}  {1000 * (med - base):+7.1f} us{diff}", flush=True)
-            del graphs
-            batch.load_rows(None)
-            batch.copy_to_device(batch.layout.rows)
+            with rows_loaded(runner, bs, args.context, gen) as batch:
+                rows = batch.copy_to_device(bs)
+                graphs = {}
+                for name, make in chosen.items():
+                    try:
+                        with make():
+                            graphs[name] = capture(runner.decode_step, rows)
+                    except Exception as exc:  # a tuning the kernel cannot take: say so, go on
+                        print(f"bs {bs:>4}  {name:16s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                logits = {}  # the step returns its logits [bs, vocab]
+                for name, (graph, out) in graphs.items():
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    logits[name] = out[:bs].float().clone()
+                times = {name: [] for name in graphs}
+                for _ in range(args.rounds):
+                    for name, (graph, _) in graphs.items():
+                        times[name].append(time_replays(graph, args.replays))
+                base = statistics.median(times["default"])
+                for name in graphs:
+                    med = statistics.median(times[name])
+                    diff = ""
+                    if not name.startswith("no-"):
+                        ref = logits["default"]
+                        diff = f"  rel diff {((logits[name] - ref).abs().max() / ref.abs().max()).item():.1e}"
+                    print(f"bs {bs:>4}  {name:16s} {med:.4f}  ({min(times[name]):.4f}-{max(times[name]):.4f})  "
+                          f"x{med / base:.3f}  {1000 * (med - base):+7.1f} us{diff}", flush=True)
+                del graphs
 
 
 if __name__ == "__main__":
