@@ -123,8 +123,8 @@ def run_engine(args) -> int:
 def run_throughput(args) -> int:
     from ..cli_args import engine_args_from
     from ..engine.llm import LLM
-    from ..sampling_params import SamplingParams
     from ..errors import ConfigError
+    from ..sampling_params import SamplingParams
     from .bench import weights_read_per_step
 
     if args.repeats < 1:
