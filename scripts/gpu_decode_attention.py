@@ -6,14 +6,19 @@ backend's decode over every layer; the figure is the median replay / layers. Byt
 context token of every kv head (q and out are negligible). The first layer's output is compared with a
 float32 torch reference at each case.
 
-    PYTHONPATH=src python3 scripts/gpu_decode_attention.py [--sweep] [--compare-merge] [--rope]
-        [--cases 1x512,16x512] [--shapes qwen3-0.6b] [--json out.json]
+    PYTHONPATH=src python3 scripts/gpu_decode_attention.py [--sweep] [--compare-merge] [--rope] [--pdl]
+        [--attn NAME:FIELD=V,...] [--cases 1x512,16x512] [--shapes qwen3-0.6b] [--json out.json]
 
 Runs against whatever `ostinato` PYTHONPATH names, so the same file measures an older tree ("before");
 --sweep (needs attention/triton_decode.py) also times other decode tunings; --compare-merge times the
 two-kernel decode (split + reduce kernel, single_launch_max_splits=0) beside the default single launch;
 --rope also times the step from the qkv projection: the q/k-norm + RoPE kernel (writing K/V) then decode,
-against decode_with_rope (all three in the decode kernel).
+against decode_with_rope (all three in the decode kernel); --attn adds DecodeTuning variants (as
+scripts/gpu_variants.py's). --pdl also times every variant as a decode step launches it: decode_with_rope
+(q/k norm, RoPE and the K/V write in the kernel) with programmatic dependent launch, so each layer's kernel
+starts while the one before finishes and reads its first K/V tile before its wait (attention/triton_decode.py,
+PREFETCH). Its bytes are the same K/V; the figure is what attention costs a step where its neighbours let it
+overlap them (in a step the neighbours are projections, not attention).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
+from gpu_timing import HBM_READ_BYTES_PER_S, parse_attention_variants, time_graph  # noqa: E402
 
 from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.triton_paged import TritonPagedBackend  # noqa: E402
@@ -123,7 +128,22 @@ def measure_with_rope(backend, inputs, shape, fused_rope, iters=30):
     a, b = layer(0, True).float(), layer(0, False).float()
     err = ((a - b).norm() / b.norm()).item()
     us = time_graph(layer, layers, iters)
-    return {"us_per_layer": us, "rel_err": err}
+    kv_bytes = bs * ctx * kv * dim * 2 * 2
+    return {"us_per_layer": us, "GBps": kv_bytes / us / 1e3, "hbm_share": kv_bytes / us / 1e-6 / HBM_READ_BYTES_PER_S,
+            "floor_us": kv_bytes / HBM_READ_BYTES_PER_S * 1e6, "rel_err": err}
+
+
+def backend_with(**fields):
+    from ostinato.attention.triton_decode import DecodeTuning
+    from ostinato.attention.triton_paged import TritonAttentionTuning
+
+    return TritonPagedBackend(TritonAttentionTuning(decode=DecodeTuning(**fields)))
+
+
+def report(r):
+    print(f"{r['shape']:13s} bs {r['batch']:4d} ctx {r['context']:6d} {r['variant']:22s} {r['us_per_layer']:8.2f} "
+          f"us/layer {r['GBps']:7.0f} GB/s ({100 * r['hbm_share']:5.1f}% HBM, floor {r['floor_us']:.2f} us) "
+          f"err {r['rel_err']:.1e}", flush=True)
 
 
 def main() -> None:
@@ -136,9 +156,14 @@ def main() -> None:
     ap.add_argument("--rope", action="store_true",
                     help="time q/k-norm + RoPE + K/V write + decode: two launches vs decode_with_rope (one)")
     ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES), help="BATCHxCONTEXT,...")
+    ap.add_argument("--attn", nargs="*", default=[], metavar="NAME:FIELD=V,...", help="DecodeTuning variants")
+    ap.add_argument("--pdl", action="store_true", help="also time each variant as a step launches it (RoPE, PDL)")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
     variants = {"default": TritonPagedBackend()}
+    fields_of = {"default": {}}
+    for vname, fields in parse_attention_variants(args.attn).items():
+        variants[vname], fields_of[vname] = backend_with(**fields), fields
     if args.compare_merge:
         from ostinato.attention.triton_decode import DecodeTuning
         from ostinato.attention.triton_paged import TritonAttentionTuning
@@ -174,9 +199,12 @@ def main() -> None:
                 r = measure(backend, inputs, SHAPES[name])
                 r.update(shape=name, batch=bs, context=ctx, variant=vname, max_model_len=mml)
                 rows.append(r)
-                print(f"{name:13s} bs {bs:4d} ctx {ctx:6d} {vname:18s} {r['us_per_layer']:8.2f} us/layer "
-                      f"{r['GBps']:7.0f} GB/s ({100 * r['hbm_share']:5.1f}% HBM, floor {r['floor_us']:.2f} us) "
-                      f"err {r['rel_err']:.1e}", flush=True)
+                report(r)
+                if args.pdl and vname in fields_of:
+                    r = measure_with_rope(backend_with(**fields_of[vname], pdl=True), inputs, SHAPES[name], True)
+                    r.update(shape=name, batch=bs, context=ctx, variant=f"{vname}+rope+pdl", max_model_len=mml)
+                    rows.append(r)
+                    report(r)
             del inputs
             torch.cuda.empty_cache()
     if args.json:

@@ -33,3 +33,12 @@ def time_graph(fn, copies, iters=30):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / copies)
     return statistics.median(times)
+
+
+def parse_attention_variants(specs):
+    """['name:field=value,field=value', ...] -> {name: {field: int value}} (DecodeTuning fields)."""
+    out = {}
+    for spec in specs:
+        name, _, body = spec.partition(":")
+        out[name] = {k: int(v) for k, v in (item.split("=") for item in body.split(",") if item)}
+    return out

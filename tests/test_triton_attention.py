@@ -201,6 +201,14 @@ def test_single_launch_decode_matches_reference(device, head_dim, group, splits)
     assert not counters.any()  # every (sequence, kv head) counter reset by its merging program
 
 
+# A merge chunk of one slice (merge_chunk_elems = group x head_dim): the merge loops once per active slice.
+@pytest.mark.parametrize("device", DEVICES)
+def test_single_launch_merge_one_slice_a_chunk(device):
+    backend = backend_with(splits=9, block_n=16, merge_chunk_elems=4 * 64)
+    out, ref = run_decode(device, torch.float32, [1, 50, 144], 4, num_kv_heads=2, head_dim=64, backend=backend)
+    assert_close_to_reference(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_single_launch_decode_twice_with_new_data(device):
     """The counters must be back at 0 after a launch: a second launch (other data, other lengths, the same
@@ -460,6 +468,8 @@ def test_bad_tuning_arguments_raise_a_config_error():
         DecodeTuning(splits=0)
     with pytest.raises(ConfigError, match="single_launch_max_splits"):
         DecodeTuning(single_launch_max_splits=-1)
+    with pytest.raises(ConfigError, match="merge_chunk_elems"):
+        DecodeTuning(merge_chunk_elems=0)
     with pytest.raises(ConfigError, match="split_num_stages"):
         DecodeTuning(split_num_stages=0)
     with pytest.raises(ConfigError, match="prefill_block_n must be a power of two"):

@@ -40,6 +40,14 @@ class DecodeTuning:
         (head_dim 128; llama-3.2-1b, head_dim 64: +5 us, within noise), scripts/gpu_variants.py.
     split_num_warps: num_warps of a launch that splits (2 instead of 4 added 35 and 51 us to llama-3.2-1b and
         llama-3.1-8b at batch 1).
+    merge_chunk_elems: fp32 partial-output elements the single launch's merge loads per round trip to L2
+        ([group, slices, head_dim] tiles); a merge of more slices than one chunk loops, one round trip a chunk.
+        Batch 1 at a context of 4096 or more runs 64 slices, 8 round trips at 4096 elements (group 4, head_dim
+        128) and 4 at 8192. H200, whole decode steps in one process (scripts/gpu_variants.py, docs/PERFORMANCE.md,
+        ninth session), 8192 against 4096: context 4096 -17.4 / -12.9 us a step at batch 1 (qwen3-0.6b /
+        llama-3.2-1b), -16.1 / -5.8 at batch 4; context 512 +2.5 / +2.2 at batch 1 (the larger tile's
+        registers; those 8 slices fit one chunk either way), +2.8 / +0.1 at batch 16. 16384 spilled: alone
+        at batch 4, context 4096, the 8B went from 24.2 to 32.3 us a layer.
     split_num_stages: num_stages of a launch that splits the context to fill idle SMs (launch_for).
         Such a launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
         on their latency; software pipelining then only adds a prologue. H200, a whole decode step in one
@@ -60,12 +68,13 @@ class DecodeTuning:
     pdl: bool = False
     split_num_warps: int = 4
     split_num_stages: int = 1
+    merge_chunk_elems: int = 8192
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ConfigError(f"decode block_n must be a power of two >= 16, got {self.block_n}")
         for name in ("num_warps", "num_stages", "split_num_warps", "split_num_stages", "programs_per_sm", "max_splits",
-                     "max_keys_per_program"):
+                     "max_keys_per_program", "merge_chunk_elems"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"decode {name} must be >= 1, got {getattr(self, name)}")
         if self.splits is not None and self.splits < 1:

@@ -263,8 +263,8 @@ def _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_h
                     SPLITS_PAD: tl.constexpr):
     """out[seq, heads of kv_head] from the num_active partials (max, sum, unnormalised output) of those
     heads, all loaded at once: [MERGE_GROUP, SPLITS_PAD] maxima and sums, then [MERGE_GROUP, MERGE_CHUNK,
-    HEAD_DIM_PAD] outputs per chunk of slices (one chunk up to 32 slices at GROUP 2, head_dim 128). Loads
-    are .cg (L2, not this SM's L1): the partials were written by other SMs during this launch."""
+    HEAD_DIM_PAD] outputs per chunk of slices (DecodeTuning.merge_chunk_elems: 32 slices at GROUP 2, head_dim
+    128). Loads are .cg (L2, not this SM's L1): the partials were written by other SMs during this launch."""
     offs_g = tl.arange(0, MERGE_GROUP)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -364,9 +364,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     arrivals = counters.get(q.device, num_seqs * num_kv_heads) if merge else out  # unused without merge
     splits_pad = triton.next_power_of_2(splits)
     merge_group = triton.next_power_of_2(group)
-    # Merge tile [merge_group, chunk, head_dim_pad] of at most 4096 fp32 (32 registers a thread at 4 warps):
-    # with 8192 the kernel needed 135 registers instead of 90 (sm_90, group 2, head_dim 128, cuobjdump).
-    merge_chunk = max(1, min(splits_pad, 4096 // (merge_group * head_dim_pad)))
+    # Merge tile [merge_group, chunk, head_dim_pad] of at most merge_chunk_elems fp32 (DecodeTuning says why).
+    merge_chunk = max(1, min(splits_pad, tuning.merge_chunk_elems // (merge_group * head_dim_pad)))
     num_warps, num_stages = tuning.launch_for(splits, num_seqs * num_kv_heads, sms)
     if rope is not None:
         norm = rope.q_weight is not None
