@@ -5,9 +5,11 @@ and batch size, then the graphs are replayed in alternating rounds, so that cloc
 noise (up to 9% between two `ostinato bench` runs) hit every variant alike; the spread within a process is
 well under 1%. Two kinds of variant:
 
-- ablations (`no-attention`, `no-norms`, `no-silu`): that work replaced by nothing (no kernel; its output is
-  an uninitialised or aliased tensor of the right shape). The step is then wrong; its time says what that
-  class of kernel costs the step, with PDL's overlap counted, which the profiler's per-kernel times cannot;
+- ablations (`no-attention`, `no-norms`, `no-silu`; one projection: `no-qkv`, `no-o`, `no-gate-up`, `no-down`):
+  that work replaced by nothing (no kernel; its output is an uninitialised or aliased tensor of the right
+  shape). The step is then wrong; its time says what that class of kernel costs the step, with PDL's overlap
+  counted, which the profiler's per-kernel times cannot. A projection's line also gives its weight bytes over
+  that saving: its bandwidth in the step;
 - `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (model/gemv.py's fold off): what the
   fold saves;
 - tunings (`attn-...`, `gemv-...`): the decode attention's launch settings (attention/decode_plan.py,
@@ -37,6 +39,7 @@ from ostinato.model import gemv
 from ostinato.tools.bench import rows_loaded
 
 from gpu_pdl import capture, time_replays  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from gpu_timing import parse_attention_variants  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -134,6 +137,40 @@ def base_tree_attention(runner, tree: str):
         backend.decode_with_rope = saved
 
 
+PROJECTIONS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate-up": ("mlp", "gate_up_proj"),
+               "down": ("mlp", "down_proj")}
+
+
+def no_projection(runner, which: str):
+    """Ablation: one projection of every layer replaced by nothing (an uninitialised [T, N] output). The norm a
+    GEMV folds (qkv, gate_up) stays, launched as its own kernel, so the saving is the projection's cost in the
+    step less one norm launch's; layers x weight bytes over the saving is the projection's in-step bandwidth."""
+    module, attr = PROJECTIONS[which]
+    targets = {id(getattr(getattr(layer, module), attr)) for layer in runner.model.model.layers}
+    saved = runner.model.kernels
+
+    def linear(x, layer, **kw):
+        if id(layer) in targets:
+            return x.new_empty(x.shape[0], layer.weight.shape[0])
+        return saved.linear(x, layer, **kw)
+
+    def norm_linear(x, residual, weight, eps, layer):
+        if id(layer) not in targets:
+            return saved.norm_linear(x, residual, weight, eps, layer) if saved.norm_linear else None
+        if residual is None:
+            normed, residual = saved.rms_norm(x, weight, eps), x
+        else:
+            normed, residual = saved.fused_add_rms_norm(x, residual, weight, eps)
+        return normed.new_empty(normed.shape[0], layer.weight.shape[0]), residual
+
+    return kernels_replaced(runner, linear=linear, norm_linear=norm_linear)
+
+
+def projection_bytes(runner, which: str) -> int:
+    module, attr = PROJECTIONS[which]
+    return sum(getattr(getattr(layer, module), attr).weight.nbytes for layer in runner.model.model.layers)
+
+
 def norm_fold(runner, pick, peel: bool):
     """The RMSNorm folded into the GEMV after it for the projections `pick(layer)` accepts, the others' norms
     launched apart. peel: as model/gemv.py folds (small_batch_norm_linear: the first K step always peeled);
@@ -153,15 +190,6 @@ def norm_fold(runner, pick, peel: bool):
     return kernels_replaced(runner, norm_linear=folded)
 
 
-def parse_attention_variants(specs):
-    """['name:field=value,field=value', ...] -> {name: {field: int value}} (DecodeTuning fields)."""
-    out = {}
-    for spec in specs:
-        name, _, body = spec.partition(":")
-        out[name] = {k: int(v) for k, v in (item.split("=") for item in body.split(",") if item)}
-    return out
-
-
 def variants(runner):
     def silu_alias(gate_up, **_):
         return gate_up[:, : gate_up.shape[1] // 2]
@@ -173,6 +201,7 @@ def variants(runner):
         "no-norms": lambda: kernels_replaced(runner, rms_norm=lambda x, w, eps, **_: x,
                                              fused_add_rms_norm=lambda x, r, w, eps, **_: (x, r), norm_linear=None),
         "no-silu": lambda: kernels_replaced(runner, silu_and_mul=silu_alias),
+        **{f"no-{which}": (lambda which=which: no_projection(runner, which)) for which in PROJECTIONS},
         # The norms launched apart from the projections after them (model/gemv.py's fold off).
         "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
         # The fold for qkv_proj alone or for every projection it can take, with the first K step peeled (as
@@ -254,6 +283,9 @@ def main() -> None:
                     if not name.startswith("no-"):
                         ref = logits["default"]
                         diff = f"  rel diff {((logits[name] - ref).abs().max() / ref.abs().max()).item():.1e}"
+                    if name.startswith("no-") and name[3:] in PROJECTIONS and med < base:
+                        nbytes = projection_bytes(runner, name[3:])  # GB/s: bytes per us / 1e3
+                        diff = f"  {nbytes / 1e6:.0f} MB: {nbytes / ((base - med) * 1e3) / 1e3:.0f} GB/s in the step"
                     print(f"bs {bs:>4}  {name:16s} {med:.4f}  ({min(times[name]):.4f}-{max(times[name]):.4f})  "
                           f"x{med / base:.3f}  {1000 * (med - base):+7.1f} us{diff}", flush=True)
                 del graphs
