@@ -12,8 +12,9 @@ well under 1%. Two kinds of variant:
   that saving: its bandwidth in the step;
 - `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (model/gemv.py's fold off): what the
   fold saves;
-- tunings (`attn-...`, `gemv-...`): the decode attention's launch settings (attention/decode_plan.py,
-  DecodeTuning) or the small-batch linear's tiles (model/gemv.py) changed before capture. Their logits are
+- tunings (`attn-...`, `gemv-...`, `skinny-...`): the decode attention's launch settings (attention/decode_plan.py,
+  DecodeTuning), the small-batch linear's tiles (model/gemv.py), or the rows it leaves to cuBLAS on the
+  tensor-core kernel for a few rows (model/skinny.py), changed before capture. Their logits are
   compared with the default's (`rel diff`): a tuning changes summation order, never what is computed.
   `--attn NAME:FIELD=V,...` adds any DecodeTuning; `--base-tree DIR` adds another tree's decode attention
   kernel (`base-attention`), given this tree's tuning values for the fields that tree knows.
@@ -35,7 +36,7 @@ import torch
 
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
-from ostinato.model import gemv
+from ostinato.model import gemv, skinny
 from ostinato.tools.bench import rows_loaded
 
 from gpu_pdl import capture, time_replays  # noqa: E402  (scripts/ is on sys.path when run as a script)
@@ -99,6 +100,19 @@ def whole_k(tiles, m, n, k):
     if k > 4096:
         return tiles
     return dataclasses.replace(tiles, block_k=max(tiles.block_k, 1 << (k - 1).bit_length()), peel_first=True)
+
+
+@contextlib.contextmanager
+def skinny_rows(tiles):
+    """Every projection of 2-16 rows that the GEMV does not take on model/skinny.py's kernel with these tiles,
+    whatever its rule says (the rule takes only the shapes where it was measured to beat cuBLAS); tiles None:
+    all of them on cuBLAS (the rule off)."""
+    rule = skinny.choose_skinny_tiles
+    skinny.choose_skinny_tiles = lambda m, n, k, pdl=False: tiles if m >= 2 else None
+    try:
+        yield
+    finally:
+        skinny.choose_skinny_tiles = rule
 
 
 @contextlib.contextmanager
@@ -221,6 +235,10 @@ def variants(runner):
         "attn-warps2": lambda: attention_tuning(runner, num_warps=2),
         "attn-warps8": lambda: attention_tuning(runner, num_warps=8),
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
+        "skinny-off": lambda: skinny_rows(None),
+        "skinny-16x256s4": lambda: skinny_rows(skinny.SkinnyTiles(16, 256, num_stages=4)),
+        "skinny-16x512s3": lambda: skinny_rows(skinny.SkinnyTiles(16, 512, num_stages=3)),
+        "skinny-32x256s3": lambda: skinny_rows(skinny.SkinnyTiles(32, 256, num_stages=3)),
         "gemv-whole-k": lambda: gemv_tiles(whole_k),
         "gemv-bn-half": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, block_n=max(1, t.block_n // 2))),
         "gemv-bn-double": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, block_n=t.block_n * 2)),

@@ -26,6 +26,7 @@ import torch
 from ..pdl import launch_options, pdl_begin, pdl_wait
 from ..triton_optional import jit as _jit
 from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+from . import skinny
 
 if triton is not None:  # the torch path needs none of these
     from ..attention.rope_tile import round_like
@@ -217,28 +218,38 @@ def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | 
     return None
 
 
-def _layer_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTiles | None:
-    """The GEMV's tiles for layer(x), x [M, K], or None where layer(x) goes elsewhere: a row-parallel layer under
-    tensor parallelism (its forward adds the all-reduce, model/parallel.py), x not 2-D, dtypes other than 16-bit,
-    or shapes where choose_gemv_tiles prefers cuBLAS."""
+def _takes(x: torch.Tensor, layer: torch.nn.Linear) -> bool:
+    """Whether a Triton kernel may compute layer(x) at all: not a row-parallel layer under tensor parallelism
+    (its forward adds the all-reduce, model/parallel.py), x 2-D with K contiguous, 16-bit dtypes alike."""
     tp = getattr(layer, "tp", None)
     if tp is not None and tp.world_size > 1:
-        return None
+        return False
     weight = layer.weight
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype \
-            or not weight.is_contiguous() or x.stride(-1) != 1 or weight.shape[1] != x.shape[1]:
+    return x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype \
+        and weight.is_contiguous() and x.stride(-1) == 1 and weight.shape[1] == x.shape[1]
+
+
+def _layer_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTiles | None:
+    """The GEMV's tiles for layer(x), x [M, K], or None where layer(x) goes elsewhere (_takes says no, or
+    choose_gemv_tiles prefers another kernel at these shapes)."""
+    if not _takes(x, layer):
         return None
-    return choose_gemv_tiles(x.shape[0], weight.shape[0], x.shape[1], pdl)
+    return choose_gemv_tiles(x.shape[0], layer.weight.shape[0], x.shape[1], pdl)
 
 
 def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor:
-    """layer(x) for x [M, K]: the Triton kernel where choose_gemv_tiles picks it, cuBLAS (F.linear) otherwise.
-    For 16-bit CUDA tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a
-    tensor-parallel one (model/parallel.py), which on one rank is an nn.Linear too."""
+    """layer(x) for x [M, K]: the GEMV where choose_gemv_tiles picks it, else the tensor-core kernel for a few
+    rows where skinny.choose_skinny_tiles does (model/skinny.py), else cuBLAS (F.linear). For 16-bit CUDA
+    tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a tensor-parallel one
+    (model/parallel.py), which on one rank is an nn.Linear too."""
     tiles = _layer_tiles(x, layer, pdl)
-    if tiles is None:
-        return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
-    return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl)
+    if tiles is not None:
+        return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl)
+    if _takes(x, layer) and x.shape[0] <= skinny.MAX_ROWS:
+        few_rows = skinny.choose_skinny_tiles(x.shape[0], layer.weight.shape[0], x.shape[1], pdl)
+        if few_rows is not None:
+            return skinny.skinny_linear(x, layer.weight, layer.bias, few_rows, pdl=pdl)
+    return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
 
 
 def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -1,0 +1,130 @@
+"""A bandwidth-bound Triton linear for decode batches of 2-16 rows, on the tensor cores: y = x @ W^T (+ b).
+
+Why: between the GEMV's rows (model/gemv.py, M <= 4 at narrow N) and batches that fill a GEMM, cuBLAS reads a
+decode projection's weight far below HBM bandwidth. H200, whole decode steps with each projection ablated in
+one process (scripts/gpu_variants.py, docs/PERFORMANCE.md ninth session): at batch 16 Qwen3-0.6B's o_proj read
+its 4 MB a layer at 548 GB/s (13% of HBM), Llama-3.2-1B's qkv_proj at 1547 GB/s; at batch 1, where the GEMV
+takes them, the same projections ran at 1.9-4.0 TB/s.
+
+Algorithm: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N output features for all M rows and walks K in
+BLOCK_K steps: tl.dot of the [BLOCK_N, BLOCK_K] weight tile (K contiguous: 16-byte loads) with the
+[BLOCK_K, M_PAD] activations (M padded to 16, the smallest tl.dot tile), an fp32 [BLOCK_N, M_PAD] accumulator,
+software-pipelined over K (num_stages). The weight is the dot's left operand so that M, not N, is the padded
+side: N / BLOCK_N programs, and the x tile is re-read from L2 by each. The first weight tile is requested
+before the PDL wait (pdl.py: the step never writes weights), so with PDL the weight read starts during the
+kernel before. No split over K (no reduce kernel, no atomics). One kernel per call, grid from shapes only:
+CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..pdl import launch_options, pdl_begin, pdl_wait
+from ..triton_optional import jit as _jit
+from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
+
+MAX_ROWS = 16  # one tl.dot tile of rows; above it the rows are a GEMM's, and cuBLAS is the tool
+
+
+@_jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_cols = x_ptr + offs_m[None, :] * stride_xm  # [1, M_PAD]: x read transposed, [BLOCK_K, M_PAD]
+    k_mask = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # before the wait
+    pdl_wait(PDL)
+    x_t = tl.load(x_cols + offs_k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+    acc = _dot(w, x_t, DOT_PRECISION, UPCAST_DOT)  # [BLOCK_N, M_PAD] fp32
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x_t = tl.load(x_cols + ks[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        acc += _dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+@_jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """tl.dot; UPCAST_DOT multiplies in fp32 (exact for 16-bit inputs), set only under the interpreter, whose
+    bf16 tl.dot multiplies raw bit patterns (as attention/triton_common.py's dot)."""
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@dataclass(frozen=True)
+class SkinnyTiles:
+    """block_n outputs (>= 16) by block_k inputs (>= 16) per step, both powers of two; num_stages: the K loop's
+    software-pipelining depth (weight and x tiles in flight)."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: SkinnyTiles,
+                  out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
+    """x [M, K] (K contiguous, M <= MAX_ROWS), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype
+    (default x's dtype), accumulated in fp32. pdl: launch with programmatic dependent launch (pdl.py; the
+    caller checked the device supports it)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    if m == 0:
+        return out
+    interpreted = type(_skinny_kernel).__name__ == "InterpretedFunction"
+    upcast = interpreted and x.dtype == torch.bfloat16
+    _skinny_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        HAS_BIAS=bias is not None, PDL=pdl,
+        # fp32 inputs would default to TF32 on the tensor cores; keep fp32 exact (the correctness path).
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
+    )
+    return out
+
+
+# Where it was measured to beat cuBLAS: projections with one side <= 1024 and the other <= 6144.
+_MAX_NARROW_SIDE, _MAX_WIDE_SIDE = 1024, 6144
+
+
+def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTiles | None:
+    """Tiles for y[m, n] = x[m, k] @ W^T at 2-16 rows the GEMV does not take, or None where cuBLAS stays. From
+    shapes only, so it is fixed before capture. Read off whole decode steps on the H200 (scripts/gpu_variants.py,
+    skinny-* variants, context 512, docs/PERFORMANCE.md ninth session), every such projection of the model on
+    this kernel against cuBLAS:
+    - Qwen3-0.6B (every projection has one side of 1024 and the other at most 6144): batch 4 -56.2 us a step
+      at block_k 512 with 3 stages (-45.4 at 256 with 4), batch 16 -92.4 us at block_k 256 with 4 stages
+      (-31.7 at 512 with 3). So those tiles at those rows; batches 5-15 were not measured.
+    - Llama-3.2-1B (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192): +390 to +517 us a
+      step at batch 4 and 16 with any of three tilings. Its projections were measured as a set only; the wide
+      gate_up and the long down_proj (N / 16 = 128 programs, each reading 256 KB) are the likely losers, but
+      its qkv and o stay on cuBLAS too until measured one by one. Llama-3.1-8B: not measured, cuBLAS.
+    """
+    if not 2 <= m <= MAX_ROWS or min(n, k) > _MAX_NARROW_SIDE or max(n, k) > _MAX_WIDE_SIDE:
+        return None
+    if m <= 4:
+        return SkinnyTiles(16, 512, num_stages=3)
+    return SkinnyTiles(16, 256, num_stages=4)
