@@ -116,6 +116,25 @@ def skinny_rows(tiles):
 
 
 @contextlib.contextmanager
+def skinny_only(runner, which: str):
+    """One projection (PROJECTIONS) of 2-16 rows on model/skinny.py's kernel, with the tiles its rule uses at
+    that row count, and every other on cuBLAS (by the projection's shape, distinct within each public model):
+    against skinny-off, what the kernel does for that projection alone."""
+    module, attr = PROJECTIONS[which]
+    shape = tuple(getattr(getattr(runner.model.model.layers[0], module), attr).weight.shape)  # (N, K)
+    rule = skinny.choose_skinny_tiles
+
+    def only(m, n, k, pdl=False):
+        return skinny.tiles_for_rows(m) if (n, k) == shape and 2 <= m <= skinny.MAX_ROWS else None
+
+    skinny.choose_skinny_tiles = only
+    try:
+        yield
+    finally:
+        skinny.choose_skinny_tiles = rule
+
+
+@contextlib.contextmanager
 def base_tree_attention(runner, tree: str):
     """Decode attention from another source tree (`git archive REV src | tar -x -C TREE`), in this process: the
     tree's ostinato package is copied as `ostinato_base` (its kernels import each other relatively) and its
@@ -236,6 +255,7 @@ def variants(runner):
         "attn-warps8": lambda: attention_tuning(runner, num_warps=8),
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
         "skinny-off": lambda: skinny_rows(None),
+        **{f"skinny-only-{which}": (lambda which=which: skinny_only(runner, which)) for which in PROJECTIONS},
         "skinny-16x256s4": lambda: skinny_rows(skinny.SkinnyTiles(16, 256, num_stages=4)),
         "skinny-16x512s3": lambda: skinny_rows(skinny.SkinnyTiles(16, 512, num_stages=3)),
         "skinny-32x256s3": lambda: skinny_rows(skinny.SkinnyTiles(32, 256, num_stages=3)),

@@ -125,6 +125,9 @@ def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTile
     """
     if not 2 <= m <= MAX_ROWS or min(n, k) > _MAX_NARROW_SIDE or max(n, k) > _MAX_WIDE_SIDE:
         return None
-    if m <= 4:
-        return SkinnyTiles(16, 512, num_stages=3)
-    return SkinnyTiles(16, 256, num_stages=4)
+    return tiles_for_rows(m)
+
+
+def tiles_for_rows(m: int) -> SkinnyTiles:
+    """The measured tiles at m rows (choose_skinny_tiles): longer K steps at up to 4 rows, deeper pipelining above."""
+    return SkinnyTiles(16, 512, num_stages=3) if m <= 4 else SkinnyTiles(16, 256, num_stages=4)
