@@ -242,14 +242,16 @@ def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = Fals
     rows where skinny.choose_skinny_tiles does (model/skinny.py), else cuBLAS (F.linear). For 16-bit CUDA
     tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a tensor-parallel one
     (model/parallel.py), which on one rank is an nn.Linear too."""
-    tiles = _layer_tiles(x, layer, pdl)
+    if not _takes(x, layer):
+        return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
+    m, n, k = x.shape[0], layer.weight.shape[0], x.shape[1]
+    tiles = choose_gemv_tiles(m, n, k, pdl)
     if tiles is not None:
         return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl)
-    if _takes(x, layer) and x.shape[0] <= skinny.MAX_ROWS:
-        few_rows = skinny.choose_skinny_tiles(x.shape[0], layer.weight.shape[0], x.shape[1], pdl)
-        if few_rows is not None:
-            return skinny.skinny_linear(x, layer.weight, layer.bias, few_rows, pdl=pdl)
-    return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
+    few_rows = skinny.choose_skinny_tiles(m, n, k, pdl) if m <= skinny.MAX_ROWS else None
+    if few_rows is not None:
+        return skinny.skinny_linear(x, layer.weight, layer.bias, few_rows, pdl=pdl)
+    return layer(x)
 
 
 def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -26,6 +26,9 @@ from ..pdl import launch_options, pdl_begin, pdl_wait
 from ..triton_optional import jit as _jit
 from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
+if triton is not None:  # the torch path needs none of these
+    from ..attention.triton_common import dot, dot_settings
+
 MAX_ROWS = 16  # one tl.dot tile of rows; above it the rows are a GEMM's, and cuBLAS is the tool
 
 
@@ -48,27 +51,17 @@ def _skinny_kernel(
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # before the wait
     pdl_wait(PDL)
     x_t = tl.load(x_cols + offs_k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-    acc = _dot(w, x_t, DOT_PRECISION, UPCAST_DOT)  # [BLOCK_N, M_PAD] fp32
+    acc = dot(w, x_t, DOT_PRECISION, UPCAST_DOT)  # [BLOCK_N, M_PAD] fp32
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x_t = tl.load(x_cols + ks[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        acc += _dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
+        acc += dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & m_mask[None, :])
-
-
-@_jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """tl.dot; UPCAST_DOT multiplies in fp32 (exact for 16-bit inputs), set only under the interpreter, whose
-    bf16 tl.dot multiplies raw bit patterns (as attention/triton_common.py's dot)."""
-    if UPCAST_DOT:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -93,14 +86,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
         return out
-    interpreted = type(_skinny_kernel).__name__ == "InterpretedFunction"
-    upcast = interpreted and x.dtype == torch.bfloat16
     _skinny_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=max(16, triton.next_power_of_2(m)), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        HAS_BIAS=bias is not None, PDL=pdl,
-        # fp32 inputs would default to TF32 on the tensor cores; keep fp32 exact (the correctness path).
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
+        HAS_BIAS=bias is not None, PDL=pdl, **dot_settings(x.dtype),  # fp32 exact; bf16 upcast when interpreted
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
     )
     return out
