@@ -89,7 +89,11 @@ def measure(backend, inputs, shape, iters=30):
     ref = reference(q, caches[0][0], caches[0][1], tables, lens, scale)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     us = time_graph(lambda i: backend.decode(q, caches[i][0], caches[i][1], meta, scale), layers, iters)
-    kv_bytes = bs * ctx * kv * dim * 2 * 2
+    return figures(us, bs * ctx * kv * dim * 2 * 2, err)
+
+
+def figures(us, kv_bytes, err):
+    """A case's row: µs per layer, and the K/V bytes it read over that time against the HBM ceiling."""
     return {"us_per_layer": us, "GBps": kv_bytes / us / 1e3, "hbm_share": kv_bytes / us / 1e-6 / HBM_READ_BYTES_PER_S,
             "floor_us": kv_bytes / HBM_READ_BYTES_PER_S * 1e6, "rel_err": err}
 
@@ -128,9 +132,7 @@ def measure_with_rope(backend, inputs, shape, fused_rope, iters=30):
     a, b = layer(0, True).float(), layer(0, False).float()
     err = ((a - b).norm() / b.norm()).item()
     us = time_graph(layer, layers, iters)
-    kv_bytes = bs * ctx * kv * dim * 2 * 2
-    return {"us_per_layer": us, "GBps": kv_bytes / us / 1e3, "hbm_share": kv_bytes / us / 1e-6 / HBM_READ_BYTES_PER_S,
-            "floor_us": kv_bytes / HBM_READ_BYTES_PER_S * 1e6, "rel_err": err}
+    return figures(us, bs * ctx * kv * dim * 2 * 2, err)
 
 
 def backend_with(**fields):

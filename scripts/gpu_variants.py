@@ -103,35 +103,29 @@ def whole_k(tiles, m, n, k):
 
 
 @contextlib.contextmanager
-def skinny_rows(tiles):
-    """Every projection of 2-16 rows that the GEMV does not take on model/skinny.py's kernel with these tiles,
-    whatever its rule says (the rule takes only the shapes where it was measured to beat cuBLAS); tiles None:
-    all of them on cuBLAS (the rule off)."""
-    rule = skinny.choose_skinny_tiles
-    skinny.choose_skinny_tiles = lambda m, n, k, pdl=False: tiles if m >= 2 else None
+def skinny_rule(rule):
+    """model/skinny.py's rule (choose_skinny_tiles) replaced by `rule(m, n, k)` before capture."""
+    saved = skinny.choose_skinny_tiles
+    skinny.choose_skinny_tiles = lambda m, n, k, pdl=False: rule(m, n, k) if 2 <= m <= skinny.MAX_ROWS else None
     try:
         yield
     finally:
-        skinny.choose_skinny_tiles = rule
+        skinny.choose_skinny_tiles = saved
 
 
-@contextlib.contextmanager
+def skinny_rows(tiles):
+    """Every projection of 2-16 rows that the GEMV does not take on the kernel with these tiles, whatever the rule
+    says (it takes only the shapes where it was measured to beat cuBLAS); tiles None: all on cuBLAS (rule off)."""
+    return skinny_rule(lambda m, n, k: tiles)
+
+
 def skinny_only(runner, which: str):
-    """One projection (PROJECTIONS) of 2-16 rows on model/skinny.py's kernel, with the tiles its rule uses at
-    that row count, and every other on cuBLAS (by the projection's shape, distinct within each public model):
-    against skinny-off, what the kernel does for that projection alone."""
+    """One projection (PROJECTIONS) of 2-16 rows on the kernel, with the rule's tiles for that row count, every
+    other on cuBLAS (picked by the projection's shape, distinct within each public model): against skinny-off,
+    what the kernel does for that projection alone."""
     module, attr = PROJECTIONS[which]
     shape = tuple(getattr(getattr(runner.model.model.layers[0], module), attr).weight.shape)  # (N, K)
-    rule = skinny.choose_skinny_tiles
-
-    def only(m, n, k, pdl=False):
-        return skinny.tiles_for_rows(m) if (n, k) == shape and 2 <= m <= skinny.MAX_ROWS else None
-
-    skinny.choose_skinny_tiles = only
-    try:
-        yield
-    finally:
-        skinny.choose_skinny_tiles = rule
+    return skinny_rule(lambda m, n, k: skinny.tiles_for_rows(m) if (n, k) == shape else None)
 
 
 @contextlib.contextmanager
