@@ -232,6 +232,25 @@ def test_a_killed_worker_turns_health_503_and_the_next_step_names_it(tmp_path_fa
         engine.shutdown()
 
 
+def test_rank_0_counts_as_stopped_while_its_watcher_still_drains_a_dead_worker():
+    """The window CI once hit: a worker has exited, its watcher has not yet recorded the failure. /health must
+    already show rank 0 stopping, not serving."""
+    from types import SimpleNamespace
+
+    from ostinato.runner.tp_executor import TensorParallelRunner
+
+    runner = object.__new__(TensorParallelRunner)
+    runner.world_size, runner._failure, runner._closed = 2, None, False
+    runner._workers = [SimpleNamespace(rank=1, proc=SimpleNamespace(poll=lambda: None), error=None)]
+    assert [r["alive"] for r in runner.rank_health()] == [True, True]
+    runner._workers[0].proc.poll = lambda: -9
+    health = runner.rank_health()
+    assert [r["alive"] for r in health] == [False, False]
+    assert health[0]["error"] == "stopping: rank 1 exited"
+    runner._failure = "rank 1 failed: the process exited with code -9"
+    assert runner.rank_health()[0]["error"] == runner._failure
+
+
 _RANK0_DIES = """
 import os, sys, time
 from ostinato import LLM

@@ -205,8 +205,13 @@ class TensorParallelRunner:
 
     def rank_health(self) -> list[dict]:
         """Per rank: alive or not, and its failure cause. Ranks started by torchrun are not ours to watch: they
-        count as alive until a collective with them fails."""
-        ranks = [{"rank": 0, "alive": self._failure is None, "error": self._failure}]
+        count as alive until a collective with them fails. Rank 0 counts as stopped as soon as a worker has
+        exited: its watcher stops every rank once it has drained the worker's reports, and /health must not
+        show rank 0 serving in between."""
+        exited = [w for w in self._workers if w.proc.poll() is not None]
+        stopping = None if self._closed or not exited else f"stopping: rank {exited[0].rank} exited"
+        rank0_error = self._failure or stopping
+        ranks = [{"rank": 0, "alive": rank0_error is None, "error": rank0_error}]
         for w in self._workers:
             ranks.append({"rank": w.rank, "alive": w.proc.poll() is None, "error": w.error})
         for rank in range(len(ranks), self.world_size):
