@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 
@@ -37,6 +38,7 @@ import torch
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.model import gemv, skinny
+from ostinato.split_counters import SplitCounters
 from ostinato.tools.bench import rows_loaded
 
 from gpu_pdl import capture, time_replays  # noqa: E402  (scripts/ is on sys.path when run as a script)
@@ -126,6 +128,22 @@ def skinny_only(runner, which: str):
     module, attr = PROJECTIONS[which]
     shape = tuple(getattr(getattr(runner.model.model.layers[0], module), attr).weight.shape)  # (N, K)
     return skinny_rule(lambda m, n, k: skinny.tiles_for_rows(m) if (n, k) == shape else None)
+
+
+@contextlib.contextmanager
+def skinny_split(runner, which: str, split: int):
+    """skinny_only with the projection's K cut into `split` slices (SkinnyTiles.split_k), every launch given one
+    SplitCounters, as a decoder that owned one would pass it (no rule picks a split yet, so the decoder has none)."""
+    counters, real = SplitCounters(), skinny.skinny_linear
+    with skinny_only(runner, which):
+        rule = skinny.choose_skinny_tiles  # skinny_only's
+        skinny.choose_skinny_tiles = lambda m, n, k, pdl=False: (
+            None if (t := rule(m, n, k, pdl)) is None else dataclasses.replace(t, split_k=split))
+        skinny.skinny_linear = functools.partial(real, counters=counters)
+        try:
+            yield
+        finally:
+            skinny.skinny_linear = real
 
 
 @contextlib.contextmanager
@@ -250,6 +268,8 @@ def variants(runner):
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
         "skinny-off": lambda: skinny_rows(None),
         **{f"skinny-only-{which}": (lambda which=which: skinny_only(runner, which)) for which in PROJECTIONS},
+        **{f"skinny-k{split}-{which}": (lambda which=which, split=split: skinny_split(runner, which, split))
+           for which in PROJECTIONS for split in (2, 4, 8)},
         "skinny-16x256s4": lambda: skinny_rows(skinny.SkinnyTiles(16, 256, num_stages=4)),
         "skinny-16x512s3": lambda: skinny_rows(skinny.SkinnyTiles(16, 512, num_stages=3)),
         "skinny-32x256s3": lambda: skinny_rows(skinny.SkinnyTiles(32, 256, num_stages=3)),
