@@ -251,6 +251,30 @@ def test_rank_0_counts_as_stopped_while_its_watcher_still_drains_a_dead_worker()
     assert runner.rank_health()[0]["error"] == runner._failure
 
 
+def test_a_call_that_fails_on_a_dead_worker_waits_for_its_watcher_to_say_why():
+    """The pipe to a dead worker breaks before its watcher has drained the worker's report: the call waits for
+    the watcher (however slow) and raises the recorded cause, not the BrokenPipeError."""
+    import threading
+    from types import SimpleNamespace
+
+    from ostinato.runner.tp_executor import TensorParallelRunner
+
+    runner = object.__new__(TensorParallelRunner)
+    runner.world_size, runner._failure, runner._closed, runner._busy = 2, None, False, 0
+
+    def slow_watcher():
+        time.sleep(1.5)  # longer than the guard's grace for a worker to exit
+        runner._failure = "rank 1 failed: RuntimeError: boom"
+
+    watcher = threading.Thread(target=slow_watcher)
+    runner._workers = [SimpleNamespace(rank=1, proc=SimpleNamespace(poll=lambda: 1), error=None, watcher=watcher)]
+    watcher.start()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: boom") as caught:
+        with runner._guard():
+            raise BrokenPipeError("the worker's pipe")
+    assert isinstance(caught.value.__cause__, BrokenPipeError)
+
+
 _RANK0_DIES = """
 import os, sys, time
 from ostinato import LLM

@@ -65,6 +65,7 @@ class _Worker:
         self.steps = Connection(os.dup(proc.stdin.fileno()), readable=False)
         proc.stdin.close()
         self.error: str | None = None
+        self.watcher: threading.Thread | None = None  # reads its reports; records its exit as the failure
 
 
 class TensorParallelRunner:
@@ -117,8 +118,9 @@ class TensorParallelRunner:
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
             worker = _Worker(rank, proc)
             self._workers.append(worker)
-            threading.Thread(target=self._watch, args=(worker,), name=f"ostinato-tp-watch-{rank}",
-                             daemon=True).start()
+            worker.watcher = threading.Thread(target=self._watch, args=(worker,), name=f"ostinato-tp-watch-{rank}",
+                                              daemon=True)
+            worker.watcher.start()
         deadline = time.monotonic() + timeout_seconds()
         keys = [f"ostinato/joined/{w.rank}" for w in self._workers]
         while not store.check(keys):  # wait for every worker to reach the store, or for one to fail
@@ -167,6 +169,20 @@ class TensorParallelRunner:
         if self._failure is not None:
             raise TensorParallelError(f"{self._failure}; every rank was stopped. Fix the cause and restart")
 
+    def _await_failure(self, grace: float = 0.5) -> None:
+        """After a call on this runner raised: a rank's failure often reaches us first as a collective or pipe
+        error. Wait up to `grace` seconds for a worker to exit, then for its watcher to record why (it drains
+        the worker's report first; a fixed sleep lost that race on a loaded machine)."""
+        deadline = time.monotonic() + grace
+        while self._failure is None and time.monotonic() < deadline:
+            exited = [w for w in self._workers if w.proc.poll() is not None]
+            for worker in exited:
+                if worker.watcher is not None:
+                    worker.watcher.join(timeout=10)
+            if exited:
+                return
+            time.sleep(0.02)
+
     def _guard(self):
         runner = self
 
@@ -178,7 +194,7 @@ class TensorParallelRunner:
             def __exit__(self, kind, exc, tb):
                 runner._busy -= 1
                 if exc is not None and runner._failure is None and kind is not KeyboardInterrupt:
-                    time.sleep(0.5)  # a rank's failure often reaches us as a collective error first
+                    runner._await_failure()
                 if exc is not None and runner._failure is not None:
                     raise TensorParallelError(f"{runner._failure}; every rank was stopped. Fix the cause and "
                                               "restart") from exc
