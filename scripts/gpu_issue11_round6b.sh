@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11, the second call after gpu_issue11_round6.sh: whole decode steps in one process (gpu_variants.py).
+# Issue 11, the second device call after gpu_issue11_round6.sh: whole decode steps in one process (gpu_variants.py).
 # Llama-3.2-1B: the few-rows kernel on one projection at a time against cuBLAS, whole K and split in 4 slices
 # (skinny-k4-*); Qwen3-0.6B: the rule against cuBLAS at batches 4, 8, 16 and each projection's in-step
 # bandwidth with the rule on. Logs under $OUT.

@@ -11,7 +11,7 @@ well under 1%. Two kinds of variant:
   counted, which the profiler's per-kernel times cannot. A projection's line also gives its weight bytes over
   that saving: its bandwidth in the step;
 - `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (model/gemv.py's fold off): what the
-  fold saves;
+  fold saves; `fold-glu`: the SwiGLU activation folded into the gate_up projection (gemv.choose_glu_fold on);
 - tunings (`attn-...`, `gemv-...`, `skinny-...`): the decode attention's launch settings (attention/decode_plan.py,
   DecodeTuning), the small-batch linear's tiles (model/gemv.py), or the rows it leaves to cuBLAS on the
   tensor-core kernel for a few rows (model/skinny.py), changed before capture. Their logits are
@@ -102,6 +102,18 @@ def whole_k(tiles, m, n, k):
     if k > 4096:
         return tiles
     return dataclasses.replace(tiles, block_k=max(tiles.block_k, 1 << (k - 1).bit_length()), peel_first=True)
+
+
+@contextlib.contextmanager
+def glu_fold():
+    """model/gemv.py's choose_glu_fold on at every shape (off until measured): the SwiGLU activation out of the
+    gate_up projection's GEMV or few-rows kernel wherever one of them takes it, no activation kernel there."""
+    saved = gemv.choose_glu_fold
+    gemv.choose_glu_fold = lambda m, n, k, pdl=False: True
+    try:
+        yield
+    finally:
+        gemv.choose_glu_fold = saved
 
 
 @contextlib.contextmanager
@@ -249,6 +261,7 @@ def variants(runner):
         **{f"no-{which}": (lambda which=which: no_projection(runner, which)) for which in PROJECTIONS},
         # The norms launched apart from the projections after them (model/gemv.py's fold off).
         "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
+        "fold-glu": glu_fold,
         # The fold for qkv_proj alone or for every projection it can take, with the first K step peeled (as
         # model/gemv.py folds; fold-all-peel is the default) or with the plain GEMV's tiles (no peel at K 4096).
         "fold-qkv": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=False),

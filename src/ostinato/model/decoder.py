@@ -12,7 +12,8 @@ The steps between the GEMMs (norms with the residual add, q/k norm + RoPE, SiLU-
 (model/fused.py). On the GPU a decode layer is then at most 9 kernels: 4 GEMMs, 3 fused (two norms,
 SiLU-and-mul) and one attention kernel that also does the q/k norm, RoPE and K/V write (decode_with_rope);
 where the small-batch GEMV takes qkv_proj or gate_up_proj (a few rows), the norm before it rides in its
-kernel, down to 6 a layer at batch 1. A prefill layer is 10 (the q/k norm + RoPE kernel writes K/V, then
+kernel, down to 6 a layer at batch 1 (5 where the activation folds into gate_up too: gemv.choose_glu_fold,
+off until measured). A prefill layer is 10 (the q/k norm + RoPE kernel writes K/V, then
 attention). The torch ops take 13 (Llama) to 16
 (Qwen3) plus the backend's KV write and attention.
 """
@@ -139,8 +140,8 @@ class DecoderLayer(nn.Module):
         qkv, residual = kernels.norm_then_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj)
         hidden = attn(qkv, positions, rope_cache, meta, kernels)
         norm = self.post_attention_layernorm
-        gate_up, residual = kernels.norm_then_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj)
-        return kernels.linear(kernels.silu_and_mul(gate_up), mlp.down_proj), residual
+        act, residual = kernels.norm_then_glu(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj)
+        return kernels.linear(act, mlp.down_proj), residual
 
 
 class DecoderModel(nn.Module):

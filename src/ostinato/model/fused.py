@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..pdl import launch_options, pdl_begin, pdl_wait
-from .gemv import small_batch_linear, small_batch_norm_linear
+from .gemv import folds_glu, small_batch_linear, small_batch_norm_linear
 from .layers import apply_rope
 
 from ..triton_optional import jit as _jit
@@ -388,20 +388,35 @@ class DecoderKernels:
     # The norm folded into the projection after it (model/gemv.py), where one kernel can take both at these
     # shapes; it returns None where it cannot, and norm_then_linear then launches the two apart. None: never.
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # (x, layer) -> whether linear and norm_linear take glu=True for the (gate | up) projection at these shapes:
+    # silu(gate) * up out of the projection's own kernel, no activation kernel after it. None: never.
+    folds_glu: Callable[[torch.Tensor, torch.nn.Linear], bool] | None = None
 
     def norm_then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                         layer: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+                         layer: torch.nn.Linear, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer(rmsnorm(x + residual) * weight), x + residual); residual None: the norm of x alone, and x
-        is the residual returned. [T, K] -> ([T, N], [T, K])."""
+        is the residual returned. [T, K] -> ([T, N], [T, K]). glu: silu(gate) * up [T, N / 2] of a (gate |
+        up) layer from the projection's kernel, only where folds_glu said so (norm_then_glu)."""
+        fold = {"glu": True} if glu else {}  # the torch set's functions take no such flag
         if self.norm_linear is not None:
-            folded = self.norm_linear(x, residual, weight, eps, layer)
+            folded = self.norm_linear(x, residual, weight, eps, layer, **fold)
             if folded is not None:
                 return folded
         if residual is None:
             normed, residual = self.rms_norm(x, weight, eps), x
         else:
             normed, residual = self.fused_add_rms_norm(x, residual, weight, eps)
-        return self.linear(normed, layer), residual
+        return self.linear(normed, layer, **fold), residual
+
+    def norm_then_glu(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      layer: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's first half: (silu(gate) * up of layer(rmsnorm(x + residual) * weight), x + residual),
+        layer the (gate | up) projection. [T, K] -> ([T, I], [T, K]). The activation comes out of the
+        projection's kernel where folds_glu says so, else from its own kernel after it."""
+        if self.folds_glu is not None and self.folds_glu(x, layer):
+            return self.norm_then_linear(x, residual, weight, eps, layer, glu=True)
+        gate_up, residual = self.norm_then_linear(x, residual, weight, eps, layer)
+        return self.silu_and_mul(gate_up), residual
 
 
 def linear_ref(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -413,7 +428,7 @@ TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, si
 # Projections: the Triton small-batch linear at the decode shapes where it beats cuBLAS (model/gemv.py).
 TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and_mul, qk_norm_rope,
                                 small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv,
-                                norm_linear=small_batch_norm_linear)
+                                norm_linear=small_batch_norm_linear, folds_glu=folds_glu)
 
 
 # The same kernels launched with programmatic dependent launch (pdl.py): each may start while the one before it

@@ -30,6 +30,7 @@ from . import skinny
 
 if triton is not None:  # the torch path needs none of these
     from ..attention.rope_tile import round_like
+    from .linear_epilogue import glu_rows, store_glu
 
 
 # What the kernel multiplies by W (X_MODE): x itself, or rmsnorm(x [+ residual]) * norm_weight, the norm before
@@ -75,16 +76,16 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PEEL_FIRST: tl.constexpr, PDL: tl.constexpr, X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    K_PAD: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    K_PAD: tl.constexpr, EMULATE_BF16: tl.constexpr, GLU: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, w_index = glu_rows(pid, N, BLOCK_N, GLU)  # each row's output; its row of W
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    w_rows = w_ptr + w_index.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     nw = tl.zeros([BLOCK_K], tl.float32)  # the norm's weight (X_NORM), loaded per K step
     if PEEL_FIRST:
         # The first K step out of the loop, its weight tile requested before the wait for the previous kernel
@@ -117,9 +118,14 @@ def _gemv_kernel(
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        y += tl.load(b_ptr + w_index, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        store_glu(out_ptr, y, offs_m, cols, m_mask[:, None] & (cols < N)[None, :], stride_om, M_PAD, BLOCK_N,
+                  EMULATE_BF16)
+    else:
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -136,22 +142,25 @@ class GemvTiles:
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: GemvTiles,
-                out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, pdl: bool = False, glu: bool = False) -> torch.Tensor:
     """x [M, K] (K contiguous), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype (default
     x's dtype), accumulated in fp32. Meant for M <= 8; the accumulator is M_PAD * block_n * block_k fp32.
-    pdl: launch with programmatic dependent launch (pdl.py; the caller checked the device supports it)."""
+    pdl: launch with programmatic dependent launch (pdl.py; the caller checked the device supports it).
+    glu: W is a (gate | up) projection [2I, K]: the output is silu(gate) * up [M, I], the SwiGLU activation
+    folded into the epilogue (no [M, 2I] tensor, no activation kernel); block_n then counts weight rows."""
     m, k = x.shape
     assert x.stride(-1) == 1
-    return _launch(x, k, weight, bias, tiles, out_dtype or x.dtype, pdl)
+    return _launch(x, k, weight, bias, tiles, out_dtype or x.dtype, pdl, glu=glu)
 
 
 def gemv_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, bias: torch.Tensor | None, tiles: GemvTiles,
-                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     pdl: bool = False, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * norm_weight) @ W^T (+ b), and x + residual, in one kernel: the decoder's
     fused_add_rms_norm (or rms_norm, residual None; the residual returned is then x itself) and the projection
     after it. x, residual [M, K] (K contiguous, K <= NORM_FOLD_MAX_K), norm_weight [K] -> ([M, N], [M, K]).
-    Every program normalises the rows itself (they are a few KB, read from L2); program 0 also stores the sum."""
+    Every program normalises the rows itself (they are a few KB, read from L2); program 0 also stores the sum.
+    glu: as gemv_linear's, the output then [M, N / 2]."""
     m, k = x.shape
     assert x.stride(-1) == 1 and norm_weight.shape == (k,) and norm_weight.is_contiguous()
     assert k <= NORM_FOLD_MAX_K, f"the norm fold holds a whole row in registers: K {k} > {NORM_FOLD_MAX_K}"
@@ -159,28 +168,34 @@ def gemv_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(-1) == 1
         residual_out = torch.empty(m, k, device=x.device, dtype=x.dtype)
-    out = _launch(x, k, weight, bias, tiles, x.dtype, pdl, X_NORM, residual, norm_weight, residual_out, eps)
+    out = _launch(x, k, weight, bias, tiles, x.dtype, pdl, X_NORM, residual, norm_weight, residual_out, eps, glu)
     return out, residual_out
 
 
 def _launch(x, k, weight, bias, tiles, out_dtype, pdl, x_mode=X_PLAIN, residual=None, norm_weight=None,
-            residual_out=None, eps=0.0) -> torch.Tensor:
+            residual_out=None, eps=0.0, glu=False) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
     assert weight.shape == (n, k) and weight.is_contiguous()
+    block_n, outputs_per_program = tiles.block_n, tiles.block_n
+    if glu:  # n counts outputs (half the weight's rows); a program's rows hold whole (gate, up) pairs
+        assert n % 2 == 0, "a (gate | up) projection has an even number of rows"
+        n //= 2
+        block_n = max(4, block_n)
+        outputs_per_program = block_n // 2
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
     res = residual if residual is not None else x  # unread placeholders where the mode has none
     res_out = residual_out if residual_out is not None else x
-    _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+    _gemv_kernel[(triton.cdiv(n, outputs_per_program),)](
         x, weight, bias if bias is not None else weight, out, res,
         norm_weight if norm_weight is not None else weight, res_out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
-        M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
+        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
         PEEL_FIRST=tiles.peel_first, PDL=pdl, X_MODE=x_mode, HAS_RESIDUAL=residual is not None,
         K_PAD=triton.next_power_of_2(k) if x_mode == X_NORM else 1,
-        EMULATE_BF16=_interpreted() and x.dtype == torch.bfloat16,
+        EMULATE_BF16=_interpreted() and x.dtype == torch.bfloat16, GLU=glu,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
     )
     return out
@@ -237,25 +252,49 @@ def _layer_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTile
     return choose_gemv_tiles(x.shape[0], layer.weight.shape[0], x.shape[1], pdl)
 
 
-def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor:
+def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False, glu: bool = False) -> torch.Tensor:
     """layer(x) for x [M, K]: the GEMV where choose_gemv_tiles picks it, else the tensor-core kernel for a few
     rows where skinny.choose_skinny_tiles does (model/skinny.py), else cuBLAS (F.linear). For 16-bit CUDA
     tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a tensor-parallel one
-    (model/parallel.py), which on one rank is an nn.Linear too."""
+    (model/parallel.py), which on one rank is an nn.Linear too. glu: silu(gate) * up of the (gate | up)
+    projection, folded into the kernel; only where folds_glu(x, layer) said so."""
     if not _takes(x, layer):
+        assert not glu, "folds_glu said no kernel here folds the activation"
         return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
     m, n, k = x.shape[0], layer.weight.shape[0], x.shape[1]
     tiles = choose_gemv_tiles(m, n, k, pdl)
     if tiles is not None:
-        return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl)
+        return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl, glu=glu)
     few_rows = skinny.choose_skinny_tiles(m, n, k, pdl) if m <= skinny.MAX_ROWS else None
     if few_rows is not None:
-        return skinny.skinny_linear(x, layer.weight, layer.bias, few_rows, pdl=pdl)
+        return skinny.skinny_linear(x, layer.weight, layer.bias, few_rows, pdl=pdl, glu=glu)
+    assert not glu, "folds_glu said no kernel here folds the activation"
     return layer(x)
 
 
+def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
+    """Whether the SwiGLU activation (silu(gate) * up) folds into the epilogue of the (gate | up) projection's
+    GEMV or few-rows kernel at these shapes, one activation kernel fewer per layer. Off until measured on the
+    H200 (scripts/gpu_variants.py fold-glu: the ablation that removes the activation altogether bounds the
+    saving at 16-38 us a step at batch 1 and 36-59 at batch 16, seventh session)."""
+    return False
+
+
+def folds_glu(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> bool:
+    """Whether small_batch_linear (and small_batch_norm_linear, where the norm folds) may take glu=True for
+    layer(x), x [M, K]: choose_glu_fold says so and the GEMV or the few-rows kernel computes the projection."""
+    if not _takes(x, layer):
+        return False
+    m, n, k = x.shape[0], layer.weight.shape[0], x.shape[1]
+    if n % 2 or not choose_glu_fold(m, n, k, pdl):
+        return False
+    return choose_gemv_tiles(m, n, k, pdl) is not None or (
+        m <= skinny.MAX_ROWS and skinny.choose_skinny_tiles(m, n, k, pdl) is not None)
+
+
 def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                            layer: torch.nn.Linear, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+                            layer: torch.nn.Linear, pdl: bool = False,
+                            glu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """gemv_norm_linear where the GEMV takes layer's projection of these rows and a row fits the kernel (K <=
     NORM_FOLD_MAX_K), else None (the caller then launches the norm and the projection apart). The folded GEMV
     always peels its first K step, also at K > _PEEL_MAX_K, where the plain GEMV does not.
@@ -270,4 +309,4 @@ def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm
             or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):
         return None
     return gemv_norm_linear(x, residual, norm_weight, eps, layer.weight, layer.bias, replace(tiles, peel_first=True),
-                            pdl=pdl)
+                            pdl=pdl, glu=glu)

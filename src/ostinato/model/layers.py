@@ -113,8 +113,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class SwiGLUMLP(nn.Module):
     """The weights of down(silu(gate(x)) * up(x)), gate and up fused into one matmul (rows: gate then up).
 
-    DecoderLayer runs it through its kernel set (model/fused.DecoderKernels: norm_then_linear for gate_up, then
-    silu_and_mul and linear for down), so that the norm before it can fold into gate_up.
+    DecoderLayer runs it through its kernel set (model/fused.DecoderKernels: norm_then_glu for gate_up and the
+    activation, then linear for down), so that the norm before it, and the activation after it, can fold into
+    gate_up's kernel.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None):

@@ -17,6 +17,7 @@ few, e.g. Llama-3.2-1B's down_proj: 128 programs of 256 KB each): each program s
 its arrival (SplitCounters); the last of a block's programs sums them in slice order and writes the output, so
 there is no reduce kernel and the result does not depend on which arrives last. One kernel per call, grid from
 shapes only: CUDA-graph safe. No rule picks a split yet: it awaits measurement (scripts/gpu_skinny.py).
+With glu, the SwiGLU activation of a (gate | up) projection comes out of the epilogue (model/linear_epilogue.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annota
 
 if triton is not None:  # the torch path needs none of these
     from ..attention.triton_common import dot, dot_settings
+    from .linear_epilogue import glu_rows, store_glu
 
 MAX_ROWS = 16  # one tl.dot tile of rows; above it the rows are a GEMM's, and cuBLAS is the tool
 
@@ -41,10 +43,11 @@ def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    GLU: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, w_index = glu_rows(pid, N, BLOCK_N, GLU)  # each row's output; its row of W
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -55,7 +58,7 @@ def _skinny_kernel(
     else:  # this program's slice of K
         k_start = tl.program_id(1) * K_PER_SPLIT
         k_end = tl.minimum(K, k_start + K_PER_SPLIT)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    w_rows = w_ptr + w_index.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_cols = x_ptr + offs_m[None, :] * stride_xm  # [1, M_PAD]: x read transposed, [BLOCK_K, M_PAD]
     ks = k_start + offs_k
     k_mask = ks < k_end
@@ -69,19 +72,17 @@ def _skinny_kernel(
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x_t = tl.load(x_cols + ks[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
         acc += dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _finish(out_ptr, b_ptr, acc, pid, offs_n, w_index, n_mask, offs_m, m_mask, N, stride_om, M_PAD, BLOCK_N,
+                HAS_BIAS, GLU, EMULATE_BF16)
     else:
-        # Partials [SPLIT_K, N, M_PAD] fp32. Publish, then count (the decode attention's single-launch merge,
-        # attention/triton_decode.py): the CTA barrier orders every thread's stores before the one thread's
-        # acq_rel count; the program that counts last sums the slices in split order (the same sum whichever
-        # arrives last) and resets the counter for the next launch.
-        tile = offs_n[:, None] * M_PAD + offs_m[None, :]  # [BLOCK_N, M_PAD]
-        tl.store(part_ptr + tl.program_id(1) * N * M_PAD + tile, acc, mask=n_mask[:, None])
+        # Partials [SPLIT_K, programs * BLOCK_N, M_PAD] fp32. Publish, then count (the decode attention's
+        # single-launch merge, attention/triton_decode.py): the CTA barrier orders every thread's stores before
+        # the one thread's acq_rel count; the program that counts last sums the slices in split order (the same
+        # sum whichever arrives last) and resets the counter for the next launch.
+        split_stride = tl.num_programs(0) * BLOCK_N * M_PAD
+        tile = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * M_PAD + offs_m[None, :]  # [BLOCK_N, M_PAD]
+        tl.store(part_ptr + tl.program_id(1) * split_stride + tile, acc)
         tl.debug_barrier()
         counter = counters_ptr + pid
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -90,11 +91,26 @@ def _skinny_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             total = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + split * N * M_PAD + tile, mask=n_mask[:, None], other=0.0,
-                                 cache_modifier=".cg")  # L2: other SMs wrote them during this launch
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                # .cg: from L2, not this SM's L1: other SMs wrote them during this launch
+                total += tl.load(part_ptr + split * split_stride + tile, cache_modifier=".cg")
+            _finish(out_ptr, b_ptr, total, pid, offs_n, w_index, n_mask, offs_m, m_mask, N, stride_om, M_PAD,
+                    BLOCK_N, HAS_BIAS, GLU, EMULATE_BF16)
+
+
+@_jit
+def _finish(out_ptr, b_ptr, acc, pid, offs_n, w_index, n_mask, offs_m, m_mask, N, stride_om, M_PAD: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """acc [BLOCK_N, M_PAD] fp32 (+ bias) stored as out[offs_m, offs_n], or its (gate, up) row pairs as
+    silu(gate) * up (GLU)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + w_index, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if GLU:
+        cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        store_glu(out_ptr, tl.trans(acc), offs_m, cols, m_mask[:, None] & (cols < N)[None, :], stride_om, M_PAD,
+                  BLOCK_N, EMULATE_BF16)
+    else:
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -112,26 +128,31 @@ class SkinnyTiles:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: SkinnyTiles,
                   out_dtype: torch.dtype | None = None, pdl: bool = False,
-                  counters: SplitCounters | None = None) -> torch.Tensor:
+                  counters: SplitCounters | None = None, glu: bool = False) -> torch.Tensor:
     """x [M, K] (K contiguous, M <= MAX_ROWS), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype
     (default x's dtype), accumulated in fp32. pdl: launch with programmatic dependent launch (pdl.py; the
     caller checked the device supports it). counters: the arrival counters tiles.split_k > 1 needs (one per
-    block of outputs; zero between launches, kept for as long as a graph may replay this launch)."""
+    block of outputs; zero between launches, kept for as long as a graph may replay this launch). glu: W is a
+    (gate | up) projection [2I, K] and the output silu(gate) * up [M, I] (model/gemv.py's gemv_linear)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()
+    rows_per_output = 1
+    if glu:
+        assert n % 2 == 0, "a (gate | up) projection has an even number of rows"
+        n, rows_per_output = n // 2, 2
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
         return out
     m_pad = max(16, triton.next_power_of_2(m))
-    blocks = triton.cdiv(n, tiles.block_n)
+    blocks = triton.cdiv(n * rows_per_output, tiles.block_n)
     split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # every slice at least one K step
     k_per_split = triton.cdiv(triton.cdiv(k, split), tiles.block_k) * tiles.block_k
     split = triton.cdiv(k, k_per_split)
     if split > 1:
         if counters is None:
             raise ValueError("skinny_linear: tiles.split_k > 1 needs counters (a SplitCounters)")
-        parts = torch.empty(split, n, m_pad, device=x.device, dtype=torch.float32)
+        parts = torch.empty(split, blocks * tiles.block_n, m_pad, device=x.device, dtype=torch.float32)
         arrivals = counters.get(x.device, blocks)
     else:
         parts = arrivals = out  # unused
@@ -140,9 +161,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=split,
         HAS_BIAS=bias is not None, PDL=pdl, **dot_settings(x.dtype),  # fp32 exact; bf16 upcast when interpreted
+        GLU=glu, EMULATE_BF16=_interpreted() and x.dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
     )
     return out
+
+
+def _interpreted() -> bool:
+    """Under TRITON_INTERPRET (CPU tests) bf16 rounding is emulated (attention/rope_tile.py's round_like)."""
+    return type(_skinny_kernel).__name__ == "InterpretedFunction"
 
 
 # Where it was measured to beat cuBLAS: projections with one side <= 1024 and the other <= 6144.
