@@ -11,7 +11,6 @@ import torch
 import triton
 
 from ..errors import ConfigError
-from ..split_counters import SplitCounters  # noqa: F401  (re-exported: the decode kernels take it)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,8 @@ import triton
 import triton.language as tl
 
 from ..pdl import launch_options, pdl_begin, pdl_wait
-from .decode_plan import DecodeRope, DecodeTuning, SplitCounters, choose_num_splits, num_sms
+from ..split_counters import SplitCounters
+from .decode_plan import DecodeRope, DecodeTuning, choose_num_splits, num_sms
 from .rope_tile import load_norm_rope, norm_weights, rope_table
 from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 

@@ -258,18 +258,25 @@ def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = Fals
     tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a tensor-parallel one
     (model/parallel.py), which on one rank is an nn.Linear too. glu: silu(gate) * up of the (gate | up)
     projection, folded into the kernel; only where folds_glu(x, layer) said so."""
+    tiles = _triton_tiles(x, layer, pdl)
+    if isinstance(tiles, GemvTiles):
+        return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl, glu=glu)
+    if tiles is not None:
+        return skinny.skinny_linear(x, layer.weight, layer.bias, tiles, pdl=pdl, glu=glu)
+    assert not glu, "folds_glu said no kernel here folds the activation"
+    return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
+
+
+def _triton_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTiles | skinny.SkinnyTiles | None:
+    """Which Triton kernel small_batch_linear gives layer(x), by its tiles: the GEMV's, else the few-rows
+    kernel's, else None (cuBLAS)."""
     if not _takes(x, layer):
-        assert not glu, "folds_glu said no kernel here folds the activation"
-        return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
+        return None
     m, n, k = x.shape[0], layer.weight.shape[0], x.shape[1]
     tiles = choose_gemv_tiles(m, n, k, pdl)
-    if tiles is not None:
-        return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl, glu=glu)
-    few_rows = skinny.choose_skinny_tiles(m, n, k, pdl) if m <= skinny.MAX_ROWS else None
-    if few_rows is not None:
-        return skinny.skinny_linear(x, layer.weight, layer.bias, few_rows, pdl=pdl, glu=glu)
-    assert not glu, "folds_glu said no kernel here folds the activation"
-    return layer(x)
+    if tiles is None and m <= skinny.MAX_ROWS:
+        return skinny.choose_skinny_tiles(m, n, k, pdl)
+    return tiles
 
 
 def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
@@ -286,10 +293,7 @@ def folds_glu(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> boo
     if not _takes(x, layer):
         return False
     m, n, k = x.shape[0], layer.weight.shape[0], x.shape[1]
-    if n % 2 or not choose_glu_fold(m, n, k, pdl):
-        return False
-    return choose_gemv_tiles(m, n, k, pdl) is not None or (
-        m <= skinny.MAX_ROWS and skinny.choose_skinny_tiles(m, n, k, pdl) is not None)
+    return n % 2 == 0 and choose_glu_fold(m, n, k, pdl) and _triton_tiles(x, layer, pdl) is not None
 
 
 def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -32,7 +32,7 @@ from ..triton_optional import jit as _jit
 from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 if triton is not None:  # the torch path needs none of these
-    from ..attention.triton_common import dot, dot_settings
+    from ..attention.triton_common import KERNELS_INTERPRETED, dot, dot_settings
     from .linear_epilogue import glu_rows, store_glu
 
 MAX_ROWS = 16  # one tl.dot tile of rows; above it the rows are a GEMM's, and cuBLAS is the tool
@@ -161,15 +161,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=split,
         HAS_BIAS=bias is not None, PDL=pdl, **dot_settings(x.dtype),  # fp32 exact; bf16 upcast when interpreted
-        GLU=glu, EMULATE_BF16=_interpreted() and x.dtype == torch.bfloat16,
+        GLU=glu, EMULATE_BF16=KERNELS_INTERPRETED and x.dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
     )
     return out
-
-
-def _interpreted() -> bool:
-    """Under TRITON_INTERPRET (CPU tests) bf16 rounding is emulated (attention/rope_tile.py's round_like)."""
-    return type(_skinny_kernel).__name__ == "InterpretedFunction"
 
 
 # Where it was measured to beat cuBLAS: projections with one side <= 1024 and the other <= 6144.
