@@ -11,7 +11,8 @@ well under 1%. Two kinds of variant:
   counted, which the profiler's per-kernel times cannot. A projection's line also gives its weight bytes over
   that saving: its bandwidth in the step;
 - `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (model/gemv.py's fold off): what the
-  fold saves; `fold-glu`: the SwiGLU activation folded into the gate_up projection (gemv.choose_glu_fold on);
+  fold saves; `fold-glu` / `no-glu-fold`: the SwiGLU activation folded into the gate_up projection
+  everywhere a Triton kernel takes it / nowhere (gemv.choose_glu_fold on / off);
 - tunings (`attn-...`, `gemv-...`, `skinny-...`): the decode attention's launch settings (attention/decode_plan.py,
   DecodeTuning), the small-batch linear's tiles (model/gemv.py), or the rows it leaves to cuBLAS on the
   tensor-core kernel for a few rows (model/skinny.py), changed before capture. Their logits are
@@ -105,11 +106,12 @@ def whole_k(tiles, m, n, k):
 
 
 @contextlib.contextmanager
-def glu_fold():
-    """model/gemv.py's choose_glu_fold on at every shape (off until measured): the SwiGLU activation out of the
-    gate_up projection's GEMV or few-rows kernel wherever one of them takes it, no activation kernel there."""
+def glu_fold(on: bool = True):
+    """model/gemv.py's choose_glu_fold on (or off) at every shape: the SwiGLU activation out of the gate_up
+    projection's GEMV or few-rows kernel wherever one of them takes it, no activation kernel there (or always
+    the activation kernel: no-glu-fold)."""
     saved = gemv.choose_glu_fold
-    gemv.choose_glu_fold = lambda m, n, k, pdl=False: True
+    gemv.choose_glu_fold = lambda m, n, k, pdl=False: on
     try:
         yield
     finally:
@@ -143,10 +145,13 @@ def skinny_only(runner, which: str):
 
 
 @contextlib.contextmanager
-def skinny_split(runner, which: str, split: int):
-    """skinny_only with the projection's K cut into `split` slices (SkinnyTiles.split_k), every launch given one
-    SplitCounters, as a decoder that owned one would pass it (no rule picks a split yet, so the decoder has none)."""
-    counters, real = SplitCounters(), skinny.skinny_linear
+def skinny_split(runner, which: str, split: int, counters: SplitCounters):
+    """skinny_only with the projection's K cut into `split` slices (SkinnyTiles.split_k), every launch given
+    `counters`, as a decoder that owned them would pass them (no rule picks a split yet, so the decoder has none).
+    The counters must outlive every graph captured here: a graph bakes in their address, and once freed their
+    memory goes to other tensors, which the kernel's atomics then corrupt (the tenth session's version made
+    them here and freed them on exit: an illegal address at the next replay, and figures not to trust)."""
+    real = skinny.skinny_linear
     with skinny_only(runner, which):
         rule = skinny.choose_skinny_tiles  # skinny_only's
         skinny.choose_skinny_tiles = lambda m, n, k, pdl=False: (
@@ -252,6 +257,7 @@ def variants(runner):
         return gate_up[:, : gate_up.shape[1] // 2]
 
     qkv = {id(layer.self_attn.qkv_proj) for layer in runner.model.model.layers}
+    split_counters = SplitCounters()  # one for the run: graphs captured with it replay until the run ends
     return {
         "default": contextlib.nullcontext,
         "no-attention": lambda: no_attention(runner),
@@ -262,6 +268,7 @@ def variants(runner):
         # The norms launched apart from the projections after them (model/gemv.py's fold off).
         "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
         "fold-glu": glu_fold,
+        "no-glu-fold": lambda: glu_fold(False),
         # The fold for qkv_proj alone or for every projection it can take, with the first K step peeled (as
         # model/gemv.py folds; fold-all-peel is the default) or with the plain GEMV's tiles (no peel at K 4096).
         "fold-qkv": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=False),
@@ -281,7 +288,8 @@ def variants(runner):
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
         "skinny-off": lambda: skinny_rows(None),
         **{f"skinny-only-{which}": (lambda which=which: skinny_only(runner, which)) for which in PROJECTIONS},
-        **{f"skinny-k{split}-{which}": (lambda which=which, split=split: skinny_split(runner, which, split))
+        **{f"skinny-k{split}-{which}": (lambda which=which, split=split: skinny_split(runner, which, split,
+                                                                                  split_counters))
            for which in PROJECTIONS for split in (2, 4, 8)},
         "skinny-16x256s4": lambda: skinny_rows(skinny.SkinnyTiles(16, 256, num_stages=4)),
         "skinny-16x512s3": lambda: skinny_rows(skinny.SkinnyTiles(16, 512, num_stages=3)),
@@ -295,6 +303,15 @@ def variants(runner):
     }
 
 
+@contextlib.contextmanager
+def stacked(makes):
+    """Several variants applied together, entered in order (a later one sees the earlier ones' replacements)."""
+    with contextlib.ExitStack() as stack:
+        for make in makes:
+            stack.enter_context(make())
+        yield
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -304,7 +321,9 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--only", nargs="*", default=None, help="name prefixes of the variants to run (default: all)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="name prefixes of the variants to run (default: all); A+B: the variants A and B (full names) "
+                         "applied together, e.g. fold-glu+skinny-16x512s3")
     ap.add_argument("--attn", nargs="*", default=[], metavar="NAME:FIELD=V,...",
                     help="more decode-attention tunings, e.g. s1w2:num_stages=1,num_warps=2")
     ap.add_argument("--base-tree", default=None, help="also time this source tree's decode attention (base-attention)")
@@ -312,8 +331,14 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
                                   gpu_memory_utilization=args.gpu_memory_utilization))
     runner = engine.runner
-    chosen = {name: make for name, make in variants(runner).items()
+    known = variants(runner)
+    chosen = {name: make for name, make in known.items()
               if name == "default" or args.only is None or any(name.startswith(p) for p in args.only)}
+    for combo in [p for p in args.only or [] if "+" in p]:
+        unknown = [part for part in combo.split("+") if part not in known]
+        if unknown:
+            raise SystemExit(f"--only {combo}: no variant named {', '.join(unknown)} (full names, not prefixes)")
+        chosen[combo] = lambda parts=[known[part] for part in combo.split("+")]: stacked(parts)
     for name, fields in parse_attention_variants(args.attn).items():
         chosen[f"attn:{name}"] = lambda fields=fields: attention_tuning(runner, **fields)
     if args.base_tree:
