@@ -403,8 +403,10 @@ def hf_order_add_rms_norm(x, residual, weight, eps):
     return hf_rms_norm(residual, weight, eps), residual
 
 
-# The Triton set with torch's projections (F.linear) and nothing folded into them (the folds use the Triton GEMV).
-UNFOLDED_TORCH_LINEAR = dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref, norm_linear=None)
+# The Triton set with torch's projections (F.linear) and nothing folded into them (the folds, the norm's and the
+# SwiGLU's, use the Triton GEMV and few-rows kernels).
+UNFOLDED_TORCH_LINEAR = dataclasses.replace(fused.TRITON_KERNELS, linear=fused.linear_ref, norm_linear=None,
+                                            folds_glu=None)
 # The torch path with HF's norm rounding order: what the Triton kernels compute, step for step.
 HF_ORDER_TORCH_KERNELS = dataclasses.replace(fused.TORCH_KERNELS, name="torch-hf-order", rms_norm=hf_rms_norm,
                                              fused_add_rms_norm=hf_order_add_rms_norm)
@@ -586,13 +588,15 @@ def test_decode_step_with_triton_kernels_replays_in_a_cuda_graph(checkpoints, fa
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("shape,min_saved,norms", [("qwen3-0.6b", 11, 0), ("llama-3.1-8b", 7, 1)])
-def test_fused_kernels_cut_kernels_per_layer(shape, min_saved, norms):
+@pytest.mark.parametrize("shape,min_saved,norms,activations", [("qwen3-0.6b", 11, 0, 0), ("llama-3.1-8b", 7, 1, 1)])
+def test_fused_kernels_cut_kernels_per_layer(shape, min_saved, norms, activations):
     """One decoder layer at a real shape (random weights), a batch-1 decode step over 512 cached tokens:
     the fused path launches each of its kernels as often as listed below and at least `min_saved` fewer
     kernels in all. `norms`: RMSNorm launches left (Qwen3-0.6B: both fold into the GEMVs after them;
     Llama-3.1-8B: the one before qkv_proj folds; gate_up_proj, 28672 rows, is cuBLAS's without PDL, and its norm
-    stays a launch; model/gemv.py choose_gemv_tiles and small_batch_norm_linear say why)."""
+    stays a launch; model/gemv.py choose_gemv_tiles and small_batch_norm_linear say why). `activations`: SwiGLU
+    launches left (Qwen3-0.6B: it folds into the gate_up GEMV, model/gemv.py choose_glu_fold; the 8B's gate_up
+    is cuBLAS's here, so its activation stays a launch)."""
     from ostinato.attention.triton_paged import TritonPagedBackend
 
     config = ModelConfig.from_hf_dict(hf_config_dict(shape))
@@ -624,7 +628,8 @@ def test_fused_kernels_cut_kernels_per_layer(shape, min_saved, norms):
             print(f"{shape} {kernels.name}: {len(names)} kernels per layer: {names}")
     fused_names = counts["triton"]
     # At decode the q/k norm, RoPE and K/V write ride in the attention kernel (one launch, no reduce).
-    for kernel, per_layer in [("_rms_norm_kernel", norms), ("_qk_norm_rope_kernel", 0), ("_silu_and_mul_kernel", 1),
+    for kernel, per_layer in [("_rms_norm_kernel", norms), ("_qk_norm_rope_kernel", 0),
+                              ("_silu_and_mul_kernel", activations),
                               ("_write_kv_kernel", 0), ("_decode_split_kernel", 1), ("_decode_reduce_kernel", 0)]:
         assert sum(kernel in name for name in fused_names) == per_layer, kernel
     assert len(fused_names) <= len(counts["torch"]) - min_saved

@@ -93,11 +93,13 @@ def _rule_on(monkeypatch):
     monkeypatch.setattr(gemv, "choose_glu_fold", lambda m, n, k, pdl=False: True)
 
 
-def test_the_fold_is_off_until_measured_and_on_only_where_a_kernel_takes_the_projection(monkeypatch):
+def test_the_fold_is_on_where_measured_to_win_and_only_where_a_kernel_takes_the_projection(monkeypatch):
     layer = torch.nn.Linear(64, 80, bias=False).to(torch.bfloat16).to(DEVICE)
-    rows = {m: torch.randn(m, 64, device=DEVICE).to(torch.bfloat16) for m in (1, 8, 17)}
-    assert not any(gemv.folds_glu(x, layer) for x in rows.values())  # the rule's default
+    rows = {m: torch.randn(m, 64, device=DEVICE).to(torch.bfloat16) for m in (1, 8, 16, 17)}
+    # the rule as measured: on up to 8 rows, off at 16 (where it lost)
+    assert [gemv.folds_glu(x, layer) for x in rows.values()] == [True, True, False, False]
     _rule_on(monkeypatch)
+    assert gemv.folds_glu(rows[16], layer)  # the few-rows kernel could take it
     assert gemv.folds_glu(rows[1], layer)  # the GEMV
     assert gemv.folds_glu(rows[8], layer)  # the few-rows kernel (its rule takes this shape)
     assert not gemv.folds_glu(rows[17], layer)  # cuBLAS
@@ -118,6 +120,7 @@ def test_kernel_set_folds_the_activation_where_the_rule_says(m, monkeypatch):
     gen = torch.Generator().manual_seed(m)
     x, residual = (torch.randn(m, 64, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2))
     norm_weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    monkeypatch.setattr(gemv, "choose_glu_fold", lambda m, n, k, pdl=False: False)
     expected, expected_residual = counting.norm_then_glu(x, residual, norm_weight, 1e-6, layer)
     assert activations == [m]
     _rule_on(monkeypatch)

@@ -106,14 +106,17 @@ def test_small_batch_linear_takes_the_rows_the_rule_gives_it(monkeypatch):
 
 def test_the_rule_is_the_measured_one():
     # Qwen3-0.6B's projections (one side 1024, the other <= 6144) at 2-16 rows; the measured tiles per row count.
-    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+    # And Llama-3.2-1B's qkv_proj (3072 x 2048), measured one projection at a time.
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (3072, 2048)):
         assert skinny.choose_skinny_tiles(4, n, k) == SkinnyTiles(16, 512, num_stages=3)
+        assert skinny.choose_skinny_tiles(8, n, k) == SkinnyTiles(32, 256, num_stages=3)
         assert skinny.choose_skinny_tiles(16, n, k) == SkinnyTiles(16, 256, num_stages=4)
     assert skinny.choose_skinny_tiles(2, 4096, 1024) == SkinnyTiles(16, 512, num_stages=3)
-    # One row is the GEMV's, more than 16 a GEMM's; Llama-3.2-1B's and -3.1-8B's projections stay on cuBLAS.
+    # One row is the GEMV's, more than 16 a GEMM's; the 1B's other projections and the 8B's stay on cuBLAS.
     assert skinny.choose_skinny_tiles(1, 4096, 1024) is None
     assert skinny.choose_skinny_tiles(17, 4096, 1024) is None
-    for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (6144, 4096), (4096, 4096)):
+    for n, k in ((2048, 2048), (16384, 2048), (2048, 8192), (6144, 4096), (4096, 4096), (28672, 4096),
+                 (4096, 14336)):
         assert skinny.choose_skinny_tiles(8, n, k) is None
 
 
@@ -127,7 +130,7 @@ def test_qwen3_projections_of_a_few_rows_run_skinny(monkeypatch):
     x = torch.randn(8, 1024, device=DEVICE).to(torch.bfloat16)
     out = gemv.small_batch_linear(x, layer)
     _check(out, x.cpu(), layer.weight.detach().cpu(), None, torch.bfloat16)
-    assert calls == [SkinnyTiles(16, 256, num_stages=4)]
+    assert calls == [SkinnyTiles(32, 256, num_stages=3)]  # tiles_for_rows(8), measured at batch 8
 
 
 # The real projection shapes (N, K) of Qwen3-0.6B, Llama-3.2-1B and Llama-3.1-8B.

@@ -279,12 +279,22 @@ def _triton_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTil
     return tiles
 
 
+GLU_FOLD_MAX_ROWS = 8  # measured to win at 1, 4 and 8 rows, to lose at 16
+
+
 def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
     """Whether the SwiGLU activation (silu(gate) * up) folds into the epilogue of the (gate | up) projection's
-    GEMV or few-rows kernel at these shapes, one activation kernel fewer per layer. Off until measured on the
-    H200 (scripts/gpu_variants.py fold-glu: the ablation that removes the activation altogether bounds the
-    saving at 16-38 us a step at batch 1 and 36-59 at batch 16, seventh session)."""
-    return False
+    GEMV or few-rows kernel at these shapes, one activation kernel fewer per layer. Whole decode steps on the
+    H200, context 512, against the activation kernel (scripts/gpu_variants.py fold-glu, eleventh session;
+    no-silu, the activation removed altogether, is the most it can save):
+    - batch 1 (the GEMV, norm folded too): Qwen3-0.6B -8.8 us a step (of -12.8), Llama-3.2-1B -2.2 and -5.7
+      in two runs (of -12.8), Llama-3.1-8B -29.7 (of -36.5);
+    - Qwen3-0.6B, the few-rows kernel: batch 4 -25.3 us (of -29.8), batch 8 -22.8 (32 x 256 tiles); batch 16
+      +116.8 with its 16 x 256 tiles and +120 with 32 x 256, not understood yet, so off above 8 rows.
+    With this rule as the default, the fold off (no-glu-fold) cost Qwen3-0.6B +10.2 / +29.4 / +37.8 us a step at
+    batch 1 / 4 / 8 and the 8B +39.2 at batch 1 (a second run, scripts/gpu_issue11_round6e.sh). The 1B and 8B's
+    gate_up at 2-16 rows is cuBLAS's, which folds nothing (folds_glu)."""
+    return m <= GLU_FOLD_MAX_ROWS
 
 
 def folds_glu(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> bool:

@@ -167,8 +167,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-# Where it was measured to beat cuBLAS: projections with one side <= 1024 and the other <= 6144.
+# Where it was measured to beat cuBLAS: projections with one side <= 1024 and the other <= 6144, and wider-than-long
+# ones of K <= 2048 up to 4096 outputs (Llama-3.2-1B's qkv_proj, 3072 x 2048; its square o_proj lost).
 _MAX_NARROW_SIDE, _MAX_WIDE_SIDE = 1024, 6144
+_MAX_WIDENING_K, _MAX_WIDENING_N = 2048, 4096
+
+
+def _measured_to_win(n: int, k: int) -> bool:
+    return (min(n, k) <= _MAX_NARROW_SIDE and max(n, k) <= _MAX_WIDE_SIDE) or k < n <= _MAX_WIDENING_N and \
+        k <= _MAX_WIDENING_K
 
 
 def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTiles | None:
@@ -178,17 +185,27 @@ def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTile
     this kernel against cuBLAS:
     - Qwen3-0.6B (every projection has one side of 1024 and the other at most 6144): batch 4 -56.2 us a step
       at block_k 512 with 3 stages (-45.4 at 256 with 4), batch 16 -92.4 us at block_k 256 with 4 stages
-      (-31.7 at 512 with 3). So those tiles at those rows; batches 5-15 were not measured.
+      (-31.7 at 512 with 3). Eleventh session, against those: 32 outputs by 256 with 3 stages -71.1 us at
+      batch 8, -8.0 at 16 (a tie), 16 x 512 with 3 stages +9.2 / +9.8. So 32 x 256 at 5-8 rows.
     - Llama-3.2-1B (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192): +390 to +517 us a
-      step at batch 4 and 16 with any of three tilings. Its projections were measured as a set only; the wide
-      gate_up and the long down_proj (N / 16 = 128 programs, each reading 256 KB) are the likely losers, but
-      its qkv and o stay on cuBLAS too until measured one by one. Llama-3.1-8B: not measured, cuBLAS.
+      step at batch 4 and 16 as a set (ninth session). One at a time (eleventh): qkv -19.2 and -13.9 us at batch
+      4 in two runs, -37.2 at 16; o +23.4 at 4; gate_up +116.3 at 4; down -8.8, -1.2 at 4 and -1.6 at 16 (a
+      tie, left to cuBLAS). So qkv only.
+    - Llama-3.1-8B, one at a time at batches 4 and 16 (eleventh): o +143 / +184 us, down +537 / +781. cuBLAS.
+    Split over K (SkinnyTiles.split_k) won alone on some long-K shapes (scripts/gpu_skinny.py) but lost in every
+    whole step measured (1B qkv and down, 8B o and down, splits of 2, 4, 8), so no rule picks it.
     """
-    if not 2 <= m <= MAX_ROWS or min(n, k) > _MAX_NARROW_SIDE or max(n, k) > _MAX_WIDE_SIDE:
+    if not 2 <= m <= MAX_ROWS or not _measured_to_win(n, k):
         return None
     return tiles_for_rows(m)
 
 
 def tiles_for_rows(m: int) -> SkinnyTiles:
-    """The measured tiles at m rows (choose_skinny_tiles): longer K steps at up to 4 rows, deeper pipelining above."""
-    return SkinnyTiles(16, 512, num_stages=3) if m <= 4 else SkinnyTiles(16, 256, num_stages=4)
+    """The measured tiles at m rows (choose_skinny_tiles): longer K steps at up to 4 rows, more outputs a
+    program at 5-8, deeper pipelining above. Decode graphs run at captured sizes (1, 2, 4, 8, 16 by default),
+    so 8 and 16 stand for the rows between."""
+    if m <= 4:
+        return SkinnyTiles(16, 512, num_stages=3)
+    if m <= 8:
+        return SkinnyTiles(32, 256, num_stages=3)
+    return SkinnyTiles(16, 256, num_stages=4)
