@@ -79,6 +79,19 @@ async def _wait_idle(core: ProcessAsyncEngine, timeout: float = 20.0):
         await asyncio.sleep(0.02)
 
 
+def assert_logprobs_close(got, want):
+    """The same tokens and top ids; logprobs to 1e-4. Offline ran the requests one at a time, the core batches
+    them together, and an fp32 CPU matmul over other rows may sum in another order: on some CPUs (seen on
+    this project's machine, 2026-12-02) the logprobs then differ in the 6th decimal, never the tokens."""
+    if want is None:  # no logprobs asked for
+        assert got is None
+        return
+    assert [(t.token_id, [i for i, _ in t.top]) for t in got] == [(t.token_id, [i for i, _ in t.top]) for t in want]
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [lp for _, lp in g.top] == pytest.approx([lp for _, lp in w.top], abs=1e-4)
+
+
 def test_streams_match_offline_and_an_abort_frees_the_blocks(args):
     offline = LLMEngine(args)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zz"], output_kind=RequestOutputKind.DELTA)
@@ -102,8 +115,10 @@ def test_streams_match_offline_and_an_abort_frees_the_blocks(args):
             for out in got:
                 want = expected[out.request_id]
                 assert out.finished and out.prompt_token_ids == want.prompt_token_ids
-                assert [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs] == \
-                       [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in want.outputs]
+                assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in out.outputs] == \
+                       [(c.index, c.text, c.token_ids, c.finish_reason) for c in want.outputs]
+                for c, w in zip(out.outputs, want.outputs):
+                    assert_logprobs_close(c.logprobs, w.logprobs)
             # Abort mid-stream (the consumer stops early): the stream closes, the core frees the blocks.
             stream = await core.add_request("long", [1, 2, 3], SamplingParams(
                 max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
