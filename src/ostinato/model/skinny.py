@@ -174,8 +174,10 @@ _MAX_WIDENING_K, _MAX_WIDENING_N = 2048, 4096
 
 
 def _measured_to_win(n: int, k: int) -> bool:
-    return (min(n, k) <= _MAX_NARROW_SIDE and max(n, k) <= _MAX_WIDE_SIDE) or k < n <= _MAX_WIDENING_N and \
-        k <= _MAX_WIDENING_K
+    """Whether W [n, k] is of a kind the few-rows kernel beat cuBLAS on in whole steps (choose_skinny_tiles)."""
+    narrow = min(n, k) <= _MAX_NARROW_SIDE and max(n, k) <= _MAX_WIDE_SIDE
+    widening = k < n <= _MAX_WIDENING_N and k <= _MAX_WIDENING_K
+    return narrow or widening
 
 
 def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTiles | None:
