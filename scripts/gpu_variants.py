@@ -13,6 +13,7 @@ well under 1%. Two kinds of variant:
 - `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (model/gemv.py's fold off): what the
   fold saves; `fold-glu` / `no-glu-fold`: the SwiGLU activation folded into the gate_up projection
   everywhere a Triton kernel takes it / nowhere (gemv.choose_glu_fold on / off);
+- `pdl-off-P`: projection P (qkv, o, gate-up, down) launched without PDL, the rest as the engine does;
 - tunings (`attn-...`, `gemv-...`, `skinny-...`): the decode attention's launch settings (attention/decode_plan.py,
   DecodeTuning), the small-batch linear's tiles (model/gemv.py), or the rows it leaves to cuBLAS on the
   tensor-core kernel for a few rows (model/skinny.py), changed before capture. Their logits are
@@ -228,6 +229,24 @@ def no_projection(runner, which: str):
     return kernels_replaced(runner, linear=linear, norm_linear=norm_linear)
 
 
+def projection_without_pdl(runner, which: str):
+    """One projection of every layer launched without programmatic dependent launch (the rest as the engine
+    launches them): its programs then start only once the kernel before has finished. For the lead that the
+    SwiGLU fold loses at 16 rows because down_proj's programs, launched early, wait on SMs the folded gate_up
+    still holds (docs/PERFORMANCE.md, eleventh session). Only where the projection goes through kernels.linear:
+    a GEMV with the norm folded in (qkv and gate_up at batch 1) keeps its PDL launch."""
+    module, attr = PROJECTIONS[which]
+    targets = {id(getattr(getattr(layer, module), attr)) for layer in runner.model.model.layers}
+    saved = runner.model.kernels
+
+    def linear(x, layer, **kw):
+        if id(layer) in targets:
+            return gemv.small_batch_linear(x, layer, **{**kw, "pdl": False})
+        return saved.linear(x, layer, **kw)
+
+    return kernels_replaced(runner, linear=linear)
+
+
 def projection_bytes(runner, which: str) -> int:
     module, attr = PROJECTIONS[which]
     return sum(getattr(getattr(layer, module), attr).weight.nbytes for layer in runner.model.model.layers)
@@ -265,6 +284,7 @@ def variants(runner):
                                              fused_add_rms_norm=lambda x, r, w, eps, **_: (x, r), norm_linear=None),
         "no-silu": lambda: kernels_replaced(runner, silu_and_mul=silu_alias),
         **{f"no-{which}": (lambda which=which: no_projection(runner, which)) for which in PROJECTIONS},
+        **{f"pdl-off-{which}": (lambda which=which: projection_without_pdl(runner, which)) for which in PROJECTIONS},
         # The norms launched apart from the projections after them (model/gemv.py's fold off).
         "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
         "fold-glu": glu_fold,
