@@ -302,10 +302,10 @@ def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
 def folds_glu(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> bool:
     """Whether small_batch_linear (and small_batch_norm_linear, where the norm folds) may take glu=True for
     layer(x), x [M, K]: choose_glu_fold says so and the GEMV or the few-rows kernel computes the projection."""
-    if not _takes(x, layer):
+    if _triton_tiles(x, layer, pdl) is None:  # cuBLAS's, or no Triton kernel may take it (_takes)
         return False
     m, n, k = x.shape[0], layer.weight.shape[0], x.shape[1]
-    return n % 2 == 0 and choose_glu_fold(m, n, k, pdl) and _triton_tiles(x, layer, pdl) is not None
+    return n % 2 == 0 and choose_glu_fold(m, n, k, pdl)
 
 
 def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
