@@ -140,8 +140,7 @@ def skinny_only(runner, which: str):
     """One projection (PROJECTIONS) of 2-16 rows on the kernel, with the rule's tiles for that row count, every
     other on cuBLAS (picked by the projection's shape, distinct within each public model): against skinny-off,
     what the kernel does for that projection alone."""
-    module, attr = PROJECTIONS[which]
-    shape = tuple(getattr(getattr(runner.model.model.layers[0], module), attr).weight.shape)  # (N, K)
+    shape = tuple(projection_layers(runner, which)[0].weight.shape)  # (N, K)
     return skinny_rule(lambda m, n, k: skinny.tiles_for_rows(m) if (n, k) == shape else None)
 
 
@@ -207,12 +206,17 @@ PROJECTIONS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "
 ABLATIONS = {"no-attention", "no-norms", "no-silu", *(f"no-{which}" for which in PROJECTIONS)}
 
 
+def projection_layers(runner, which: str) -> list[torch.nn.Linear]:
+    """That projection's module in every layer, first layer first (PROJECTIONS: which -> (module, attribute))."""
+    module, attr = PROJECTIONS[which]
+    return [getattr(getattr(layer, module), attr) for layer in runner.model.model.layers]
+
+
 def no_projection(runner, which: str):
     """Ablation: one projection of every layer replaced by nothing (an uninitialised [T, N] output). The norm a
     GEMV folds (qkv, gate_up) stays, launched as its own kernel, so the saving is the projection's cost in the
     step less one norm launch's; layers x weight bytes over the saving is the projection's in-step bandwidth."""
-    module, attr = PROJECTIONS[which]
-    targets = {id(getattr(getattr(layer, module), attr)) for layer in runner.model.model.layers}
+    targets = {id(layer) for layer in projection_layers(runner, which)}
     saved = runner.model.kernels
 
     def linear(x, layer, **kw):
@@ -238,8 +242,7 @@ def projection_without_pdl(runner, which: str):
     SwiGLU fold loses at 16 rows because down_proj's programs, launched early, wait on SMs the folded gate_up
     still holds (docs/PERFORMANCE.md, eleventh session). Only where the projection goes through kernels.linear:
     a GEMV with the norm folded in (qkv and gate_up at batch 1) keeps its PDL launch."""
-    module, attr = PROJECTIONS[which]
-    targets = {id(getattr(getattr(layer, module), attr)) for layer in runner.model.model.layers}
+    targets = {id(layer) for layer in projection_layers(runner, which)}
     saved = runner.model.kernels
 
     def linear(x, layer, **kw):
@@ -251,8 +254,7 @@ def projection_without_pdl(runner, which: str):
 
 
 def projection_bytes(runner, which: str) -> int:
-    module, attr = PROJECTIONS[which]
-    return sum(getattr(getattr(layer, module), attr).weight.nbytes for layer in runner.model.model.layers)
+    return sum(layer.weight.nbytes for layer in projection_layers(runner, which))
 
 
 def norm_fold(runner, pick, peel: bool):
