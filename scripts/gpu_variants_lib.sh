@@ -1,4 +1,4 @@
-# Sourced by the device-call scripts (gpu_issue11_round6d.sh, 6e): one gpu_variants.py run on a random checkpoint
+# Sourced by the device-call scripts (gpu_issue11_round6d.sh, 6e, 6f, 7): one gpu_variants.py run on a random checkpoint
 # made on the device if missing, its log under $OUT, the step table printed.
 #   variants SHAPE LOGNAME TIMEOUT "BATCHES" -- VARIANT...
 variants() {
