@@ -14,6 +14,8 @@ well under 1%. Two kinds of variant:
   fold saves; `fold-glu` / `no-glu-fold`: the SwiGLU activation folded into the gate_up projection
   everywhere a Triton kernel takes it / nowhere (gemv.choose_glu_fold on / off);
 - `pdl-off-P`: projection P (qkv, o, gate-up, down) launched without PDL, the rest as the engine does;
+  `skinny-pdl-on`: every few-rows kernel launch with PDL (skinny.keeps_pdl turns it off for the folded gate_up
+  above 8 rows);
 - tunings (`attn-...`, `gemv-...`, `skinny-...`): the decode attention's launch settings (attention/decode_plan.py,
   DecodeTuning), the small-batch linear's tiles (model/gemv.py), or the rows it leaves to cuBLAS on the
   tensor-core kernel for a few rows (model/skinny.py), changed before capture. Their logits are
@@ -134,6 +136,17 @@ def skinny_rows(tiles):
     """Every projection of 2-16 rows that the GEMV does not take on the kernel with these tiles, whatever the rule
     says (it takes only the shapes where it was measured to beat cuBLAS); tiles None: all on cuBLAS (rule off)."""
     return skinny_rule(lambda m, n, k: tiles)
+
+
+@contextlib.contextmanager
+def pdl_kept_everywhere():
+    """skinny.keeps_pdl always True: every few-rows launch with PDL where the step uses it."""
+    rule = skinny.keeps_pdl
+    skinny.keeps_pdl = lambda m, glu: True
+    try:
+        yield
+    finally:
+        skinny.keeps_pdl = rule
 
 
 def skinny_only(runner, which: str):
@@ -312,6 +325,9 @@ def variants(runner):
         "attn-warps8": lambda: attention_tuning(runner, num_warps=8),
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
         "skinny-off": lambda: skinny_rows(None),
+        # Every few-rows launch with PDL where the step uses it (skinny.keeps_pdl turns it off for the folded
+        # gate_up above 8 rows): what that choice is worth.
+        "skinny-pdl-on": lambda: pdl_kept_everywhere(),
         **{f"skinny-only-{which}": (lambda which=which: skinny_only(runner, which)) for which in PROJECTIONS},
         **{f"skinny-k{split}-{which}": (lambda which=which, split=split: skinny_split(runner, which, split,
                                                                                   split_counters))

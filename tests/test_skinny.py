@@ -133,6 +133,24 @@ def test_qwen3_projections_of_a_few_rows_run_skinny(monkeypatch):
     assert calls == [SkinnyTiles(32, 256, num_stages=3)]  # tiles_for_rows(8), measured at batch 8
 
 
+def test_only_the_folded_gate_up_above_8_rows_launches_without_pdl(monkeypatch):
+    """skinny.keeps_pdl (measured): in a PDL step the (gate | up) projection with its activation folded in leaves
+    PDL off at 9-16 rows; at 8 rows, and every projection without the fold, keeps it."""
+    launched = []
+    real = skinny.launch_options
+    monkeypatch.setattr(skinny, "launch_options", lambda pdl: launched.append(pdl) or real(False))
+    for name in ("pdl_begin", "pdl_wait"):  # only the flag is under test here: no grid dependency on a CPU
+        monkeypatch.setattr(skinny, name, lambda *a: None)
+    layer = torch.nn.Linear(1024, 4096, bias=False).to(DEVICE, torch.bfloat16)
+    for m, glu in ((16, True), (9, True), (8, True), (16, False)):
+        x = torch.randn(m, 1024, device=DEVICE).to(torch.bfloat16)
+        gemv.small_batch_linear(x, layer, pdl=True, glu=glu)
+    assert launched == [False, False, True, True]
+    launched.clear()
+    gemv.small_batch_linear(torch.randn(16, 1024, device=DEVICE).to(torch.bfloat16), layer, pdl=False, glu=True)
+    assert launched == [False]  # a step without PDL never gains it
+
+
 # The real projection shapes (N, K) of Qwen3-0.6B, Llama-3.2-1B and Llama-3.1-8B.
 REAL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (3072, 2048), (2048, 2048), (16384, 2048),
                (2048, 8192), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]

@@ -262,6 +262,7 @@ def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = Fals
     if isinstance(tiles, GemvTiles):
         return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl, glu=glu)
     if tiles is not None:
+        pdl = pdl and skinny.keeps_pdl(x.shape[0], glu)
         return skinny.skinny_linear(x, layer.weight, layer.bias, tiles, pdl=pdl, glu=glu)
     assert not glu, "folds_glu said no kernel here folds the activation"
     return layer(x)  # F.linear; a row-parallel layer's forward also all-reduces
@@ -279,7 +280,7 @@ def _triton_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTil
     return tiles
 
 
-GLU_FOLD_MAX_ROWS = 8  # measured to win at 1, 4 and 8 rows, to lose at 16
+GLU_FOLD_MAX_ROWS = 16  # measured to win at 1, 4, 8 and (launched without PDL there) 16 rows
 
 
 def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
@@ -290,9 +291,12 @@ def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
     - batch 1 (the GEMV, norm folded too): Qwen3-0.6B -8.8 us a step (of -12.8), Llama-3.2-1B -2.2 and -5.7
       in two runs (of -12.8), Llama-3.1-8B -29.7 (of -36.5);
     - Qwen3-0.6B, the few-rows kernel: batch 4 -25.3 us (of -29.8), batch 8 -22.8 (32 x 256 tiles); batch 16
-      +116.8 with its 16 x 256 tiles and +120 with 32 x 256, so off above 8 rows. There the kernels take no
-      longer (bench kernels: the few-rows kernel +2.6 us a step, the activation's 31.9 gone), but the gaps
-      between them grow 91 -> 244 us a step (scripts/gpu_issue11_round6g.sh).
+      +116.8 with its 16 x 256 tiles and +120 with 32 x 256 while that kernel launched with PDL. There the
+      kernels took no longer (bench kernels: the few-rows kernel +2.6 us a step, the activation's 31.9 gone),
+      but the gaps between them grew 91 -> 244 us a step (scripts/gpu_issue11_round6g.sh). With gate_up
+      launched without PDL the fold won at 16 rows too: -55.9 us a step against the default of then
+      (scripts/gpu_issue11_round8.sh), so the folded gate_up launches without PDL above 8 rows
+      (skinny.keeps_pdl) and the fold is on wherever a Triton kernel takes the projection.
     With this rule as the default, the fold off (no-glu-fold) cost Qwen3-0.6B +10.2 / +29.4 / +37.8 us a step at
     batch 1 / 4 / 8 and the 8B +39.2 at batch 1 (a second run, scripts/gpu_issue11_round6e.sh). The 1B and 8B's
     gate_up at 2-16 rows is cuBLAS's, which folds nothing (folds_glu)."""

@@ -211,3 +211,24 @@ def tiles_for_rows(m: int) -> SkinnyTiles:
     if m <= 8:
         return SkinnyTiles(32, 256, num_stages=3)
     return SkinnyTiles(16, 256, num_stages=4)
+
+
+GLU_NO_PDL_ABOVE_ROWS = 8
+
+
+def keeps_pdl(m: int, glu: bool) -> bool:
+    """Whether a few-rows launch of m rows keeps PDL in a step that uses it: every launch but the (gate | up)
+    projection with its SwiGLU folded in (glu) above 8 rows, which waits for the kernel before to finish.
+    Twelfth session, H200, whole Qwen3-0.6B decode steps at batch 16 in one process, us a step:
+    - scripts/gpu_issue11_round8.sh, against the rule of then (fold off at 16 rows, every launch with PDL):
+      gate_up without PDL -34.5, down -22.8; the fold -> +118.3 with PDL, -55.9 with gate_up's off, -48.6 with
+      down's off; at batch 8 gate_up or down without PDL +33;
+    - scripts/gpu_issue11_round8b.sh, against every few-rows launch without PDL: qkv, o and down with PDL again
+      -98.7, down's kept off too -94.8 (so off for gate_up alone), every launch with PDL +140.7; Llama-3.2-1B's
+      qkv (its only few-rows projection) with PDL -62.1;
+    - scripts/gpu_issue11_round8c.sh, against this rule: every launch with PDL +235.0 (Llama-3.2-1B: +0.7).
+    (8b and 8c ran with a decode attention since reverted; round 8 with the one on main.) The every-launch-with-
+    PDL step took 1.62-1.65 ms in those processes and 1.45 in the first: with PDL the wide launch's programs (384
+    for Qwen3's gate_up) sit resident and waiting while the kernel before still runs, and what that costs
+    varies."""
+    return not (glu and m > GLU_NO_PDL_ABOVE_ROWS)
