@@ -12,7 +12,7 @@ The steps between the GEMMs (norms with the residual add, q/k norm + RoPE, SiLU-
 (model/fused.py). On the GPU a decode layer is then at most 9 kernels: 4 GEMMs, 3 fused (two norms,
 SiLU-and-mul) and one attention kernel that also does the q/k norm, RoPE and K/V write (decode_with_rope);
 where the small-batch GEMV takes qkv_proj or gate_up_proj (a few rows), the norm before it rides in its
-kernel, down to 6 a layer at batch 1, and 5 where the activation folds into gate_up's kernel too (up to 8
+kernel, down to 6 a layer at batch 1, and 5 where the activation folds into gate_up's kernel too (up to 16
 rows: gemv.choose_glu_fold). A prefill layer is 10 (the q/k norm + RoPE kernel writes K/V, then
 attention). The torch ops take 13 (Llama) to 16
 (Qwen3) plus the backend's KV write and attention.
