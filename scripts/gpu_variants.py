@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import os
 import statistics
+from unittest import mock
 
 import torch
 
@@ -108,17 +109,11 @@ def whole_k(tiles, m, n, k):
     return dataclasses.replace(tiles, block_k=max(tiles.block_k, 1 << (k - 1).bit_length()), peel_first=True)
 
 
-@contextlib.contextmanager
 def glu_fold(on: bool = True):
     """model/gemv.py's choose_glu_fold on (or off) at every shape: the SwiGLU activation out of the gate_up
     projection's GEMV or few-rows kernel wherever one of them takes it, no activation kernel there (or always
     the activation kernel: no-glu-fold)."""
-    saved = gemv.choose_glu_fold
-    gemv.choose_glu_fold = lambda m, n, k, pdl=False: on
-    try:
-        yield
-    finally:
-        gemv.choose_glu_fold = saved
+    return mock.patch.object(gemv, "choose_glu_fold", lambda m, n, k, pdl=False: on)
 
 
 @contextlib.contextmanager
@@ -136,17 +131,6 @@ def skinny_rows(tiles):
     """Every projection of 2-16 rows that the GEMV does not take on the kernel with these tiles, whatever the rule
     says (it takes only the shapes where it was measured to beat cuBLAS); tiles None: all on cuBLAS (rule off)."""
     return skinny_rule(lambda m, n, k: tiles)
-
-
-@contextlib.contextmanager
-def pdl_kept_everywhere():
-    """skinny.keeps_pdl always True: every few-rows launch with PDL where the step uses it."""
-    rule = skinny.keeps_pdl
-    skinny.keeps_pdl = lambda m, glu: True
-    try:
-        yield
-    finally:
-        skinny.keeps_pdl = rule
 
 
 def skinny_only(runner, which: str):
@@ -327,7 +311,7 @@ def variants(runner):
         "skinny-off": lambda: skinny_rows(None),
         # Every few-rows launch with PDL where the step uses it (skinny.keeps_pdl turns it off for the folded
         # gate_up above 8 rows): what that choice is worth.
-        "skinny-pdl-on": lambda: pdl_kept_everywhere(),
+        "skinny-pdl-on": lambda: mock.patch.object(skinny, "keeps_pdl", lambda m, glu: True),
         **{f"skinny-only-{which}": (lambda which=which: skinny_only(runner, which)) for which in PROJECTIONS},
         **{f"skinny-k{split}-{which}": (lambda which=which, split=split: skinny_split(runner, which, split,
                                                                                   split_counters))
