@@ -36,10 +36,13 @@ import dataclasses
 import functools
 import os
 import statistics
+import types
 from unittest import mock
 
 import torch
+import triton
 
+from ostinato.attention import triton_decode
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.model import gemv, skinny
@@ -196,6 +199,45 @@ def base_tree_attention(runner, tree: str):
         backend.decode_with_rope = saved
 
 
+def merge_tile_padded(pad: int):
+    """The split launch's merge compiled for at least `pad` slices (SPLITS_PAD, and the merge chunk with it, as a
+    launch of `pad` slices compiles them) while the grid keeps the rule's split count: whether a lead that forced
+    more slices comes from the extra (empty) programs or from the compiled kernel. triton.next_power_of_2 is
+    seen by paged_decode alone through this patch; the groups it also pads (<= 4 here) stay as they are."""
+    real = triton.next_power_of_2
+    shim = types.SimpleNamespace(next_power_of_2=lambda n: max(pad, real(n)) if n > 4 else real(n))
+    return mock.patch.object(triton_decode, "triton", shim)
+
+
+def attention_maxnreg(regs: int):
+    """The decode attention compiled with at most `regs` registers a thread (ptxas .maxnreg): more programs
+    resident on an SM, where the default's register count limits them."""
+    real = triton_decode.launch_options
+    return mock.patch.object(triton_decode, "launch_options", lambda pdl: {**real(pdl), "maxnreg": regs})
+
+
+def print_attention_kernels() -> None:
+    """Registers, spills, shared memory and the programs an SM can hold (H100/H200 limits: 64K registers, 64
+    warps, 227 KB shared, 32 blocks) of every compiled split kernel, with the constexprs that tell them apart."""
+    fn = triton_decode._decode_split_kernel
+    shown = ("GROUP", "HEAD_DIM", "BLOCK_N", "SPLIT", "MERGE", "SPLITS_PAD", "MERGE_CHUNK", "ROPE", "PDL")
+    for caches in fn.device_caches.values():
+        for kernel in caches[0].values():
+            kernel._init_handles()
+            consts = {}
+            for path, value in getattr(kernel.src, "constants", {}).items():
+                idx = path[0] if isinstance(path, tuple) else path
+                name = fn.arg_names[idx] if isinstance(idx, int) else idx
+                if name in shown:
+                    consts[name] = value
+            warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
+            regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+            per_sm = min(32, 64 // warps, 65536 // (regs_per_warp * warps), 232448 // max(shared, 1))
+            print(f"attention kernel {consts}: warps {warps}, stages {kernel.metadata.num_stages}, regs "
+                  f"{kernel.n_regs}, spills {kernel.n_spills}, shared {shared} B -> {per_sm} programs an SM",
+                  flush=True)
+
+
 PROJECTIONS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate-up": ("mlp", "gate_up_proj"),
                "down": ("mlp", "down_proj")}
 # The variants that remove work (their logits are wrong by design, so not compared); no-norm-fold and no-glu-fold
@@ -308,6 +350,9 @@ def variants(runner):
         "attn-warps2": lambda: attention_tuning(runner, num_warps=2),
         "attn-warps8": lambda: attention_tuning(runner, num_warps=8),
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
+        "attn-pad32": lambda: merge_tile_padded(32),
+        "attn-pad16": lambda: merge_tile_padded(16),
+        **{f"attn-maxnreg{regs}": (lambda regs=regs: attention_maxnreg(regs)) for regs in (64, 96, 128)},
         "skinny-off": lambda: skinny_rows(None),
         # Every few-rows launch with PDL where the step uses it (skinny.keeps_pdl turns it off for the folded
         # gate_up above 8 rows): what that choice is worth.
@@ -347,11 +392,13 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--only", nargs="*", default=None,
-                    help="name prefixes of the variants to run (default: all); A+B: the variants A and B (full names) "
-                         "applied together, e.g. fold-glu+skinny-16x512s3")
+                    help="name prefixes of the variants to run (default: all); A+B: the variants A and B (full names, "
+                         "attn:NAME and base-attention too) applied together, e.g. fold-glu+skinny-16x512s3")
     ap.add_argument("--attn", nargs="*", default=[], metavar="NAME:FIELD=V,...",
                     help="more decode-attention tunings, e.g. s1w2:num_stages=1,num_warps=2")
     ap.add_argument("--base-tree", default=None, help="also time this source tree's decode attention (base-attention)")
+    ap.add_argument("--kernel-stats", action="store_true",
+                    help="at the end, registers and programs an SM of every compiled decode attention kernel")
     args = ap.parse_args()
     engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
                                   gpu_memory_utilization=args.gpu_memory_utilization))
@@ -359,15 +406,15 @@ def main() -> None:
     known = variants(runner)
     chosen = {name: make for name, make in known.items()
               if name == "default" or args.only is None or any(name.startswith(p) for p in args.only)}
-    for combo in [p for p in args.only or [] if "+" in p]:
+    for name, fields in parse_attention_variants(args.attn).items():
+        known[f"attn:{name}"] = chosen[f"attn:{name}"] = lambda fields=fields: attention_tuning(runner, **fields)
+    if args.base_tree:
+        known["base-attention"] = chosen["base-attention"] = lambda: base_tree_attention(runner, args.base_tree)
+    for combo in [p for p in args.only or [] if "+" in p]:  # --attn and --base-tree variants combine too
         unknown = [part for part in combo.split("+") if part not in known]
         if unknown:
             raise SystemExit(f"--only {combo}: no variant named {', '.join(unknown)} (full names, not prefixes)")
         chosen[combo] = lambda parts=[known[part] for part in combo.split("+")]: stacked(parts)
-    for name, fields in parse_attention_variants(args.attn).items():
-        chosen[f"attn:{name}"] = lambda fields=fields: attention_tuning(runner, **fields)
-    if args.base_tree:
-        chosen["base-attention"] = lambda: base_tree_attention(runner, args.base_tree)
     gen = torch.Generator().manual_seed(0)
     print(f"{args.model}: context {args.context}, table {args.max_model_len}, {args.rounds} rounds x "
           f"{args.replays} replays, ms per step (median of rounds, min-max)", flush=True)
@@ -404,6 +451,8 @@ def main() -> None:
                     print(f"bs {bs:>4}  {name:16s} {med:.4f}  ({min(times[name]):.4f}-{max(times[name]):.4f})  "
                           f"x{med / base:.3f}  {1000 * (med - base):+7.1f} us{diff}", flush=True)
                 del graphs
+    if args.kernel_stats:
+        print_attention_kernels()
 
 
 if __name__ == "__main__":
