@@ -173,7 +173,7 @@ def base_tree_attention(runner, tree: str):
     import shutil
     import sys
 
-    pkg_root = "/tmp/ostinato_base_pkg"
+    pkg_root = f"/tmp/ostinato_base_pkg-{os.path.basename(os.path.abspath(tree))}"  # a warm machine keeps /tmp
     if not os.path.isdir(os.path.join(pkg_root, "ostinato_base")):
         shutil.copytree(os.path.join(tree, "src", "ostinato"), os.path.join(pkg_root, "ostinato_base"))
     if pkg_root not in sys.path:
@@ -350,6 +350,9 @@ def variants(runner):
         "attn-warps2": lambda: attention_tuning(runner, num_warps=2),
         "attn-warps8": lambda: attention_tuning(runner, num_warps=8),
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
+        # PDL's trigger (griddepcontrol.launch_dependents) after the decode attention's K/V loop instead of first
+        # thing. (The GEMV's and few-rows kernel's trigger after their K loops cost 45-284 us a step, round 9c.)
+        "pdl-after-loop-attn": lambda: attention_tuning(runner, dependents_after_loop=True),
         "attn-pad32": lambda: merge_tile_padded(32),
         "attn-pad16": lambda: merge_tile_padded(16),
         **{f"attn-maxnreg{regs}": (lambda regs=regs: attention_maxnreg(regs)) for regs in (64, 96, 128)},

@@ -38,6 +38,8 @@ class DecodeTuning:
     num_warps, num_stages: those of a launch that does not split the context (a batch that fills the GPU).
         num_warps 2 instead of 4 took 307 and 278 us off qwen3-0.6b and llama-3.1-8b at batch 64, context 512
         (head_dim 128; llama-3.2-1b, head_dim 64: +5 us, within noise), scripts/gpu_variants.py.
+    dependents_after_loop: with pdl, let the next kernel launch only once every program has walked its slice
+        (griddepcontrol.launch_dependents after the K/V loop) instead of as it starts. Under measurement.
     split_num_warps: num_warps of a launch that splits (2 instead of 4 added 35 and 51 us to llama-3.2-1b and
         llama-3.1-8b at batch 1).
     merge_chunk_elems: fp32 partial-output elements the single launch's merge loads per round trip to L2
@@ -66,6 +68,7 @@ class DecodeTuning:
     single_launch_max_splits: int = 64
     apply_rope: bool = True
     pdl: bool = False
+    dependents_after_loop: bool = False
     split_num_warps: int = 4
     split_num_stages: int = 1
     merge_chunk_elems: int = 8192

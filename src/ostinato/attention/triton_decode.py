@@ -130,7 +130,7 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
     # MERGE: the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
@@ -142,7 +142,10 @@ def _decode_split_kernel(
     # them (weights never; the step's inputs are complete before its first PDL kernel; and with ROPE no slice
     # reads the one slot this layer writes: the newest token comes from registers). Without it nothing
     # precedes the wait.
-    pdl_begin(PDL)
+    # EARLY_TRIGGER: the next kernel may launch as this one starts; else only once each program has walked its
+    # slice (DecodeTuning.dependents_after_loop says why). A program that returns early counts as triggered.
+    if EARLY_TRIGGER:
+        pdl_begin(PDL)
     if not PREFETCH:
         pdl_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -217,6 +220,8 @@ def _decode_split_kernel(
                                      kv_head, offs_n, offs_d, d_mask, stride_cache_block, stride_cache_tok,
                                      stride_cache_head, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PRECISION, UPCAST_DOT)
+    if not EARLY_TRIGGER:
+        pdl_begin(PDL)
 
     if ROPE:
         if newest:  # the slice holding position context_len - 1: its k and v were loaded and written above
@@ -385,7 +390,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
-        PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, **dot_settings(q.dtype),
+        PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, EARLY_TRIGGER=not tuning.dependents_after_loop,
+        **dot_settings(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch_options(tuning.pdl),
     )
     if splits > 1 and not merge:
