@@ -264,7 +264,9 @@ def test_split_count_fills_the_gpu_from_shapes_only():
     tuning = DecodeTuning(block_n=32, programs_per_sm=2, max_splits=64)
     # Batch 1, 8 kv heads, 132 SMs: 264 programs wanted, 8 per split -> 33 splits.
     assert choose_num_splits(tuning, num_seqs=1, num_kv_heads=8, max_context=2048, num_sms=132) == 33
-    assert choose_num_splits(tuning, num_seqs=16, num_kv_heads=8, max_context=2048, num_sms=132) == 3
+    # Batch 16: 264 // 128 -> 2, rounded down so that every program is resident at once (3 would be 384).
+    assert choose_num_splits(tuning, num_seqs=16, num_kv_heads=8, max_context=2048, num_sms=132) == 2
+    assert choose_num_splits(DecodeTuning(), num_seqs=16, num_kv_heads=8, max_context=2048, num_sms=132) == 4
     # A batch whose programs cover every SM: one split, so no reduce kernel.
     assert choose_num_splits(tuning, num_seqs=17, num_kv_heads=8, max_context=2048, num_sms=132) == 1
     assert choose_num_splits(tuning, num_seqs=64, num_kv_heads=8, max_context=2048, num_sms=132) == 1

@@ -21,7 +21,10 @@ class DecodeTuning:
     issue 11). Warps and stages differ between split and unsplit launches (below).
 
     block_n: tokens per inner-loop tile (a power of two >= 16).
-    programs_per_sm: split until num_seqs * num_kv_heads * splits reaches this many programs per SM.
+    programs_per_sm: split into as many slices as keep num_seqs * num_kv_heads * splits within this many
+        programs per SM (rounded down, so that they all fit on the GPU at once: rounding up gave batch 16 with 8
+        kv heads 5 slices, 640 programs where 528 fit, and a second wave; 4 slices took 315 us off a Qwen3-0.6B
+        step at context 2048 and 16 at 512, H200, scripts/gpu_issue11_round8b.sh).
     max_splits: at most this many slices (bounds the reduce's work and the partials' memory).
     max_keys_per_program: split a table wider than this many tokens at any batch (a long sequence's scan
     must not set the step's time; choose_num_splits).
@@ -114,7 +117,7 @@ def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, ma
     straggler = triton.cdiv(max(max_context, 1), tuning.max_keys_per_program)
     if programs >= num_sms:
         return max(1, min(straggler, tuning.max_splits))
-    wanted = max(triton.cdiv(tuning.programs_per_sm * num_sms, programs), straggler)
+    wanted = max(tuning.programs_per_sm * num_sms // programs, straggler)  # all resident at once (DecodeTuning)
     useful = triton.cdiv(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
     return max(1, min(wanted, useful, tuning.max_splits))
 

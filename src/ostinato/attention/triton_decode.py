@@ -24,10 +24,10 @@ Algorithm
               writes the output itself: no merge at all.
 
     rope      (decode_with_rope, the decoder's Triton path) q comes in as the fused qkv projection: each
-              program normalises (Qwen3) and rotates its group's q rows itself; the slice holding the newest
-              token (position context_len - 1) computes that token's k (normalised, rotated) and v, writes
-              them to slot_mapping[seq] and attends to them from registers, while every slice reads only the
-              tokens before it from the cache (so no program reads a slot written in this launch). This
+              program normalises (Qwen3) and rotates its group's q rows itself; the slices cut the
+              context_len - 1 cached tokens, and the last active one also computes the newest token's k
+              (normalised, rotated) and v, writes them to slot_mapping[seq] and attends to them from registers,
+              while every slice reads only cached tokens (so no program reads a slot written in this launch). This
               replaces the q/k-norm + RoPE kernel's launch at decode; prefill keeps that kernel.
 
 Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, block-table width, SM count),
@@ -35,7 +35,7 @@ so it is fixed before a graph is captured and never changes during replays. A ba
 (num_seqs * num_kv_heads) already cover every SM is not split (no reduce kernel); a smaller one is split
 until the GPU holds `programs_per_sm` programs per SM, but no further than one BLOCK_N tile per slice of
 the widest context the table can hold, nor than max_splits. On an H200 (132 SMs) with 8 kv heads, batch 1
-splits 32 ways at a 2048-token table (64 at 32k), batch 16 5 ways, batch >= 17 not at all; except that a
+splits 32 ways at a 2048-token table (64 at 32k), batch 16 4 ways, batch >= 17 not at all; except that a
 table wider than max_keys_per_program (2048) tokens always splits so that no program scans more (batch 64
 at an 8448-token table: 5 ways), since one long sequence would otherwise straggle.
 
@@ -82,6 +82,21 @@ def _split_span(context_len, num_splits, BLOCK_N: tl.constexpr):
     so a context of 0 has a span and no active slice)."""
     span = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(span, BLOCK_N)
+
+
+@triton.jit
+def _slices(context_len, num_splits, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
+    """(span, num_active): tokens per slice and the slices holding any. With ROPE the newest token comes from
+    registers, not the cache, so the slices cut the context_len - 1 cached tokens and the last of them takes
+    the newest one too (at least one slice, which merges). Cutting the whole context instead gave a context of
+    512 cached tokens + 1 (a step at "context 512") a slice of its own for the one new token: 5 active slices
+    of 128 at batch 16 (640 programs) where 4 hold the cache (512)."""
+    if ROPE:
+        cached = context_len - 1
+        span = _split_span(cached, num_splits, BLOCK_N)
+        return span, tl.maximum(tl.cdiv(cached, span), 1)
+    span = _split_span(context_len, num_splits, BLOCK_N)
+    return span, tl.cdiv(context_len, span)
 
 
 @triton.jit
@@ -152,11 +167,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    span = _split_span(context_len, num_splits, BLOCK_N)
+    span, num_active = _slices(context_len, num_splits, BLOCK_N, ROPE)
     start = split * span
     # Slices holding tokens; with MERGE a context of 0 still has one (empty) slice, so that somebody
     # arrives, merges and writes the zeros.
-    num_active = tl.cdiv(context_len, span)
     if MERGE:
         num_active = tl.maximum(num_active, 1)
     if SPLIT:
@@ -171,7 +185,8 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh  # [GROUP_PAD, 1]
     if ROPE:
-        end = tl.minimum(start + span, context_len - 1)  # the newest token comes from registers, below
+        end = tl.minimum(start + span, context_len - 1)  # the newest token comes from registers, below (the
+        # last active slice's: with the slices cut over the cached tokens, its position may lie past start + span)
         cos, signed_sin = rope_table(cos_sin_ptr, tl.load(positions_ptr + seq), stride_cs, offs_d, HEAD_DIM)
         q_w, q_w_partner = norm_weights(q_weight_ptr, offs_d, HEAD_DIM, QK_NORM)
         k_w, k_w_partner = norm_weights(k_weight_ptr, offs_d, HEAD_DIM, QK_NORM)
@@ -312,14 +327,14 @@ def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr,
     num_splits, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     pdl_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    num_active = tl.cdiv(context_len, _split_span(context_len, num_splits, BLOCK_N))  # slices that wrote
+    num_active = _slices(context_len, num_splits, BLOCK_N, ROPE)[1]  # the slices that wrote partials
     base = (seq * NUM_HEADS + head) * num_splits
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -399,7 +414,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             out, part_out, part_max, part_sum, context_lens,
             splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=tuning.block_n,
-            SPLITS_PAD=splits_pad, PDL=tuning.pdl,
+            SPLITS_PAD=splits_pad, ROPE=rope is not None, PDL=tuning.pdl,
             num_warps=4, **launch_options(tuning.pdl),
         )
     return out
