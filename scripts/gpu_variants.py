@@ -350,9 +350,11 @@ def variants(runner):
         "attn-warps2": lambda: attention_tuning(runner, num_warps=2),
         "attn-warps8": lambda: attention_tuning(runner, num_warps=8),
         "attn-stages1": lambda: attention_tuning(runner, num_stages=1),
-        # PDL's trigger (griddepcontrol.launch_dependents) after the decode attention's K/V loop instead of first
-        # thing. (The GEMV's and few-rows kernel's trigger after their K loops cost 45-284 us a step, round 9c.)
-        "pdl-after-loop-attn": lambda: attention_tuning(runner, dependents_after_loop=True),
+        # The decode attention's PDL trigger (griddepcontrol.launch_dependents) always after its K/V loop, or
+        # always first thing (DecodeTuning.late_trigger_programs). (The GEMV's and few-rows kernel's trigger
+        # after their K loops cost 45-284 us a step, round 9c.)
+        "attn-trigger-late": lambda: attention_tuning(runner, late_trigger_programs=0),
+        "attn-trigger-early": lambda: attention_tuning(runner, late_trigger_programs=1 << 30),
         "attn-pad32": lambda: merge_tile_padded(32),
         "attn-pad16": lambda: merge_tile_padded(16),
         **{f"attn-maxnreg{regs}": (lambda regs=regs: attention_maxnreg(regs)) for regs in (64, 96, 128)},

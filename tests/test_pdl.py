@@ -6,6 +6,8 @@ compare every replay of a captured PDL chain, and a whole engine's tokens and lo
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -129,11 +131,17 @@ def test_pdl_chain_in_a_graph_matches_plain_launches_every_replay(hidden, inter,
 
 @pytest.mark.gpu
 @needs_pdl
-def test_engine_tokens_and_logprobs_equal_with_and_without_pdl(tmp_path):
+@pytest.mark.parametrize("late_trigger_programs", [128, 0])
+def test_engine_tokens_and_logprobs_equal_with_and_without_pdl(tmp_path, monkeypatch, late_trigger_programs):
+    """The decode attention's PDL trigger as the rule places it (the tiny model's launches hold few programs:
+    first thing) and always after its K/V loop (0): either way the same tokens and logprobs as without PDL."""
+    from ostinato.attention import decode_plan
     from ostinato.engine.engine import LLMEngine
     from ostinato.sampling_params import SamplingParams
     from ostinato.tools.checkpoint import make_checkpoint
 
+    monkeypatch.setattr(decode_plan, "DecodeTuning",  # the runner builds its backend's tuning from the module's
+                        functools.partial(decode_plan.DecodeTuning, late_trigger_programs=late_trigger_programs))
     make_checkpoint(tmp_path, shape="tiny", family="qwen3", seed=5, dtype="bfloat16")
     common = dict(model=str(tmp_path), dtype="bfloat16", max_model_len=256, num_kv_blocks=256, max_num_seqs=16)
     results = {}

@@ -474,6 +474,8 @@ def test_bad_tuning_arguments_raise_a_config_error():
         DecodeTuning(merge_chunk_elems=0)
     with pytest.raises(ConfigError, match="split_num_stages"):
         DecodeTuning(split_num_stages=0)
+    with pytest.raises(ConfigError, match="late_trigger_programs"):
+        DecodeTuning(late_trigger_programs=-1)
     with pytest.raises(ConfigError, match="prefill_block_n must be a power of two"):
         TritonAttentionTuning(prefill_block_n=48)
 

@@ -9,7 +9,11 @@ as soon as every block of its predecessor has called `griddepcontrol.launch_depe
 predecessor has completed and its memory is visible. CUDA-graph capture keeps these as programmatic edges.
 
 The contract every kernel launched with PDL keeps (`pdl_begin` / `pdl_wait` below):
-    - it lets its dependent launch at once (`pdl_begin`, first thing);
+    - it lets its dependent launch (`pdl_begin`): first thing, except the decode attention, whose programs
+      trigger after their K/V loop where the launch fills the GPU (attention/decode_plan.py,
+      DecodeTuning.late_trigger_programs: a dependent launched at once onto a full GPU gets only the few SMs
+      with room, and runs there). The GEMV's and few-rows kernel's trigger after their K loops was measured and
+      lost (45-284 us a step, docs/PERFORMANCE.md);
     - before `pdl_wait` it reads only what no kernel of the PDL chain writes, and it writes nothing. That is
       the weights; and the step's inputs (positions, slot mapping, block tables, context lengths, the RoPE
       table), because they are complete before the chain starts: they are copied in or computed by plain

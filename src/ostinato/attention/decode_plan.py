@@ -41,8 +41,15 @@ class DecodeTuning:
     num_warps, num_stages: those of a launch that does not split the context (a batch that fills the GPU).
         num_warps 2 instead of 4 took 307 and 278 us off qwen3-0.6b and llama-3.1-8b at batch 64, context 512
         (head_dim 128; llama-3.2-1b, head_dim 64: +5 us, within noise), scripts/gpu_variants.py.
-    dependents_after_loop: with pdl, let the next kernel launch only once every program has walked its slice
-        (griddepcontrol.launch_dependents after the K/V loop) instead of as it starts. Under measurement.
+    late_trigger_programs: with pdl, where the launch holds at least this many active programs (num_seqs x
+        kv heads x the slices holding tokens, which each program estimates from its own sequence), each program
+        lets the next kernel launch (griddepcontrol.launch_dependents) only once it has walked its slice;
+        where fewer, first thing. Why: a trigger first thing in a launch whose programs fill the GPU lets o_proj
+        launch at once, and its few programs then sit, and run, on the few SMs with room. H200, whole decode
+        steps in one process, 512 cached tokens (8 active slices up to batch 8, 4 at 16), after the loop
+        against first thing (scripts/gpu_issue11_round9c.sh, 9d): Qwen3-0.6B batch 2 -16.7 us, batch 8 -214.9,
+        batch 16 -117.9, at 4096 tokens batch 1 -7.2; at batch 1 (64 active) +5.3, Llama-3.2-1B +10.5; batch 4
+        (256) +1.2 and +4.5; batches 32, 64 and Llama-3.1-8B within 5 us. 0: always after the loop.
     split_num_warps: num_warps of a launch that splits (2 instead of 4 added 35 and 51 us to llama-3.2-1b and
         llama-3.1-8b at batch 1).
     merge_chunk_elems: fp32 partial-output elements the single launch's merge loads per round trip to L2
@@ -71,7 +78,7 @@ class DecodeTuning:
     single_launch_max_splits: int = 64
     apply_rope: bool = True
     pdl: bool = False
-    dependents_after_loop: bool = False
+    late_trigger_programs: int = 128
     split_num_warps: int = 4
     split_num_stages: int = 1
     merge_chunk_elems: int = 8192
@@ -85,6 +92,8 @@ class DecodeTuning:
                 raise ConfigError(f"decode {name} must be >= 1, got {getattr(self, name)}")
         if self.splits is not None and self.splits < 1:
             raise ConfigError(f"decode splits must be >= 1 or None, got {self.splits}")
+        if self.late_trigger_programs < 0:
+            raise ConfigError(f"decode late_trigger_programs must be >= 0, got {self.late_trigger_programs}")
         if self.single_launch_max_splits < 0:
             raise ConfigError(f"decode single_launch_max_splits must be >= 0, got {self.single_launch_max_splits}")
 

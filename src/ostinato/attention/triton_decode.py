@@ -30,6 +30,11 @@ Algorithm
               while every slice reads only cached tokens (so no program reads a slot written in this launch). This
               replaces the q/k-norm + RoPE kernel's launch at decode; prefill keeps that kernel.
 
+    pdl       (DecodeTuning.pdl) the slice's first K/V tile is read before the wait for the qkv projection
+              (PREFETCH). The trigger that lets o_proj launch comes first thing where the launch holds few active
+              programs, and after the K/V loop where it holds many (late_trigger_programs): launched at once onto
+              a GPU this launch fills, o_proj's programs would sit, and then run, on the few SMs with room.
+
 Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, block-table width, SM count),
 so it is fixed before a graph is captured and never changes during replays. A batch whose own programs
 (num_seqs * num_kv_heads) already cover every SM is not split (no reduce kernel); a smaller one is split
@@ -137,7 +142,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
     q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, slot_mapping_ptr,
-    scale_log2e, num_splits, eps,
+    scale_log2e, num_splits, eps, late_trigger_programs,
     stride_qs, stride_qh, stride_os, stride_oh, stride_cs,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -145,7 +150,7 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
     # MERGE: the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
@@ -157,10 +162,6 @@ def _decode_split_kernel(
     # them (weights never; the step's inputs are complete before its first PDL kernel; and with ROPE no slice
     # reads the one slot this layer writes: the newest token comes from registers). Without it nothing
     # precedes the wait.
-    # EARLY_TRIGGER: the next kernel may launch as this one starts; else only once each program has walked its
-    # slice (DecodeTuning.dependents_after_loop says why). A program that returns early counts as triggered.
-    if EARLY_TRIGGER:
-        pdl_begin(PDL)
     if not PREFETCH:
         pdl_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -173,6 +174,12 @@ def _decode_split_kernel(
     # arrives, merges and writes the zeros.
     if MERGE:
         num_active = tl.maximum(num_active, 1)
+    # The PDL trigger (DecodeTuning.late_trigger_programs says why): first thing where the launch holds few
+    # active programs, else once this program has walked its slice. Each program estimates the launch's active
+    # programs from its own sequence's slices; a program that returns early counts as triggered.
+    early_trigger = tl.num_programs(0) * NUM_KV_HEADS * num_active < late_trigger_programs
+    if early_trigger:
+        pdl_begin(PDL)
     if SPLIT:
         if split >= num_active:
             return  # an inactive slice: the merge reads only the active ones
@@ -235,7 +242,7 @@ def _decode_split_kernel(
                                      kv_head, offs_n, offs_d, d_mask, stride_cache_block, stride_cache_tok,
                                      stride_cache_head, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PRECISION, UPCAST_DOT)
-    if not EARLY_TRIGGER:
+    if not early_trigger:
         pdl_begin(PDL)
 
     if ROPE:
@@ -398,15 +405,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_max, part_sum, arrivals, *rope_args,
-        scale * LOG2E, splits, eps,
+        scale * LOG2E, splits, eps, tuning.late_trigger_programs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=pad_dim(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
-        PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, EARLY_TRIGGER=not tuning.dependents_after_loop,
-        **dot_settings(q.dtype),
+        PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, **dot_settings(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch_options(tuning.pdl),
     )
     if splits > 1 and not merge:
