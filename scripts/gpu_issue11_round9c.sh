@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# As run at 3e3ee77, with the GEMV/few-rows trigger knob of that working tree (not committed: it lost). Since
+# 339a87d the field is late_trigger_programs (0: always after the loop) and the variants attn-trigger-late/-early.
 # Issue 11, thirteenth session, third call. Round 9b: ec9cfb5's kernel (.base9) at batch 8 ran 8 active slices in
 # one wave (512 programs) 64 us slower than main, but 130-163 us faster with 16-32 forced slices (the same 8
 # active, the rest returning at once), and o_proj launched without PDL took 87 of those us back at 8 slices, 76 us

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# As run at 0ab9d61 + the working tree; since 339a87d the field is late_trigger_programs (late: =0).
 # Issue 11, thirteenth session, fourth call: where the decode attention's PDL trigger should go, on the slices of
 # 0ab9d61 (cut over the cached tokens, split counts rounded down). The trigger first thing (default) against after
 # the K/V loop (attn:late) at batches 1-64, context 512 (64 is an unsplit launch), and batch 1 at context 4096, on
