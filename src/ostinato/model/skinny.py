@@ -227,8 +227,9 @@ def keeps_pdl(m: int, glu: bool) -> bool:
       -98.7, down's kept off too -94.8 (so off for gate_up alone), every launch with PDL +140.7; Llama-3.2-1B's
       qkv (its only few-rows projection) with PDL -62.1;
     - scripts/gpu_issue11_round8c.sh, against this rule: every launch with PDL +235.0 (Llama-3.2-1B: +0.7).
-    (8b and 8c ran with a decode attention since reverted; round 8 with the one on main.) The every-launch-with-
-    PDL step took 1.62-1.65 ms in those processes and 1.45 in the first: with PDL the wide launch's programs (384
-    for Qwen3's gate_up) sit resident and waiting while the kernel before still runs, and what that costs
-    varies."""
+    (8b and 8c ran with the decode attention's slices over the cached tokens, main's since 0ab9d61; round 8 with
+    the slices before them. None ran with the attention's PDL trigger after its K/V loop (339a87d): this rule was
+    not re-measured beside it.) The every-launch-with-PDL step took 1.62-1.65 ms in those processes and 1.45 in
+    the first: with PDL the wide launch's programs (384 for Qwen3's gate_up) sit resident and waiting while the
+    kernel before still runs, and what that costs varies."""
     return not (glu and m > GLU_NO_PDL_ABOVE_ROWS)
