@@ -334,24 +334,30 @@ def test_unread_stream_is_aborted_and_its_blocks_freed(server, engine):
     probe(server)
 
 
-def test_unread_stream_over_a_real_socket(server):
+def test_unread_stream_over_a_real_socket(server, engine):
     """The same over TCP: a client with a 1 KiB receive buffer asks for 16 streamed completions with 20 logprobs
     each (megabytes of events) and reads nothing. Once the socket buffers fill, the request must be aborted long
-    before it would finish, and its blocks freed."""
+    before it would finish, and its blocks freed. Steps take 20 ms (230 of them >= 4.6 s), so that the engine
+    cannot outrun the server's event loop: unthrottled, on a loaded 2-core machine, it once generated every
+    token before the stalled send timed out (full suite, 2026-12-02; alone: 1,632 of 3,680)."""
     n, max_tokens = QUEUE_BOUND, 230
     body = json.dumps({"model": MODEL, "messages": CHAT, "n": n, "logprobs": True, "top_logprobs": 20,
                        "max_tokens": max_tokens, "ignore_eos": True, "stream": True}).encode()
     before = server.stats().generation_tokens_total
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        sock.connect(("127.0.0.1", server.port))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        deadline = time.monotonic() + 30
-        while server.stats().generation_tokens_total == before:  # it started
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        stats = server.wait_until_idle(timeout=30)
+    engine.delay = 0.02
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 30
+            while server.stats().generation_tokens_total == before:  # it started
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            stats = server.wait_until_idle(timeout=30)
+    finally:
+        engine.delay = 0.0
     generated = stats.generation_tokens_total - before
     assert generated < n * max_tokens, "the unread stream ran to the end"
     probe(server)
