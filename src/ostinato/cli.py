@@ -127,16 +127,23 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[:i] + ["bench-" + argv[i + 1]] + argv[i + 2:]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torchrun_style = getattr(args, "tensor_parallel_size", 1) > 1 and "RANK" in os.environ
     try:
-        if getattr(args, "tensor_parallel_size", 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0:
+        if torchrun_style and int(os.environ["RANK"] or 0) > 0:
             # torchrun-style launch, rank > 0: serve rank 0's steps (no server, no output) until it stops.
             from .runner.tp_worker import run_env_worker
 
-            return run_env_worker(args)
-        return int(args.func(args) or 0)
+            code = run_env_worker(args)
+        else:
+            code = int(args.func(args) or 0)
     except OstinatoError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if torchrun_style:  # every rank: torch.distributed's teardown at exit may abort (distributed.leave_process)
+        from .runner.distributed import leave_process
+
+        leave_process(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ from typing import Any
 from ..config import EngineArgs, ModelConfig, SchedulerConfig
 from ..errors import TensorParallelError
 from ..model.parallel import check_tp_size
-from .distributed import PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group, timeout_seconds
+from .distributed import (BroadcastChannel, PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group,
+                          leave_process, timeout_seconds)
 from .runner import ModelRunner, pick_device
-from .distributed import BroadcastChannel
 from .tp_worker import engine_args_json, resolve_call, run_worker
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ def make_runner(args: EngineArgs, model_config: ModelConfig, scheduler_config: S
     """The engine's runner: ModelRunner for --tensor-parallel-size 1, TensorParallelRunner above.
 
     Under torchrun-style variables (RANK > 0) this process is a worker: it serves rank 0 until rank 0 stops,
-    then exits (SystemExit(0)), so the same command or script runs on every rank."""
+    then its process ends with status 0 (distributed.leave_process: atexit handlers run, `finally` blocks do
+    not), so the same command or script runs on every rank."""
     size = args.parallel_config().tensor_parallel_size
     if size == 1:
         return ModelRunner(args, model_config, scheduler_config)
@@ -53,7 +54,7 @@ def make_runner(args: EngineArgs, model_config: ModelConfig, scheduler_config: S
     if info is not None and info.rank > 0:
         check_world(info, size)
         run_worker(args, info)
-        raise SystemExit(0)
+        leave_process(0)
     return TensorParallelRunner(args, model_config, scheduler_config)
 
 

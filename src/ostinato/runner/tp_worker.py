@@ -90,12 +90,10 @@ def _injected_failure(rank: int) -> str | None:
 def run_worker(args: EngineArgs, info: RankInfo) -> None:
     """A torchrun-style worker: steps come over a gloo broadcast from rank 0.
 
-    Unlike a worker we launch (main(), which leaves by os._exit), this process goes on to the caller's
-    SystemExit and the interpreter's shutdown; a process group still alive then is torn down by finalizers
-    while rank 0, which hosts the store, may be gone, and on a loaded machine that aborted the process
-    ("terminate called without an active exception", exit -6; 1 in 8 runs of the torchrun test with both
-    cores busy). So the group this function created is destroyed here, in order; a group the user set up
-    before (torchrun scripts may) is theirs to keep."""
+    The group this function created is destroyed here, in order, while rank 0 may still host the store; a group
+    the user set up before (torchrun scripts may) is theirs to keep. That alone did not stop the process from
+    aborting in torch's teardown after its last line now and then, so the callers end it by
+    distributed.leave_process."""
     import torch.distributed as dist
 
     owns_group = not dist.is_initialized()
