@@ -23,7 +23,7 @@ from .bench import HBM_READ_BYTES_PER_S, replay_ms, rows_loaded
 KERNEL_CLASSES = (
     ("attention", ("_decode_split_kernel", "_decode_reduce_kernel", "_decode_partition_kernel")),
     ("kv write", ("_write_kv_kernel",)),
-    ("projections", ("_gemv_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("projections", ("_gemv_kernel", "_skinny_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("norms", ("_rms_norm_kernel",)),
     ("q/k norm + rope", ("_qk_norm_rope_kernel",)),
     ("silu * up", ("_silu_and_mul_kernel",)),
