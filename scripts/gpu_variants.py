@@ -105,6 +105,27 @@ def gemv_tiles(change):
         gemv.choose_gemv_tiles = rule
 
 
+@contextlib.contextmanager
+def gemv_rows(max_rows: int, block_k: int | None = None):
+    """The GEMV (and with it the norm fold and the SwiGLU fold) for 2..max_rows rows wherever the rule gives it
+    batch 1 at that projection, with batch 1's tiles (block_k replaced where given): the few-rows kernel and
+    cuBLAS take those rows on main, with the norm before qkv and gate_up launched apart."""
+    rule = gemv.choose_gemv_tiles
+
+    def changed(m, n, k, pdl=False):
+        if 2 <= m <= max_rows:
+            tiles = rule(1, n, k, pdl)
+            if tiles is not None:
+                return tiles if block_k is None else dataclasses.replace(tiles, block_k=block_k)
+        return rule(m, n, k, pdl)
+
+    gemv.choose_gemv_tiles = changed
+    try:
+        yield
+    finally:
+        gemv.choose_gemv_tiles = rule
+
+
 def whole_k(tiles, m, n, k):
     """Every weight byte of a program requested before the PDL wait: one K step covering K (up to 4096)."""
     if k > 4096:
@@ -375,6 +396,10 @@ def variants(runner):
         "gemv-warps8": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, num_warps=8)),
         "gemv-warps2": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, num_warps=2)),
         "gemv-bk512": lambda: gemv_tiles(lambda t, m, n, k: dataclasses.replace(t, block_k=512)),
+        "gemv-rows2": lambda: gemv_rows(2),
+        "gemv-rows2-bk512": lambda: gemv_rows(2, 512),
+        "gemv-rows4-bk512": lambda: gemv_rows(4, 512),
+        "gemv-rows4-bk256": lambda: gemv_rows(4, 256),
     }
 
 

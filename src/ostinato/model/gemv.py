@@ -222,6 +222,9 @@ def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | 
       scripts/gpu_pdl.py (now --cublas-wide). So the GEMV there only with PDL.
     - 2 <= m <= 4, n <= 1024: only there did it beat cuBLAS (Qwen3-0.6B o_proj and down_proj, 1.4-1.9x);
       at wider n the [m, block_n, block_k] accumulator leaves too few programs or too many registers.
+      Batch 1's rule at 2 rows too, so that the norms before qkv and gate_up fold in (whole steps, fourteenth
+      session, scripts/gpu_variants.py gemv-rows*): Qwen3-0.6B +20.0 us a step, Llama-3.2-1B +9.3 (block_k 512)
+      to +117.6 (1024); at 4 rows +263 to +619. The few-rows kernel with the norm apart stays faster.
     """
     if m == 1 and (n <= 8192 or pdl):
         block_n = 1
