@@ -18,6 +18,8 @@ its arrival (SplitCounters); the last of a block's programs sums them in slice o
 there is no reduce kernel and the result does not depend on which arrives last. One kernel per call, grid from
 shapes only: CUDA-graph safe. No rule picks a split yet: it awaits measurement (scripts/gpu_skinny.py).
 With glu, the SwiGLU activation of a (gate | up) projection comes out of the epilogue (model/linear_epilogue.py).
+The RMSNorm before the projection stays its own kernel: folded into this kernel's prologue it cost whole steps
+121-626 us on the H200, more than the norms' whole 14-57 us (docs/PERFORMANCE.md, fifteenth session).
 """
 
 from __future__ import annotations
