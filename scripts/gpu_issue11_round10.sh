@@ -3,13 +3,8 @@
 # wherever it takes batch 1 (so the norms before qkv and gate_up fold into it, as at batch 1): Qwen3-0.6B and
 # Llama-3.2-1B, one process each (scripts/gpu_variants.py gemv-rows*). (2) The decode attention alone and as a step
 # launches it (RoPE, PDL), on main's kernel: the per-layer goals at batch 1 and 16.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=src
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-O="python3 -m ostinato.cli --log-level WARNING"
-for SHAPE in qwen3-0.6b llama-3.2-1b; do
-    [ -d /tmp/ck-$SHAPE ] || timeout 90 $O make-checkpoint /tmp/ck-$SHAPE --shape $SHAPE --dtype bfloat16 2>&1 | tail -1
-done
+source scripts/gpu_variants_lib.sh
+checkpoints qwen3-0.6b llama-3.2-1b
 for SHAPE in qwen3-0.6b llama-3.2-1b; do
     echo "== $SHAPE steps at 2 and 4 rows"
     (cd scripts && PYTHONPATH=../src timeout 170 python3 gpu_variants.py /tmp/ck-$SHAPE --batches 2 4 --context 512 \

@@ -3,13 +3,8 @@
 # `bench peers` (its output fell out of call 2's tail), `bench kernels` at batch 16 with the few-rows kernel now
 # counted as a projection, and the whole engine step (`bench engine`, LLM.generate's step with host work) at
 # batches 1 and 64 on Qwen3-0.6B and Llama-3.2-1B.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=src
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-O="python3 -m ostinato.cli --log-level WARNING"
-for SHAPE in qwen3-0.6b llama-3.2-1b; do
-    [ -d /tmp/ck-$SHAPE ] || timeout 90 $O make-checkpoint /tmp/ck-$SHAPE --shape $SHAPE --dtype bfloat16 2>&1 | tail -1
-done
+source scripts/gpu_variants_lib.sh
+checkpoints qwen3-0.6b llama-3.2-1b
 CK=/tmp/ck-qwen3-0.6b
 echo "== qwen3-0.6b bench peers"
 timeout 150 $O bench peers $CK --max-model-len 2048 --gpu-memory-utilization 0.5 --cuda-graph-sizes 1 --context 512 \

@@ -4,13 +4,8 @@
 # first / always after the loop, and against the session's starting kernel (.base: git archive 20f4e48 src, the
 # kernel main had until this session), one process. (2) GPU suites of what changed. (3) `bench` at batch 1 and
 # `bench throughput` (nano-vllm's workload) on Qwen3-0.6B and Llama-3.2-1B.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=src
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-O="python3 -m ostinato.cli --log-level WARNING"
-for SHAPE in qwen3-0.6b llama-3.2-1b; do
-    [ -d /tmp/ck-$SHAPE ] || timeout 90 $O make-checkpoint /tmp/ck-$SHAPE --shape $SHAPE --dtype bfloat16 2>&1 | tail -1
-done
+source scripts/gpu_variants_lib.sh
+checkpoints qwen3-0.6b llama-3.2-1b
 echo "== qwen3-0.6b steps"
 (cd scripts && PYTHONPATH=../src timeout 100 python3 gpu_variants.py /tmp/ck-qwen3-0.6b --batches 1 8 16 --context 512 \
     --max-model-len 2048 --rounds 5 --replays 20 --base-tree ../.base --only attn-trigger 2>&1 \
