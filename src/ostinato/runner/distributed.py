@@ -18,12 +18,15 @@ Device collectives (the model's all-reduces and all-gathers) use NCCL on CUDA an
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,7 +37,7 @@ from ..model.parallel import TPGroup
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def leave_process(code: int) -> None:
+def leave_process(code: int) -> NoReturn:
     """End a torchrun-style rank's process now, with exit status `code`: atexit handlers run (rank 0's engine
     stops its workers there, runner/tp_executor.py), output is flushed, the interpreter's finalization is skipped.
 
@@ -43,10 +46,6 @@ def leave_process(code: int) -> None:
     Python frame left: 2 runs in 8 of tests/test_tensor_parallel.py's torchrun test with both cores busy, on
     rank 0 or rank 1, every process group destroyed first). The workers rank 0 launches itself always left by
     os._exit (runner/tp_worker.py main); torchrun-style ranks now do too. Pending `finally` blocks do not run."""
-    import atexit
-    import logging
-    import sys
-
     atexit._run_exitfuncs()  # what a normal exit runs first; os._exit would skip it
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
