@@ -10,13 +10,13 @@ float32 torch reference at each case.
         [--attn NAME:FIELD=V,...] [--cases 1x512,16x512] [--shapes qwen3-0.6b] [--json out.json]
 
 Runs against whatever `ostinato` PYTHONPATH names, so the same file measures an older tree ("before");
---sweep (needs attention/triton_decode.py) also times other decode tunings; --compare-merge times the
+--sweep (needs kernels/decode_attention.py) also times other decode tunings; --compare-merge times the
 two-kernel decode (split + reduce kernel, single_launch_max_splits=0) beside the default single launch;
 --rope also times the step from the qkv projection: the q/k-norm + RoPE kernel (writing K/V) then decode,
 against decode_with_rope (all three in the decode kernel); --attn adds DecodeTuning variants (as
 scripts/gpu_variants.py's). --pdl also times every variant as a decode step launches it: decode_with_rope
 (q/k norm, RoPE and the K/V write in the kernel) with programmatic dependent launch, so each layer's kernel
-starts while the one before finishes and reads its first K/V tile before its wait (attention/triton_decode.py,
+starts while the one before finishes and reads its first K/V tile before its wait (kernels/decode_attention.py,
 PREFETCH). Its bytes are the same K/V; the figure is what attention costs a step where its neighbours let it
 overlap them (in a step the neighbours are projections, not attention).
 """
@@ -102,7 +102,7 @@ def measure_with_rope(backend, inputs, shape, fused_rope, iters=30):
     """µs per layer of what a decode layer runs from the qkv projection to the attention output: the
     q/k-norm + RoPE kernel writing K/V, then decode (fused_rope False), or decode_with_rope (True). q/k
     RMSNorm as Qwen3 when the shape is qwen3's. rel_err: fused against unfused on the first layer."""
-    from ostinato.model import fused
+    from ostinato.kernels import fused
     from ostinato.model.layers import RotaryEmbedding
 
     caches, q, meta = inputs
@@ -136,7 +136,7 @@ def measure_with_rope(backend, inputs, shape, fused_rope, iters=30):
 
 
 def backend_with(**fields):
-    from ostinato.attention.triton_decode import DecodeTuning
+    from ostinato.kernels.decode_attention import DecodeTuning
     from ostinato.attention.triton_paged import TritonAttentionTuning
 
     return TritonPagedBackend(TritonAttentionTuning(decode=DecodeTuning(**fields)))
@@ -167,13 +167,13 @@ def main() -> None:
     for vname, fields in parse_attention_variants(args.attn).items():
         variants[vname], fields_of[vname] = backend_with(**fields), fields
     if args.compare_merge:
-        from ostinato.attention.triton_decode import DecodeTuning
+        from ostinato.kernels.decode_attention import DecodeTuning
         from ostinato.attention.triton_paged import TritonAttentionTuning
 
         two_kernels = DecodeTuning(single_launch_max_splits=0)
         variants["reduce-kernel"] = TritonPagedBackend(TritonAttentionTuning(decode=two_kernels))
     if args.sweep:
-        from ostinato.attention.triton_decode import DecodeTuning
+        from ostinato.kernels.decode_attention import DecodeTuning
         from ostinato.attention.triton_paged import TritonAttentionTuning
 
         for bn in (32, 64):

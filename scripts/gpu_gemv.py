@@ -1,4 +1,4 @@
-"""Triton small-M linear (model/gemv.py) against cuBLAS on the real projection shapes, tiles swept.
+"""Triton small-M linear (kernels/gemv.py) against cuBLAS on the real projection shapes, tiles swept.
 
 Timing as scripts/gpu_small_gemm.py (a CUDA graph over enough weight copies to defeat L2, median per call).
 Each variant's output is checked against F.linear (relative error).
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_small_gemm import SHAPES, projections  # noqa: E402
 from gpu_timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-from ostinato.model.gemv import GemvTiles, gemv_linear  # noqa: E402
+from ostinato.kernels.gemv import GemvTiles, gemv_linear  # noqa: E402
 
 
 def tile_grid(m_pad: int):

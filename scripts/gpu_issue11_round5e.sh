@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11, ninth session, on the H200, call 5: the tensor-core linear for 2-16 rows (model/skinny.py): its GPU
+# Issue 11, ninth session, on the H200, call 5: the tensor-core linear for 2-16 rows (kernels/skinny.py): its GPU
 # tests, then whole decode steps with it in place of cuBLAS for the rows the GEMV leaves (three tilings; since
 # the rule takes it, skinny-off is cuBLAS for all of them), one
 # process per shape (the two small models, batches 4 and 16), context 512. Logs under $OUT.

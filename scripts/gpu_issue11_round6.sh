@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 11, the first device call after the tenth session (then gpu_issue11_round6b.sh and 6c.sh): (1) the
-# few-rows kernel (model/skinny.py) alone against cuBLAS on every public projection shape, tiles and split-K
+# few-rows kernel (kernels/skinny.py) alone against cuBLAS on every public projection shape, tiles and split-K
 # swept (gpu_skinny.py); (2) the GPU suites that exercise decode projections of 2-16 rows, which did not run
 # once the ninth session put Qwen3-shaped ones on that kernel (every small test model's projections fall inside
 # its rule), and the SwiGLU fold's kernels (test_glu_fold.py). Logs under $OUT.

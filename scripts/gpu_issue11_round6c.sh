@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 11, the third call after gpu_issue11_round6{,b}.sh: the SwiGLU activation folded into the gate_up
-# projection (gpu_variants.py fold-glu; model/gemv.py's choose_glu_fold, off until this measures it) against
+# projection (gpu_variants.py fold-glu; kernels/gemv.py's choose_glu_fold, off until this measures it) against
 # the default, with no-silu (the activation removed altogether: the most the fold can save), whole decode steps
 # in one process on the three public shapes at batches 1, 4, 16. fold-glu's `rel diff` line is its logits
 # against the default's. Logs under $OUT.

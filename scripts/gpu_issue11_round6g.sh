@@ -10,7 +10,7 @@ CK=/tmp/ck-qwen3-0.6b
 for MAX in 8 16; do
     echo "== fold up to $MAX rows"
     timeout 50 python3 -c "
-import sys, ostinato.model.gemv as g
+import sys, ostinato.kernels.gemv as g
 g.GLU_FOLD_MAX_ROWS = $MAX
 from ostinato.cli import main
 sys.exit(main(['--log-level', 'WARNING', 'bench', 'kernels', '$CK', '--max-model-len', '2048',

@@ -1,9 +1,9 @@
 """Programmatic dependent launch on and off, in one process: the same decode step (forward and in-graph
 sampling, DecodeStep) captured twice per batch size, once with the Triton kernels launched plainly and once
-with PDL (pdl.py), replayed alternately so that clocks and process-to-process noise hit both alike.
+with PDL (kernels/pdl.py), replayed alternately so that clocks and process-to-process noise hit both alike.
 
 --cublas-wide adds a third graph: PDL on, but the wide projections at batch 1 (gate_up of Llama-3.2-1B and
--3.1-8B) on cuBLAS, as the tile rule has them without PDL (model/gemv.py, choose_gemv_tiles).
+-3.1-8B) on cuBLAS, as the tile rule has them without PDL (kernels/gemv.py, choose_gemv_tiles).
 
 Also checks that the graphs give the same logits, bit for bit, on the same inputs (PDL changes when a
 kernel starts, never what it computes; a missing wait would show here as a race).
@@ -21,9 +21,9 @@ import torch
 
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
-from ostinato.model import gemv
-from ostinato.model.fused import kernels_for
-from ostinato.tools.bench import _decode_rows
+from ostinato.kernels import gemv
+from ostinato.kernels.fused import kernels_for
+from ostinato.tools.bench.decode import _decode_rows
 
 
 def set_pdl(runner, on: bool) -> None:

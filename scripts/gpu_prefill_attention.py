@@ -34,8 +34,8 @@ from gpu_timing import time_graph  # noqa: E402
 from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
-from ostinato.attention.prefill_split_plan import PrefillSplitTuning  # noqa: E402
-from ostinato.attention.triton_prefill_split import paged_prefill_split, plan_for  # noqa: E402
+from ostinato.kernels.prefill_plan import PrefillSplitTuning  # noqa: E402
+from ostinato.kernels.prefill_attention import paged_prefill_split, plan_for  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
 # The (Q, C) points measured for issue 12, one new token, and the 96-token chunk beside 32 decode rows.

@@ -3,7 +3,7 @@
 # 256 requests x 256 prompt x 256 output tokens, 64 streams, --max-num-seqs 64, qwen3-0.6b shape. Prints both
 # output tok/s and server/offline (goal >= 0.85), with the engine core in its own process (the default) and with
 # the engine on a thread of the server (--engine-thread); then the same two on CPU with the forward replaced by a
-# no-op that acts as a 3 ms GPU step (tools/noop_forward.py: the host work alone, on this machine's CPUs), and one
+# no-op that acts as a 3 ms GPU step (tools/bench/noop_forward.py: the host work alone, on this machine's CPUs), and one
 # cProfile run of the default layout (where the server's event loop, its engine core and the load generator spend
 # their time; cProfile slows each several times, so read its shares, not its rates).
 #

@@ -1,4 +1,4 @@
-"""The few-rows tensor-core linear (model/skinny.py) against cuBLAS on the real projection shapes, tiles and
+"""The few-rows tensor-core linear (kernels/skinny.py) against cuBLAS on the real projection shapes, tiles and
 split-K swept: us per call and share of HBM bandwidth, alone (no step around it).
 
 Timing as scripts/gpu_small_gemm.py (a CUDA graph over enough weight copies to defeat L2, median per call).
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_small_gemm import SHAPES, projections  # noqa: E402
 from gpu_timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-from ostinato.model.skinny import SkinnyTiles, skinny_linear  # noqa: E402
-from ostinato.split_counters import SplitCounters  # noqa: E402
+from ostinato.kernels.skinny import SkinnyTiles, skinny_linear  # noqa: E402
+from ostinato.kernels.split_counters import SplitCounters  # noqa: E402
 
 TILINGS = [SkinnyTiles(16, 256, 4, 4), SkinnyTiles(16, 512, 4, 3), SkinnyTiles(32, 256, 4, 3),
            SkinnyTiles(16, 128, 4, 5), SkinnyTiles(32, 128, 4, 4), SkinnyTiles(64, 128, 4, 3),

@@ -20,7 +20,7 @@ import torch
 
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
-from ostinato.tools.bench import _time_cuda, rows_loaded, time_cuda_queued
+from ostinato.tools.bench.decode import _time_cuda, rows_loaded, time_cuda_queued
 
 
 def host_us(fn, steps: int) -> float:

@@ -16,7 +16,7 @@ case "${1:-all}" in
   probe|all) timeout 120 python3 -m ostinato.tools.tp_probe 2>&1 | tee "$OUT/probe.log" ;;&
   tests|all) timeout 300 python3 -m pytest -v -x -m gpu -o faulthandler_timeout=60 tests/test_tp_gpu.py 2>&1 \
                | tee "$OUT/tests.log" ;;&
-  bench|all) timeout 420 python3 -m ostinato.tools.tp_bench "$OUT" --checkpoint "$CK" 2>&1 | grep -v "it/s\]" \
+  bench|all) timeout 420 python3 -m ostinato.tools.bench.tp "$OUT" --checkpoint "$CK" 2>&1 | grep -v "it/s\]" \
                | tee "$OUT/tp_bench.log" ;;&
   verify|all) timeout 240 python3 -m ostinato.cli verify "$CK" -tp 2 --max-model-len 2048 --max-num-seqs 16 \
                 --cuda-graph-sizes "1 2 4 8" --batch-sizes "1 3 9" 2>&1 | grep -v "it/s\]" | tee "$OUT/verify.log" ;;

@@ -10,15 +10,15 @@ well under 1%. Two kinds of variant:
   shape). The step is then wrong; its time says what that class of kernel costs the step, with PDL's overlap
   counted, which the profiler's per-kernel times cannot. A projection's line also gives its weight bytes over
   that saving: its bandwidth in the step;
-- `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (model/gemv.py's fold off): what the
+- `no-norm-fold`: the RMSNorms launched apart from the GEMVs after them (kernels/gemv.py's fold off): what the
   fold saves; `fold-glu` / `no-glu-fold`: the SwiGLU activation folded into the gate_up projection
   everywhere a Triton kernel takes it / nowhere (gemv.choose_glu_fold on / off);
 - `pdl-off-P`: projection P (qkv, o, gate-up, down) launched without PDL, the rest as the engine does;
   `skinny-pdl-on`: every few-rows kernel launch with PDL (skinny.keeps_pdl turns it off for the folded gate_up
   above 8 rows);
-- tunings (`attn-...`, `gemv-...`, `skinny-...`): the decode attention's launch settings (attention/decode_plan.py,
-  DecodeTuning), the small-batch linear's tiles (model/gemv.py), or the rows it leaves to cuBLAS on the
-  tensor-core kernel for a few rows (model/skinny.py), changed before capture. Their logits are
+- tunings (`attn-...`, `gemv-...`, `skinny-...`): the decode attention's launch settings (kernels/decode_plan.py,
+  DecodeTuning), the small-batch linear's tiles (kernels/gemv.py), or the rows it leaves to cuBLAS on the
+  tensor-core kernel for a few rows (kernels/skinny.py), changed before capture. Their logits are
   compared with the default's (`rel diff`): a tuning changes summation order, never what is computed.
   `--attn NAME:FIELD=V,...` adds any DecodeTuning; `--base-tree DIR` adds another tree's decode attention
   kernel (`base-attention`), given this tree's tuning values for the fields that tree knows.
@@ -42,12 +42,12 @@ from unittest import mock
 import torch
 import triton
 
-from ostinato.attention import triton_decode
+from ostinato.kernels import decode_attention as triton_decode
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.model import gemv, skinny
-from ostinato.split_counters import SplitCounters
-from ostinato.tools.bench import rows_loaded
+from ostinato.kernels.split_counters import SplitCounters
+from ostinato.tools.bench.decode import rows_loaded
 
 from gpu_pdl import capture, time_replays  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from gpu_timing import parse_attention_variants  # noqa: E402
@@ -134,7 +134,7 @@ def whole_k(tiles, m, n, k):
 
 
 def glu_fold(on: bool = True):
-    """model/gemv.py's choose_glu_fold on (or off) at every shape: the SwiGLU activation out of the gate_up
+    """kernels/gemv.py's choose_glu_fold on (or off) at every shape: the SwiGLU activation out of the gate_up
     projection's GEMV or few-rows kernel wherever one of them takes it, no activation kernel there (or always
     the activation kernel: no-glu-fold)."""
     return mock.patch.object(gemv, "choose_glu_fold", lambda m, n, k, pdl=False: on)
@@ -142,7 +142,7 @@ def glu_fold(on: bool = True):
 
 @contextlib.contextmanager
 def skinny_rule(rule):
-    """model/skinny.py's rule (choose_skinny_tiles) replaced by `rule(m, n, k)` before capture."""
+    """kernels/skinny.py's rule (choose_skinny_tiles) replaced by `rule(m, n, k)` before capture."""
     saved = skinny.choose_skinny_tiles
     skinny.choose_skinny_tiles = lambda m, n, k, pdl=False: rule(m, n, k) if 2 <= m <= skinny.MAX_ROWS else None
     try:
@@ -319,7 +319,7 @@ def projection_bytes(runner, which: str) -> int:
 
 def norm_fold(runner, pick, peel: bool):
     """The RMSNorm folded into the GEMV after it for the projections `pick(layer)` accepts, the others' norms
-    launched apart. peel: as model/gemv.py folds (small_batch_norm_linear: the first K step always peeled);
+    launched apart. peel: as kernels/gemv.py folds (small_batch_norm_linear: the first K step always peeled);
     else with the plain GEMV's tiles, which peel only at K <= 3072 (how the seventh session tried the 8B)."""
     pdl = runner.model.kernels.name.endswith("pdl")
 
@@ -350,12 +350,12 @@ def variants(runner):
         "no-silu": lambda: kernels_replaced(runner, silu_and_mul=silu_alias),
         **{f"no-{which}": (lambda which=which: no_projection(runner, which)) for which in PROJECTIONS},
         **{f"pdl-off-{which}": (lambda which=which: projection_without_pdl(runner, which)) for which in PROJECTIONS},
-        # The norms launched apart from the projections after them (model/gemv.py's fold off).
+        # The norms launched apart from the projections after them (kernels/gemv.py's fold off).
         "no-norm-fold": lambda: kernels_replaced(runner, norm_linear=None),
         "fold-glu": glu_fold,
         "no-glu-fold": lambda: glu_fold(False),
         # The fold for qkv_proj alone or for every projection it can take, with the first K step peeled (as
-        # model/gemv.py folds; fold-all-peel is the default) or with the plain GEMV's tiles (no peel at K 4096).
+        # kernels/gemv.py folds; fold-all-peel is the default) or with the plain GEMV's tiles (no peel at K 4096).
         "fold-qkv": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=False),
         "fold-qkv-peel": lambda: norm_fold(runner, lambda layer: id(layer) in qkv, peel=True),
         "fold-all": lambda: norm_fold(runner, lambda layer: True, peel=False),

@@ -10,7 +10,7 @@ H200 (the issue's measurement):
     ostinato make-checkpoint /tmp/ck-qwen3-0.6b --shape qwen3-0.6b --dtype bfloat16
     PYTHONPATH=src python3 scripts/serve_vs_offline.py /tmp/ck-qwen3-0.6b -- --max-num-seqs 64 --max-model-len 1024
 
-CPU, with the forward replaced by a no-op (tools/noop_forward.py: the Python around the model, server and offline
+CPU, with the forward replaced by a no-op (tools/bench/noop_forward.py: the Python around the model, server and offline
 alike), acting as an asynchronous GPU step of --noop-forward-ms (0: the host's ceiling):
 
     PYTHONPATH=src python scripts/serve_vs_offline.py /tmp/ck-tiny --noop-forward --noop-forward-ms 3 -- \\
@@ -37,13 +37,13 @@ def _child_offline(ns, engine_argv: list[str]) -> None:
     from ostinato.cli_args import add_engine_args, engine_args_from
     from ostinato.engine.llm import LLM
     from ostinato.sampling_params import SamplingParams
-    from ostinato.tools.bench_serve import make_prompts
+    from ostinato.tools.bench.serve import make_prompts
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
     llm = LLM.from_engine_args(engine_args_from(p.parse_args([ns.model, *engine_argv])))
     if ns.noop_forward:
-        from ostinato.tools import noop_forward
+        from ostinato.tools.bench import noop_forward
 
         noop_forward.install(llm.engine, ns.noop_forward_ms)
     prompts = make_prompts(_bench_config(ns))
@@ -99,7 +99,7 @@ def _child_serve(ns, engine_argv: list[str]) -> None:
     from ostinato.cli import build_parser
     from ostinato.engine.core_process import build_engine
     from ostinato.server import app
-    from ostinato.tools import noop_forward
+    from ostinato.tools.bench import noop_forward
 
     logging.basicConfig(level="WARNING")
     serve_ns = build_parser().parse_args(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port),
@@ -125,7 +125,7 @@ def _child_serve(ns, engine_argv: list[str]) -> None:
 
 
 def _bench_config(ns):
-    from ostinato.tools.bench_serve import BenchConfig
+    from ostinato.tools.bench.serve import BenchConfig
 
     return BenchConfig(base_url=f"http://127.0.0.1:{ns.port}", num_prompts=ns.num_prompts,
                        max_concurrency=ns.max_concurrency, input_len=ns.input_len, output_len=ns.output_len)
@@ -212,7 +212,7 @@ def main() -> int:
     server = subprocess.Popen([*me, "--child", "serve", "--", *engine_argv])
     try:
         _wait_healthy(ns.port, server, ns.startup_timeout)
-        from ostinato.tools.bench_serve import format_table, run_benchmark
+        from ostinato.tools.bench.serve import format_table, run_benchmark
 
         pids = [server.pid, *_children(server.pid)]
         before = {pid: _thread_cpu(pid) for pid in pids}

@@ -1,4 +1,4 @@
-"""Run an ostinato command with other decode-attention defaults (attention/decode_plan.py, DecodeTuning), for
+"""Run an ostinato command with other decode-attention defaults (kernels/decode_plan.py, DecodeTuning), for
 measurements whose process cannot reach the tuning otherwise (`bench throughput` builds its own engine):
 
     PYTHONPATH=src python3 scripts/with_decode_tuning.py num_warps=4 -- bench throughput CK --max-model-len 4096
@@ -10,7 +10,7 @@ import functools
 import sys
 
 from ostinato import cli
-from ostinato.attention import decode_plan
+from ostinato.kernels import decode_plan
 
 
 def main() -> int:

@@ -13,10 +13,10 @@ import pytest
 from ostinato.cli import main
 from ostinato.config import EngineArgs, default_capture_sizes, read_cuda_graph_sizes
 from ostinato.errors import ConfigError
-from ostinato.tools.advise_costs import CostModel, Measurements, interpolate
-from ostinato.tools.advise_estimate import advise, estimate
-from ostinato.tools.advise_sizes import choose_sizes, expected_cost, padded_rows, set_memory
-from ostinato.tools.advise_workload import (EngineLimits, Request, Workload, simulate, workload_from_params,
+from ostinato.tools.advise.costs import CostModel, Measurements, interpolate
+from ostinato.tools.advise.estimate import advise, estimate
+from ostinato.tools.advise.sizes import choose_sizes, expected_cost, padded_rows, set_memory
+from ostinato.tools.advise.workload import (EngineLimits, Request, Workload, simulate, workload_from_params,
                                             workload_from_trace)
 
 MiB = 2**20

@@ -9,10 +9,10 @@ import torch
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.sampling_params import SamplingParams
-from ostinato.tools.advise_costs import CostModel, Measurements
-from ostinato.tools.advise_estimate import advise
-from ostinato.tools.advise_measure import measure
-from ostinato.tools.advise_workload import workload_from_params
+from ostinato.tools.advise.costs import CostModel, Measurements
+from ostinato.tools.advise.estimate import advise
+from ostinato.tools.advise.measure import measure
+from ostinato.tools.advise.workload import workload_from_params
 from ostinato.tools.checkpoint import make_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.runner.graphs import CaptureReport, RecordingGraphBackend
 from ostinato.sampling_params import SamplingParams
-from ostinato.tools import advise_measure
+from ostinato.tools.advise import measure as advise_measure
 from ostinato.tools.checkpoint import make_checkpoint
 
 

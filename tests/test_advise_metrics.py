@@ -13,7 +13,7 @@ from ostinato.engine.engine import LLMEngine
 from ostinato.errors import ConfigError
 from ostinato.sampling_params import SamplingParams
 from ostinato.server.metrics import ServerMetrics
-from ostinato.tools.advise_workload import workload_from_metrics
+from ostinato.tools.advise.workload import workload_from_metrics
 from ostinato.tools.checkpoint import make_checkpoint
 
 

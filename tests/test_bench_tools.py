@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from ostinato import cli
-from ostinato.tools import bench_plots
-from ostinato.tools.bench_engine import workload_floor_seconds
-from ostinato.tools.bench_kernels import OTHER, class_bytes, classify, report_lines, summarize
+from ostinato.tools.bench import plots as bench_plots
+from ostinato.tools.bench.engine import workload_floor_seconds
+from ostinato.tools.bench.kernels import OTHER, class_bytes, classify, report_lines, summarize
 
 QWEN3_06B = types.SimpleNamespace(num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, hidden_size=1024,
                                   intermediate_size=3072, vocab_size=151936)
@@ -92,8 +92,8 @@ def test_workload_floor_counts_decode_reads_and_prefill_flops():
     # Two sequences, prompts 3 and 1, outputs 3 and 1: decode steps t=0,1 for the first only.
     # kv per token = 2*1*1*2*2 = 8 bytes; contexts 4 and 5 -> bytes = 2*1000 + 8*(4+5).
     floor = workload_floor_seconds(mc, 1000, 2, [3, 1], [3, 1])
-    from ostinato.tools.bench import HBM_READ_BYTES_PER_S
-    from ostinato.tools.bench_engine import BF16_FLOPS_PER_S
+    from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S
+    from ostinato.tools.bench.engine import BF16_FLOPS_PER_S
 
     flops = 2 * 500 * 4 + 2 * 1 * 1 * 2 * (9 + 1)
     assert floor == pytest.approx((2000 + 72) / HBM_READ_BYTES_PER_S + flops / BF16_FLOPS_PER_S)
@@ -112,7 +112,7 @@ def test_the_floor_reads_an_untied_embedding_table_one_row_a_token_not_whole():
 
     import torch
 
-    from ostinato.tools.bench import weights_read_per_step
+    from ostinato.tools.bench.decode import weights_read_per_step
 
     def runner(tied: bool, world_size: int = 1):
         mc = SimpleNamespace(tie_word_embeddings=tied, vocab_size=128256, hidden_size=4096)

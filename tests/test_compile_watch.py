@@ -10,7 +10,7 @@ import torch
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.runner import compile_watch as cw
-from ostinato.runner import sampling_kernel
+from ostinato.kernels import sampling as sampling_kernel
 from ostinato.runner.warmup import WARMUP_STEPS, warm_up_prefill, warm_up_sampling
 from ostinato.sampling_params import SamplingParams
 from ostinato.tools.checkpoint import make_checkpoint

@@ -1,7 +1,7 @@
 """Decode attention replayed in CUDA graphs: bit-identical from one replay to the next, equal to eager at the
 same size, with padded rows, moving block tables and other launches sharing the arrival counters.
 
-Why: the single-launch decode (attention/triton_decode.py) merges its partials in the last program of a
+Why: the single-launch decode (kernels/decode_attention.py) merges its partials in the last program of a
 (sequence, kv head) to arrive, counted on arrival counters that every layer, graph and eager call of a
 backend share, and at decode it writes the new token's K/V itself. A hole in that protocol (a merge that
 reads a partial before it is visible, a counter not back at 0, a slot written and read in one launch, a pad
@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from test_triton_attention import (  # noqa: E402
     DEVICES, RopeCase, _reshuffle, assert_close_to_reference, backend_with, reference_attention,
 )
-from ostinato.attention.decode_plan import choose_num_splits, num_sms  # noqa: E402
+from ostinato.kernels.decode_plan import choose_num_splits, num_sms  # noqa: E402
 from ostinato.attention.triton_paged import TritonPagedBackend  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

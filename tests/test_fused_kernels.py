@@ -1,4 +1,4 @@
-"""The fused Triton decoder kernels (model/fused.py) against their torch references, alone and in the model.
+"""The fused Triton decoder kernels (kernels/fused.py) against their torch references, alone and in the model.
 
 On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before triton is
 imported) at small sizes; real shapes, the whole-model bf16 check, CUDA-graph capture and the kernel count
@@ -24,7 +24,7 @@ from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.config import ModelConfig  # noqa: E402
 from ostinato.errors import ConfigError  # noqa: E402
-from ostinato.model import fused  # noqa: E402
+from ostinato.kernels import fused  # noqa: E402
 from ostinato.model.decoder import DecoderLayer  # noqa: E402
 from ostinato.model.layers import RotaryEmbedding  # noqa: E402
 from ostinato.model.loader import load_model  # noqa: E402
@@ -470,10 +470,10 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_folded_norms_give_the_logits_of_separate_kernels(checkpoints, family, device, monkeypatch):
     """Decode at batch 1, where the small-batch GEMV takes the projections and the norms fold into them
-    (model/gemv.py), against the same kernels launched apart: bit for bit under the interpreter; on the GPU
+    (kernels/gemv.py), against the same kernels launched apart: bit for bit under the interpreter; on the GPU
     within the bf16 noise of the norm's other reduction order."""
-    from ostinato.model import gemv
-    from ostinato.model.gemv import small_batch_norm_linear
+    from ostinato.kernels import gemv
+    from ostinato.kernels.gemv import small_batch_norm_linear
 
     if device == "cpu":  # the interpreter runs each program in numpy: tiles of the tiny model's size, not the
         # H200's (1 output x 1024 inputs a program took 4 min here); two K steps on down_proj (K 128)
@@ -594,8 +594,8 @@ def test_fused_kernels_cut_kernels_per_layer(shape, min_saved, norms, activation
     the fused path launches each of its kernels as often as listed below and at least `min_saved` fewer
     kernels in all. `norms`: RMSNorm launches left (Qwen3-0.6B: both fold into the GEMVs after them;
     Llama-3.1-8B: the one before qkv_proj folds; gate_up_proj, 28672 rows, is cuBLAS's without PDL, and its norm
-    stays a launch; model/gemv.py choose_gemv_tiles and small_batch_norm_linear say why). `activations`: SwiGLU
-    launches left (Qwen3-0.6B: it folds into the gate_up GEMV, model/gemv.py choose_glu_fold; the 8B's gate_up
+    stays a launch; kernels/gemv.py choose_gemv_tiles and small_batch_norm_linear say why). `activations`: SwiGLU
+    launches left (Qwen3-0.6B: it folds into the gate_up GEMV, kernels/gemv.py choose_glu_fold; the 8B's gate_up
     is cuBLAS's here, so its activation stays a launch)."""
     from ostinato.attention.triton_paged import TritonPagedBackend
 

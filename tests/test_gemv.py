@@ -1,4 +1,4 @@
-"""The Triton small-batch linear (model/gemv.py) against a float64 reference, and its dispatch rule.
+"""The Triton small-batch linear (kernels/gemv.py) against a float64 reference, and its dispatch rule.
 
 CPU: under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; GPU (`-m gpu`): the real projection
 shapes of the three public models, against F.linear.
@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ostinato.model import fused  # noqa: E402
-from ostinato.model.gemv import (GemvTiles, NORM_FOLD_MAX_K, choose_gemv_tiles, gemv_linear,  # noqa: E402
+from ostinato.kernels import fused  # noqa: E402
+from ostinato.kernels.gemv import (GemvTiles, NORM_FOLD_MAX_K, choose_gemv_tiles, gemv_linear,  # noqa: E402
                                  gemv_norm_linear, small_batch_linear, small_batch_norm_linear)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,7 +82,7 @@ def test_small_batch_linear_dispatch():
     layer = torch.nn.Linear(64, 40, bias=True).to(torch.bfloat16).to(DEVICE)
     x1 = torch.randn(1, 64).to(torch.bfloat16).to(DEVICE)
     x17 = torch.randn(17, 64).to(torch.bfloat16).to(DEVICE)
-    # 17 rows (more than the GEMV's or the few-rows kernel's, model/skinny.py, whose own test covers 2-16):
+    # 17 rows (more than the GEMV's or the few-rows kernel's, kernels/skinny.py, whose own test covers 2-16):
     # cuBLAS, bit for bit what F.linear gives.
     assert torch.equal(small_batch_linear(x17, layer), F.linear(x17, layer.weight, layer.bias))
     # 1 row: the kernel, equal to the reference within bf16 rounding.

@@ -1,6 +1,6 @@
-"""The SwiGLU activation folded into the (gate | up) projection's kernel (model/gemv.py, model/skinny.py,
-model/linear_epilogue.py): silu(gate) * up out of the GEMV or the few-rows kernel, against a float64 reference
-and against the unfused path (the projection, then model/fused.py's silu_and_mul), and its dispatch.
+"""The SwiGLU activation folded into the (gate | up) projection's kernel (kernels/gemv.py, kernels/skinny.py,
+kernels/linear_epilogue.py): silu(gate) * up out of the GEMV or the few-rows kernel, against a float64 reference
+and against the unfused path (the projection, then kernels/fused.py's silu_and_mul), and its dispatch.
 
 CPU: under TRITON_INTERPRET=1 at small shapes; GPU (`-m gpu`): the real gate_up shapes of the three public models.
 """
@@ -18,10 +18,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ostinato.model import fused, gemv  # noqa: E402
-from ostinato.model.gemv import GemvTiles, gemv_linear, gemv_norm_linear  # noqa: E402
-from ostinato.model.skinny import SkinnyTiles, skinny_linear  # noqa: E402
-from ostinato.split_counters import SplitCounters  # noqa: E402
+from ostinato.kernels import fused, gemv  # noqa: E402
+from ostinato.kernels.gemv import GemvTiles, gemv_linear, gemv_norm_linear  # noqa: E402
+from ostinato.kernels.skinny import SkinnyTiles, skinny_linear  # noqa: E402
+from ostinato.kernels.split_counters import SplitCounters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -238,11 +238,11 @@ def test_final_only_decodes_text_once_unless_stop_strings_need_it(llm, monkeypat
 
 
 def _scripted_engine(path):
-    """A tiny engine whose no-op forward 'samples' a scripted token sequence (tools/noop_forward.py): the text
+    """A tiny engine whose no-op forward 'samples' a scripted token sequence (tools/bench/noop_forward.py): the text
     is then known, multi-byte characters split across tokens included."""
     from ostinato.config import EngineArgs
     from ostinato.engine.engine import LLMEngine
-    from ostinato.tools import noop_forward
+    from ostinato.tools.bench import noop_forward
 
     engine = LLMEngine(EngineArgs(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
                                   max_model_len=256, max_num_seqs=4))

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (pdl.py): where it may be used, how --pdl chooses, and (GPU) that launching the
+"""Programmatic dependent launch (kernels/pdl.py): where it may be used, how --pdl chooses, and (GPU) that launching the
 decoder's Triton kernels with it changes no bit of what a decode step computes, in a graph replayed many times.
 
 A kernel launched with PDL that read its predecessor's output before waiting would race; the GPU tests
@@ -13,7 +13,7 @@ import torch
 
 from ostinato.config import EngineArgs
 from ostinato.errors import ConfigError
-from ostinato.pdl import pdl_unsupported_reason, resolve_pdl
+from ostinato.kernels.pdl import pdl_unsupported_reason, resolve_pdl
 
 CUDA = torch.cuda.is_available()
 
@@ -47,7 +47,7 @@ def test_torch_backend_refuses_pdl_on():
 
 def test_kernel_sets_differ_only_in_the_launch():
     pytest.importorskip("triton")
-    from ostinato.model.fused import TORCH_KERNELS, TRITON_KERNELS, TRITON_KERNELS_PDL, kernels_for
+    from ostinato.kernels.fused import TORCH_KERNELS, TRITON_KERNELS, TRITON_KERNELS_PDL, kernels_for
 
     cuda = torch.device("cuda")
     assert kernels_for(cuda, False) is TRITON_KERNELS
@@ -68,8 +68,8 @@ needs_pdl = pytest.mark.skipif(not CUDA or pdl_unsupported_reason(torch.device("
 def _layer_chain(pdl: bool, x, res, w):
     """One decoder layer's Triton kernels in decode order at batch 1 (the attention aside): norm, qkv GEMV,
     o GEMV, add + norm, gate_up GEMV, SiLU * up, down GEMV, then the next layer's add + norm."""
-    from ostinato.model import fused
-    from ostinato.model.gemv import GemvTiles, choose_gemv_tiles, gemv_linear
+    from ostinato.kernels import fused
+    from ostinato.kernels.gemv import GemvTiles, choose_gemv_tiles, gemv_linear
 
     def lin(a, weight):  # the GEMV even where the model would use cuBLAS: every launch here is a PDL one
         return gemv_linear(a, weight, None, choose_gemv_tiles(1, *weight.shape) or GemvTiles(8, 1024), pdl=pdl)
@@ -84,8 +84,8 @@ def _layer_chain(pdl: bool, x, res, w):
 def _folded_layer_chain(pdl: bool, x, res, w):
     """The same layer as the decoder runs it at batch 1, the norms folded into the GEMVs after them: each
     folded kernel reads a residual written two or three launches before it, and writes the next one."""
-    from ostinato.model import fused
-    from ostinato.model.gemv import choose_gemv_tiles, gemv_linear, gemv_norm_linear
+    from ostinato.kernels import fused
+    from ostinato.kernels.gemv import choose_gemv_tiles, gemv_linear, gemv_norm_linear
 
     def tiles(weight):
         return choose_gemv_tiles(1, *weight.shape, pdl=True)
@@ -135,7 +135,7 @@ def test_pdl_chain_in_a_graph_matches_plain_launches_every_replay(hidden, inter,
 def test_engine_tokens_and_logprobs_equal_with_and_without_pdl(tmp_path, monkeypatch, late_trigger_programs):
     """The decode attention's PDL trigger as the rule places it (the tiny model's launches hold few programs:
     first thing) and always after its K/V loop (0): either way the same tokens and logprobs as without PDL."""
-    from ostinato.attention import decode_plan
+    from ostinato.kernels import decode_plan
     from ostinato.engine.engine import LLMEngine
     from ostinato.sampling_params import SamplingParams
     from ostinato.tools.checkpoint import make_checkpoint

@@ -1,4 +1,4 @@
-"""The sampling kernels (runner/sampling_kernel.py) against the torch path of sample_tokens they replace on a GPU.
+"""The sampling kernels (kernels/sampling.py) against the torch path of sample_tokens they replace on a GPU.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (conftest sets it), with small tiles and chunks so that a row
 spans several chunks and a chunk several tiles; on the GPU at a real vocabulary and through the decode step.
@@ -14,7 +14,7 @@ from ostinato.runner.decode_batch import CTR, KEY_HI, KEY_LO, ROW_COLUMNS, TEMP,
 from ostinato.runner.sampler import GREEDY_TEMPERATURE, PACKED_COLUMNS, pack_rows, uniform
 
 triton = pytest.importorskip("triton")
-from ostinato.runner import sampling_kernel  # noqa: E402
+from ostinato.kernels import sampling as sampling_kernel  # noqa: E402
 
 
 def _torch_path(logits, temperature, key, counter):

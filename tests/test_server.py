@@ -30,7 +30,7 @@ from ostinato.errors import InvalidRequestError
 from ostinato.sampling_params import SamplingParams
 from ostinato.server import app as server_app
 from ostinato.server.app import build_app
-from ostinato.tools import bench_serve
+from ostinato.tools.bench import serve as bench_serve
 from ostinato.tools.checkpoint import make_checkpoint
 
 API_KEY = "test-key"

@@ -1,4 +1,4 @@
-"""The tensor-core linear for a few rows (model/skinny.py) against a float64 reference, and its dispatch.
+"""The tensor-core linear for a few rows (kernels/skinny.py) against a float64 reference, and its dispatch.
 
 CPU: under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; GPU (`-m gpu`): the real projection shapes of
 the three public models at 2-16 rows, against F.linear, plain and with PDL inside a CUDA graph.
@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ostinato.model import gemv, skinny  # noqa: E402
-from ostinato.model.skinny import SkinnyTiles, skinny_linear  # noqa: E402
-from ostinato.split_counters import SplitCounters  # noqa: E402
+from ostinato.kernels import gemv, skinny  # noqa: E402
+from ostinato.kernels.skinny import SkinnyTiles, skinny_linear  # noqa: E402
+from ostinato.kernels.split_counters import SplitCounters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -177,7 +177,7 @@ def test_skinny_with_pdl_in_a_graph_equals_plain_launches():
     """Weight tiles read before the PDL wait, x after it: in a graph of dependent launches (each layer's x the
     previous one's output), split over K or not, the results equal plain launches bit for bit, with new inputs
     between replays."""
-    from ostinato.pdl import pdl_unsupported_reason
+    from ostinato.kernels.pdl import pdl_unsupported_reason
 
     if pdl_unsupported_reason(torch.device("cuda")):
         pytest.skip(pdl_unsupported_reason(torch.device("cuda")))

@@ -1,11 +1,11 @@
-"""The load generator's HTTP client (tools/sse_client.py) against a raw asyncio server that writes exactly the
+"""The load generator's HTTP client (tools/bench/sse_client.py) against a raw asyncio server that writes exactly the
 bytes a test wants: events split across packets, keep-alive, errors, a server that closes mid-stream."""
 
 import asyncio
 
 import pytest
 
-from ostinato.tools.sse_client import Connection
+from ostinato.tools.bench.sse_client import Connection
 
 
 async def _serve(handler):

@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from ostinato.attention import triton_common  # noqa: E402
+from ostinato.kernels import attention_common as triton_common  # noqa: E402
 from ostinato.attention.base import AttentionMetadata  # noqa: E402
-from ostinato.attention.triton_decode import DecodeTuning, choose_num_splits  # noqa: E402
+from ostinato.kernels.decode_attention import DecodeTuning, choose_num_splits  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
 from ostinato.errors import ConfigError  # noqa: E402
 from cuda_profile import count_cuda_kernels  # noqa: E402
@@ -345,7 +345,7 @@ class RopeCase:
     def expected(self, caches_before) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The unfused steps on the caches as they were before the run: torch q/k norm + RoPE, a plain
         write, float64 attention. (reference out, (k_cache, v_cache) after the write)."""
-        from ostinato.model import fused
+        from ostinato.kernels import fused
 
         h, kv = self.num_heads, self.num_kv_heads
         qk = fused.qk_norm_rope_ref(self.heads, *self.weights, self.rope.cos_sin_cache, self.positions, h, kv, 1e-6)
@@ -566,7 +566,7 @@ def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, bat
     """head_dim 128, 8 kv heads, bf16, the split count the backend chooses (> 1 here: the merge runs in the
     last-arriving program): eager, then one captured graph replayed twice on new lengths, tables, K/V and
     q, each against the float64 reference and eager; the counters end at zero; one kernel per call."""
-    from ostinato.attention.decode_plan import num_sms
+    from ostinato.kernels.decode_plan import num_sms
 
     dtype, num_kv_heads, head_dim, block_size = torch.bfloat16, 8, 128, 16
     backend = TritonPagedBackend()

@@ -1,4 +1,4 @@
-"""The split prefill (attention/triton_prefill_split.py) against a float64 reference, its plan, and the
+"""The split prefill (kernels/prefill_attention.py) against a float64 reference, its plan, and the
 backend's choice between it and the one-pass prefill kernel.
 
 CPU: the kernels under the Triton interpreter at small sizes (one kv head, short contexts, small key tiles so
@@ -22,7 +22,7 @@ from ostinato.attention import triton_paged  # noqa: E402
 from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend  # noqa: E402
-from ostinato.attention.prefill_split_plan import PrefillSplitTuning, plan_prefill  # noqa: E402
+from ostinato.kernels.prefill_plan import PrefillSplitTuning, plan_prefill  # noqa: E402
 from ostinato.errors import ConfigError  # noqa: E402
 
 
@@ -114,7 +114,7 @@ def test_backend_keeps_the_one_pass_kernel_when_programs_fill_the_gpu(device, mo
     # A GPU of 4 SMs (16 programs wanted; the CPU's pretend figure, set here for the H200 too): 64 queries at
     # group 1 (BLOCK_Q 64) over one kv head are one program, so a long context splits; 4 kv heads x 4 blocks of
     # 16 are 16 programs: no split.
-    from ostinato.attention import triton_prefill_split
+    from ostinato.kernels import prefill_attention as triton_prefill_split
     monkeypatch.setattr(triton_prefill_split, "num_sms", lambda device: 4)
     calls = spy_on_split(monkeypatch)
     out, ref = run_prefill(device, torch.float32, [64], [200], 1, split_backend(min_split_keys=64), seed=13)

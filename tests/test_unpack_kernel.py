@@ -1,4 +1,4 @@
-"""The decode rows' unpacking kernel (runner/unpack_kernel.py) against DecodeLayout.unpack + resolve_placeholders.
+"""The decode rows' unpacking kernel (kernels/unpack.py) against DecodeLayout.unpack + resolve_placeholders.
 
 On CPU under TRITON_INTERPRET=1 (conftest sets it); the GPU runs it inside every decode graph (the graph
 tests and the start-up self-check compare those graphs with eager steps).
@@ -12,7 +12,7 @@ import torch
 from ostinato.runner.decode_batch import BLOCKS, POS, TOKEN, DecodeLayout, resolve_placeholders
 
 pytest.importorskip("triton")
-from ostinato.runner import unpack_kernel  # noqa: E402
+from ostinato.kernels import unpack as unpack_kernel  # noqa: E402
 
 
 @pytest.mark.parametrize("n,block_size", [(1, 16), (7, 4), (130, 16), (300, 1)])
@@ -49,7 +49,7 @@ def test_engine_decodes_the_same_tokens_through_the_kernels(tmp_path, monkeypatc
     # on a GPU they always run) against the same engine on the torch paths: greedy and seeded sampled rows,
     # sequences joining and leaving, placeholders resolved from the step before.
     from ostinato import LLM, SamplingParams
-    from ostinato.runner import sampling_kernel
+    from ostinato.kernels import sampling as sampling_kernel
     from ostinato.tools.checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", shape="tiny", family="qwen3", seed=5)

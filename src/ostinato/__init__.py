@@ -1,6 +1,6 @@
 """ostinato: an LLM inference engine whose decode step is one CUDA-graph replay."""
 
-from .sampling_params import RequestOutputKind, SamplingParams
+from ostinato.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
@@ -9,7 +9,7 @@ __all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     # LLM pulls in torch and transformers; import it lazily so `import ostinato` stays cheap.
     if name == "LLM":
-        from .engine.llm import LLM
+        from ostinato.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

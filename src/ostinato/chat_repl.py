@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import TextIO
 
-from .errors import InvalidRequestError
+from ostinato.errors import InvalidRequestError
 
 PROMPT = ">>> "
 EXIT_COMMANDS = ("/exit", "/bye", "/quit")
@@ -22,7 +22,7 @@ HELP = "/exit or Ctrl-D leaves, Ctrl-C stops a reply, /clear forgets the convers
 
 
 def register(sub) -> None:
-    from .cli_args import add_engine_args
+    from ostinato.cli_args import add_engine_args
 
     p = sub.add_parser("chat", help="chat with a model in the terminal (streams tokens, keeps the conversation)")
     add_engine_args(p)
@@ -35,9 +35,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .cli_args import engine_args_from
-    from .engine.engine import LLMEngine
-    from .sampling_params import SamplingParams
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.sampling_params import SamplingParams
 
     try:
         import readline  # noqa: F401  line editing and history for input(), where the platform has it
@@ -83,7 +83,7 @@ class TerminalChat:
 
     def turn(self, user_text: str) -> str | None:
         """Send one user message, stream the reply, keep both in the history. None if it was refused."""
-        from .engine.chat_prompt import render_chat
+        from ostinato.engine.chat_prompt import render_chat
 
         self.history.append({"role": "user", "content": user_text})
         try:

@@ -11,11 +11,11 @@ import logging
 import os
 import sys
 
-from .errors import OstinatoError
+from ostinato.errors import OstinatoError
 
 
 def _register_generate(sub) -> None:
-    from .cli_args import add_engine_args
+    from ostinato.cli_args import add_engine_args
 
     p = sub.add_parser("generate", help="generate text for one or more prompts (offline)")
     add_engine_args(p)
@@ -34,9 +34,9 @@ def _register_generate(sub) -> None:
 def _run_generate(args) -> int:
     import time
 
-    from .cli_args import engine_args_from
-    from .engine.llm import LLM
-    from .sampling_params import SamplingParams
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.llm import LLM
+    from ostinato.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed)
@@ -60,11 +60,11 @@ def _run_generate(args) -> int:
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 # Commands in modules with optional dependencies: a missing one must not hide the other commands, and the
 # command itself must still say what to install.
-_OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench": "bench",
-                      "ostinato.tools.bench_serve": "bench-serve", "ostinato.tools.bench_host": "bench-host",
-                      "ostinato.tools.bench_engine": "bench-engine", "ostinato.tools.bench_prefill": "bench-prefix",
-                      "ostinato.tools.bench_kernels": "bench-kernels", "ostinato.tools.bench_peers": "bench-peers",
-                      "ostinato.tools.verify": "verify", "ostinato.tools.advise": "advise"}
+_OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench.decode": "bench",
+                      "ostinato.tools.bench.serve": "bench-serve", "ostinato.tools.bench.host": "bench-host",
+                      "ostinato.tools.bench.engine": "bench-engine", "ostinato.tools.bench.prefill": "bench-prefix",
+                      "ostinato.tools.bench.kernels": "bench-kernels", "ostinato.tools.bench.peers": "bench-peers",
+                      "ostinato.tools.verify": "verify", "ostinato.tools.advise.command": "advise"}
 # how --help shows a command (vLLM's spelling); main() maps `bench X` to `bench-X`
 _BENCH_SUBCOMMANDS = ("serve", "host", "engine", "throughput", "prefix", "chunked", "kernels", "peers")
 _SPELLED = {f"bench-{x}": f"bench {x}" for x in _BENCH_SUBCOMMANDS}
@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ostinato", description=__doc__)
     parser.add_argument("--log-level", type=_log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import chat_repl
-    from .tools import checkpoint
+    from ostinato import chat_repl
+    from ostinato.tools import checkpoint
 
     checkpoint.register(sub)
     _register_generate(sub)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if torchrun_style and int(os.environ["RANK"] or 0) > 0:
             # torchrun-style launch, rank > 0: serve rank 0's steps (no server, no output) until it stops.
-            from .runner.tp_worker import run_env_worker
+            from ostinato.runner.tp_worker import run_env_worker
 
             code = run_env_worker(args)
         else:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         code = 2
     if torchrun_style:  # every rank: torch.distributed's teardown at exit may abort (distributed.leave_process)
-        from .runner.distributed import leave_process
+        from ostinato.runner.distributed import leave_process
 
         leave_process(code)
     return code

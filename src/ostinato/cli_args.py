@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from .config import (
+from ostinato.config import (
     DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, PDL_MODES, EngineArgs, read_cuda_graph_sizes,
     read_prefill_graph_tokens,
 )
-from .errors import ConfigError
+from ostinato.errors import ConfigError
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, ConfigError
+from ostinato.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # short prompts more). Unused sequence slots cost one early-returning program per query tile and KV head.
 DEFAULT_PREFILL_GRAPH_MAX_SEQS = 16
 MIXED_STEPS = ("one-replay", "two-replays")
-PDL_MODES = ("auto", "on", "off")  # --pdl (pdl.py)
+PDL_MODES = ("auto", "on", "off")  # --pdl (kernels/pdl.py)
 
 
 def plan_prefill_graph_tokens(max_num_batched_tokens: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -354,7 +354,7 @@ class EngineArgs:
     prefill_graph_max_seqs: int = DEFAULT_PREFILL_GRAPH_MAX_SEQS
     # How a step with decode rows and prefill chunks runs (GraphConfig.mixed_step).
     mixed_step: str = "one-replay"
-    # Programmatic dependent launch of the Triton kernels (pdl.py): auto (where the GPU and triton support it),
+    # Programmatic dependent launch of the Triton kernels (kernels/pdl.py): auto (where the GPU and triton support it),
     # on (an error where they do not) or off.
     pdl: str = "auto"
 

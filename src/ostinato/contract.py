@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .sampling_params import SamplingParams
+from ostinato.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import math
 import struct
 from dataclasses import dataclass
 
-from .errors import InvalidRequestError
+from ostinato.errors import InvalidRequestError
 
 
 class RequestOutputKind(enum.Enum):

@@ -52,14 +52,14 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     # True when K/V may reach the cache without write_kv: the decoder's kernel set then writes them from
-    # its q/k-norm + RoPE kernel, straight into this module's layout (model/fused.py,
+    # its q/k-norm + RoPE kernel, straight into this module's layout (kernels/fused.py,
     # qk_norm_rope_write_kv), one launch fewer per layer. The reference backend keeps its own write, so it
     # stays a whole oracle (write and attention).
     accepts_fused_kv_write: bool = False
     # True when decode_with_rope exists: decode straight from the qkv projection, q/k-norm + RoPE and the
     # K/V write inside the attention kernel (one launch for all three at decode).
     decode_applies_rope: bool = False
-    # True when the decoder's Triton kernels launch with programmatic dependent launch (pdl.py, --pdl): set by
+    # True when the decoder's Triton kernels launch with programmatic dependent launch (kernels/pdl.py, --pdl): set by
     # the Triton backend, whose decode kernel keeps PDL's contract; fixed before capture.
     pdl: bool = False
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, AttentionMetadata
+from ostinato.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchRefBackend(AttentionBackend):

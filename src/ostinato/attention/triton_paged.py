@@ -12,7 +12,7 @@ Algorithm
                sentinel slot or the scratch block for padded rows. The decoder's Triton kernel set skips
                this launch: its q/k-norm + RoPE kernel writes K/V itself (accepts_fused_kv_write).
     decode     split-KV flash-decoding, GQA-aware, split count chosen per shape, partials merged by the last
-               slice to finish (one launch): attention/triton_decode.py.
+               slice to finish (one launch): kernels/decode_attention.py.
     prefill    varlen flash attention. Grid (cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads); a
                program takes BLOCK_Q new tokens of one sequence times its GROUP query heads as the rows of
                one tile, and scans the sequence's cache from position 0 up to its last query, with the
@@ -21,7 +21,7 @@ Algorithm
                recompute after preemption) is read from the cache like any other token.
                When those programs are too few to fill the GPU and the context is long (a short chunk of a
                chunked prefill), prefill instead splits each program's key range over several programs:
-               attention/triton_prefill_split.py (when: attention/prefill_split_plan.py).
+               kernels/prefill_attention.py (when: kernels/prefill_plan.py).
 
 Limits
     head_dim: any size; tiles are padded to the next power of two >= 16 (64 and 128 need no padding).
@@ -47,14 +47,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import ConfigError
-from .base import AttentionBackend, AttentionMetadata
-from .prefill_split_plan import PrefillSplitTuning
-from .triton_common import (
+from ostinato.errors import ConfigError
+from ostinato.attention.base import AttentionBackend, AttentionMetadata
+from ostinato.kernels.prefill_plan import PrefillSplitTuning
+from ostinato.kernels.attention_common import (
     LOG2E, check_inputs, contiguous_last, dot, dot_settings, group_size, pad_dim, paged_kv_offsets,
 )
-from .triton_decode import DecodeRope, DecodeTuning, SplitCounters, paged_decode
-from .triton_prefill_split import paged_prefill_split, plan_for
+from ostinato.kernels.decode_attention import DecodeRope, DecodeTuning, SplitCounters, paged_decode
+from ostinato.kernels.prefill_attention import paged_prefill_split, plan_for
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def _prefill_kernel(
 
 @dataclass(frozen=True)
 class TritonAttentionTuning:
-    """Tile sizes and launch settings. `decode`: see attention/triton_decode.py. The prefill defaults avoid
+    """Tile sizes and launch settings. `decode`: see kernels/decode_attention.py. The prefill defaults avoid
     register spills for bf16/fp16 at head_dim 128 on sm_90 (checked with cuobjdump -res-usage); they are
     not benchmark-tuned."""
 
@@ -237,7 +237,7 @@ class TritonPagedBackend(AttentionBackend):
         block_tables = meta.block_tables  # [num_seqs, W]
         num_seqs = block_tables.shape[0]
         # A short chunk over a long context: too few (query block, kv head) programs to fill the GPU, so
-        # split the key range (attention/triton_prefill_split.py). The plan uses the step's host figures when
+        # split the key range (kernels/prefill_attention.py). The plan uses the step's host figures when
         # meta has them, else shapes only (a captured prefill: leave query_lens / context_lens_host None).
         plan = plan_for(self.tuning.prefill_split, q, k_cache, meta, group)
         if plan.splits > 1:

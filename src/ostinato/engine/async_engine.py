@@ -27,12 +27,12 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Union
 
-from ..errors import EngineDeadError, EngineNotReadyError  # noqa: F401 (re-exported for callers)
-from ..sampling_params import RequestOutputKind, SamplingParams
-from .outputs import EngineStats, RequestOutput, merge_deltas
+from ostinato.errors import EngineDeadError, EngineNotReadyError  # noqa: F401 (re-exported for callers)
+from ostinato.sampling_params import RequestOutputKind, SamplingParams
+from ostinato.engine.outputs import EngineStats, RequestOutput, merge_deltas
 
 if TYPE_CHECKING:
-    from .engine import LLMEngine
+    from ostinato.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
-from .request import Sequence
+from ostinato.engine.request import Sequence
 
 BlockHash = bytes
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import InvalidRequestError
+from ostinato.errors import InvalidRequestError
 
 
 def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,

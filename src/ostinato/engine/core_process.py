@@ -36,21 +36,21 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from ..config import EngineArgs, ModelConfig
-from ..errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
-from ..sampling_params import SamplingParams
-from .async_engine import _ENDED, RequestStream, StepObserver, _deliver
-from .outputs import CompletionOutput, EngineStats, RequestOutput
+from ostinato.config import EngineArgs, ModelConfig
+from ostinato.errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
+from ostinato.sampling_params import SamplingParams
+from ostinato.engine.async_engine import _ENDED, RequestStream, StepObserver, _deliver
+from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
-    from .engine import LLMEngine
+    from ostinato.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
 
 def build_engine(args: EngineArgs) -> "LLMEngine":
     """The default engine factory (a module-level function, so `spawn` can pickle it by name)."""
-    from .engine import LLMEngine
+    from ostinato.engine.engine import LLMEngine
 
     return LLMEngine(args)
 

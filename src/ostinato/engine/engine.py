@@ -13,15 +13,15 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import EngineArgs, ModelConfig
-from ..contract import StepResult
-from ..errors import InvalidRequestError, QueueFullError
-from ..model.gguf_sources import resolve_model_dir
-from ..sampling_params import RequestOutputKind, SamplingParams
-from .detokenizer import IncrementalDetokenizer, OutputText
-from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
-from .request import Sequence, SequenceStatus
-from .scheduler import Scheduler
+from ostinato.config import EngineArgs, ModelConfig
+from ostinato.contract import StepResult
+from ostinato.errors import InvalidRequestError, QueueFullError
+from ostinato.model.gguf_sources import resolve_model_dir
+from ostinato.sampling_params import RequestOutputKind, SamplingParams
+from ostinato.engine.detokenizer import IncrementalDetokenizer, OutputText
+from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
+from ostinato.engine.request import Sequence, SequenceStatus
+from ostinato.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer) -
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from ..runner.tp_executor import make_runner  # torch lives below this line of the dependency graph
+        from ostinato.runner.tp_executor import make_runner  # torch lives below this line of the dependency graph
 
         self.args = args
         # An HF folder as given; a GGUF file or short name (e.g. smollm2-135m) dequantized into a cached folder.

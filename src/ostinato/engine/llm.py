@@ -6,12 +6,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineArgs
-from ..errors import ConfigError, InvalidRequestError
-from ..sampling_params import RequestOutputKind, SamplingParams
-from .chat_prompt import render_chat
-from .engine import LLMEngine
-from .outputs import RequestOutput
+from ostinato.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from ostinato.errors import ConfigError, InvalidRequestError
+from ostinato.sampling_params import RequestOutputKind, SamplingParams
+from ostinato.engine.chat_prompt import render_chat
+from ostinato.engine.engine import LLMEngine
+from ostinato.engine.outputs import RequestOutput
 
 
 class LLM:

@@ -10,8 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ..contract import ScheduledSeq, SchedulerOutput  # noqa: F401 (re-exported)
-from ..sampling_params import SamplingParams
+from ostinato.contract import ScheduledSeq, SchedulerOutput  # noqa: F401 (re-exported)
+from ostinato.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

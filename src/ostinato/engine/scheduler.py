@@ -42,11 +42,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from ..config import CacheConfig, SchedulerConfig
-from ..errors import InvalidRequestError, OutOfKVCacheError, QueueFullError
-from ..contract import ScheduledSeq, SchedulerOutput
-from .blocks import BlockManager
-from .request import Sequence, SequenceStatus
+from ostinato.config import CacheConfig, SchedulerConfig
+from ostinato.errors import InvalidRequestError, OutOfKVCacheError, QueueFullError
+from ostinato.contract import ScheduledSeq, SchedulerOutput
+from ostinato.engine.blocks import BlockManager
+from ostinato.engine.request import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ separates them through AttentionMetadata.
 
 The steps between the GEMMs (norms with the residual add, q/k norm + RoPE, SiLU-and-mul) go through a
 `DecoderKernels` picked once at bind time: fused Triton kernels on CUDA, plain torch elsewhere
-(model/fused.py). On the GPU a decode layer is then at most 9 kernels: 4 GEMMs, 3 fused (two norms,
+(kernels/fused.py). On the GPU a decode layer is then at most 9 kernels: 4 GEMMs, 3 fused (two norms,
 SiLU-and-mul) and one attention kernel that also does the q/k norm, RoPE and K/V write (decode_with_rope);
 where the small-batch GEMV takes qkv_proj or gate_up_proj (a few rows), the norm before it rides in its
 kernel, down to 6 a layer at batch 1, and 5 where the activation folds into gate_up's kernel too (up to 16
@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.base import AttentionBackend, AttentionMetadata
-from ..config import ModelConfig
-from .fused import TORCH_KERNELS, DecoderKernels, kernels_for
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .parallel import SINGLE_RANK, RowParallelLinear, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, local_heads
+from ostinato.attention.base import AttentionBackend, AttentionMetadata
+from ostinato.config import ModelConfig
+from ostinato.kernels.fused import TORCH_KERNELS, DecoderKernels, kernels_for
+from ostinato.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from ostinato.model.parallel import SINGLE_RANK, RowParallelLinear, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, local_heads
 
 
 def projection_biases(config: ModelConfig) -> tuple[bool, bool]:

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ostinato.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from ..attention.base import AttentionBackend
-from ..config import ModelConfig
-from ..errors import CheckpointError, ConfigError
-from .decoder import DecoderForCausalLM, fused_shards
-from .parallel import SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of, placements
+from ostinato.attention.base import AttentionBackend
+from ostinato.config import ModelConfig
+from ostinato.errors import CheckpointError, ConfigError
+from ostinato.model.decoder import DecoderForCausalLM, fused_shards
+from ostinato.model.parallel import SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of, placements
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..errors import CheckpointError, ConfigError
+from ostinato.config import ModelConfig
+from ostinato.errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..contract import DecodeRows, ScheduledSeq
-from . import sampling_kernel
-from .sampler import SamplingBatch, row_key, row_settings
-from .graphs import StaticInput
+from ostinato.contract import DecodeRows, ScheduledSeq
+from ostinato.kernels import sampling as sampling_kernel
+from ostinato.runner.sampler import SamplingBatch, row_key, row_settings
+from ostinato.runner.graphs import StaticInput
 
 # Column layout of a decode row. POS and CTR are adjacent: one slice advances both.
 TOKEN, POS, CTR, TEMP, KEY_LO, KEY_HI, TOP_K, TOP_P, BLOCKS = range(9)

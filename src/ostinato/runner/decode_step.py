@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention.decode_plan import num_sms
-from . import sampling_kernel, unpack_kernel
-from .decode_batch import BLOCKS, POS, ROW_COLUMNS, TOKEN, DecodeBatch, DecodeLayout, resolve_placeholders
-from .graphs import CudaGraphRunner, GraphBackend, default_compare
-from .sampler import GREEDY_TEMPERATURE, sample_tokens
+from ostinato.kernels.decode_plan import num_sms
+from ostinato.kernels import sampling as sampling_kernel
+from ostinato.kernels import unpack as unpack_kernel
+from ostinato.runner.decode_batch import BLOCKS, POS, ROW_COLUMNS, TOKEN, DecodeBatch, DecodeLayout, resolve_placeholders
+from ostinato.runner.graphs import CudaGraphRunner, GraphBackend, default_compare
+from ostinato.runner.sampler import GREEDY_TEMPERATURE, sample_tokens
 
 # logits_fn(input_ids, positions, slot_mapping, block_tables, context_lens) -> [B, vocab] logits
 LogitsFn = Callable[..., torch.Tensor]

@@ -31,8 +31,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
-from ..model.parallel import TPGroup
+from ostinato.errors import ConfigError
+from ostinato.model.parallel import TPGroup
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..errors import ConfigError
+from ostinato.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .compile_watch import CompileWatch
+    from ostinato.runner.compile_watch import CompileWatch
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import GraphConfig, plan_capture_sizes  # noqa: F401 (re-exported)
-from ..errors import ConfigError, CudaGraphCaptureError
-from .graph_backends import (  # noqa: F401 (re-exported: the runner's public API)
+from ostinato.config import GraphConfig, plan_capture_sizes  # noqa: F401 (re-exported)
+from ostinato.errors import ConfigError, CudaGraphCaptureError
+from ostinato.runner.graph_backends import (  # noqa: F401 (re-exported: the runner's public API)
     CudaGraphBackend, GraphBackend, MemoryReading, RecordingGraphBackend, first_line)
-from .memory import MiB, capture_oom_message
+from ostinato.runner.memory import MiB, capture_oom_message
 
 __all__ = [
     "CaptureReport", "CudaGraphBackend", "CudaGraphRunner", "GraphBackend", "GraphInputError", "GraphStats",

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.base import AttentionMetadata
-from ..contract import SchedulerOutput
+from ostinato.attention.base import AttentionMetadata
+from ostinato.contract import SchedulerOutput
 
 
 @dataclass

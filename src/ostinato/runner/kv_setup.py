@@ -17,18 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CacheConfig, GraphConfig, ModelConfig, SchedulerConfig
-from ..contract import ScheduledSeq, SchedulerOutput
-from ..errors import CudaGraphCaptureError
-from ..sampling_params import SamplingParams
-from .compile_watch import CompileWatch
-from .decode_batch import DecodeLayout
-from .decode_step import DecodeStep, compare_step
-from .graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
-from .inputs import build_prefill_inputs
-from .memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
-from .prefill_graph_check import check_prefill_graphs
-from .prefill_graphs import PrefillGraphs
+from ostinato.config import CacheConfig, GraphConfig, ModelConfig, SchedulerConfig
+from ostinato.contract import ScheduledSeq, SchedulerOutput
+from ostinato.errors import CudaGraphCaptureError
+from ostinato.sampling_params import SamplingParams
+from ostinato.runner.compile_watch import CompileWatch
+from ostinato.runner.decode_batch import DecodeLayout
+from ostinato.runner.decode_step import DecodeStep, compare_step
+from ostinato.runner.graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
+from ostinato.runner.inputs import build_prefill_inputs
+from ostinato.runner.memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
+from ostinato.runner.prefill_graph_check import check_prefill_graphs
+from ostinato.runner.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger(__name__)
 

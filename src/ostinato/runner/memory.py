@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import ConfigError, OutOfKVCacheError
+from ostinato.errors import ConfigError, OutOfKVCacheError
 
 MiB = 1 << 20
 GiB = 1 << 30

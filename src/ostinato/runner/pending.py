@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import SampledToken, StepResult
-from .sampler import HostCopy, SampledTokens, SamplerOutput
+from ostinato.contract import SampledToken, StepResult
+from ostinato.runner.sampler import HostCopy, SampledTokens, SamplerOutput
 
 
 class PendingStep:

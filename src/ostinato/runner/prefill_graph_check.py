@@ -8,11 +8,11 @@ import math
 import numpy as np
 import torch
 
-from ..contract import ScheduledSeq, SchedulerOutput
-from ..sampling_params import SamplingParams
-from .graphs import default_compare
-from .inputs import build_prefill_inputs
-from .prefill_graphs import INPUTS, PrefillGraphs
+from ostinato.contract import ScheduledSeq, SchedulerOutput
+from ostinato.sampling_params import SamplingParams
+from ostinato.runner.graphs import default_compare
+from ostinato.runner.inputs import build_prefill_inputs
+from ostinato.runner.prefill_graphs import INPUTS, PrefillGraphs
 
 
 def check_prefill_graphs(graphs: PrefillGraphs, model: torch.nn.Module, num_blocks: int, vocab_size: int,

@@ -51,11 +51,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention.base import AttentionMetadata
-from ..contract import ScheduledSeq, SchedulerOutput
-from ..errors import CudaGraphCaptureError
-from .decode_batch import BLOCKS, POS, TOKEN, resolve_placeholders
-from .graphs import CaptureReport, CudaGraphRunner, GraphBackend, StaticInput
+from ostinato.attention.base import AttentionMetadata
+from ostinato.contract import ScheduledSeq, SchedulerOutput
+from ostinato.errors import CudaGraphCaptureError
+from ostinato.runner.decode_batch import BLOCKS, POS, TOKEN, resolve_placeholders
+from ostinato.runner.graphs import CaptureReport, CudaGraphRunner, GraphBackend, StaticInput
 
 logger = logging.getLogger(__name__)
 

@@ -40,20 +40,20 @@ from dataclasses import replace
 
 import torch
 
-from ..attention.base import AttentionBackend
-from ..config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, SchedulerConfig
-from ..contract import ScheduledSeq, SchedulerOutput, StepResult
-from ..errors import ConfigError
-from ..model.loader import load_model, resolve_dtype, weights_nbytes
-from ..model.parallel import SINGLE_RANK, TPGroup, rank_view
-from .compile_watch import CompileWatch
-from .decode_step import DecodeStep
-from .inputs import to_device
-from .inputs import build_prefill_inputs, decode_metadata
-from .kv_setup import KVSpec, allocate_kv_and_graphs
-from .pending import ChunkSamples, PendingStep, plain_result
-from .sampler import Sampler, finish_sampling
-from .warmup import warm_up_prefill
+from ostinato.attention.base import AttentionBackend
+from ostinato.config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, SchedulerConfig
+from ostinato.contract import ScheduledSeq, SchedulerOutput, StepResult
+from ostinato.errors import ConfigError
+from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
+from ostinato.model.parallel import SINGLE_RANK, TPGroup, rank_view
+from ostinato.runner.compile_watch import CompileWatch
+from ostinato.runner.decode_step import DecodeStep
+from ostinato.runner.inputs import to_device
+from ostinato.runner.inputs import build_prefill_inputs, decode_metadata
+from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs
+from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
+from ostinato.runner.sampler import Sampler, finish_sampling
+from ostinato.runner.warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +71,21 @@ def pick_device(name: str) -> torch.device:
 
 def make_backend(name: str, device: torch.device, pdl: str = "off") -> AttentionBackend:
     """The attention backend; it also carries the launch policy of the decoder's Triton kernels (`pdl`, --pdl:
-    model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (pdl.py)."""
+    model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (kernels/pdl.py)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         if device.type != "cuda":
             raise ConfigError("--attention-backend triton needs a CUDA device; use --attention-backend torch")
-        from ..attention.decode_plan import DecodeTuning
-        from ..attention.triton_paged import TritonAttentionTuning, TritonPagedBackend
-        from ..pdl import resolve_pdl
+        from ostinato.kernels.decode_plan import DecodeTuning
+        from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend
+        from ostinato.kernels.pdl import resolve_pdl
 
         return TritonPagedBackend(TritonAttentionTuning(decode=DecodeTuning(pdl=resolve_pdl(pdl, device))))
     if pdl == "on":
         raise ConfigError(f"--pdl on needs --attention-backend triton (the {name} backend's kernels are torch's); "
                           "use --pdl auto or off")
-    from ..attention.torch_ref import TorchRefBackend
+    from ostinato.attention.torch_ref import TorchRefBackend
 
     return TorchRefBackend()
 
@@ -96,7 +96,7 @@ def pdl_status(mode: str, on: bool, device: torch.device) -> str:
         return "programmatic dependent launch on"
     if mode == "off":
         return "programmatic dependent launch off: --pdl off"
-    from ..pdl import pdl_unsupported_reason
+    from ostinato.kernels.pdl import pdl_unsupported_reason
 
     reason = pdl_unsupported_reason(device) or "the attention backend's kernels are torch's"
     return f"programmatic dependent launch off: {reason}"

@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..attention.decode_plan import num_sms
-from ..contract import ScheduledSeq
-from ..sampling_params import SamplingParams
-from . import sampling_kernel
+from ostinato.kernels.decode_plan import num_sms
+from ostinato.contract import ScheduledSeq
+from ostinato.sampling_params import SamplingParams
+from ostinato.kernels import sampling as sampling_kernel
 
 # Temperatures below this are greedy (dividing logits by ~0 overflows); vLLM uses the same cut-off.
 GREEDY_TEMPERATURE = 1e-5

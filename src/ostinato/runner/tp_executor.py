@@ -29,13 +29,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineArgs, ModelConfig, SchedulerConfig
-from ..errors import TensorParallelError
-from ..model.parallel import check_tp_size
-from .distributed import (BroadcastChannel, PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group,
+from ostinato.config import EngineArgs, ModelConfig, SchedulerConfig
+from ostinato.errors import TensorParallelError
+from ostinato.model.parallel import check_tp_size
+from ostinato.runner.distributed import (BroadcastChannel, PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group,
                           leave_process, timeout_seconds)
-from .runner import ModelRunner, pick_device
-from .tp_worker import engine_args_json, resolve_call, run_worker
+from ostinato.runner.runner import ModelRunner, pick_device
+from ostinato.runner.tp_worker import engine_args_json, resolve_call, run_worker
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..config import EngineArgs, ModelConfig
-from ..errors import ConfigError
-from .distributed import ENV_VARS, BroadcastChannel, PipeChannel, RankInfo, agree_min, init_group
+from ostinato.config import EngineArgs, ModelConfig
+from ostinato.errors import ConfigError
+from ostinato.runner.distributed import ENV_VARS, BroadcastChannel, PipeChannel, RankInfo, agree_min, init_group
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ def resolve_call(target: str):
 
 def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None) -> None:
     """Build this rank's runner and run rank 0's messages until ("stop",). channel_for(cpu_group) -> channel."""
-    from ..model.gguf_sources import resolve_model_dir
-    from .runner import ModelRunner, pick_device
+    from ostinato.model.gguf_sources import resolve_model_dir
+    from ostinato.runner.runner import ModelRunner, pick_device
 
     model_dir = resolve_model_dir(args.model)
     args = replace(args, model=str(model_dir))
@@ -49,7 +49,7 @@ def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None)
     if fail_at == "load":
         raise RuntimeError(f"failure injected on rank {info.rank} by $OSTINATO_TP_INJECT_FAILURE")
     if fail_at == "capture":  # a host sync inside the model: this rank's CUDA-graph capture fails
-        from ..model import decoder
+        from ostinato.model import decoder
 
         build = decoder.DecoderForCausalLM.__init__
 
@@ -104,8 +104,8 @@ def run_worker(args: EngineArgs, info: RankInfo) -> None:
 
 def run_env_worker(ns) -> int:
     """A CLI command (its parsed arguments `ns`) started on rank > 0 by torchrun-style variables."""
-    from ..cli_args import engine_args_from
-    from .distributed import check_world, env_rank_info
+    from ostinato.cli_args import engine_args_from
+    from ostinato.runner.distributed import check_world, env_rank_info
 
     args = engine_args_from(ns)
     info = env_rank_info()
@@ -159,7 +159,7 @@ def main() -> None:
 def _timeout():
     from datetime import timedelta
 
-    from .distributed import timeout_seconds
+    from ostinato.runner.distributed import timeout_seconds
 
     return timedelta(seconds=timeout_seconds())
 

@@ -10,7 +10,7 @@ both sampling paths (greedy; temperature with top-k/top-p and logprobs). runner/
 anything this misses.
 
 Sampling: an eager prefill step samples one row per prompt it finishes, up to max_num_seqs rows, and the
-sampling kernels (runner/sampling_kernel.py) pick their vocabulary chunks by row count: the decode graphs'
+sampling kernels (kernels/sampling.py) pick their vocabulary chunks by row count: the decode graphs'
 capture compiled them for the decode rows only, whose packed settings have other strides. So the warm-up also
 samples one batch of each row count with a chunk plan of its own. H200, `ostinato bench throughput` (256
 prompts, 8192-token steps, llama-3.2-1b), three runs in one process: without it Triton compiled 3 kernels
@@ -29,12 +29,12 @@ import time
 
 import torch
 
-from ..attention.decode_plan import num_sms
-from ..contract import ScheduledSeq, SchedulerOutput
-from ..sampling_params import SamplingParams
-from . import sampling_kernel
-from .inputs import build_prefill_inputs
-from .sampler import sample_tokens
+from ostinato.kernels.decode_plan import num_sms
+from ostinato.contract import ScheduledSeq, SchedulerOutput
+from ostinato.sampling_params import SamplingParams
+from ostinato.kernels import sampling as sampling_kernel
+from ostinato.runner.inputs import build_prefill_inputs
+from ostinato.runner.sampler import sample_tokens
 
 # (new tokens, cached tokens before them) per sequence, one tuple of sequences per warm-up step.
 WARMUP_STEPS: tuple[tuple[tuple[int, int], ...], ...] = (
@@ -46,7 +46,7 @@ WARMUP_STEPS: tuple[tuple[tuple[int, int], ...], ...] = (
     ((32, 48),),
     ((1, 20), (17, 5)),
     ((16, 0), (48, 16), (5, 0)),
-    ((16, 496),),  # a context of 512: the split prefill (attention/triton_prefill_split.py) compiles here
+    ((16, 496),),  # a context of 512: the split prefill (kernels/prefill_attention.py) compiles here
 )
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 _RANDOM = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=1, logprobs=2)

@@ -33,20 +33,20 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import __version__
-from ..cli_args import add_engine_args, engine_args_from
-from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
-from ..engine.core_process import ProcessAsyncEngine, build_engine
-from ..engine.chat_prompt import render_chat
-from ..engine.outputs import RequestOutput, merge_deltas
-from ..errors import InvalidRequestError, QueueFullError
-from ..sampling_params import RequestOutputKind
-from .limits import ServerLimits, add_limit_args, limits_from
-from .metrics import ServerMetrics
-from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+from ostinato import __version__
+from ostinato.cli_args import add_engine_args, engine_args_from
+from ostinato.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
+from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
+from ostinato.engine.chat_prompt import render_chat
+from ostinato.engine.outputs import RequestOutput, merge_deltas
+from ostinato.errors import InvalidRequestError, QueueFullError
+from ostinato.sampling_params import RequestOutputKind
+from ostinato.server.limits import ServerLimits, add_limit_args, limits_from
+from ostinato.server.metrics import ServerMetrics
+from ostinato.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                        UsageInfo)
-from .streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events, usage_of
+from ostinato.server.streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events, usage_of
 
 logger = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
     process it must be a module-level function (spawn pickles it by name)."""
     import uvicorn
 
-    from .http import uvicorn_config
+    from ostinato.server.http import uvicorn_config
 
     args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
     limits = limits_from(ns)

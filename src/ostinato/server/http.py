@@ -18,7 +18,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .limits import ServerLimits
+from ostinato.server.limits import ServerLimits
 
 
 def _raw_error(status: int, reason: str, message: str) -> bytes:

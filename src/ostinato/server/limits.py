@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..errors import ConfigError, InvalidRequestError
+from ostinato.errors import ConfigError, InvalidRequestError
 
 CHARS_PER_TOKEN = 16  # the default character cap: this many characters per allowed prompt token
 JSON_BYTES_PER_CHAR = 6  # a character escaped as \uXXXX

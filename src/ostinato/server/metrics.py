@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from ..engine.outputs import EngineStats, RequestOutput
+from ostinato.engine.outputs import EngineStats, RequestOutput
 
 PREFIX = "ostinato:"
 

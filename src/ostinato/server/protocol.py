@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       field_validator)
 
-from ..errors import InvalidRequestError
-from ..sampling_params import SamplingParams
+from ostinato.errors import InvalidRequestError
+from ostinato.sampling_params import SamplingParams
 
 
 def _valid_unicode(text: str) -> str:

@@ -21,9 +21,9 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..engine.async_engine import EngineDeadError, RequestStream
-from ..engine.outputs import CompletionOutput
-from .protocol import (ChatChunkChoice, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
+from ostinato.engine.async_engine import EngineDeadError, RequestStream
+from ostinato.engine.outputs import CompletionOutput
+from ostinato.server.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
                        CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, TopLogprob,
                        UsageInfo)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig
-from ..errors import ConfigError
+from ostinato.config import ModelConfig
+from ostinato.errors import ConfigError
 
 FAMILIES = {
     "llama": "LlamaForCausalLM",

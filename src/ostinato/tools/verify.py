@@ -86,7 +86,7 @@ def format_table(verdicts: list[SizeVerdict]) -> str:
 
 
 def register(sub) -> None:
-    from ..cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import _int_list, add_engine_args
 
     p = sub.add_parser("verify", help="profile real decode steps and prove which path (graph or eager) they take")
     add_engine_args(p)
@@ -142,7 +142,7 @@ def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> d
     Returns each rank's step counts."""
     import torch
 
-    from ..sampling_params import SamplingParams
+    from ostinato.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     world = getattr(engine.runner, "world_size", 1)
@@ -169,8 +169,8 @@ def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> d
 def run(args) -> int:
     import torch
 
-    from ..cli_args import engine_args_from
-    from ..engine.engine import LLMEngine
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import LLMEngine
 
     if not torch.cuda.is_available():
         print("error: verify profiles CUDA kernel and graph launches and needs a CUDA GPU; torch sees none")

@@ -10,7 +10,7 @@ predecessor has completed and its memory is visible. CUDA-graph capture keeps th
 
 The contract every kernel launched with PDL keeps (`pdl_begin` / `pdl_wait` below):
     - it lets its dependent launch (`pdl_begin`): first thing, except the decode attention, whose programs
-      trigger after their K/V loop where the launch fills the GPU (attention/decode_plan.py,
+      trigger after their K/V loop where the launch fills the GPU (kernels/decode_plan.py,
       DecodeTuning.late_trigger_programs: a dependent launched at once onto a full GPU gets only the few SMs
       with room, and runs there). The GEMV's and few-rows kernel's trigger after their K loops was measured and
       lost (45-284 us a step, docs/PERFORMANCE.md);
@@ -20,7 +20,7 @@ The contract every kernel launched with PDL keeps (`pdl_begin` / `pdl_wait` belo
       launches ahead of the embedding lookup, itself a plain launch (a torch op), which starts only after
       they finish and lets the first decoder kernel start only when it has finished. And the K/V of tokens
       before this step's, which no kernel of the step writes (decode attention with RoPE, the one kernel that
-      reads K/V before its wait, excludes the slot its own layer writes: attention/triton_decode.py). Never
+      reads K/V before its wait, excludes the slot its own layer writes: kernels/decode_attention.py). Never
       activations;
     - everything else comes after `pdl_wait`, which every program runs (an early return before it is
       allowed only for a program that neither reads nor writes anything after).
@@ -28,7 +28,7 @@ Waiting is transitive: a kernel's wait returns after its predecessor completed, 
 its work after its own wait, so the whole chain is ordered as without PDL. A kernel launched without the
 attribute (cuBLAS, torch ops) waits for its predecessor as usual.
 
-What runs before the wait is the point: the small-batch linear (model/gemv.py) loads its first weight tile
+What runs before the wait is the point: the small-batch linear (kernels/gemv.py) loads its first weight tile
 there, so a projection's weight read overlaps the norm or attention kernel before it; decode attention loads
 its first K/V tile there (with the context length and block table entries that locate it, and the q/k norm
 weights), overlapping the qkv projection before it.
@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import torch
 
-from .config import PDL_MODES
-from .errors import ConfigError
+from ostinato.config import PDL_MODES
+from ostinato.errors import ConfigError
 
-from .triton_optional import jit as _jit
-from .triton_optional import tl, triton  # noqa: F401  (tl: the helpers' annotations)
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the helpers' annotations)
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -1,19 +1,19 @@
-"""Epilogues the small-batch linear kernels share (model/gemv.py, model/skinny.py)."""
+"""Epilogues the small-batch linear kernels share (kernels/gemv.py, kernels/skinny.py)."""
 
 from __future__ import annotations
 
-from ..triton_optional import jit as _jit
-from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:  # the torch path needs none of these
-    from ..attention.rope_tile import round_like
+    from ostinato.kernels.rope_tile import round_like
 
 
 @_jit
 def store_glu(out_ptr, y, offs_m, cols, mask, stride_om, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
               EMULATE_BF16: tl.constexpr):
     """y [M_PAD, BLOCK_N] fp32, its columns (gate, up) pairs of a (gate | up) projection -> silu(gate) * up
-    [M_PAD, BLOCK_N // 2] stored at out[offs_m, cols], in the unfused order (model/fused.py's silu_and_mul
+    [M_PAD, BLOCK_N // 2] stored at out[offs_m, cols], in the unfused order (kernels/fused.py's silu_and_mul
     after the projection's store): gate and up rounded to the model dtype, silu rounded before the multiply,
     the product rounded. So the fold changes no value but by the projection's own reduction order."""
     gate, up = tl.split(tl.reshape(y, [M_PAD, BLOCK_N // 2, 2]))  # [M_PAD, BLOCK_N // 2] each

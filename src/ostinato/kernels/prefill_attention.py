@@ -36,7 +36,7 @@ Algorithm
               run-time counts (sequences, splits) and the block table's width are not specialised. So one
               warm-up step that splits (runner/warmup.py) compiles them before serving.
 
-When to split, and how many ways: attention/prefill_split_plan.py (host side only).
+When to split, and how many ways: kernels/prefill_plan.py (host side only).
 
 Limits: as attention/triton_paged.py (any head_dim, padded; any block_size; fp32/bf16/fp16; GQA by
 num_heads // num_kv_heads). Partials take num_tokens * num_heads * splits * (head_dim_pad + 2) fp32.
@@ -54,10 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import AttentionMetadata
-from .decode_plan import num_sms
-from .prefill_split_plan import PrefillPlan, PrefillSplitTuning, plan_prefill
-from .triton_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+from ostinato.attention.base import AttentionMetadata
+from ostinato.kernels.decode_plan import num_sms
+from ostinato.kernels.prefill_plan import PrefillPlan, PrefillSplitTuning, plan_prefill
+from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 
 _REDUCE_TILE = 4096  # fp32 partial-output values per reduce program (32 registers a thread at 4 warps)
 

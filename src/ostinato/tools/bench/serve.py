@@ -14,7 +14,7 @@ benchmark_serving:
 
 Prompts are random token ids (exact lengths, any model: ids are drawn from `--token-id-range`, which every
 supported vocabulary contains) or random English words (`--dataset random-text`, about one token a word).
-Works against ostinato or vLLM alike, over plain http (tools/sse_client.py: a client that costs less CPU per
+Works against ostinato or vLLM alike, over plain http (tools/bench/sse_client.py: a client that costs less CPU per
 streamed chunk than the server it measures).
 """
 
@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .sse_client import Connection, HTTPStatusError
+from ostinato.tools.bench.sse_client import Connection, HTTPStatusError
 
 _WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be or has had "
           "not but first one their its new after who they have she two been other when there all during into "
@@ -157,7 +157,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
     prompts = make_prompts(cfg)
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limit = cfg.max_concurrency or cfg.num_prompts
-    # One connection per request in flight (tools/sse_client.py says why not httpx).
+    # One connection per request in flight (tools/bench/sse_client.py says why not httpx).
     conns = [Connection(cfg.base_url, headers) for _ in range(limit)]
     try:
         model = cfg.model

@@ -19,10 +19,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..errors import ConfigError
-from .advise_costs import CostModel, Measurements
-from .advise_estimate import Advice, Estimate, advise
-from .advise_workload import Workload, read_metrics_text, workload_from_metrics, workload_from_params, \
+from ostinato.errors import ConfigError
+from ostinato.tools.advise.costs import CostModel, Measurements
+from ostinato.tools.advise.estimate import Advice, Estimate, advise
+from ostinato.tools.advise.workload import Workload, read_metrics_text, workload_from_metrics, workload_from_params, \
     workload_from_trace
 
 SIZES_FILE = "cuda_graph_sizes.txt"
@@ -50,7 +50,7 @@ def parse_overhead(text: str) -> tuple[float, float]:
 
 
 def register(sub) -> None:
-    from ..cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import _int_list, add_engine_args
 
     p = sub.add_parser("advise", help="is CUDA-graph replay worth it here, and which batch sizes to capture")
     add_engine_args(p)
@@ -124,9 +124,9 @@ def _measure(args, workload: Workload) -> Measurements:
         raise ConfigError("advise compares graphs with eager; drop --enforce-eager")
     if args.tensor_parallel_size != 1:  # it times prefill and graph captures on rank 0 alone
         raise ConfigError("advise measures one GPU; drop --tensor-parallel-size (run it at size 1)")
-    from ..cli_args import engine_args_from
-    from ..engine.engine import LLMEngine
-    from .advise_measure import measure
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.tools.advise.measure import measure
 
     engine = LLMEngine(engine_args_from(args))
     lens = set(args.prefill_lens)
@@ -163,7 +163,7 @@ def run(args) -> int:
     print(f"\nrun it with:\n  {command}")
     if not args.no_plots:
         try:
-            from .advise_plots import write_plots
+            from ostinato.tools.advise.plots import write_plots
         except ImportError as e:
             print(f"(no plots: {e}; pip install matplotlib)", file=sys.stderr)
         else:

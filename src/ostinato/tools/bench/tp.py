@@ -1,7 +1,7 @@
 """Tensor-parallel decode measurement: TP=N against TP=1 on one checkpoint, graph against eager, and the
 share of a decode step spent in NCCL collectives (torch.profiler), in one command:
 
-    PYTHONPATH=src python -m ostinato.tools.tp_bench OUT_DIR [--checkpoint DIR] [--shape llama-3.1-8b]
+    PYTHONPATH=src python -m ostinato.tools.bench.tp OUT_DIR [--checkpoint DIR] [--shape llama-3.1-8b]
         [--tp 1 2] [--batch-sizes 1 8 32] [--context 512]
 
 Builds a random bf16 checkpoint of `--shape` in `--checkpoint` once (reused when it is there), then runs each
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-MODULE = "ostinato.tools.tp_bench"  # not __name__: that is "__main__" under `python -m`, on rank 0 only
+MODULE = "ostinato.tools.bench.tp"  # not __name__: that is "__main__" under `python -m`, on rank 0 only
 
 
 def nccl_share(runner, bs: int, context: int, seed: int, steps: int) -> dict:
@@ -35,7 +35,7 @@ def nccl_share(runner, bs: int, context: int, seed: int, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench import rows_loaded
+    from ostinato.tools.bench.decode import rows_loaded
 
     step = runner.decode_step
     # CPU (a dry run of this script): gloo collectives are CPU ops named c10d::...
@@ -88,7 +88,7 @@ def channel_us(runner, n: int = 2000) -> float | None:
 
 def engine_step_ms(engine, bs: int, context: int) -> float:
     """Milliseconds per engine step in decode: (long run - short run) / extra steps, `bs` sequences at once."""
-    from ..sampling_params import SamplingParams
+    from ostinato.sampling_params import SamplingParams
 
     def run(max_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -107,9 +107,9 @@ def engine_step_ms(engine, bs: int, context: int) -> float:
 def measure_one(args) -> dict:
     import torch
 
-    from ..config import EngineArgs
-    from ..engine.engine import LLMEngine
-    from .bench import replay_ms
+    from ostinato.config import EngineArgs
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.tools.bench.decode import replay_ms
 
     sizes = tuple(args.batch_sizes)
     engine = LLMEngine(EngineArgs(
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"tp{args.one}.json").write_text(json.dumps(measure_one(args), indent=2))
         return 0
     if not (Path(args.checkpoint) / "config.json").is_file():
-        from .checkpoint import make_checkpoint
+        from ostinato.tools.checkpoint import make_checkpoint
 
         t0 = time.perf_counter()
         make_checkpoint(args.checkpoint, shape=args.shape, dtype="bfloat16", progress=True)

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..errors import ConfigError
+from ostinato.errors import ConfigError
 
 FORMAT_VERSION = 1
 

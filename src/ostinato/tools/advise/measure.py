@@ -18,19 +18,19 @@ import math
 
 import torch
 
-from ..config import default_capture_sizes
-from ..errors import ConfigError, CudaGraphCaptureError
-from ..runner.memory import kv_block_bytes
-from .advise_costs import Measurements
-from .bench import _time_cuda, replay_ms
+from ostinato.config import default_capture_sizes
+from ostinato.errors import ConfigError, CudaGraphCaptureError
+from ostinato.runner.memory import kv_block_bytes
+from ostinato.tools.advise.costs import Measurements
+from ostinato.tools.bench.decode import _time_cuda, replay_ms
 
 logger = logging.getLogger(__name__)
 
 
 def _prefill_ms(runner, length: int, iters: int, warmup: int) -> float:
-    from ..engine.request import ScheduledSeq, SchedulerOutput
-    from ..runner.inputs import build_prefill_inputs
-    from ..sampling_params import SamplingParams
+    from ostinato.engine.request import ScheduledSeq, SchedulerOutput
+    from ostinato.runner.inputs import build_prefill_inputs
+    from ostinato.sampling_params import SamplingParams
 
     blocks = tuple(range(math.ceil(length / runner.block_size)))
     seq = ScheduledSeq(0, tuple([1] * length), 0, blocks, SamplingParams(temperature=0.0, max_tokens=1), 0)
@@ -47,7 +47,7 @@ def _prefill_ms(runner, length: int, iters: int, warmup: int) -> float:
 def _first_bytes(runner, sizes: list[int]) -> dict[int, int]:
     """Bytes a capture of each size alone adds (probes into throwaway pools, after every timing: a probe
     rebinds the model to a temporary KV pool, so the real one is bound back at the end)."""
-    from ..runner.kv_setup import _estimate_graph_bytes
+    from ostinato.runner.kv_setup import _estimate_graph_bytes
 
     out = {}
     try:

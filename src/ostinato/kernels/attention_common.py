@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton attention kernels (attention/triton_paged.py, attention/triton_decode.py):
+"""Pieces shared by the Triton attention kernels (attention/triton_paged.py, kernels/decode_attention.py):
 the paged-cache address arithmetic, the tl.dot wrapper for the interpreter, and host-side checks."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import ConfigError
+from ostinato.errors import ConfigError
 
 
 @triton.jit

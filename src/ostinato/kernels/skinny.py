@@ -1,6 +1,6 @@
 """A bandwidth-bound Triton linear for decode batches of 2-16 rows, on the tensor cores: y = x @ W^T (+ b).
 
-Why: between the GEMV's rows (model/gemv.py, M <= 4 at narrow N) and batches that fill a GEMM, cuBLAS reads a
+Why: between the GEMV's rows (kernels/gemv.py, M <= 4 at narrow N) and batches that fill a GEMM, cuBLAS reads a
 decode projection's weight far below HBM bandwidth. H200, whole decode steps with each projection ablated in
 one process (scripts/gpu_variants.py, docs/PERFORMANCE.md ninth session): at batch 16 Qwen3-0.6B's o_proj read
 its 4 MB a layer at 548 GB/s (13% of HBM), Llama-3.2-1B's qkv_proj at 1547 GB/s; at batch 1, where the GEMV
@@ -11,13 +11,13 @@ BLOCK_K steps: tl.dot of the [BLOCK_N, BLOCK_K] weight tile (K contiguous: 16-by
 [BLOCK_K, M_PAD] activations (M padded to 16, the smallest tl.dot tile), an fp32 [BLOCK_N, M_PAD] accumulator,
 software-pipelined over K (num_stages). The weight is the dot's left operand so that M, not N, is the padded
 side: N / BLOCK_N programs, and the x tile is re-read from L2 by each. The first weight tile is requested
-before the PDL wait (pdl.py: the step never writes weights), so with PDL the weight read starts during the
+before the PDL wait (kernels/pdl.py: the step never writes weights), so with PDL the weight read starts during the
 kernel before. Optionally split over K (SkinnyTiles.split_k, for long K where N / BLOCK_N programs are too
 few, e.g. Llama-3.2-1B's down_proj: 128 programs of 256 KB each): each program stores its fp32 partials and counts
 its arrival (SplitCounters); the last of a block's programs sums them in slice order and writes the output, so
 there is no reduce kernel and the result does not depend on which arrives last. One kernel per call, grid from
 shapes only: CUDA-graph safe. No rule picks a split yet: it awaits measurement (scripts/gpu_skinny.py).
-With glu, the SwiGLU activation of a (gate | up) projection comes out of the epilogue (model/linear_epilogue.py).
+With glu, the SwiGLU activation of a (gate | up) projection comes out of the epilogue (kernels/linear_epilogue.py).
 The RMSNorm before the projection stays its own kernel: folded into this kernel's prologue it cost whole steps
 121-626 us on the H200, more than the norms' whole 14-57 us (docs/PERFORMANCE.md, fifteenth session).
 """
@@ -28,14 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..pdl import launch_options, pdl_begin, pdl_wait
-from ..split_counters import SplitCounters
-from ..triton_optional import jit as _jit
-from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.split_counters import SplitCounters
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 if triton is not None:  # the torch path needs none of these
-    from ..attention.triton_common import KERNELS_INTERPRETED, dot, dot_settings
-    from .linear_epilogue import glu_rows, store_glu
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED, dot, dot_settings
+    from ostinato.kernels.linear_epilogue import glu_rows, store_glu
 
 MAX_ROWS = 16  # one tl.dot tile of rows; above it the rows are a GEMM's, and cuBLAS is the tool
 
@@ -79,7 +79,7 @@ def _skinny_kernel(
                 HAS_BIAS, GLU, EMULATE_BF16)
     else:
         # Partials [SPLIT_K, programs * BLOCK_N, M_PAD] fp32. Publish, then count (the decode attention's
-        # single-launch merge, attention/triton_decode.py): the CTA barrier orders every thread's stores before
+        # single-launch merge, kernels/decode_attention.py): the CTA barrier orders every thread's stores before
         # the one thread's acq_rel count; the program that counts last sums the slices in split order (the same
         # sum whichever arrives last) and resets the counter for the next launch.
         split_stride = tl.num_programs(0) * BLOCK_N * M_PAD
@@ -132,10 +132,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None, pdl: bool = False,
                   counters: SplitCounters | None = None, glu: bool = False) -> torch.Tensor:
     """x [M, K] (K contiguous, M <= MAX_ROWS), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype
-    (default x's dtype), accumulated in fp32. pdl: launch with programmatic dependent launch (pdl.py; the
+    (default x's dtype), accumulated in fp32. pdl: launch with programmatic dependent launch (kernels/pdl.py; the
     caller checked the device supports it). counters: the arrival counters tiles.split_k > 1 needs (one per
     block of outputs; zero between launches, kept for as long as a graph may replay this launch). glu: W is a
-    (gate | up) projection [2I, K] and the output silu(gate) * up [M, I] (model/gemv.py's gemv_linear)."""
+    (gate | up) projection [2I, K] and the output silu(gate) * up [M, I] (kernels/gemv.py's gemv_linear)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()

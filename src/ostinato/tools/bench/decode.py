@@ -32,7 +32,7 @@ def weights_read_per_step(runner) -> int:
 
 
 def register(sub) -> None:
-    from ..cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import _int_list, add_engine_args
 
     p = sub.add_parser("bench", help="decode-step latency: graph vs eager vs HF transformers")
     add_engine_args(p)
@@ -76,7 +76,7 @@ def _decode_rows(runner, bs: int, context: int, gen):
     block = runner.block_size
     nblk = -(-(context + 1) // block)
     if nblk > runner.decode_batch.layout.blocks_per_seq:
-        from ..errors import ConfigError
+        from ostinato.errors import ConfigError
 
         longest = runner.decode_batch.layout.blocks_per_seq * block - 1
         raise ConfigError(f"--context {context} does not fit this engine's sequences (at most {longest} cached "
@@ -201,8 +201,8 @@ def _hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, voca
 def run(args) -> int:
     import torch
 
-    from ..cli_args import engine_args_from
-    from ..engine.engine import LLMEngine
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import LLMEngine
 
     engine = LLMEngine(engine_args_from(args))
     runner = engine.runner
@@ -244,7 +244,7 @@ def run(args) -> int:
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
     if args.plot:
-        from .bench_plots import latency_vs_batch
+        from ostinato.tools.bench.plots import latency_vs_batch
 
         series = {"ostinato graph": [r["graph_ms"] for r in rows], "ostinato eager": [r["eager_ms"] for r in rows]}
         if hf is not None:

@@ -1,6 +1,6 @@
 """Triton building blocks for per-head q/k RMSNorm + RoPE on tiles of head rows, shared by the decoder's
-q/k-norm + RoPE kernel (model/fused.py) and the decode attention kernel that applies them itself
-(attention/triton_decode.py), so both round exactly as the torch path does (model/fused.py's module doc)."""
+q/k-norm + RoPE kernel (kernels/fused.py) and the decode attention kernel that applies them itself
+(kernels/decode_attention.py), so both round exactly as the torch path does (kernels/fused.py's module doc)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from ostinato.errors import ConfigError
 
 METRIC = "ostinato:decode_batch_size"
 

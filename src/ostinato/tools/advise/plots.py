@@ -5,8 +5,8 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-from .advise_costs import CostModel
-from .advise_estimate import Advice
+from ostinato.tools.advise.costs import CostModel
+from ostinato.tools.advise.estimate import Advice
 
 
 def write_plots(cost: CostModel, advice: Advice, out_dir: Path) -> list[Path]:

@@ -21,7 +21,7 @@ import time
 
 
 def register(sub) -> None:
-    from ..cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import _int_list, add_engine_args
 
     p = sub.add_parser("bench-engine", help="whole engine step (LLM.generate) vs forward-only replay")
     add_engine_args(p)
@@ -54,7 +54,7 @@ def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: li
                            output_lens: list[int]) -> float:
     """Seconds the workload needs at the bandwidth and FLOP ceilings, with every sequence decoded together
     (the first output token comes from the prefill; sequence s then takes output_lens[s] - 1 decode steps)."""
-    from .bench import HBM_READ_BYTES_PER_S
+    from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S
 
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
     decode_bytes = 0
@@ -85,10 +85,10 @@ def _generate_seconds(llm, prompts, params) -> float:
 def run_engine(args) -> int:
     import torch
 
-    from ..cli_args import engine_args_from
-    from ..engine.llm import LLM
-    from ..sampling_params import SamplingParams
-    from .bench import replay_ms
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.llm import LLM
+    from ostinato.sampling_params import SamplingParams
+    from ostinato.tools.bench.decode import replay_ms
 
     llm = LLM.from_engine_args(engine_args_from(args))
     runner = llm.engine.runner
@@ -121,11 +121,11 @@ def run_engine(args) -> int:
 
 
 def run_throughput(args) -> int:
-    from ..cli_args import engine_args_from
-    from ..engine.llm import LLM
-    from ..errors import ConfigError
-    from ..sampling_params import SamplingParams
-    from .bench import weights_read_per_step
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.llm import LLM
+    from ostinato.errors import ConfigError
+    from ostinato.sampling_params import SamplingParams
+    from ostinato.tools.bench.decode import weights_read_per_step
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
@@ -169,7 +169,7 @@ def run_throughput(args) -> int:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     if args.plot:
-        from .bench_plots import bars
+        from ostinato.tools.bench.plots import bars
 
         bars({"ostinato": out_tokens / seconds, "bandwidth/FLOP floor": out_tokens / floor_s}, "output tokens / s",
              f"nano-vllm workload ({args.num_seqs} seqs)\n{args.model}", args.plot)

@@ -23,14 +23,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..pdl import launch_options, pdl_begin, pdl_wait
-from ..triton_optional import jit as _jit
-from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
-from . import skinny
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+from ostinato.kernels import skinny
 
 if triton is not None:  # the torch path needs none of these
-    from ..attention.rope_tile import round_like
-    from .linear_epilogue import glu_rows, store_glu
+    from ostinato.kernels.rope_tile import round_like
+    from ostinato.kernels.linear_epilogue import glu_rows, store_glu
 
 
 # What the kernel multiplies by W (X_MODE): x itself, or rmsnorm(x [+ residual]) * norm_weight, the norm before
@@ -42,7 +42,7 @@ X_PLAIN, X_NORM = 0, 1
 def _row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps, write,
               K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """1 / rms of each of the M rows of x (+ residual, the sum rounded to the model dtype; `write`: store that
-    sum to res_out): the whole row at once, as the RMSNorm kernel (model/fused.py) reads it. [M_PAD] fp32."""
+    sum to res_out): the whole row at once, as the RMSNorm kernel (kernels/fused.py) reads it. [M_PAD] fp32."""
     offs = tl.arange(0, K_PAD)
     mk = m_mask[:, None] & (offs < K)[None, :]
     h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :], mask=mk, other=0.0).to(tl.float32)
@@ -89,7 +89,7 @@ def _gemv_kernel(
     nw = tl.zeros([BLOCK_K], tl.float32)  # the norm's weight (X_NORM), loaded per K step
     if PEEL_FIRST:
         # The first K step out of the loop, its weight tile requested before the wait for the previous kernel
-        # (pdl.py): weights are never written by the step, so with PDL their read overlaps that kernel.
+        # (kernels/pdl.py): weights are never written by the step, so with PDL their read overlaps that kernel.
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if X_MODE == 1:
@@ -145,7 +145,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 out_dtype: torch.dtype | None = None, pdl: bool = False, glu: bool = False) -> torch.Tensor:
     """x [M, K] (K contiguous), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype (default
     x's dtype), accumulated in fp32. Meant for M <= 8; the accumulator is M_PAD * block_n * block_k fp32.
-    pdl: launch with programmatic dependent launch (pdl.py; the caller checked the device supports it).
+    pdl: launch with programmatic dependent launch (kernels/pdl.py; the caller checked the device supports it).
     glu: W is a (gate | up) projection [2I, K]: the output is silu(gate) * up [M, I], the SwiGLU activation
     folded into the epilogue (no [M, 2I] tensor, no activation kernel); block_n then counts weight rows."""
     m, k = x.shape
@@ -202,7 +202,7 @@ def _launch(x, k, weight, bias, tiles, out_dtype, pdl, x_mode=X_PLAIN, residual=
 
 
 def _interpreted() -> bool:
-    """Kernels run under TRITON_INTERPRET (CPU tests), where bf16 rounding is emulated (model/fused.py)."""
+    """Kernels run under TRITON_INTERPRET (CPU tests), where bf16 rounding is emulated (kernels/fused.py)."""
     return type(_gemv_kernel).__name__ == "InterpretedFunction"
 
 
@@ -217,7 +217,7 @@ def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | 
     - m == 1, n <= 8192: faster than cuBLAS on every such projection of Qwen3-0.6B, Llama-3.2-1B and
       Llama-3.1-8B (1.05-3.5x; the Qwen3 gate_up ties). block_n gives ~768-1024 programs.
     - m == 1, wider (gate_up of the 1B and 8B): alone, cuBLAS reads them at 85-97% of HBM bandwidth and is
-      1-1.4 us faster; with PDL (pdl.py) the GEMV's weight read starts during the norm before it and the layer
+      1-1.4 us faster; with PDL (kernels/pdl.py) the GEMV's weight read starts during the norm before it and the layer
       stays one chain of PDL launches: whole step 1.0526 -> 1.0431 ms (1B) and 4.4175 -> 4.3417 ms (8B),
       scripts/gpu_pdl.py (now --cublas-wide). So the GEMV there only with PDL.
     - 2 <= m <= 4, n <= 1024: only there did it beat cuBLAS (Qwen3-0.6B o_proj and down_proj, 1.4-1.9x);
@@ -257,7 +257,7 @@ def _layer_tiles(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool) -> GemvTile
 
 def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False, glu: bool = False) -> torch.Tensor:
     """layer(x) for x [M, K]: the GEMV where choose_gemv_tiles picks it, else the tensor-core kernel for a few
-    rows where skinny.choose_skinny_tiles does (model/skinny.py), else cuBLAS (F.linear). For 16-bit CUDA
+    rows where skinny.choose_skinny_tiles does (kernels/skinny.py), else cuBLAS (F.linear). For 16-bit CUDA
     tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a tensor-parallel one
     (model/parallel.py), which on one rank is an nn.Linear too. glu: silu(gate) * up of the (gate | up)
     projection, folded into the kernel; only where folds_glu(x, layer) said so."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from .bench import HBM_READ_BYTES_PER_S, replay_ms, rows_loaded
+from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, replay_ms, rows_loaded
 
 # (class, name fragments): the first class with a fragment in the kernel's name (lower case) wins.
 KERNEL_CLASSES = (
@@ -55,7 +55,7 @@ def class_bytes(mc, itemsize: int, batch: int, context: int) -> dict[str, int]:
 
 
 def register(sub) -> None:
-    from ..cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import _int_list, add_engine_args
 
     p = sub.add_parser("bench-kernels", help="decode-step GPU time per kernel class (torch.profiler)")
     add_engine_args(p)
@@ -132,9 +132,9 @@ def report_lines(batch: int, summary: dict, top: int) -> list[str]:
 def run(args) -> int:
     import torch
 
-    from ..cli_args import engine_args_from
-    from ..engine.engine import LLMEngine
-    from . import bench_plots
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.tools.bench import plots as bench_plots
 
     if not torch.cuda.is_available():
         print("error: `ostinato bench kernels` profiles CUDA kernels; it needs a CUDA GPU")

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..triton_optional import jit as _jit
-from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 _BLOCK = 1024  # entries per tile
 CHUNK_MAX = 8192  # entries per chunk at most: the pick walks one chunk of a sampled row

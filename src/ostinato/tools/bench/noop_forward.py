@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ostinato.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..config import EngineArgs
-    from ..engine.engine import LLMEngine
+    from ostinato.config import EngineArgs
+    from ostinato.engine.engine import LLMEngine
 
 
 class _NoOpModel:
@@ -105,7 +105,7 @@ def install(engine: "LLMEngine", step_ms: float = 0.0) -> int:
 
 def build_engine(args: "EngineArgs", step_ms: float = 0.0) -> "LLMEngine":
     """An LLMEngine with the no-op forward (an engine factory for the server's engine core)."""
-    from ..engine.engine import LLMEngine
+    from ostinato.engine.engine import LLMEngine
 
     engine = LLMEngine(args)
     install(engine, step_ms)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import time
 
-from .bench import HBM_READ_BYTES_PER_S, _hf_step_ms, _load_hf, _time_cuda, replay_ms, weights_read_per_step
+from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, _hf_step_ms, _load_hf, _time_cuda, replay_ms, weights_read_per_step
 
 
 def register(sub) -> None:
-    from ..cli_args import add_engine_args
+    from ostinato.cli_args import add_engine_args
 
     p = sub.add_parser("bench-peers", help="decode step at batch 1: ostinato vs HF eager vs HF static+compile")
     add_engine_args(p)
@@ -70,9 +70,9 @@ def hf_compiled_ms(hf, device, context: int, iters: int, warmup: int, vocab: int
 def run(args) -> int:
     import torch
 
-    from ..cli_args import engine_args_from
-    from ..engine.engine import LLMEngine
-    from . import bench_plots
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.tools.bench import plots as bench_plots
 
     engine = LLMEngine(engine_args_from(args))
     runner = engine.runner

@@ -1,6 +1,6 @@
 """When prefill attention splits its key range, and how many ways (host side; no torch, no triton).
 
-The kernels are in attention/triton_prefill_split.py; attention/triton_paged.py's prefill runs the split
+The kernels are in kernels/prefill_attention.py; attention/triton_paged.py's prefill runs the split
 kernel when plan_prefill's split count is above 1 and its one-pass kernel otherwise.
 
 Two ways to plan (plan_prefill)
@@ -29,10 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ostinato.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .base import AttentionMetadata
+    from ostinato.attention.base import AttentionMetadata
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -10,9 +10,9 @@ weight-read floor). These kernels fold the elementwise work around the GEMMs int
                                     cos/sin straight from the table by position         (3-7 -> 1)
     qk_norm_rope_write_kv           the same, and k and v written to their paged-cache slots (+ KV write);
                                     at decode the Triton attention backend does all of it inside its
-                                    attention kernel instead (attention/triton_decode.py, decode_with_rope)
+                                    attention kernel instead (kernels/decode_attention.py, decode_with_rope)
 
-At decode batches the small-batch GEMV (model/gemv.py) takes the norm before a projection (qkv, gate_up) into
+At decode batches the small-batch GEMV (kernels/gemv.py) takes the norm before a projection (qkv, gate_up) into
 its own kernel where that pays (DecoderKernels.norm_linear): one launch fewer for each, the same values but for
 the norm's reduction order. (The activation folded into down_proj was measured too, and lost: each program
 recomputed silu over its whole K, +19 to +716 us a step at batch 1.)
@@ -47,17 +47,17 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from ..pdl import launch_options, pdl_begin, pdl_wait
-from .gemv import folds_glu, small_batch_linear, small_batch_norm_linear
-from .layers import apply_rope
+from ostinato.errors import ConfigError
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.gemv import folds_glu, small_batch_linear, small_batch_norm_linear
+from ostinato.model.layers import apply_rope
 
-from ..triton_optional import jit as _jit
-from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:  # the torch path needs none of these
-    from ..attention.rope_tile import norm_rope, rope_partner, rope_table
-    from ..attention.rope_tile import round_like as _round_like
+    from ostinato.kernels.rope_tile import norm_rope, rope_partner, rope_table
+    from ostinato.kernels.rope_tile import round_like as _round_like
 
 
 # ---- plain-torch references (the CPU path) ---------------------------------------------------------------
@@ -266,7 +266,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     """x [T, N] -> rmsnorm(x) * weight [T, N] in one kernel (HF's rounding order; see module doc).
-    pdl (here and below): launch with programmatic dependent launch (pdl.py)."""
+    pdl (here and below): launch with programmatic dependent launch (kernels/pdl.py)."""
     return _launch_rms_norm(x, None, weight, eps, pdl)[0]
 
 
@@ -385,7 +385,7 @@ class DecoderKernels:
     # qk_norm_rope that also writes k and v to the paged cache (the backend's write_kv folded in), or None
     # where the set has no such kernel; Attention uses it when its backend accepts it (attention/base.py).
     qk_norm_rope_write_kv: Callable[..., torch.Tensor] | None = None
-    # The norm folded into the projection after it (model/gemv.py), where one kernel can take both at these
+    # The norm folded into the projection after it (kernels/gemv.py), where one kernel can take both at these
     # shapes; it returns None where it cannot, and norm_then_linear then launches the two apart. None: never.
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     # (x, layer) -> whether linear and norm_linear take glu=True for the (gate | up) projection at these shapes:
@@ -425,13 +425,13 @@ def linear_ref(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
 
 TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref,
                                qk_norm_rope_ref, linear_ref)
-# Projections: the Triton small-batch linear at the decode shapes where it beats cuBLAS (model/gemv.py).
+# Projections: the Triton small-batch linear at the decode shapes where it beats cuBLAS (kernels/gemv.py).
 TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and_mul, qk_norm_rope,
                                 small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv,
                                 norm_linear=small_batch_norm_linear, folds_glu=folds_glu)
 
 
-# The same kernels launched with programmatic dependent launch (pdl.py): each may start while the one before it
+# The same kernels launched with programmatic dependent launch (kernels/pdl.py): each may start while the one before it
 # finishes. Only for devices pdl.resolve_pdl accepts (sm_90+).
 TRITON_KERNELS_PDL = DecoderKernels("triton+pdl", **{
     f.name: functools.partial(getattr(TRITON_KERNELS, f.name), pdl=True)

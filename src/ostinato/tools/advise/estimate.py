@@ -22,9 +22,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .advise_costs import CostModel
-from .advise_sizes import choose_sizes, padded_rows
-from .advise_workload import EngineLimits, Workload, simulate
+from ostinato.tools.advise.costs import CostModel
+from ostinato.tools.advise.sizes import choose_sizes, padded_rows
+from ostinato.tools.advise.workload import EngineLimits, Workload, simulate
 
 ASSUMPTIONS = (
     "decode step times are the measured forward (input copies + replay, or eager launches) plus the host "

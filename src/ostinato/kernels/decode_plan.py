@@ -1,4 +1,4 @@
-"""Host-side plan of the split-KV decode (attention/triton_decode.py): its launch settings, the split count
+"""Host-side plan of the split-KV decode (kernels/decode_attention.py): its launch settings, the split count
 per shape, what it needs to apply RoPE itself, and the single launch's arrival counters. Everything here is
 decided from shapes before a CUDA graph is captured."""
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..errors import ConfigError
+from ostinato.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class DecodeTuning:
     apply_rope: the decoder's Triton path may hand decode the qkv projection itself (decode_with_rope: q/k
         norm, RoPE and the K/V write in this kernel, one launch fewer per layer); False keeps the q/k-norm +
         RoPE kernel before it. scripts/gpu_decode_attention.py --rope times both.
-    pdl: launch with programmatic dependent launch (pdl.py): the kernel may start while the projection before
+    pdl: launch with programmatic dependent launch (kernels/pdl.py): the kernel may start while the projection before
         it finishes. Only where pdl.resolve_pdl says the device supports it; the runner sets it from --pdl.
     num_warps, num_stages: those of a launch that does not split the context (a batch that fills the GPU).
         num_warps 2 instead of 4 took 307 and 278 us off qwen3-0.6b and llama-3.1-8b at batch 64, context 512

@@ -2,7 +2,7 @@
 
 What is left is the Python around the graph: scheduling, preparing the step's inputs, the (no-op) step,
 reading the tokens back and recording them, and the per-token output work. It runs on CPU on a tiny random
-checkpoint it writes itself (the model's size does not matter: the forward is gone, tools/noop_forward.py),
+checkpoint it writes itself (the model's size does not matter: the forward is gone, tools/bench/noop_forward.py),
 so the figure measures the engine's own overhead.
 
 For each batch B and context C: B requests with prompts of C tokens (ignore_eos) are prefilled, then
@@ -22,11 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..sampling_params import RequestOutputKind
+from ostinato.sampling_params import RequestOutputKind
 
 
 def register(sub) -> None:
-    from ..cli_args import _int_list
+    from ostinato.cli_args import _int_list
 
     p = sub.add_parser("bench-host", help="host microseconds per decode step, forward replaced by a no-op (CPU)")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 16, 64, 256))
@@ -51,7 +51,7 @@ def _output_kinds(value: str) -> tuple[RequestOutputKind, ...]:
 
 
 def _checkpoint(root: Path, max_len: int) -> str:
-    from .checkpoint import make_checkpoint
+    from ostinato.tools.checkpoint import make_checkpoint
 
     out = root / "tiny"
     make_checkpoint(out, shape="tiny")
@@ -91,10 +91,10 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
             output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> dict:
     """One run: microseconds per decode step (engine and core) at this batch and context, for requests whose
     outputs are of `output_kind`."""
-    from . import noop_forward
-    from ..config import EngineArgs
-    from ..engine.engine import LLMEngine
-    from ..sampling_params import SamplingParams
+    from ostinato.tools.bench import noop_forward
+    from ostinato.config import EngineArgs
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.sampling_params import SamplingParams
 
     max_len = context + steps + 8
     block = 16
@@ -118,7 +118,7 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
         (engine.scheduler, "schedule"), (engine.scheduler, "update"), (runner, "launch"),
         (runner, "execute")) if hasattr(owner, name)]
     if hasattr(runner, "launch"):
-        from ..runner.pending import PendingStep
+        from ostinato.runner.pending import PendingStep
 
         timers.append(_Timer(PendingStep, "result"))
     engine_s, core_s = [], []

@@ -72,11 +72,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import launch_options, pdl_begin, pdl_wait
-from ..split_counters import SplitCounters
-from .decode_plan import DecodeRope, DecodeTuning, choose_num_splits, num_sms
-from .rope_tile import load_norm_rope, norm_weights, rope_table
-from .triton_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.split_counters import SplitCounters
+from ostinato.kernels.decode_plan import DecodeRope, DecodeTuning, choose_num_splits, num_sms
+from ostinato.kernels.rope_tile import load_norm_rope, norm_weights, rope_table
+from ostinato.kernels.attention_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 
 __all__ = ["DecodeRope", "DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
 
@@ -157,7 +157,7 @@ def _decode_split_kernel(
     # projection [num_seqs, H + 2Hkv, D]; the kernel normalises (QK_NORM) and rotates q itself, and the
     # slice holding the newest token computes its k and v, writes them to slot_mapping[seq] and attends
     # to them from registers (decode_with_rope: no q/k-norm + RoPE launch before the attention).
-    # PREFETCH (PDL with ROPE, pdl.py): the slice's first K/V tile is read before the wait, with the context
+    # PREFETCH (PDL with ROPE, kernels/pdl.py): the slice's first K/V tile is read before the wait, with the context
     # length, block table and RoPE row it needs, and the q/k norm weights: no kernel of the step writes any of
     # them (weights never; the step's inputs are complete before its first PDL kernel; and with ROPE no slice
     # reads the one slot this layer writes: the newest token comes from registers). Without it nothing

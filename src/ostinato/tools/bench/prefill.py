@@ -30,7 +30,7 @@ from dataclasses import replace
 
 
 def register(sub) -> None:
-    from ..cli_args import add_engine_args
+    from ostinato.cli_args import add_engine_args
 
     p = sub.add_parser("bench-prefix", help="TTFT of a prompt with a cached prefix vs uncached (prefix caching)")
     add_engine_args(p)
@@ -54,8 +54,8 @@ def register(sub) -> None:
 
 
 def _engine(args, min_len: int):
-    from ..cli_args import engine_args_from
-    from ..engine.engine import LLMEngine
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import LLMEngine
 
     eargs = engine_args_from(args)
     if eargs.max_model_len is None:
@@ -76,7 +76,7 @@ def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def _ttft(engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
     """Seconds from add_request to the first token of a request alone in the engine; its cached tokens."""
-    from ..sampling_params import SamplingParams
+    from ostinato.sampling_params import SamplingParams
 
     _sync()
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def _ttft(engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
 
 
 def run_prefix(args) -> int:
-    from ..errors import ConfigError
+    from ostinato.errors import ConfigError
 
     if not 0 <= args.cached_len < args.prompt_len:
         raise ConfigError(f"--cached-len must be in [0, --prompt-len), got {args.cached_len}")
@@ -126,8 +126,8 @@ def run_prefix(args) -> int:
 
 
 def run_chunked(args) -> int:
-    from ..errors import ConfigError
-    from ..sampling_params import RequestOutputKind, SamplingParams
+    from ostinato.errors import ConfigError
+    from ostinato.sampling_params import RequestOutputKind, SamplingParams
 
     if args.rounds < 1:
         raise ConfigError(f"--rounds must be >= 1 (long prompts to time), got {args.rounds}")

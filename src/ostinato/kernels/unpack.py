@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_optional import jit as _jit
-from ..triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 _ROWS_PER_PROGRAM = 128
 
