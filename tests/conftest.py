@@ -8,6 +8,12 @@ import torch
 
 # Test the checkout these tests live in, whatever `pip install -e` pointed the environment at last.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# Tests are grouped by layer (tests/engine, tests/server, ...). Some reuse another folder's fixtures by module
+# name (`from test_server import TestServer`): every layer folder is importable, whatever pytest collects first.
+# Shared helpers that belong to no single test module live in tests/support/.
+_TESTS = Path(__file__).resolve().parent
+for _layer in sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name not in ("support", "__pycache__")):
+    sys.path.insert(0, str(_layer))
 
 # Triton kernels run on CPU tensors under the interpreter; the variable must be set before triton is imported.
 if not torch.cuda.is_available():

@@ -49,7 +49,7 @@ Why not fixed-size partitions (the kernel this replaced): a partition of 256 tok
 partition count came from the table width (the max model length), so a batch of 64 launched
 programs for every partition of a 2048-token table, most of them empty, plus a reduce.
 
-Determinism (tests/test_decode_replay.py): the same inputs at the same row count give the same bits, in a
+Determinism (tests/runner/test_decode_replay.py): the same inputs at the same row count give the same bits, in a
 graph or eager, whichever slice arrives last: the merge reads every active partial in slice order, and the
 count it waits on is published the way CUTLASS's split-K barrier does it (CTA barrier, then one thread's
 release) and acquired before a CTA barrier and L2-only (.cg) loads (the PTX of triton 3.6 and 3.9 for

@@ -32,10 +32,10 @@ class DecodeTuning:
     single_launch_max_splits: a split launch with at most this many slices merges its partials in its
         last-arriving program (one launch); above it, or at 0, a separate reduce kernel merges them (two).
         The default merges in the kernel at every split count (max_splits): not yet measured against the
-        reduce kernel, see scripts/gpu_decode_attention.py --compare-merge.
+        reduce kernel, see benchmarks/kernels/decode_attention.py --compare-merge.
     apply_rope: the decoder's Triton path may hand decode the qkv projection itself (decode_with_rope: q/k
         norm, RoPE and the K/V write in this kernel, one launch fewer per layer); False keeps the q/k-norm +
-        RoPE kernel before it. scripts/gpu_decode_attention.py --rope times both.
+        RoPE kernel before it. benchmarks/kernels/decode_attention.py --rope times both.
     pdl: launch with programmatic dependent launch (kernels/pdl.py): the kernel may start while the projection before
         it finishes. Only where pdl.resolve_pdl says the device supports it; the runner sets it from --pdl.
     num_warps, num_stages: those of a launch that does not split the context (a batch that fills the GPU).

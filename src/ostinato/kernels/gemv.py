@@ -213,13 +213,13 @@ _PEEL_MAX_K = 3072  # GemvTiles.peel_first up to this K (Qwen3-0.6B's projection
 
 def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | None:
     """Tiles for y[m, n] = x[m, k] @ W^T, or None where cuBLAS is as fast. A rule read off the H200 sweep
-    (scripts/gpu_gemv.py, docs/PERFORMANCE.md issue 11), from shapes only, so it is fixed before capture:
+    (benchmarks/kernels/gemv.py, docs/PERFORMANCE.md issue 11), from shapes only, so it is fixed before capture:
     - m == 1, n <= 8192: faster than cuBLAS on every such projection of Qwen3-0.6B, Llama-3.2-1B and
       Llama-3.1-8B (1.05-3.5x; the Qwen3 gate_up ties). block_n gives ~768-1024 programs.
     - m == 1, wider (gate_up of the 1B and 8B): alone, cuBLAS reads them at 85-97% of HBM bandwidth and is
       1-1.4 us faster; with PDL (kernels/pdl.py) the GEMV's weight read starts during the norm before it and the layer
       stays one chain of PDL launches: whole step 1.0526 -> 1.0431 ms (1B) and 4.4175 -> 4.3417 ms (8B),
-      scripts/gpu_pdl.py (now --cublas-wide). So the GEMV there only with PDL.
+      benchmarks/step/pdl.py (now --cublas-wide). So the GEMV there only with PDL.
     - 2 <= m <= 4, n <= 1024: only there did it beat cuBLAS (Qwen3-0.6B o_proj and down_proj, 1.4-1.9x);
       at wider n the [m, block_n, block_k] accumulator leaves too few programs or too many registers.
       Batch 1's rule at 2 rows too, so that the norms before qkv and gate_up fold in (whole steps, fourteenth

@@ -40,7 +40,7 @@ When to split, and how many ways: kernels/prefill_plan.py (host side only).
 
 Limits: as attention/triton_paged.py (any head_dim, padded; any block_size; fp32/bf16/fp16; GQA by
 num_heads // num_kv_heads). Partials take num_tokens * num_heads * splits * (head_dim_pad + 2) fp32.
-Launch settings (PrefillSplitTuning) are not benchmark-tuned yet (scripts/gpu_prefill_attention.py --sweep
+Launch settings (PrefillSplitTuning) are not benchmark-tuned yet (benchmarks/kernels/prefill_attention.py --sweep
 measures the alternatives). Compiled ahead of time for sm_90 (triton 3.9, strides divisible by 16 as the
 launcher specialises them, registers read back with cuobjdump -res-usage), the defaults use ~190 registers and
 no spills for bf16/fp16 at head_dim 64/128, GQA 1-8, with wgmma dots and cp.async-pipelined K/V loads; fp32

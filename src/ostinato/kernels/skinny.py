@@ -16,7 +16,7 @@ kernel before. Optionally split over K (SkinnyTiles.split_k, for long K where N 
 few, e.g. Llama-3.2-1B's down_proj: 128 programs of 256 KB each): each program stores its fp32 partials and counts
 its arrival (SplitCounters); the last of a block's programs sums them in slice order and writes the output, so
 there is no reduce kernel and the result does not depend on which arrives last. One kernel per call, grid from
-shapes only: CUDA-graph safe. No rule picks a split yet: it awaits measurement (scripts/gpu_skinny.py).
+shapes only: CUDA-graph safe. No rule picks a split yet: it awaits measurement (benchmarks/kernels/skinny.py).
 With glu, the SwiGLU activation of a (gate | up) projection comes out of the epilogue (kernels/linear_epilogue.py).
 The RMSNorm before the projection stays its own kernel: folded into this kernel's prologue it cost whole steps
 121-626 us on the H200, more than the norms' whole 14-57 us (docs/PERFORMANCE.md, fifteenth session).
@@ -196,7 +196,7 @@ def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTile
       4 in two runs, -37.2 at 16; o +23.4 at 4; gate_up +116.3 at 4; down -8.8, -1.2 at 4 and -1.6 at 16 (a
       tie, left to cuBLAS). So qkv only.
     - Llama-3.1-8B, one at a time at batches 4 and 16 (eleventh): o +143 / +184 us, down +537 / +781. cuBLAS.
-    Split over K (SkinnyTiles.split_k) won alone on some long-K shapes (scripts/gpu_skinny.py) but lost in every
+    Split over K (SkinnyTiles.split_k) won alone on some long-K shapes (benchmarks/kernels/skinny.py) but lost in every
     whole step measured (1B qkv and down, 8B o and down, splits of 2, 4, 8), so no rule picks it.
     """
     if not 2 <= m <= MAX_ROWS or not _measured_to_win(n, k):

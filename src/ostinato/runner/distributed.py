@@ -43,7 +43,7 @@ def leave_process(code: int) -> NoReturn:
 
     Why not a plain exit: after the program's last line, torch.distributed's C++ teardown (its store, gloo's
     threads) aborted the process now and then ("terminate called without an active exception", exit -6, no
-    Python frame left: 2 runs in 8 of tests/test_tensor_parallel.py's torchrun test with both cores busy, on
+    Python frame left: 2 runs in 8 of tests/runner/test_tensor_parallel.py's torchrun test with both cores busy, on
     rank 0 or rank 1, every process group destroyed first). The workers rank 0 launches itself always left by
     os._exit (runner/tp_worker.py main); torchrun-style ranks now do too. Pending `finally` blocks do not run."""
     atexit._run_exitfuncs()  # what a normal exit runs first; os._exit would skip it

@@ -7,7 +7,7 @@ a pydantic model per chunk cost ~13 us, json-encoding a chunk dict ~7 us, an `as
 send watchdog below. Starlette's StreamingResponse adds an anyio task group per response and two generator
 layers per chunk; the response here is a plain ASGI callable.
 
-Each chunk is exactly what the pydantic response models would write (tests/test_outputs_delta.py compares).
+Each chunk is exactly what the pydantic response models would write (tests/engine/test_outputs_delta.py compares).
 """
 
 from __future__ import annotations

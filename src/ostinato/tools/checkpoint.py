@@ -83,7 +83,7 @@ SHAPES: dict[str, Shape] = {
     # rank count above 1 divides (the last rank's rows are padding) and a tied lm_head (split like the table).
     "tiny-mqa": Shape(**{**_TINY, "num_kv_heads": 1, "vocab_size": 509, "tie_word_embeddings": True}),
     # Llama 3's vocabulary at test size: the sampling kernels' chunk plans depend on the vocabulary
-    # (tests/test_compile_watch.py).
+    # (tests/runner/test_compile_watch.py).
     "tiny-vocab128k": Shape(**{**_TINY, "vocab_size": 128256, "tie_word_embeddings": True}),
     # Exercises llama3 rope scaling at test size: with head_dim 16, theta 10000 and an original length of
     # 256, the rotary wavelengths (6 .. 19869 positions) fall in all three llama3 bands: kept (< 64),

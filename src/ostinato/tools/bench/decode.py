@@ -146,7 +146,7 @@ def queued_graph_ms(runner, bs: int, context: int, gen, iters: int, rounds: int 
     between two CUDA events and one sync, median of `rounds`. The engine runs decode steps that way (async
     scheduling launches step n+1 before it reads step n's tokens), so the host's time to issue a step hides
     behind the step before; replay_ms's synced figure counts it (H200, batch 1: 20 us on llama-3.2-1b, 77 us on
-    llama-3.1-8b, scripts/gpu_step_gap.py). None where there is no graph for bs; CUDA only."""
+    llama-3.1-8b, benchmarks/step/step_gap.py). None where there is no graph for bs; CUDA only."""
     import torch
 
     if hasattr(runner, "call_all"):

@@ -8,7 +8,7 @@ step of that length: launching it returns at once, its tokens are ready step_ms 
 were (steps queue as on one GPU stream), and reading them waits until then (in time.sleep, which releases the
 GIL as a GPU wait does). With step_ms = 0 the engine runs as fast as its host work allows: the host ceiling.
 
-Used by `ostinato bench host`, and by scripts/serve_vs_offline.py (`--noop-forward`) for both
+Used by `ostinato bench host`, and by benchmarks/online/serve_vs_offline.py (`--noop-forward`) for both
 `LLM.generate` and the server's engine core: `build_engine(args, step_ms)` is a module-level engine factory,
 so `functools.partial(build_engine, step_ms=...)` can be pickled into the engine core process.
 """

@@ -1,0 +1,270 @@
+"""Server vs offline on the same work: output tokens/s of `LLM.generate` and of `ostinato serve` under
+`ostinato bench serve`, and their ratio (issue 9's goal: the server within 15% of offline).
+
+Both runs use the same prompts (bench serve's random token ids), greedy, ignore_eos, exactly --output-len
+tokens each, and the same engine flags (everything after `--`). Each runs in its own process, one after the
+other, so they never share a GPU or a GIL; the load generator runs in this process.
+
+H200 (the issue's measurement):
+
+    ostinato make-checkpoint /tmp/ck-qwen3-0.6b --shape qwen3-0.6b --dtype bfloat16
+    PYTHONPATH=src python3 benchmarks/online/serve_vs_offline.py /tmp/ck-qwen3-0.6b -- --max-num-seqs 64 --max-model-len 1024
+
+CPU, with the forward replaced by a no-op (tools/bench/noop_forward.py: the Python around the model, server and offline
+alike), acting as an asynchronous GPU step of --noop-forward-ms (0: the host's ceiling):
+
+    PYTHONPATH=src python benchmarks/online/serve_vs_offline.py /tmp/ck-tiny --noop-forward --noop-forward-ms 3 -- \\
+        --device cpu --dtype float32 --max-num-seqs 64 --max-model-len 1024 --num-kv-blocks 4096
+
+`--profile DIR` runs the server's event loop, its engine core and the load generator under cProfile and prints
+where each spends its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def _child_offline(ns, engine_argv: list[str]) -> None:
+    from ostinato.cli_args import add_engine_args, engine_args_from
+    from ostinato.engine.llm import LLM
+    from ostinato.sampling_params import SamplingParams
+    from ostinato.tools.bench.serve import make_prompts
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    llm = LLM.from_engine_args(engine_args_from(p.parse_args([ns.model, *engine_argv])))
+    if ns.noop_forward:
+        from ostinato.tools.bench import noop_forward
+
+        noop_forward.install(llm.engine, ns.noop_forward_ms)
+    prompts = make_prompts(_bench_config(ns))
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], params)  # warm-up, as bench serve sends one request first
+    start, cpu_start = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params)
+    duration, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print(json.dumps({"output_tokens": tokens, "duration_s": duration, "output_throughput": tokens / duration,
+                      "cpu_s": cpu}))
+
+
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of a process, from /proc (Linux); {} elsewhere."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    except OSError:
+        pass
+    return out
+
+
+def _cpu_report(pid: int, before: dict[int, float], after: dict[int, float], tokens: int) -> str:
+    """CPU ms per 1,000 output tokens, per busy thread of the server (and its children, e.g. an engine core
+    process), so one can see which thread bounds the throughput."""
+    used = sorted(((after[t] - before.get(t, 0.0), t) for t in after), reverse=True)
+    parts = [f"{'main' if t == pid else t}: {1e6 * s / max(tokens, 1):.0f}" for s, t in used[:4] if s > 0]
+    return "CPU ms per 1k output tokens by server thread: " + ", ".join(parts)
+
+
+def _profiled_engine(args, factory, path: str):
+    """Build the engine with `factory` and profile the engine core's loop (its main thread) with cProfile until
+    the process exits (module-level: spawn pickles it into the core process)."""
+    import atexit
+    import cProfile
+
+    engine = factory(args)
+    profile = cProfile.Profile()
+    atexit.register(lambda: (profile.disable(), profile.dump_stats(path)))
+    profile.enable()
+    return engine
+
+
+def _child_serve(ns, engine_argv: list[str]) -> None:
+    import functools
+    import logging
+
+    from ostinato.cli import build_parser
+    from ostinato.engine.core_process import build_engine
+    from ostinato.server import app
+    from ostinato.tools.bench import noop_forward
+
+    logging.basicConfig(level="WARNING")
+    serve_ns = build_parser().parse_args(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port),
+                                          "--host", "127.0.0.1", *engine_argv]
+                                         + (["--engine-thread"] if ns.engine_thread else []))
+    factory = functools.partial(noop_forward.build_engine, step_ms=ns.noop_forward_ms) if ns.noop_forward \
+        else build_engine
+    if ns.profile and not ns.engine_thread:
+        factory = functools.partial(_profiled_engine, factory=factory, path=f"{ns.profile}/core.prof")
+    profile = None
+    if ns.profile:  # the server's main thread: the event loop (HTTP, JSON, streams)
+        import cProfile
+
+        profile = cProfile.Profile()
+    try:
+        sys.exit(profile.runcall(app.run, serve_ns, engine_factory=factory) if profile
+                 else app.run(serve_ns, engine_factory=factory))
+    except KeyboardInterrupt:  # how main() stops this child (uvicorn re-raises the SIGINT once it has shut down)
+        sys.exit(0)
+    finally:
+        if profile is not None:
+            profile.dump_stats(f"{ns.profile}/front.prof")
+
+
+def _bench_config(ns):
+    from ostinato.tools.bench.serve import BenchConfig
+
+    return BenchConfig(base_url=f"http://127.0.0.1:{ns.port}", num_prompts=ns.num_prompts,
+                       max_concurrency=ns.max_concurrency, input_len=ns.input_len, output_len=ns.output_len)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes the server started (an engine core), children of its process or its descendants."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        found += kids
+        frontier += kids
+    return found
+
+
+def _decode_steps(port: int) -> int:
+    """Decode steps the server ran so far (graph + eager), from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("ostinato:decode_steps_total{")))
+
+
+def _wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with code {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server was not healthy after {timeout:.0f} s")
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    engine_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--noop-forward", action="store_true", help="replace the model step by a no-op (CPU runs)")
+    p.add_argument("--noop-forward-ms", type=float, default=0.0,
+                   help="with --noop-forward: each step sleeps this long, like a GPU forward (e.g. 3.5)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="serve with the engine on a thread of the server's process (serve --engine-thread)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="cProfile the server's event loop (DIR/front.prof), its engine core (DIR/core.prof) and "
+                        "the load generator (DIR/client.prof), and print where each spends its time")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--child", choices=["offline", "serve"], help=argparse.SUPPRESS)
+    ns = p.parse_args(own)
+    if ns.child == "offline":
+        _child_offline(ns, engine_argv)
+        return 0
+    if ns.child == "serve":
+        _child_serve(ns, engine_argv)
+        return 0
+
+    me = [sys.executable, os.path.abspath(__file__), *own]
+    if ns.profile:
+        os.makedirs(ns.profile, exist_ok=True)
+        ns.profile = os.path.abspath(ns.profile)
+        me += ["--profile", ns.profile]  # the server child profiles itself and its engine core
+    res = subprocess.run([*me, "--child", "offline", "--", *engine_argv], check=True, stdout=subprocess.PIPE,
+                         text=True)
+    offline = json.loads(res.stdout.strip().splitlines()[-1])
+    print(f"LLM.generate: {offline['output_tokens']} tokens in {offline['duration_s']:.2f} s = "
+          f"{offline['output_throughput']:.0f} output tok/s", flush=True)
+
+    server = subprocess.Popen([*me, "--child", "serve", "--", *engine_argv])
+    try:
+        _wait_healthy(ns.port, server, ns.startup_timeout)
+        from ostinato.tools.bench.serve import format_table, run_benchmark
+
+        pids = [server.pid, *_children(server.pid)]
+        before = {pid: _thread_cpu(pid) for pid in pids}
+        steps_before = _decode_steps(ns.port)
+        client_cpu = time.process_time()
+        if ns.profile:
+            import cProfile
+
+            profile = cProfile.Profile()
+            summary = profile.runcall(asyncio.run, run_benchmark(_bench_config(ns)))
+            profile.dump_stats(f"{ns.profile}/client.prof")
+        else:
+            summary = asyncio.run(run_benchmark(_bench_config(ns)))
+        client_cpu = time.process_time() - client_cpu
+        steps = _decode_steps(ns.port) - steps_before
+        cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
+                     for pid in pids]
+    finally:
+        # uvicorn re-raises the signal once it has shut down: SIGINT's KeyboardInterrupt lets the server child's
+        # `finally` blocks run (they stop the engine core and write the profiles); SIGTERM would end it there.
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    print(format_table(summary))
+    if steps:
+        print(f"server: {steps} decode steps, {summary['total_output_tokens'] / steps:.1f} output tokens per "
+              "decode step (prefill steps give a token each too)")
+    print(f"offline CPU ms per 1k output tokens: {1e6 * offline['cpu_s'] / offline['output_tokens']:.0f}")
+    for pid, line in zip(pids, cpu_lines):
+        print(f"pid {pid}: {line}")
+    print(f"the load generator (bench serve, this process): "
+          f"{1e6 * client_cpu / max(summary['total_output_tokens'], 1):.0f} CPU ms per 1k output tokens")
+    ratio = summary["output_throughput"] / offline["output_throughput"]
+    print(f"\nLLM.generate {offline['output_throughput']:.0f} tok/s | server {summary['output_throughput']:.0f} "
+          f"tok/s (median ITL {summary['itl_ms']['median']:.2f} ms) | server/offline = {ratio:.2f} "
+          f"(goal >= 0.85)")
+    if ns.profile:
+        _print_profiles(ns.profile)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def _print_profiles(folder: str, top: int = 25) -> None:
+    import pstats
+
+    for name in ("front", "core", "client"):
+        path = f"{folder}/{name}.prof"
+        if os.path.exists(path):
+            print(f"\n==== {name}: the {top} functions with the most own time ({path})")
+            pstats.Stats(path).sort_stats("tottime").print_stats(top)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
