@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct (the real default model) on a GPU in bf16: graph vs eager, ostinato vs HF fp32 and
-HF bf16, greedy over the same chat prompts, judged by DESIGN.md's logprob-close rule (equal tokens up to the
+HF bf16, greedy over the same chat prompts, judged by the logprob-close rule (equal tokens up to the
 first difference; there, each side's token is in the other's top-5). Prints a Markdown table for
 docs/PERFORMANCE.md; exits 1 if a pair is not logprob-close.
 

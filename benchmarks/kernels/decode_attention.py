@@ -13,8 +13,8 @@ Runs against whatever `ostinato` PYTHONPATH names, so the same file measures an 
 --sweep (needs kernels/decode_attention.py) also times other decode tunings; --compare-merge times the
 two-kernel decode (split + reduce kernel, single_launch_max_splits=0) beside the default single launch;
 --rope also times the step from the qkv projection: the q/k-norm + RoPE kernel (writing K/V) then decode,
-against decode_with_rope (all three in the decode kernel); --attn adds DecodeTuning variants (as
-scripts/gpu_variants.py's). --pdl also times every variant as a decode step launches it: decode_with_rope
+against decode_with_rope (all three in the decode kernel); --attn adds DecodeTuning variants
+(name:field=value). --pdl also times every variant as a decode step launches it: decode_with_rope
 (q/k norm, RoPE and the K/V write in the kernel) with programmatic dependent launch, so each layer's kernel
 starts while the one before finishes and reads its first K/V tile before its wait (kernels/decode_attention.py,
 PREFETCH). Its bytes are the same K/V; the figure is what attention costs a step where its neighbours let it

@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-HBM_READ_BYTES_PER_S = 4.13e12  # measured on our H200 (DESIGN.md)
+HBM_READ_BYTES_PER_S = 4.13e12  # read bandwidth measured on the H200 the published figures come from
 
 
 def time_graph(fn, copies, iters=30):

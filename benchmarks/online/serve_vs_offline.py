@@ -1,11 +1,11 @@
 """Server vs offline on the same work: output tokens/s of `LLM.generate` and of `ostinato serve` under
-`ostinato bench serve`, and their ratio (issue 9's goal: the server within 15% of offline).
+`ostinato bench serve`, and their ratio (the goal: the server within 15% of offline).
 
 Both runs use the same prompts (bench serve's random token ids), greedy, ignore_eos, exactly --output-len
 tokens each, and the same engine flags (everything after `--`). Each runs in its own process, one after the
 other, so they never share a GPU or a GIL; the load generator runs in this process.
 
-H200 (the issue's measurement):
+On a GPU (the measurement in docs/PERFORMANCE.md):
 
     ostinato make-checkpoint /tmp/ck-qwen3-0.6b --shape qwen3-0.6b --dtype bfloat16
     PYTHONPATH=src python3 benchmarks/online/serve_vs_offline.py /tmp/ck-qwen3-0.6b -- --max-num-seqs 64 --max-model-len 1024

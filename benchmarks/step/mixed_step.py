@@ -1,4 +1,4 @@
-"""Issue 12: what a mixed step (running decodes + one prefill chunk) costs, and what makes it cost that.
+"""What a mixed step (running decodes + one prefill chunk) costs, and what makes it cost that.
 
 Times, on an idle engine, eager forwards of hand-built steps (wall ms with a device sync, medians, after two
 warm-ups), as a user's step feels them:

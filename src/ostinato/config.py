@@ -127,10 +127,9 @@ class ModelConfig:
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The offline API (LLM, and so `bench throughput`) defaults to a larger step budget, as vLLM's LLM class does:
-# a batch job wants throughput, not the gap between one stream's tokens. On the H200 (llama-3.1-8b shape,
-# nano-vllm's workload, `ostinato bench throughput`) prefix caching + chunking at 8192 gave 10,334 tok/s
-# against 10,344 with both off, while the server's 2048 gave ~10,000 (smaller steps: more mixed steps, each
-# reading the weights twice). A prompt longer than the budget is still chunked.
+# a batch job wants throughput, not the gap between one stream's tokens. At 8192, prefix caching + chunking
+# cost nano-vllm's workload nothing measurable, while the server's 2048 cost a few percent (smaller steps: more
+# mixed steps; docs/PERFORMANCE.md, "Why these defaults"). A prompt longer than the budget is still chunked.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -240,10 +239,9 @@ def plan_capture_sizes(
     return tuple(kept)
 
 
-# Token counts of the captured prefill graphs. Why these (H200, llama-3.1-8b, bf16): an eager forward of up to
-# ~480 tokens costs ~11 ms of host-side launches whatever its size, while its GPU work is ~4-5 ms at 96-224
-# tokens; by ~512 tokens the GPU work (~21 us a token: 43 ms at 2016) catches up with the launches, so above
-# that a graph saves little and eager runs. The 1.5x steps bound padding to a third of a replay's tokens.
+# Token counts of the captured prefill graphs. Why these (llama-3.1-8b, bf16): an eager forward of up to ~480
+# tokens costs more in host-side launches than in GPU work, whatever its size; by ~512 tokens the GPU work
+# catches up with the launches, so above that a graph saves little and eager runs. The 1.5x steps bound padding to a third of a replay's tokens.
 # Graph memory is that of the largest size (all sizes share one pool): its activations, tens of MiB on the 8B.
 DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # A captured prefill step holds up to this many sequences (a chunk beside running decodes is one; a burst of

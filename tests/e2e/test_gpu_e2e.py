@@ -22,7 +22,7 @@ def ckpt(tmp_path_factory):
 
 
 def close_until_divergence(a_ids, a_lps, b_ids, b_lps) -> int:
-    """Logprob-close (DESIGN.md): equal greedy tokens up to the first difference; there, each side's token must
+    """Logprob-close: equal greedy tokens up to the first difference; there, each side's token must
     be in the other's top-5. Returns the number of tokens compared."""
     for i, (x, y) in enumerate(zip(a_ids, b_ids)):
         if x != y:

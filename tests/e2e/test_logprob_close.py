@@ -1,4 +1,4 @@
-"""The logprob-close rule (DESIGN.md) as benchmarks/smollm2_gpu.py applies it to the GPU comparisons: equal tokens
+"""The logprob-close rule as benchmarks/smollm2_gpu.py applies it to the GPU comparisons: equal tokens
 up to the first difference; there, each side's token is in the other's top-5 at that step."""
 
 import importlib.util

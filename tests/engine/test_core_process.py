@@ -82,7 +82,7 @@ async def _wait_idle(core: ProcessAsyncEngine, timeout: float = 20.0):
 def assert_logprobs_close(got, want):
     """The same tokens and top ids; logprobs to 1e-4. Offline ran the requests one at a time, the core batches
     them together, and an fp32 CPU matmul over other rows may sum in another order: on some CPUs (seen on
-    this project's machine, 2026-12-02) the logprobs then differ in the 6th decimal, never the tokens."""
+    this project's machine) the logprobs then differ in the 6th decimal, never the tokens."""
     if want is None:  # no logprobs asked for
         assert got is None
         return

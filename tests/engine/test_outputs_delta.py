@@ -1,4 +1,4 @@
-"""Outputs as deltas (issue 9): DELTA outputs join into exactly what LLM.generate returns (greedy, n > 1,
+"""Outputs as deltas: DELTA outputs join into exactly what LLM.generate returns (greedy, n > 1,
 stop strings, logprobs); a stream never shows part of a stop string; and what the engine builds per step does
 not grow with the length of the output."""
 

@@ -27,7 +27,7 @@ from ostinato.kernels.decode_plan import choose_num_splits, num_sms  # noqa: E40
 from ostinato.attention.triton_paged import TritonPagedBackend  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-REPLAYS = int(os.environ.get("OSTINATO_DECODE_REPLAYS", "200"))  # scripts/gpu_hB_check.sh's stress sets 2000
+REPLAYS = int(os.environ.get("OSTINATO_DECODE_REPLAYS", "200"))  # a stress run sets 2000
 
 
 def decode_call(case: RopeCase, backend: TritonPagedBackend, rope: bool):

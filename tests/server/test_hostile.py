@@ -1,4 +1,4 @@
-"""Hostile input and overload (issue 10): every bad value gets a 4xx naming what to change, and no single request
+"""Hostile input and overload: every bad value gets a 4xx naming what to change, and no single request
 stalls the server. While each heavy hostile request is in flight, /health and a small completion from another
 client must still answer within PROBE_SECONDS.
 
@@ -339,7 +339,7 @@ def test_unread_stream_over_a_real_socket(server, engine):
     each (megabytes of events) and reads nothing. Once the socket buffers fill, the request must be aborted long
     before it would finish, and its blocks freed. Steps take 20 ms (230 of them >= 4.6 s), so that the engine
     cannot outrun the server's event loop: unthrottled, on a loaded 2-core machine, it once generated every
-    token before the stalled send timed out (full suite, 2026-12-02; alone: 1,632 of 3,680)."""
+    token before the stalled send timed out (under the full suite; alone, less than half of them)."""
     n, max_tokens = QUEUE_BOUND, 230
     body = json.dumps({"model": MODEL, "messages": CHAT, "n": n, "logprobs": True, "top_logprobs": 20,
                        "max_tokens": max_tokens, "ignore_eos": True, "stream": True}).encode()

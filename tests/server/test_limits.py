@@ -1,4 +1,4 @@
-"""Issue 10 below the server: SamplingParams refuses garbage values (so the offline API does too), the server's
+"""Limits below the server: SamplingParams refuses garbage values (so the offline API does too), the server's
 limits, the KV self-check's cost, and the CLI and README keeping their word. No model is loaded here."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_limits_follow_max_model_len():
         limits_mod.ServerLimits(max_n=0)
 
 
-# ---- the KV self-check (issue 10, item 9) --------------------------------------------------------------------
+# ---- the KV self-check --------------------------------------------------------------------------------------
 class _LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op creates."""
 

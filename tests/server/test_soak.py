@@ -1,4 +1,4 @@
-"""Soak (issue 10): concurrent clients, a quarter of them hanging up mid-stream, on a KV pool small enough to
+"""Soak: concurrent clients, a quarter of them hanging up mid-stream, on a KV pool small enough to
 force preemption. Asserts that no request is lost, that greedy text under load equals the same request run
 alone, and that every KV block is free at the end. Bounded to SOAK_SECONDS of load on 2 CPU cores.
 

@@ -39,7 +39,7 @@ UNCLASSED_KERNELS = {"_unpack_kernel", "_prefill_kernel", "_prefill_split_kernel
 
 def test_every_triton_kernel_of_the_package_has_a_class():
     """A new kernel whose name no class knows would count as 'other' in `bench kernels` (the few-rows
-    projection kernel did: 751 us of Qwen3-0.6B's batch-16 step reported as other, 2026-12-03)."""
+    projection kernel did: 751 us of Qwen3-0.6B's batch-16 step reported as other)."""
     src = Path(__file__).resolve().parents[2] / "src" / "ostinato"
     names = {m for f in src.rglob("*.py") for m in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)}
     assert "_gemv_kernel" in names and "_skinny_kernel" in names  # the scan finds the package's kernels
@@ -120,5 +120,5 @@ def test_the_floor_reads_an_untied_embedding_table_one_row_a_token_not_whole():
                                tp=SimpleNamespace(world_size=world_size))
 
     assert weights_read_per_step(runner(True)) == 16_060_522_496
-    assert weights_read_per_step(runner(False)) == 16_060_522_496 - 128256 * 4096 * 2  # 15.01 GB, DESIGN.md
+    assert weights_read_per_step(runner(False)) == 16_060_522_496 - 128256 * 4096 * 2  # 15.01 GB
     assert weights_read_per_step(runner(False, 2)) == 16_060_522_496 // 2 - 128256 * 4096

@@ -39,7 +39,7 @@ Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, bloc
 so it is fixed before a graph is captured and never changes during replays. A batch whose own programs
 (num_seqs * num_kv_heads) already cover every SM is not split (no reduce kernel); a smaller one is split
 until the GPU holds `programs_per_sm` programs per SM, but no further than one BLOCK_N tile per slice of
-the widest context the table can hold, nor than max_splits. On an H200 (132 SMs) with 8 kv heads, batch 1
+the widest context the table can hold, nor than max_splits. On a GPU of 132 SMs with 8 kv heads, batch 1
 splits 32 ways at a 2048-token table (64 at 32k), batch 16 4 ways, batch >= 17 not at all; except that a
 table wider than max_keys_per_program (2048) tokens always splits so that no program scans more (batch 64
 at an 8448-token table: 5 ways), since one long sequence would otherwise straggle.

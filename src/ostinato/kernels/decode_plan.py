@@ -15,16 +15,15 @@ from ostinato.errors import ConfigError
 
 @dataclass(frozen=True)
 class DecodeTuning:
-    """Launch settings of the decode kernels. The defaults were the fastest of two sweeps on the H200 at batch
-    1, 16, 64: the kernel alone (block_n 32/64, num_stages 1/3, programs_per_sm 2/4), then whole decode steps
-    in one process (scripts/gpu_variants.py: block_n 16-128, 2-8 warps, forced split counts; docs/PERFORMANCE.md,
-    issue 11). Warps and stages differ between split and unsplit launches (below).
+    """Launch settings of the decode kernels. The defaults were the fastest of two sweeps at batch 1, 16, 64:
+    the kernel alone (block_n 32/64, num_stages 1/3, programs_per_sm 2/4), then whole decode steps (block_n
+    16-128, 2-8 warps, forced split counts); the figures are in docs/PERFORMANCE.md, "Why these defaults".
+    Warps and stages differ between split and unsplit launches (below).
 
     block_n: tokens per inner-loop tile (a power of two >= 16).
     programs_per_sm: split into as many slices as keep num_seqs * num_kv_heads * splits within this many
         programs per SM (rounded down, so that they all fit on the GPU at once: rounding up gave batch 16 with 8
-        kv heads 5 slices, 640 programs where 528 fit, and a second wave; 4 slices took 315 us off a Qwen3-0.6B
-        step at context 2048 and 16 at 512, H200, scripts/gpu_issue11_round8b.sh).
+        kv heads 5 slices, 640 programs where 528 fit, and a second wave, measurably slower).
     max_splits: at most this many slices (bounds the reduce's work and the partials' memory).
     max_keys_per_program: split a table wider than this many tokens at any batch (a long sequence's scan
     must not set the step's time; choose_num_splits).
@@ -39,33 +38,24 @@ class DecodeTuning:
     pdl: launch with programmatic dependent launch (kernels/pdl.py): the kernel may start while the projection before
         it finishes. Only where pdl.resolve_pdl says the device supports it; the runner sets it from --pdl.
     num_warps, num_stages: those of a launch that does not split the context (a batch that fills the GPU).
-        num_warps 2 instead of 4 took 307 and 278 us off qwen3-0.6b and llama-3.1-8b at batch 64, context 512
-        (head_dim 128; llama-3.2-1b, head_dim 64: +5 us, within noise), scripts/gpu_variants.py.
+        2 warps rather than 4 were faster on head_dim 128 at large batches and a tie on head_dim 64.
     late_trigger_programs: with pdl, where the launch holds at least this many active programs (num_seqs x
         kv heads x the slices holding tokens, which each program estimates from its own sequence), each program
         lets the next kernel launch (griddepcontrol.launch_dependents) only once it has walked its slice;
         where fewer, first thing. Why: a trigger first thing in a launch whose programs fill the GPU lets o_proj
-        launch at once, and its few programs then sit, and run, on the few SMs with room. H200, whole decode
-        steps in one process, 512 cached tokens (8 active slices up to batch 8, 4 at 16), after the loop
-        against first thing (scripts/gpu_issue11_round9c.sh, 9d): Qwen3-0.6B batch 2 -16.7 us, batch 8 -214.9,
-        batch 16 -117.9, at 4096 tokens batch 1 -7.2; at batch 1 (64 active) +5.3, Llama-3.2-1B +10.5; batch 4
-        (256) +1.2 and +4.5; batches 32, 64 and Llama-3.1-8B within 5 us. 0: always after the loop.
-    split_num_warps: num_warps of a launch that splits (2 instead of 4 added 35 and 51 us to llama-3.2-1b and
-        llama-3.1-8b at batch 1).
+        launch at once, and its few programs then sit, and run, on the few SMs with room; a small launch
+        (batch 1 at 512 tokens) is better off triggering early. 0: always after the loop.
+    split_num_warps: num_warps of a launch that splits (2 instead of 4 were slower at batch 1).
     merge_chunk_elems: fp32 partial-output elements the single launch's merge loads per round trip to L2
         ([group, slices, head_dim] tiles); a merge of more slices than one chunk loops, one round trip a chunk.
         Batch 1 at a context of 4096 or more runs 64 slices, 8 round trips at 4096 elements (group 4, head_dim
-        128) and 4 at 8192. H200, whole decode steps in one process (scripts/gpu_variants.py, docs/PERFORMANCE.md,
-        ninth session), 8192 against 4096: context 4096 -17.4 / -12.9 us a step at batch 1 (qwen3-0.6b /
-        llama-3.2-1b), -16.1 / -5.8 at batch 4; context 512 +2.5 / +2.2 at batch 1 (the larger tile's
-        registers; those 8 slices fit one chunk either way), +2.8 / +0.1 at batch 16. 16384 spilled: alone
-        at batch 4, context 4096, the 8B went from 24.2 to 32.3 us a layer.
+        128) and 4 at 8192. Fewer round trips win at long contexts and cost a few registers at short ones;
+        16384 spills.
     split_num_stages: num_stages of a launch that splits the context to fill idle SMs (launch_for).
         Such a launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
-        on their latency; software pipelining then only adds a prologue. H200, a whole decode step in one
-        process (scripts/gpu_variants.py, context 512): 1 instead of 3 took 25, 10 and 39 us off qwen3-0.6b,
-        llama-3.2-1b and llama-3.1-8b at batch 1, and 90, 17 and 57 us at batch 16; unsplit (batch 64) it
-        added 289 and 67 us, so unsplit launches keep 3. At context 8192: batch 4 -265 us, batch 1 +14 us.
+        on their latency; software pipelining then only adds a prologue. An unsplit launch, whose programs walk
+        many tiles, loses with 1 stage and keeps 3.
+    Measurements behind every default: docs/PERFORMANCE.md, "Why these defaults".
     """
 
     block_n: int = 64
@@ -101,9 +91,8 @@ class DecodeTuning:
         """(num_warps, num_stages) of a launch of `splits` slices whose batch alone makes `batch_programs`
         programs (sequences x kv heads): the split settings only where the split fills idle SMs. A batch that
         fills the GPU and splits only so that no program scans more than max_keys_per_program (a table wider
-        than 2048 tokens) walks long slices as an unsplit launch does, and keeps its settings. H200, `ostinato
-        bench throughput` (max-model-len 4096: 2 slices at every batch), one run each: llama-3.2-1b 48% of its
-        floor with the split settings there, 54% with these."""
+        than 2048 tokens) walks long slices as an unsplit launch does, and keeps its settings (faster on
+        `ostinato bench throughput`, where a 4096-token table splits in 2 at every batch)."""
         if splits > 1 and batch_programs < num_sms:
             return self.split_num_warps, self.split_num_stages
         return self.num_warps, self.num_stages
@@ -120,8 +109,8 @@ def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, ma
         return tuning.splits
     programs = max(1, num_seqs * num_kv_heads)
     # One long sequence among short ones: unsplit, its programs scan its whole context while the rest of the
-    # GPU idles, and the step waits for them (H200, llama-3.1-8b shape, 32 rows at context 256 beside one at
-    # 8192: +6.5 ms a step). So no program gets more than max_keys_per_program keys of the widest context
+    # GPU idles, and the step waits for them (32 short rows beside one of 8192 tokens: milliseconds a step).
+    # So no program gets more than max_keys_per_program keys of the widest context
     # the table holds, even when the batch alone fills the GPU.
     straggler = triton.cdiv(max(max_context, 1), tuning.max_keys_per_program)
     if programs >= num_sms:

@@ -15,7 +15,7 @@ weight-read floor). These kernels fold the elementwise work around the GEMMs int
 At decode batches the small-batch GEMV (kernels/gemv.py) takes the norm before a projection (qkv, gate_up) into
 its own kernel where that pays (DecoderKernels.norm_linear): one launch fewer for each, the same values but for
 the norm's reduction order. (The activation folded into down_proj was measured too, and lost: each program
-recomputed silu over its whole K, +19 to +716 us a step at batch 1.)
+recomputed silu over its whole K, which cost more than the launch it saved.)
 
 `DecoderKernels` bundles one implementation of each step; the decoder picks `TRITON_KERNELS` for CUDA
 tensors when triton is importable and `TORCH_KERNELS` otherwise (`kernels_for`), once, when the KV

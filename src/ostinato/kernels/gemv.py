@@ -2,8 +2,8 @@
 
 Why: at M <= 4 a decode projection reads its whole weight to make a few outputs, so its time should be
 the weight bytes over HBM bandwidth. cuBLAS at the small projections of the small models is far from
-that (H200, in a graph: the Qwen3-0.6B o_proj, 4 MB, takes 12.7 us at M = 1 and 5.9 us at M = 8; the
-floor is 1 us), and every projection pays ~5 us however small (docs/PERFORMANCE.md, issue 11).
+that (the Qwen3-0.6B o_proj, 4 MB, takes over ten times its floor at M = 1), and every projection pays a
+few microseconds however small (docs/PERFORMANCE.md, "Why these defaults").
 
 Algorithm: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N output features for all M rows and walks K in
 BLOCK_K chunks: a [BLOCK_N, BLOCK_K] weight tile (K contiguous: coalesced 16-byte loads) times the
@@ -131,8 +131,8 @@ def _gemv_kernel(
 @dataclass(frozen=True)
 class GemvTiles:
     """block_n outputs by block_k inputs per step. peel_first: the first K step runs before the loop, its
-    weight tile loaded before the PDL wait (H200, M = 1, isolated: faster at K <= 3072, 0.1-0.4 us; slower at
-    the 8B's o_proj and down_proj, K >= 4096 with block_n 4, by 1.3 and 6.6 us; docs/PERFORMANCE.md)."""
+    weight tile loaded before the PDL wait (faster at K <= 3072; slower at K >= 4096 with block_n 4, the 8B's
+    o_proj and down_proj; docs/PERFORMANCE.md, "Why these defaults")."""
 
     block_n: int
     block_k: int
@@ -212,19 +212,19 @@ _PEEL_MAX_K = 3072  # GemvTiles.peel_first up to this K (Qwen3-0.6B's projection
 
 
 def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | None:
-    """Tiles for y[m, n] = x[m, k] @ W^T, or None where cuBLAS is as fast. A rule read off the H200 sweep
-    (benchmarks/kernels/gemv.py, docs/PERFORMANCE.md issue 11), from shapes only, so it is fixed before capture:
+    """Tiles for y[m, n] = x[m, k] @ W^T, or None where cuBLAS is as fast. A rule read off a sweep
+    (benchmarks/kernels/gemv.py; docs/PERFORMANCE.md, "Why these defaults"), from shapes only, so it is fixed
+    before capture:
     - m == 1, n <= 8192: faster than cuBLAS on every such projection of Qwen3-0.6B, Llama-3.2-1B and
       Llama-3.1-8B (1.05-3.5x; the Qwen3 gate_up ties). block_n gives ~768-1024 programs.
     - m == 1, wider (gate_up of the 1B and 8B): alone, cuBLAS reads them at 85-97% of HBM bandwidth and is
       1-1.4 us faster; with PDL (kernels/pdl.py) the GEMV's weight read starts during the norm before it and the layer
-      stays one chain of PDL launches: whole step 1.0526 -> 1.0431 ms (1B) and 4.4175 -> 4.3417 ms (8B),
-      benchmarks/step/pdl.py (now --cublas-wide). So the GEMV there only with PDL.
+      stays one chain of PDL launches, which wins the whole step (benchmarks/step/pdl.py --cublas-wide). So the
+      GEMV there only with PDL.
     - 2 <= m <= 4, n <= 1024: only there did it beat cuBLAS (Qwen3-0.6B o_proj and down_proj, 1.4-1.9x);
       at wider n the [m, block_n, block_k] accumulator leaves too few programs or too many registers.
-      Batch 1's rule at 2 rows too, so that the norms before qkv and gate_up fold in (whole steps, fourteenth
-      session, scripts/gpu_variants.py gemv-rows*): Qwen3-0.6B +20.0 us a step, Llama-3.2-1B +9.3 (block_k 512)
-      to +117.6 (1024); at 4 rows +263 to +619. The few-rows kernel with the norm apart stays faster.
+      Batch 1's rule at 2-4 rows too, so that the norms before qkv and gate_up fold in, lost whole steps: the
+      few-rows kernel with the norm apart stays faster.
     """
     if m == 1 and (n <= 8192 or pdl):
         block_n = 1
@@ -288,21 +288,11 @@ GLU_FOLD_MAX_ROWS = 16  # measured to win at 1, 4, 8 and (launched without PDL t
 
 def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
     """Whether the SwiGLU activation (silu(gate) * up) folds into the epilogue of the (gate | up) projection's
-    GEMV or few-rows kernel at these shapes, one activation kernel fewer per layer. Whole decode steps on the
-    H200, context 512, against the activation kernel (scripts/gpu_variants.py fold-glu, eleventh session;
-    no-silu, the activation removed altogether, is the most it can save):
-    - batch 1 (the GEMV, norm folded too): Qwen3-0.6B -8.8 us a step (of -12.8), Llama-3.2-1B -2.2 and -5.7
-      in two runs (of -12.8), Llama-3.1-8B -29.7 (of -36.5);
-    - Qwen3-0.6B, the few-rows kernel: batch 4 -25.3 us (of -29.8), batch 8 -22.8 (32 x 256 tiles); batch 16
-      +116.8 with its 16 x 256 tiles and +120 with 32 x 256 while that kernel launched with PDL. There the
-      kernels took no longer (bench kernels: the few-rows kernel +2.6 us a step, the activation's 31.9 gone),
-      but the gaps between them grew 91 -> 244 us a step (scripts/gpu_issue11_round6g.sh). With gate_up
-      launched without PDL the fold won at 16 rows too: -55.9 us a step against the default of then
-      (scripts/gpu_issue11_round8.sh), so the folded gate_up launches without PDL above 8 rows
-      (skinny.keeps_pdl) and the fold is on wherever a Triton kernel takes the projection.
-    With this rule as the default, the fold off (no-glu-fold) cost Qwen3-0.6B +10.2 / +29.4 / +37.8 us a step at
-    batch 1 / 4 / 8 and the 8B +39.2 at batch 1 (a second run, scripts/gpu_issue11_round6e.sh). The 1B and 8B's
-    gate_up at 2-16 rows is cuBLAS's, which folds nothing (folds_glu)."""
+    GEMV or few-rows kernel at these shapes, one activation kernel fewer per layer. It won whole decode steps
+    at 1, 4 and 8 rows. At 16 rows under PDL the kernels took no longer, but the gaps between them grew; with
+    the folded gate_up launched without PDL above 8 rows (skinny.keeps_pdl) it wins there too, so the fold is
+    on wherever a Triton kernel takes the projection (figures: docs/PERFORMANCE.md, "Why these defaults").
+    The 1B and 8B's gate_up at 2-16 rows is cuBLAS's, which folds nothing (folds_glu)."""
     return m <= GLU_FOLD_MAX_ROWS
 
 
@@ -322,11 +312,10 @@ def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm
     NORM_FOLD_MAX_K), else None (the caller then launches the norm and the projection apart). The folded GEMV
     always peels its first K step, also at K > _PEEL_MAX_K, where the plain GEMV does not.
 
-    Why the peel (H200, whole decode steps at batch 1 in one process, scripts/gpu_variants.py): every program of
-    the fold first passes over the whole row for its 1/rms; with the first weight tile requested before the PDL
-    wait, that pass overlaps the weight read instead of delaying it. Llama-3.1-8B (K 4096): the fold without the
-    peel added 108 us a step, with it took 60.5 us off (4.0336 -> 3.9730 ms; qkv_proj alone: -36.7 us). The
-    smaller models (K <= 3072, peeled anyway): -19.7 us (Llama-3.2-1B), -17.9 us (Qwen3-0.6B)."""
+    Why the peel: every program of the fold first passes over the whole row for its 1/rms; with the first
+    weight tile requested before the PDL wait, that pass overlaps the weight read instead of delaying it. On
+    Llama-3.1-8B (K 4096) the fold without the peel made the step slower, with it faster (docs/PERFORMANCE.md,
+    "Why these defaults")."""
     tiles = _layer_tiles(x, layer, pdl)
     if tiles is None or x.shape[1] > NORM_FOLD_MAX_K or norm_weight.dtype != x.dtype \
             or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):

@@ -2,7 +2,7 @@
 
 Why: a decode step of a small model is ~230 kernels of 2-6 us each, inside one CUDA graph, and each one
 still pays its launch and ramp-up after its predecessor's last block has retired and its writes have been
-flushed (the replay minus the kernel sum was 100-340 us a step on the H200, docs/PERFORMANCE.md). With PDL a
+flushed (the replay minus the kernel sum was a tenth of a step or more, `ostinato bench kernels`). With PDL a
 kernel launched with the programmatic-stream-serialization attribute (Triton's `launch_pdl=True`) may start
 as soon as every block of its predecessor has called `griddepcontrol.launch_dependents`; it must then call
 `griddepcontrol.wait` before it touches anything the predecessor writes, and that wait returns only once the
@@ -13,7 +13,7 @@ The contract every kernel launched with PDL keeps (`pdl_begin` / `pdl_wait` belo
       trigger after their K/V loop where the launch fills the GPU (kernels/decode_plan.py,
       DecodeTuning.late_trigger_programs: a dependent launched at once onto a full GPU gets only the few SMs
       with room, and runs there). The GEMV's and few-rows kernel's trigger after their K loops was measured and
-      lost (45-284 us a step, docs/PERFORMANCE.md);
+      lost;
     - before `pdl_wait` it reads only what no kernel of the PDL chain writes, and it writes nothing. That is
       the weights; and the step's inputs (positions, slot mapping, block tables, context lengths, the RoPE
       table), because they are complete before the chain starts: they are copied in or computed by plain

@@ -19,7 +19,7 @@ Choosing the split count (choose_prefill_splits)
     at most that length, so the longest scan no longer sets the step's time. Never a slice under
     min_split_keys (splitting a short scan costs more than it saves), never more than max_splits. One count
     serves the whole launch (grid axis 2): a short sequence beside a long one gets empty slices that return
-    at once. On an H200 (132 SMs, 528 programs wanted) with 8 kv heads and group 4 (BLOCK_Q 16): 96 new
+    at once. On a GPU of 132 SMs (528 programs wanted) with 8 kv heads and group 4 (BLOCK_Q 16): 96 new
     tokens after 8000 cached split 12 ways, with 32 one-token rows at context 256 beside them 10 ways; 224
     after 8000 5 ways, 480 after 7967 3 ways, 2016 after 6431 not at all; one new token after 8000, 31 ways.
 """

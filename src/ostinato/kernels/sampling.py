@@ -1,11 +1,10 @@
 """`sample_tokens` as two Triton kernels over the vocabulary split in chunks: greedy and temperature rows.
 
 Why: the torch path (runner/sampler.py) is ~25 small kernels inside the decode graph (the row hash, an
-argmax, a float32 [B, V] copy, its max, exp, a cumulative sum, a search, a select). On the H200 the argmax
-alone took 37 us of a 1.07 ms llama-3.2-1b step at batch 1, the cumulative sum 166-197 us of a 1.6-2.0 ms
-step at batch 16, and the kernel this file held before (one program walking a whole row three times)
-146-172 us at batch 256 (`ostinato bench kernels`, docs/PERFORMANCE.md). A row is 0.5-0.6 MB of float32
-logits: read once by many programs it costs a few microseconds.
+argmax, a float32 [B, V] copy, its max, exp, a cumulative sum, a search, a select), and the argmax and the
+cumulative sum alone took a large share of a small model's step (`ostinato bench kernels`; docs/PERFORMANCE.md,
+"Why these defaults"). So did one program walking a whole row. A row is 0.5-0.6 MB of float32 logits: read once
+by many programs it costs a few microseconds.
 
 Algorithm (both launches have a grid from shapes only, so a captured graph stays valid):
     chunks  grid (B, num_chunks). A program reads its chunk of the row once, scaled by 1 / T (by 1 on greedy

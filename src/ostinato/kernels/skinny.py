@@ -1,10 +1,9 @@
 """A bandwidth-bound Triton linear for decode batches of 2-16 rows, on the tensor cores: y = x @ W^T (+ b).
 
 Why: between the GEMV's rows (kernels/gemv.py, M <= 4 at narrow N) and batches that fill a GEMM, cuBLAS reads a
-decode projection's weight far below HBM bandwidth. H200, whole decode steps with each projection ablated in
-one process (scripts/gpu_variants.py, docs/PERFORMANCE.md ninth session): at batch 16 Qwen3-0.6B's o_proj read
-its 4 MB a layer at 548 GB/s (13% of HBM), Llama-3.2-1B's qkv_proj at 1547 GB/s; at batch 1, where the GEMV
-takes them, the same projections ran at 1.9-4.0 TB/s.
+decode projection's weight far below HBM bandwidth: whole decode steps with each projection ablated showed
+Qwen3-0.6B's o_proj at batch 16 reading its weight at a small fraction of HBM bandwidth, where at batch 1 the GEMV
+reads the same projections at about half of it or more.
 
 Algorithm: grid (cdiv(N, BLOCK_N), split_k); a program owns BLOCK_N output features for all M rows and walks K in
 BLOCK_K steps: tl.dot of the [BLOCK_N, BLOCK_K] weight tile (K contiguous: 16-byte loads) with the
@@ -18,8 +17,9 @@ its arrival (SplitCounters); the last of a block's programs sums them in slice o
 there is no reduce kernel and the result does not depend on which arrives last. One kernel per call, grid from
 shapes only: CUDA-graph safe. No rule picks a split yet: it awaits measurement (benchmarks/kernels/skinny.py).
 With glu, the SwiGLU activation of a (gate | up) projection comes out of the epilogue (kernels/linear_epilogue.py).
-The RMSNorm before the projection stays its own kernel: folded into this kernel's prologue it cost whole steps
-121-626 us on the H200, more than the norms' whole 14-57 us (docs/PERFORMANCE.md, fifteenth session).
+The RMSNorm before the projection stays its own kernel: folded into this kernel's prologue (every program first
+passes over its rows for their 1/rms, after the PDL wait) it cost whole steps far more than the norms' own time
+(docs/PERFORMANCE.md, "Why these defaults").
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    if SPLIT_K == 1:  # the whole of K (the loop the ninth session measured, unchanged)
+    if SPLIT_K == 1:  # the whole of K (the measured default: no rule picks a split)
         k_start = 0
         k_end = K
     else:  # this program's slice of K
@@ -184,18 +184,12 @@ def _measured_to_win(n: int, k: int) -> bool:
 
 def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTiles | None:
     """Tiles for y[m, n] = x[m, k] @ W^T at 2-16 rows the GEMV does not take, or None where cuBLAS stays. From
-    shapes only, so it is fixed before capture. Read off whole decode steps on the H200 (scripts/gpu_variants.py,
-    skinny-* variants, context 512, docs/PERFORMANCE.md ninth session), every such projection of the model on
-    this kernel against cuBLAS:
-    - Qwen3-0.6B (every projection has one side of 1024 and the other at most 6144): batch 4 -56.2 us a step
-      at block_k 512 with 3 stages (-45.4 at 256 with 4), batch 16 -92.4 us at block_k 256 with 4 stages
-      (-31.7 at 512 with 3). Eleventh session, against those: 32 outputs by 256 with 3 stages -71.1 us at
-      batch 8, -8.0 at 16 (a tie), 16 x 512 with 3 stages +9.2 / +9.8. So 32 x 256 at 5-8 rows.
-    - Llama-3.2-1B (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192): +390 to +517 us a
-      step at batch 4 and 16 as a set (ninth session). One at a time (eleventh): qkv -19.2 and -13.9 us at batch
-      4 in two runs, -37.2 at 16; o +23.4 at 4; gate_up +116.3 at 4; down -8.8, -1.2 at 4 and -1.6 at 16 (a
-      tie, left to cuBLAS). So qkv only.
-    - Llama-3.1-8B, one at a time at batches 4 and 16 (eleventh): o +143 / +184 us, down +537 / +781. cuBLAS.
+    shapes only, so it is fixed before capture. Read off whole decode steps, each projection on this kernel
+    against cuBLAS (figures: docs/PERFORMANCE.md, "Why these defaults"):
+    - Qwen3-0.6B (every projection has one side of 1024 and the other at most 6144): faster at 4, 8 and 16 rows.
+    - Llama-3.2-1B (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192): only qkv won;
+      o and gate_up lost, down tied (left to cuBLAS).
+    - Llama-3.1-8B: o and down lost by hundreds of microseconds a step. cuBLAS.
     Split over K (SkinnyTiles.split_k) won alone on some long-K shapes (benchmarks/kernels/skinny.py) but lost in every
     whole step measured (1B qkv and down, 8B o and down, splits of 2, 4, 8), so no rule picks it.
     """
@@ -221,17 +215,8 @@ GLU_NO_PDL_ABOVE_ROWS = 8
 def keeps_pdl(m: int, glu: bool) -> bool:
     """Whether a few-rows launch of m rows keeps PDL in a step that uses it: every launch but the (gate | up)
     projection with its SwiGLU folded in (glu) above 8 rows, which waits for the kernel before to finish.
-    Twelfth session, H200, whole Qwen3-0.6B decode steps at batch 16 in one process, us a step:
-    - scripts/gpu_issue11_round8.sh, against the rule of then (fold off at 16 rows, every launch with PDL):
-      gate_up without PDL -34.5, down -22.8; the fold -> +118.3 with PDL, -55.9 with gate_up's off, -48.6 with
-      down's off; at batch 8 gate_up or down without PDL +33;
-    - scripts/gpu_issue11_round8b.sh, against every few-rows launch without PDL: qkv, o and down with PDL again
-      -98.7, down's kept off too -94.8 (so off for gate_up alone), every launch with PDL +140.7; Llama-3.2-1B's
-      qkv (its only few-rows projection) with PDL -62.1;
-    - scripts/gpu_issue11_round8c.sh, against this rule: every launch with PDL +235.0 (Llama-3.2-1B: +0.7).
-    (8b and 8c ran with the decode attention's slices over the cached tokens, main's since 0ab9d61; round 8 with
-    the slices before them. None ran with the attention's PDL trigger after its K/V loop (339a87d): this rule was
-    not re-measured beside it.) The every-launch-with-PDL step took 1.62-1.65 ms in those processes and 1.45 in
-    the first: with PDL the wide launch's programs (384 for Qwen3's gate_up) sit resident and waiting while the
-    kernel before still runs, and what that costs varies."""
+    Why: with PDL the wide launch's programs (384 for Qwen3's gate_up) sit resident and waiting while the
+    kernel before still runs, and at 16 rows that cost more than the early start saved; every other launch
+    measured faster with PDL (docs/PERFORMANCE.md, "Why these defaults"). Not re-measured since the decode
+    attention's PDL trigger moved after its K/V loop."""
     return not (glu and m > GLU_NO_PDL_ABOVE_ROWS)

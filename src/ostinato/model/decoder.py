@@ -220,8 +220,8 @@ class DecoderForCausalLM(nn.Module):
         Float32 logits come straight from the GEMM: 16-bit operands, float32 accumulation and output
         (torch.mm's out_dtype on CUDA), never rounded to 16 bits. bf16 logits step by 0.125 near 16, so
         two candidate tokens often tie exactly and greedy then picks by index; rounding first and
-        upcasting after cannot undo that. Measured on the H200 at M=1: as fast as the bf16 GEMM
-        (docs/PERFORMANCE.md, issue 11)."""
+        upcasting after cannot undo that. Measured at M=1: as fast as the bf16 GEMM (docs/PERFORMANCE.md,
+        "Why these defaults")."""
         weight = self.lm_head.weight  # [vocab (this rank's rows under tensor parallelism), hidden]
         if not float32 or hidden.dtype == torch.float32:
             logits = self.lm_head(hidden)

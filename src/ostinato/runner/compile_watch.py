@@ -2,8 +2,8 @@
 
 Why: Triton compiles a kernel the first time it meets a new specialisation (constexpr values, dtypes, and
 integer arguments equal to 1 or divisible by 16), and a compile costs 0.1-1 s of host time. After start-up
-that lands inside a user's step: every running stream stalls for it (on the H200, the first 1-token prompt
-to an llama-3.1-8b-shape engine took 870 ms, the next one 34 ms; benchmarks/step/first_request.py). Start-up warms
+that lands inside a user's step: every running stream stalls for it (a first 1-token prompt can take 25 times
+the second; benchmarks/step/first_request.py). Start-up warms
 what it can (runner/warmup.py); this watch says, never silently, when something still compiled in service.
 
 Hooks Triton's `knobs.runtime.jit_cache_hook`, which Triton calls before every compilation (an in-memory

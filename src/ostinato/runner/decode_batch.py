@@ -99,8 +99,8 @@ class DecodeLayout:
 
 # Rows whose whole width is at most this many bytes (size x width x 4) go to the device in one copy, straight
 # into the device rows: the packed copy of the used columns needs a second copy on the device (a kernel, and
-# its launch on the host), which costs more than moving 64 KB over PCIe (~3 us). H200 host, batch 1 and 16
-# (benchmarks/step/step_gap.py): 32-41 us of host time per step with the packed copy alone, 6.6-10 us this way.
+# its launch on the host), which costs more than moving 64 KB over PCIe (~3 us). This way a step's host time
+# for the copy is a fraction of the packed copy's (benchmarks/step/step_gap.py).
 WHOLE_ROWS_MAX_BYTES = 64 * 1024
 
 

@@ -18,7 +18,7 @@ ostinato::
                             "positions": torch.arange(n, device="cuda")})
     logits = runner.run(token_ids=ids, positions=pos)      # a view into the graph's static output
 
-The rules it keeps (DESIGN.md, "The decode step as a replay"): a batch of n replays the graph of the
+The rules it keeps: a batch of n replays the graph of the
 smallest captured size >= n, with rows [n:size] of every input set to that input's pad value (for a paged
 cache: the scratch block, so padded rows never touch a real sequence's KV); inputs are copied into
 persistent buffers, never baked in; an input wider than its buffer is an error, never truncated; a

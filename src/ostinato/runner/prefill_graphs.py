@@ -1,4 +1,4 @@
-"""Prefill steps as CUDA-graph replays at fixed token counts (issue 12: a chunk beside running decodes).
+"""Prefill steps as CUDA-graph replays at fixed token counts (a chunk beside running decodes).
 
 An eager forward of the 8B costs ~11 ms of host-side launches whatever its size up to ~500 tokens, while its
 GPU work at 100-250 tokens is ~4-6 ms; so a mixed step (decode replay + eager chunk) stalled the running
@@ -23,7 +23,7 @@ both fixed per graph; a program reads its sequence's query length and context fr
 returns at once when its query tile starts past that sequence's length (`q_block * BLOCK_Q >= q_len`), so
 empty slots and short sequences cost one early exit. The metadata carries no host lengths (query_lens and
 context_lens_host are None), and max_context_len is the static bound max_model_len; a backend that plans its
-launch from host figures must plan from shapes when they are None (the split-KV prefill of issue 12 does: its
+launch from host figures must plan from shapes when they are None (the split-KV prefill does: its
 "shapes only" plan, whose grid covers every token up to query_start_loc[num_seqs] = T). The torch backend's
 prefill reads lengths on the host (.tolist()): it cannot be captured, so on a GPU prefill graphs need the
 Triton backend (the runner turns them off otherwise). On CPU, RecordingGraphBackend runs this very code

@@ -16,18 +16,16 @@ The mixed step (decode rows + prefill chunks, chunked prefill). Two ways to run 
     rows + chunk tokens fit a captured prefill token count (--prefill-graph-tokens, up to 512 by default).
 (a) "two-replays", and any mixed step too large for (b): the decode rows as their usual decode replay, then
     the chunks as a prefill replay (or eager above the largest captured count), on the same stream.
-Measured on the H200 (llama-3.1-8b shape, 32 decodes at context 256 beside an 8,192-token prompt, `ostinato
-bench chunked`, docs/PERFORMANCE.md): a mixed step of 256 tokens took 8.9-13.2 ms under (b) against 13.3-17.4
-ms under (a), where a decode step alone is 5.5 ms; (a) pays a second read of the weights (3.6 ms at 4.13
-TB/s) and the chunk's own GEMMs on top of the replay. With a budget of 128 tokens, (b) keeps the decodes'
-p99 inter-token gap at 1.6-1.8x their median. Either way no chunk waits for the host (one that ends its
+Why (b) is the default (`ostinato bench chunked`; docs/PERFORMANCE.md, "Why these defaults"): (a) pays a
+second read of the weights and the chunk's own GEMMs on top of the decode replay, so beside a long prompt the
+decodes' inter-token gap grows far more than under (b). Either way no chunk waits for the host (one that ends its
 prompt has its token read with the step's: _sample_chunks), so overlapped scheduling goes on through mixed
 steps. --max-num-batched-tokens is the knob between that gap and the long prompt's time to first token.
 
 Prefill chunks run as a CUDA-graph replay when the step's tokens fit a captured count (the smallest of
 --prefill-graph-tokens >= its tokens, at most --prefill-graph-max-seqs sequences; padded tokens write only
-the scratch block). An eager forward of the 8B costs ~11 ms of host launches up to ~500 tokens whatever its
-GPU work (~4-6 ms at 100-250 tokens), which is what stalled the decodes; a replay costs its GPU work. Larger
+the scratch block). An eager forward of a large model costs about as much host time in launches up to ~500
+tokens whatever its GPU work, which is what stalled the decodes; a replay costs its GPU work. Larger
 steps run eager (the GPU work dominates there), counted in the prefill step stats.
 """
 

@@ -2,8 +2,8 @@
 
 Why: the decode graphs' warm-up compiles the decode kernels, but prefill (and the chunks of chunked prefill)
 runs eagerly, and Triton compiles a new variant of a kernel the first time an integer argument falls in a
-new class (equal to 1, divisible by 16, or neither) or a launch picks another constexpr tile. Measured on the
-H200 (llama-3.1-8b shape): the first 1-token prompt after start-up took 870 ms, the second 34 ms. So before
+new class (equal to 1, divisible by 16, or neither) or a launch picks another constexpr tile: without this the
+first 1-token prompt after start-up took 25 times as long as the second. So before
 serving, run prefill steps whose shapes cover those classes: one and several sequences, token counts of 1,
 odd and multiples of 16, with and without a cached prefix (the chunked-prefill and prefix-cache case), and
 both sampling paths (greedy; temperature with top-k/top-p and logprobs). runner/compile_watch.py reports
@@ -12,10 +12,8 @@ anything this misses.
 Sampling: an eager prefill step samples one row per prompt it finishes, up to max_num_seqs rows, and the
 sampling kernels (kernels/sampling.py) pick their vocabulary chunks by row count: the decode graphs'
 capture compiled them for the decode rows only, whose packed settings have other strides. So the warm-up also
-samples one batch of each row count with a chunk plan of its own. H200, `ostinato bench throughput` (256
-prompts, 8192-token steps, llama-3.2-1b), three runs in one process: without it Triton compiled 3 kernels
-inside the first run's steps, 36.4k output tok/s against 44.7k and 45.6k in the next two; with it none, and
-44.7k, 44.4k, 43.1k.
+samples one batch of each row count with a chunk plan of its own: without it Triton compiled sampling kernels
+inside the first live steps of `ostinato bench throughput`, and that first run lost a fifth of its rate.
 
 The steps write their K/V into the scratch block only (every block-table entry is the scratch block, which
 the scheduler never hands out: attention/base.py), so no sequence's cache is touched and nothing joins the

@@ -78,8 +78,8 @@ def register(sub) -> None:
     a.add_argument("--graph-memory-budget", type=parse_bytes, default=None,
                    help="most memory the recommended graphs may take, e.g. 512MiB (default: the default sizes')")
     a.add_argument("--host-overhead-ms", default="0", help="host work per decode step, the same with and "
-                   "without graphs: A or A:B for A + B * batch ms (DESIGN.md, qwen3-0.6b on the H200: a whole engine "
-                   "step minus the forward is ~0.16 ms at batch 1 and ~0.87 ms at batch 64, so 0.15:0.0115)")
+                   "without graphs: A or A:B for A + B * batch ms (a whole engine step minus the forward-only replay, "
+                   "from `ostinato bench engine`)")
     a.add_argument("--min-gain", type=float, default=0.02, help="least throughput gain worth enabling graphs")
     a.add_argument("--out", default="advise-out", help=f"folder for {SIZES_FILE} and the plots")
     a.add_argument("--json", default=None, help="write the whole report as JSON")

@@ -127,7 +127,7 @@ class CostModel:
     def __init__(self, m: Measurements, host_ms: float = 0.0, host_ms_per_seq: float = 0.0):
         """host_ms + host_ms_per_seq * batch: host work around each decode step (scheduling, input building,
         sampling, detokenizing), the same with and without graphs. Not measured here; 0 by default, so
-        the gain is the forward's. DESIGN.md has figures from the H200 to pass in."""
+        the gain is the forward's. `ostinato bench engine` minus the replay gives the figures to pass in."""
         self.m = m
         self.host_ms, self.host_ms_per_seq = host_ms, host_ms_per_seq
         # The largest captured size's increment is its first-capture cost (pool included), not what one

@@ -8,7 +8,7 @@ the pool); the decode forward (inputs -> logits) is timed with CUDA events, medi
   the engine's async scheduling runs them, per step;
 - ostinato eager: the same decode step launched op by op;
 - HF eager: transformers' own model class on the same checkpoint, one-token forward over a DynamicCache.
-The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (DESIGN.md: 4.13 TB/s on our H200).
+The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (4.13 TB/s on the H200).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import json
 import statistics
 import time
 
-HBM_READ_BYTES_PER_S = 4.13e12  # measured on our H200 (DESIGN.md, 2026-11-29)
+HBM_READ_BYTES_PER_S = 4.13e12  # read bandwidth measured on the H200 the published figures come from
 
 
 def weights_read_per_step(runner) -> int:
     """Weight bytes a decode step reads: all of them, less an untied embedding table, of which a step reads
-    one row per token (a tied table is read whole, as the lm_head). DESIGN.md: llama-3.1-8b reads 15.01 GB
+    one row per token (a tied table is read whole, as the lm_head): llama-3.1-8b reads 15.01 GB
     per step, not its 16.06 GB file."""
     mc = runner.model_config
     untied_table = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size * runner.dtype.itemsize
@@ -145,8 +145,8 @@ def queued_graph_ms(runner, bs: int, context: int, gen, iters: int, rounds: int 
     """Milliseconds per graph step when steps are issued back to back: `iters` times (copy the rows, replay)
     between two CUDA events and one sync, median of `rounds`. The engine runs decode steps that way (async
     scheduling launches step n+1 before it reads step n's tokens), so the host's time to issue a step hides
-    behind the step before; replay_ms's synced figure counts it (H200, batch 1: 20 us on llama-3.2-1b, 77 us on
-    llama-3.1-8b, benchmarks/step/step_gap.py). None where there is no graph for bs; CUDA only."""
+    behind the step before; replay_ms's synced figure counts it (tens of microseconds at batch 1,
+    benchmarks/step/step_gap.py). None where there is no graph for bs; CUDA only."""
     import torch
 
     if hasattr(runner, "call_all"):

@@ -47,7 +47,7 @@ def register(sub) -> None:
     p.set_defaults(func=run_throughput)
 
 
-BF16_FLOPS_PER_S = 773e12  # dense bf16 GEMM measured on our H200 (DESIGN.md)
+BF16_FLOPS_PER_S = 773e12  # dense bf16 GEMM rate measured on the H200 the published figures come from
 
 
 def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: list[int],

@@ -6,7 +6,7 @@ Batch 1, `--context` tokens already cached, CUDA-event medians after warm-up:
 - HF compiled: the same model with a StaticCache and torch.compile(mode="reduce-overhead", fullgraph=True)
   on a one-token step function, called in a plain loop with torch.compiler.cudagraph_mark_step_begin()
   before each step and the logits cloned (the recipe that works on transformers 5.17 + torch 2.11;
-  model.generate(cache_implementation="static") crashed there, DESIGN.md). Its compile time (the first
+  model.generate(cache_implementation="static") crashed there). Its compile time (the first
   calls, until the graph is recorded) is reported.
 The floor is the weights read once per token plus the KV of the context, at the measured HBM bandwidth.
 Writes a JSON report and a PNG bar chart (`--output-json`, `--plot`).

@@ -3,14 +3,14 @@
 bench prefix: time to first token (one request alone, max_tokens 1) of a --prompt-len prompt whose first
 --cached-len tokens are in the prefix cache, against the same length with nothing cached. Every timed prompt
 is new random token ids (a fresh tail after the one shared, warmed prefix), medians of --iters runs after a
-warm-up. Issue 12's goal: cached TTFT <= 20% of uncached at 4,096 tokens with 3,584 cached.
+warm-up. The goal: cached TTFT <= 20% of uncached at 4,096 tokens with 3,584 cached.
 
 bench chunked: --num-decodes requests decode (prompts of --decode-context tokens, ignore_eos); their
 inter-token latency (the time between engine steps that gave a request a token) is measured for --base-steps
 steps, then a --prompt-len prompt arrives and is prefilled (in chunks of what --max-num-batched-tokens leaves
 beside the decode rows) until its first token. Reported: the decodes' median inter-token latency without the
 prefill, their p99 and max while it runs, and the long prompt's TTFT, for each of --rounds long prompts sent
-one after another (the first may meet first-time costs; every step's time is in the JSON). Issue 12's goal:
+one after another (the first may meet first-time costs; every step's time is in the JSON). The goal:
 p99 <= 2x the median at 32 decodes and an 8,192-token prompt. Run it again with --max-num-batched-tokens above
 --prompt-len to see one unchunked prefill land in a single gap.
 
@@ -167,7 +167,7 @@ def run_chunked(args) -> int:
     base = sorted(gaps)
     median = statistics.median(base)
     rounds = []
-    for r in range(args.rounds):  # round 1 may meet first-time costs (kernel variants); later rounds are warm
+    for r in range(args.rounds):  # the first prompt may meet first-time costs (kernel variants); later are warm
         gaps.clear()
         t0 = time.perf_counter()
         engine.add_request(f"long{r}", _random_ids(rng, args.prompt_len, vocab),
