@@ -151,7 +151,7 @@ class TritonAttentionTuning:
     prefill_block_m: int = 64  # rows per prefill program: queries x (query heads per kv head)
     prefill_block_n: int = 32
     prefill_num_warps: int = 4
-    prefill_split: PrefillSplitTuning = field(default_factory=PrefillSplitTuning)  # triton_prefill_split.py
+    prefill_split: PrefillSplitTuning = field(default_factory=PrefillSplitTuning)  # kernels/prefill_plan.py
 
     def __post_init__(self) -> None:
         for name in ("prefill_block_m", "prefill_block_n"):

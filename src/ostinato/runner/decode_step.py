@@ -39,7 +39,7 @@ class DecodeStep:
 
     def unpack(self, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(input ids with placeholders resolved, positions, slot mapping, context lengths) of the rows: one
-        Triton kernel on a GPU (unpack_kernel.py), DecodeLayout.unpack and resolve_placeholders elsewhere."""
+        Triton kernel on a GPU (kernels/unpack.py), DecodeLayout.unpack and resolve_placeholders elsewhere."""
         if unpack_kernel.available_for(batch):
             return unpack_kernel.unpack(batch, self.sampled, self.layout.block_size, TOKEN, POS, BLOCKS)
         u = self.layout.unpack(batch)

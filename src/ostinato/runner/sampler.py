@@ -8,7 +8,7 @@ again after a preemption recomputes it. The key is the request's seed hashed (or
 seed and the sequence id); the counter is the number of tokens the sequence generated before.
 
 `sample_tokens` (greedy, temperature, seeds) is the draw every step makes: on a GPU as the two Triton kernels
-of sampling_kernel.py (the decode graph calls them on its packed rows), elsewhere in torch (below, their
+of kernels/sampling.py (the decode graph calls them on its packed rows), elsewhere in torch (below, their
 reference). Rows with top-k or top-p need a sort of the vocabulary; a step that has such rows runs `sample_filtered` eagerly after the replay
 on the same device tensors and takes its tokens for those rows. Prefill steps run both eagerly.
 """
@@ -176,7 +176,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor,
                   counter: torch.Tensor) -> torch.Tensor:
     """Greedy rows (temperature 0) take the argmax; the others draw from softmax(logits / T). [B] int64.
-    No host sync, no data-dependent shape: capturable. On a GPU the two Triton kernels of sampling_kernel.py
+    No host sync, no data-dependent shape: capturable. On a GPU the two Triton kernels of kernels/sampling.py
     (the decode step calls them on its packed rows directly); elsewhere the torch path below, their reference."""
     if sampling_kernel.available_for(logits):
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

@@ -1,5 +1,5 @@
 """The GPU half of `ostinato advise`: time decode and prefill and read graph memory through the engine's own
-runner, into a `Measurements` record (advise_costs.py). Everything torch-specific of `advise` lives here.
+runner, into a `Measurements` record (tools/advise/costs.py). Everything torch-specific of `advise` lives here.
 
 - Decode: at each captured batch size and each context, B rows of the engine's persistent decode batch over
   random block tables of the real KV pool; eager = the decode step launched op by op, graph = the rows'
