@@ -2,8 +2,9 @@
 # Tensor parallelism on a two-GPU host: the TP=2 gpu tests, `verify` on every rank, and TP=2 vs TP=1 decode
 # latency on the llama-3.1-8b shape (graph vs eager, NCCL share). Each part is a command of its own below.
 #
-# A run that hangs inside the tests with nothing printed (output piped through `tail`) tells nothing. So every part now streams its output, is bounded by `timeout`,
-# runs with short collective timeouts, and dumps every thread's Python stack when it stalls: rank 0 through
+# A run that hangs inside the tests with nothing printed (output piped through `tail`) tells nothing. So every
+# part streams its output, is bounded by `timeout`, runs with short collective timeouts, and dumps every
+# thread's Python stack when it stalls: rank 0 through
 # pytest's faulthandler_timeout, the worker ranks every $OSTINATO_TP_STACK_DUMP_S seconds (to stderr).
 set -uo pipefail
 OUT=${OUT:-/tmp/ostinato-tp}; mkdir -p "$OUT"

@@ -2,9 +2,9 @@
 
 Times, on an idle engine, eager forwards of hand-built steps (wall ms with a device sync, medians, after two
 warm-ups), as a user's step feels them:
-  chunk      one prompt's chunk of Q new tokens after C cached ones (what runs beside the decode replay today)
+  chunk      one prompt's chunk of Q new tokens after C cached ones (design (a): beside the decode replay)
   rows       the decode rows alone as 1-token prefills (B rows at context 256)
-  combined   rows + chunk in ONE eager forward (the alternative design (b) in runner/runner.py)
+  combined   rows + chunk in ONE eager forward (design (b) in runner/runner.py, here without a graph)
   attention  the prefill attention kernel alone for the chunk, one layer, times the number of layers
   replay     the same chunk as a prefill CUDA-graph replay (runner/prefill_graphs.py: the buffers filled and
              copied, then the graph of the smallest captured token count >= Q), "eager" when Q is above the
