@@ -38,7 +38,8 @@ from ostinato.kernels.prefill_plan import PrefillSplitTuning  # noqa: E402
 from ostinato.kernels.prefill_attention import paged_prefill_split, plan_for  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
-# The (Q, C) points of a long prompt's chunks beside decodes, one new token, and the 96-token chunk beside 32 decode rows.
+# The (Q, C) points of a long prompt's chunks beside decodes, one new token, and the 96-token chunk beside 32
+# decode rows.
 POINTS = "1:8000,96:0,96:4096,96:8000,224:8000,480:7967,2016:6431,96:8000+32x1:255"
 
 

@@ -241,7 +241,8 @@ def plan_capture_sizes(
 
 # Token counts of the captured prefill graphs. Why these (llama-3.1-8b, bf16): an eager forward of up to ~480
 # tokens costs more in host-side launches than in GPU work, whatever its size; by ~512 tokens the GPU work
-# catches up with the launches, so above that a graph saves little and eager runs. The 1.5x steps bound padding to a third of a replay's tokens.
+# catches up with the launches, so above that a graph saves little and eager runs. The 1.5x steps bound padding
+# to a third of a replay's tokens.
 # Graph memory is that of the largest size (all sizes share one pool): its activations, tens of MiB on the 8B.
 DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # A captured prefill step holds up to this many sequences (a chunk beside running decodes is one; a burst of

@@ -1,6 +1,6 @@
 """Start-up: size the KV pool, allocate it, capture the decode graphs, and report what graphs cost.
 
-On a GPU (graph memory comes out of the KV budget, never on top of it): profile a worst-case prefill for the activation peak, capture the largest decode
+On a GPU: profile a worst-case prefill for the activation peak, capture the largest decode
 size once into a throwaway pool to estimate graph memory, give the KV pool what is left of the budget
 (runner/memory.py), then capture every size for real and report measured graph memory in KV blocks.
 On CPU, or with --num-kv-blocks, the pool size is given and no graphs are captured.

@@ -1,6 +1,6 @@
 """Streamed answers: server-sent events written per engine step, as cheaply as the event loop allows.
 
-With 64 streams the server writes one chunk per stream per decode step (tens of thousands of chunks a second on a fast GPU), all
+With 64 streams the server writes one chunk per stream per decode step (some 20k chunks a second), all
 on one event loop, so the per-chunk work is what bounds the server. Measured on the 2-core development machine:
 a pydantic model per chunk cost ~13 us, json-encoding a chunk dict ~7 us, an `asyncio.timeout` around each send
 ~7 us, against ~0.3 us for a chunk written from a template with only its text json-encoded, and ~0.3 us for the
