@@ -6,7 +6,7 @@ Each rank prints every stage as it reaches it (flushed), so a hang shows where i
 init (NCCL group, bound to its GPU), eager all-reduce, all-reduce captured in a CUDA graph
 (capture_error_mode "thread_local", as the decode graphs under tensor parallelism use), and ten replays,
 each checked against the expected sum. Exit code 0 when every rank finished every stage.
-Why: a TP run that hangs inside the engine tests says nothing; this names the stage and rank that hung.
+Why: a TP run that hangs inside the engine tests shows nothing of where; this checks NCCL apart from the engine.
 """
 
 from __future__ import annotations
