@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ostinato.kernels.fused_ref import apply_rope  # noqa: F401  (re-exported: the model's RoPE)
+
 
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 as HF does.
@@ -97,17 +99,6 @@ class RotaryEmbedding(nn.Module):
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [T, 2D]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF's `x * cos + rotate_half(x) * sin` in three kernels (cat, mul, addcmul).
-
-    x: [T, heads, D] (may be a strided view, e.g. the q|k part of the fused qkv output);
-    cos, signed_sin: [T, 1, D]. Returns a new contiguous tensor.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # cat(x2, x1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class SwiGLUMLP(nn.Module):
