@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ostinato.kernels.fused_ref import apply_rope  # noqa: F401  (re-exported: the model's RoPE)
-
 
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 as HF does.
