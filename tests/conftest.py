@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 # Test modules skip themselves when these are missing (the GPU machine has no server stack), which in CI would
 # turn a broken install into a few SKIPPED lines and drop dozens of tests. With CI set, a missing or broken one
 # stops the run instead.
-CI_REQUIRED_MODULES = ("triton", "fastapi", "uvicorn", "openai", "httpx", "hypothesis")
+CI_REQUIRED_MODULES = ("triton", "fastapi", "uvicorn", "openai", "httpx", "hypothesis", "importlinter")
 
 
 def pytest_configure(config):

@@ -6,12 +6,11 @@ backend's decode over every layer; the figure is the median replay / layers. Byt
 context token of every kv head (q and out are negligible). The first layer's output is compared with a
 float32 torch reference at each case.
 
-    PYTHONPATH=src python3 benchmarks/kernels/decode_attention.py [--sweep] [--compare-merge] [--rope] [--pdl]
+    PYTHONPATH=src python3 benchmarks/kernels/decode_attention.py [--sweep] [--rope] [--pdl]
         [--attn NAME:FIELD=V,...] [--cases 1x512,16x512] [--shapes qwen3-0.6b] [--json out.json]
 
 Runs against whatever `ostinato` PYTHONPATH names, so the same file measures an older tree ("before");
---sweep (needs kernels/decode_attention.py) also times other decode tunings; --compare-merge times the
-two-kernel decode (split + reduce kernel, single_launch_max_splits=0) beside the default single launch;
+--sweep (needs kernels/decode_attention.py) also times other decode tunings;
 --rope also times the step from the qkv projection: the q/k-norm + RoPE kernel (writing K/V) then decode,
 against decode_with_rope (all three in the decode kernel); --attn adds DecodeTuning variants
 (name:field=value). --pdl also times every variant as a decode step launches it: decode_with_rope
@@ -154,7 +153,6 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048, help="block-table width (as the engine's)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
-    ap.add_argument("--compare-merge", action="store_true", help="also time the split + reduce-kernel decode")
     ap.add_argument("--rope", action="store_true",
                     help="time q/k-norm + RoPE + K/V write + decode: two launches vs decode_with_rope (one)")
     ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES), help="BATCHxCONTEXT,...")
@@ -166,12 +164,6 @@ def main() -> None:
     fields_of = {"default": {}}
     for vname, fields in parse_attention_variants(args.attn).items():
         variants[vname], fields_of[vname] = backend_with(**fields), fields
-    if args.compare_merge:
-        from ostinato.kernels.decode_attention import DecodeTuning
-        from ostinato.attention.triton_paged import TritonAttentionTuning
-
-        two_kernels = DecodeTuning(single_launch_max_splits=0)
-        variants["reduce-kernel"] = TritonPagedBackend(TritonAttentionTuning(decode=two_kernels))
     if args.sweep:
         from ostinato.kernels.decode_attention import DecodeTuning
         from ostinato.attention.triton_paged import TritonAttentionTuning

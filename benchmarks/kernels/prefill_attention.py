@@ -4,7 +4,7 @@ llama-3.1-8b attention shape (bf16, 32 q heads, 8 kv heads, head_dim 128, block 
 For each (Q, C) point (one sequence; "96:8000+32x1:255" adds 32 one-token sequences at context 256, the
 decode rows of a mixed step run in the same launch) it builds one KV pool per layer (32, so that reads come
 from HBM as in a real step) with shuffled blocks, and times TritonPagedBackend.prefill over every layer:
-  old     the one-pass kernel (_prefill_kernel in attention/triton_paged.py: split count forced to 1)
+  old     the one-pass kernel (_prefill_kernel in kernels/prefill_one_pass.py: split count forced to 1)
   new     what the backend now dispatches (the split kernel when plan_prefill splits, else the one-pass one)
   split1  the split kernel unsplit (it writes the output itself), to compare its tiles with the old kernel's
   shapes  the plan from shapes only (what a prefill captured in a CUDA graph uses: no host figures)

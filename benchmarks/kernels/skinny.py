@@ -1,5 +1,5 @@
-"""The few-rows tensor-core linear (kernels/skinny.py) against cuBLAS on the real projection shapes, tiles and
-split-K swept: us per call and share of HBM bandwidth, alone (no step around it).
+"""The few-rows tensor-core linear (kernels/skinny.py) against cuBLAS on the real projection shapes, tiles
+swept: us per call and share of HBM bandwidth, alone (no step around it).
 
 Timing as benchmarks/kernels/small_gemm.py (a CUDA graph over enough weight copies to defeat L2, median per call).
 Every variant's output is checked against F.linear in float32 (relative error printed; > 1e-2 fails the run).
@@ -22,19 +22,14 @@ from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.skinny import SkinnyTiles, skinny_linear  # noqa: E402
-from ostinato.kernels.split_counters import SplitCounters  # noqa: E402
 
 TILINGS = [SkinnyTiles(16, 256, 4, 4), SkinnyTiles(16, 512, 4, 3), SkinnyTiles(32, 256, 4, 3),
            SkinnyTiles(16, 128, 4, 5), SkinnyTiles(32, 128, 4, 4), SkinnyTiles(64, 128, 4, 3),
            SkinnyTiles(64, 128, 8, 3), SkinnyTiles(32, 256, 8, 3)]
-TILINGS += [SkinnyTiles(16, 256, 4, 4, split_k=s) for s in (2, 4, 8)]
-TILINGS += [SkinnyTiles(16, 512, 4, 3, split_k=s) for s in (2, 4)]
-TILINGS += [SkinnyTiles(32, 256, 4, 3, split_k=s) for s in (2, 4)]
-TILINGS += [SkinnyTiles(64, 128, 4, 3, split_k=4)]
 
 
 def name(t: SkinnyTiles) -> str:
-    return f"{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}" + (f"k{t.split_k}" if t.split_k > 1 else "")
+    return f"{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}"
 
 
 def main() -> None:
@@ -44,7 +39,6 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     rows, failed = [], []
-    counters = SplitCounters()
     for shape in args.shapes.split(","):
         for proj, (n, k) in projections(SHAPES[shape]).items():
             if proj == "lm_head":
@@ -58,21 +52,19 @@ def main() -> None:
                 cublas = time_graph(lambda i: F.linear(x, weights[i]), copies)
                 results = []
                 for tiles in TILINGS:
-                    out = skinny_linear(x, weights[0], None, tiles, counters=counters)
+                    out = skinny_linear(x, weights[0], None, tiles)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     if not err < 1e-2:
                         failed.append((shape, proj, m, name(tiles), err))
-                    us = time_graph(lambda i: skinny_linear(x, weights[i], None, tiles, counters=counters), copies)
+                    us = time_graph(lambda i: skinny_linear(x, weights[i], None, tiles), copies)
                     results.append((us, tiles, err))
                     rows.append({"shape": shape, "proj": proj, "M": m, "N": n, "K": k, "tiles": name(tiles),
                                  "us": us, "cublas_us": cublas, "rel_err": err})
                 pct = lambda us: 100 * wbytes / us * 1e6 / HBM_READ_BYTES_PER_S  # noqa: E731
                 best = min(results, key=lambda r: r[0])
-                plain = min((r for r in results if r[1].split_k == 1), key=lambda r: r[0])
                 print(f"{shape:13s} {proj:8s} M={m:2d} [{n:5d}x{k:5d}] cuBLAS {cublas:6.2f} us ({pct(cublas):5.1f}%)"
-                      f"  best {best[0]:6.2f} ({pct(best[0]):5.1f}%) {name(best[1]):16s} no split {plain[0]:6.2f} "
-                      f"({pct(plain[0]):5.1f}%) {name(plain[1]):14s} x{cublas / best[0]:.2f} err {best[2]:.1e}",
-                      flush=True)
+                      f"  best {best[0]:6.2f} ({pct(best[0]):5.1f}%) {name(best[1]):16s} x{cublas / best[0]:.2f}"
+                      f" err {best[2]:.1e}", flush=True)
             del weights
             torch.cuda.empty_cache()
     if args.json:

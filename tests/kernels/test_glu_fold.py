@@ -21,7 +21,6 @@ pytest.importorskip("triton")
 from ostinato.kernels import fused, gemv  # noqa: E402
 from ostinato.kernels.gemv import GemvTiles, gemv_linear, gemv_norm_linear  # noqa: E402
 from ostinato.kernels.skinny import SkinnyTiles, skinny_linear  # noqa: E402
-from ostinato.kernels.split_counters import SplitCounters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -61,15 +60,14 @@ def test_gemv_glu_matches_float64_reference(m, n2, k, tiles, bias, dtype):
 
 @pytest.mark.parametrize("m,n2,k,tiles,bias", [
     (2, 40, 96, SkinnyTiles(16, 32), False),
-    (5, 64, 130, SkinnyTiles(32, 32, split_k=3), True),  # split over K: the last program's epilogue
-    (16, 22, 64, SkinnyTiles(16, 16, split_k=2), True),
+    (5, 64, 130, SkinnyTiles(32, 32), True),
+    (16, 22, 64, SkinnyTiles(16, 16), True),
     (9, 100, 48, SkinnyTiles(64, 16, num_stages=2), False),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_glu_matches_float64_reference(m, n2, k, tiles, bias, dtype):
     x, w, b = _inputs(m, n2, k, dtype, bias, m * 100 + n2 + 1)
-    out = skinny_linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE), tiles,
-                        counters=SplitCounters(), glu=True)
+    out = skinny_linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE), tiles, glu=True)
     _check(out, x, w, b, dtype)
 
 
@@ -141,7 +139,7 @@ GATE_UP = [(6144, 1024), (16384, 2048), (28672, 4096)]
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_glu_fold_at_the_real_shapes(m, n2, k):
     """The fold against the same kernel unfused, then the activation kernel: the rule's tiles at 1 row (the
-    GEMV with the norm folded, PDL), the few-rows kernel's at 4 and 16 (also split over K)."""
+    GEMV with the norm folded, PDL), the few-rows kernel's at 4 and 16."""
     gen = torch.Generator(device="cuda").manual_seed(m + n2)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(n2, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
@@ -153,11 +151,10 @@ def test_glu_fold_at_the_real_shapes(m, n2, k):
         gate_up, _ = gemv_norm_linear(x, residual, nw, 1e-6, w, None, tiles, pdl=True)
         pairs = [(act, fused.silu_and_mul(gate_up))]
     else:
-        counters = SplitCounters()
         pairs = []
-        for tiles in (SkinnyTiles(16, 256, num_stages=4), SkinnyTiles(32, 256, num_stages=3, split_k=4)):
-            act = skinny_linear(x, w, None, tiles, counters=counters, glu=True)
-            pairs.append((act, fused.silu_and_mul(skinny_linear(x, w, None, tiles, counters=counters))))
+        for tiles in (SkinnyTiles(16, 256, num_stages=4), SkinnyTiles(32, 256, num_stages=3)):
+            act = skinny_linear(x, w, None, tiles, glu=True)
+            pairs.append((act, fused.silu_and_mul(skinny_linear(x, w, None, tiles))))
     for act, expected in pairs:
         assert act.shape == (m, n2 // 2)
         torch.testing.assert_close(act.float(), expected.float(), rtol=1e-2, atol=1e-2)

@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 from ostinato.kernels import gemv, skinny  # noqa: E402
 from ostinato.kernels.skinny import SkinnyTiles, skinny_linear  # noqa: E402
-from ostinato.kernels.split_counters import SplitCounters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,33 +49,6 @@ def test_skinny_matches_float64_reference(m, n, k, tiles, bias, dtype):
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     out = skinny_linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE), tiles)
     _check(out, x, w, b, dtype)
-
-
-# Split-K: K cut into slices (the last one shorter, or fewer slices than asked where K has fewer steps), the
-# slices summed in the launch by the program that finishes last; the counters are back at zero after each launch.
-@pytest.mark.parametrize("m,n,k,tiles,bias", [
-    (4, 40, 300, SkinnyTiles(16, 32, split_k=4), True),
-    (16, 33, 256, SkinnyTiles(32, 64, split_k=3), False),
-    (2, 16, 64, SkinnyTiles(16, 32, split_k=8), False),  # 2 K steps: 2 slices
-])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_k_matches_float64_reference_and_resets_its_counters(m, n, k, tiles, bias, dtype):
-    gen = torch.Generator().manual_seed(m * 7 + n + k)
-    counters = SplitCounters()
-    for _ in range(2):  # the second launch finds the counters the first one left
-        x = torch.randn(m, k, generator=gen).to(dtype)
-        w = torch.randn(n, k, generator=gen).to(dtype)
-        b = torch.randn(n, generator=gen).to(dtype) if bias else None
-        out = skinny_linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE), tiles,
-                            counters=counters)
-        _check(out, x, w, b, dtype)
-        assert not counters.get(out.device, 1).any()
-
-
-def test_split_k_without_counters_says_what_it_needs():
-    x, w = torch.randn(2, 64).to(DEVICE), torch.randn(16, 64).to(DEVICE)
-    with pytest.raises(ValueError, match="needs counters"):
-        skinny_linear(x, w, None, SkinnyTiles(16, 16, split_k=2))
 
 
 def test_skinny_reads_strided_rows_and_writes_float32_when_asked():
@@ -164,10 +136,9 @@ def test_skinny_at_the_real_projection_shapes(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
-    counters = SplitCounters()
     for tiles in (SkinnyTiles(), SkinnyTiles(16, 512, num_stages=3), SkinnyTiles(32, 256, num_stages=3),
-                  SkinnyTiles(16, 256, num_stages=4, split_k=4)):
-        out = skinny_linear(x, w, None, tiles, counters=counters)
+                  SkinnyTiles(16, 256, num_stages=4)):
+        out = skinny_linear(x, w, None, tiles)
         ref = F.linear(x.float(), w.float())
         assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
@@ -175,7 +146,7 @@ def test_skinny_at_the_real_projection_shapes(m, n, k):
 @pytest.mark.gpu
 def test_skinny_with_pdl_in_a_graph_equals_plain_launches():
     """Weight tiles read before the PDL wait, x after it: in a graph of dependent launches (each layer's x the
-    previous one's output), split over K or not, the results equal plain launches bit for bit, with new inputs
+    previous one's output), the results equal plain launches bit for bit, with new inputs
     between replays."""
     from ostinato.kernels.pdl import pdl_unsupported_reason
 
@@ -185,12 +156,10 @@ def test_skinny_with_pdl_in_a_graph_equals_plain_launches():
     ws = [(torch.randn(2048, 2048, device="cuda", generator=gen) / 45).to(torch.bfloat16) for _ in range(6)]
     x = torch.randn(8, 2048, device="cuda", generator=gen).to(torch.bfloat16)
 
-    counters = SplitCounters()
-
     def chain(pdl):
         h = x
-        for i, w in enumerate(ws):  # every other layer split over K: its counters reset inside the replay
-            h = skinny_linear(h, w, None, SkinnyTiles(split_k=4 if i % 2 else 1), pdl=pdl, counters=counters)
+        for w in ws:
+            h = skinny_linear(h, w, None, SkinnyTiles(), pdl=pdl)
         return h
 
     chain(True)

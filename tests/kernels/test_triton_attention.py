@@ -172,19 +172,15 @@ def run_decode(device, dtype, context_lens, group, num_kv_heads=2, head_dim=64, 
     return out, reference_attention(q, cache, [1] * len(context_lens), scale)
 
 
-# How a split launch merges its partials: in its last-arriving program (one launch), or by the reduce kernel.
-MERGES = {"single-launch": {}, "reduce-kernel": {"single_launch_max_splits": 0}}
-
-
 # 1 split: the split kernel writes the output (no merge); 5 (not a power of two): slices of 16 tokens
-# merged either way, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
+# merged by the last-arriving slice, with contexts that fill fewer slices than splits (1, 15, 16, 17) and all.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (5, "single-launch"), (5, "reduce-kernel")])
-def test_decode_matches_reference(device, dtype, group, splits, merge):
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_matches_reference(device, dtype, group, splits):
     out, ref = run_decode(device, dtype, [1, 15, 16, 17, 100, 200], group,
-                          backend=backend_with(splits=splits, block_n=16, **MERGES[merge]))
+                          backend=backend_with(splits=splits, block_n=16))
     assert_close_to_reference(out, ref, dtype)
 
 
@@ -242,11 +238,11 @@ def test_decode_other_shapes(device, head_dim, block_size, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (4, "single-launch"), (4, "reduce-kernel")])
-def test_decode_zero_context_row_gives_zeros_not_nan(device, splits, merge):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_zero_context_row_gives_zeros_not_nan(device, splits):
     cache = PagedCache([0, 20], num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32, device=device)
     q = torch.randn(2, 2, 16)
-    out = backend_with(splits=splits, block_n=16, **MERGES[merge]).decode(
+    out = backend_with(splits=splits, block_n=16).decode(
         q.to(device), cache.k_cache, cache.v_cache, decode_meta(cache), 0.25)
     assert torch.equal(out[0].cpu(), torch.zeros(2, 16))
     ref = reference_attention(q[1:], _only_seq(cache, 1), [1], 0.25)
@@ -267,7 +263,7 @@ def test_split_count_fills_the_gpu_from_shapes_only():
     # Batch 16: 264 // 128 -> 2, rounded down so that every program is resident at once (3 would be 384).
     assert choose_num_splits(tuning, num_seqs=16, num_kv_heads=8, max_context=2048, num_sms=132) == 2
     assert choose_num_splits(DecodeTuning(), num_seqs=16, num_kv_heads=8, max_context=2048, num_sms=132) == 4
-    # A batch whose programs cover every SM: one split, so no reduce kernel.
+    # A batch whose programs cover every SM: one split, so no merge.
     assert choose_num_splits(tuning, num_seqs=17, num_kv_heads=8, max_context=2048, num_sms=132) == 1
     assert choose_num_splits(tuning, num_seqs=64, num_kv_heads=8, max_context=2048, num_sms=132) == 1
     # Never more slices than tiles in the widest context, nor than max_splits.
@@ -370,10 +366,10 @@ def run_decode_with_rope(device, dtype, context_lens, group, num_kv_heads, head_
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
-@pytest.mark.parametrize("splits,merge", [(1, "single-launch"), (5, "single-launch"), (5, "reduce-kernel")])
-def test_decode_with_rope_matches_the_unfused_steps(device, dtype, qk_norm, splits, merge):
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_with_rope_matches_the_unfused_steps(device, dtype, qk_norm, splits):
     """Contexts whose newest token opens a block (17, 33), ends one (16), is the only one (1), and longer."""
-    backend = backend_with(splits=splits, block_n=16, **MERGES[merge])
+    backend = backend_with(splits=splits, block_n=16)
     out, ref, caches, expected = run_decode_with_rope(device, dtype, [1, 16, 17, 33, 90], 2, 2, 32, qk_norm,
                                                       backend)
     assert out.shape == ref.shape
@@ -468,8 +464,6 @@ def test_bad_tuning_arguments_raise_a_config_error():
         DecodeTuning(num_warps=0)
     with pytest.raises(ConfigError, match="splits"):
         DecodeTuning(splits=0)
-    with pytest.raises(ConfigError, match="single_launch_max_splits"):
-        DecodeTuning(single_launch_max_splits=-1)
     with pytest.raises(ConfigError, match="merge_chunk_elems"):
         DecodeTuning(merge_chunk_elems=0)
     with pytest.raises(ConfigError, match="split_num_stages"):
@@ -566,7 +560,7 @@ def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, bat
     """head_dim 128, 8 kv heads, bf16, the split count the backend chooses (> 1 here: the merge runs in the
     last-arriving program): eager, then one captured graph replayed twice on new lengths, tables, K/V and
     q, each against the float64 reference and eager; the counters end at zero; one kernel per call."""
-    from ostinato.kernels.decode_plan import num_sms
+    from ostinato.kernels.device import num_sms
 
     dtype, num_kv_heads, head_dim, block_size = torch.bfloat16, 8, 128, 16
     backend = TritonPagedBackend()
@@ -574,7 +568,7 @@ def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, bat
     cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype, "cuda", seed=20)
     width = cache.block_tables.shape[1] * block_size
     splits = choose_num_splits(backend.tuning.decode, batch, num_kv_heads, width, num_sms(torch.device("cuda")))
-    assert backend.tuning.decode.single_launch(splits), splits
+    assert splits > 1, splits  # a split launch: its last-arriving slice merges
     gen = torch.Generator().manual_seed(21)
     static_q = torch.randn(batch, num_heads, head_dim, generator=gen).to("cuda", dtype)
     meta = decode_meta(cache)
@@ -596,21 +590,6 @@ def test_single_launch_decode_real_shapes_replays_in_a_cuda_graph(num_heads, bat
         assert_close_to_reference(static_out, reference_attention(static_q, cache, [1] * batch, scale), dtype)
         assert torch.equal(static_out, backend.decode(static_q, cache.k_cache, cache.v_cache, meta, scale))
         assert not backend.split_counters.get(static_q.device, 0).any()
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("batch,context", [(1, 512), (16, 512), (1, 8192)])
-def test_single_launch_and_reduce_kernel_agree(batch, context):
-    """At real shapes the two merges give the same attention (up to fp32 summation order)."""
-    lens = [max(1, context - 29 * i) for i in range(batch)]
-    outs = {}
-    for merge, extra in MERGES.items():
-        out, ref = run_decode("cuda", torch.bfloat16, lens, 2, num_kv_heads=8, head_dim=128, seed=30,
-                              backend=backend_with(**extra))
-        assert_close_to_reference(out, ref, torch.bfloat16)
-        outs[merge] = out.float()
-    torch.testing.assert_close(outs["single-launch"], outs["reduce-kernel"], atol=1e-2, rtol=1e-2)
 
 
 @real_gpu_shapes

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from ostinato.config import ModelConfig
 from ostinato.errors import ConfigError
 from ostinato.tools import checkpoint as ck
+from ostinato.tools import checkpoint_weights
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 PROMPTS = ["Once upon a time", "What is the capital of France?", "Good software is tested with care."]
@@ -160,9 +161,9 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 
 def test_chunked_threaded_draws_match_serial_and_fill_every_element(tmp_path, monkeypatch):
     # Public shapes draw big tensors in chunks on a thread pool; shrink both thresholds to run that path.
-    monkeypatch.setattr(ck, "_CHUNK_NUMEL", 1000)
+    monkeypatch.setattr(checkpoint_weights, "_CHUNK_NUMEL", 1000)
     serial = ck.make_checkpoint(tmp_path / "serial", "tiny", "qwen3")
-    monkeypatch.setattr(ck, "_POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(checkpoint_weights, "_POOL_MIN_BYTES", 0)
     threaded = ck.make_checkpoint(tmp_path / "threaded", "tiny", "qwen3")
     assert _all_files(serial) == _all_files(threaded)
     weights = load_file(threaded / "model.safetensors")

@@ -13,15 +13,13 @@ Algorithm
               from context_lens in the kernel. A context of 512 split 32 ways is 16 slices of 32 tokens and
               16 programs that return at once; a context of 32k is 32 slices of 1024. The grid depends on
               num_splits alone, so a captured graph stays valid for every context the table holds.
-    merge     the active slices' partials (max, sum, unnormalised output) become the output. By default in
+    merge     the active slices' partials (max, sum, unnormalised output) become the output. In
               the same launch: each slice stores its partials, then counts its arrival on a per-(sequence,
               kv head) counter (atomic add, acq_rel, after a CTA barrier, so the partials are published
               before the count); the slice that arrives last merges them all at once and resets the counter
               to 0, so the next launch (or graph replay) starts clean. One launch per layer, where the
               two-kernel form paid a second dependent launch (~2 us at batch 1, docs/PERFORMANCE.md).
-              The reduce kernel (grid (num_seqs, num_heads)) is kept for shapes that may do better with it
-              (DecodeTuning.single_launch_max_splits). With num_splits == 1 the split kernel normalises and
-              writes the output itself: no merge at all.
+              With num_splits == 1 the split kernel normalises and writes the output itself: no merge at all.
 
     rope      (decode_with_rope, the decoder's Triton path) q comes in as the fused qkv projection: each
               program normalises (Qwen3) and rotates its group's q rows itself; the slices cut the
@@ -37,7 +35,7 @@ Algorithm
 
 Choosing num_splits (choose_num_splits): from shapes only (batch, kv heads, block-table width, SM count),
 so it is fixed before a graph is captured and never changes during replays. A batch whose own programs
-(num_seqs * num_kv_heads) already cover every SM is not split (no reduce kernel); a smaller one is split
+(num_seqs * num_kv_heads) already cover every SM is not split (no merge); a smaller one is split
 until the GPU holds `programs_per_sm` programs per SM, but no further than one BLOCK_N tile per slice of
 the widest context the table can hold, nor than max_splits. On a GPU of 132 SMs with 8 kv heads, batch 1
 splits 32 ways at a 2048-token table (64 at 32k), batch 16 4 ways, batch >= 17 not at all; except that a
@@ -74,7 +72,8 @@ import triton.language as tl
 
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.split_counters import SplitCounters
-from ostinato.kernels.decode_plan import DecodeRope, DecodeTuning, choose_num_splits, num_sms
+from ostinato.kernels.decode_plan import DecodeRope, DecodeTuning, choose_num_splits
+from ostinato.kernels.device import num_sms
 from ostinato.kernels.rope_tile import load_norm_rope, norm_weights, rope_table
 from ostinato.kernels.attention_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 
@@ -147,13 +146,13 @@ def _decode_split_kernel(
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, MERGE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1;
-    # MERGE: the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
+    # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1,
+    # and then the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
     # projection [num_seqs, H + 2Hkv, D]; the kernel normalises (QK_NORM) and rotates q itself, and the
     # slice holding the newest token computes its k and v, writes them to slot_mapping[seq] and attends
     # to them from registers (decode_with_rope: no q/k-norm + RoPE launch before the attention).
@@ -170,9 +169,9 @@ def _decode_split_kernel(
     context_len = tl.load(context_lens_ptr + seq)
     span, num_active = _slices(context_len, num_splits, BLOCK_N, ROPE)
     start = split * span
-    # Slices holding tokens; with MERGE a context of 0 still has one (empty) slice, so that somebody
+    # Slices holding tokens; a split launch gives a context of 0 one (empty) slice, so that somebody
     # arrives, merges and writes the zeros.
-    if MERGE:
+    if SPLIT:
         num_active = tl.maximum(num_active, 1)
     # The PDL trigger (DecodeTuning.late_trigger_programs says why): first thing where the launch holds few
     # active programs, else once this program has walked its slice. Each program estimates the launch's active
@@ -267,21 +266,20 @@ def _decode_split_kernel(
         tl.store(part_max_ptr + part_idx, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part_idx, l_i, mask=g_mask)
         tl.store(part_out_ptr + part_idx[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=g_mask[:, None])
-        if MERGE:
-            # Publish, then count: every thread's partial stores are issued before the barrier, and the
-            # release half of the counter's acq_rel makes them visible (cumulatively) to whoever acquires
-            # the count after us. One thread performs the scalar atomic; Triton broadcasts its result.
+        # Publish, then count: every thread's partial stores are issued before the barrier, and the
+        # release half of the counter's acq_rel makes them visible (cumulatively) to whoever acquires
+        # the count after us. One thread performs the scalar atomic; Triton broadcasts its result.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_active - 1:
+            # The last to arrive: its acquire saw every other slice's release. Reset the counter for
+            # the next launch (graph replays reuse it; launches on one stream never overlap).
             tl.debug_barrier()
-            counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_active - 1:
-                # The last to arrive: its acquire saw every other slice's release. Reset the counter for
-                # the next launch (graph replays reuse it; launches on one stream never overlap).
-                tl.debug_barrier()
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active,
-                                num_splits, stride_os, stride_oh, NUM_HEADS, GROUP, MERGE_GROUP, HEAD_DIM,
-                                HEAD_DIM_PAD, MERGE_CHUNK, SPLITS_PAD)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active,
+                            num_splits, stride_os, stride_oh, NUM_HEADS, GROUP, MERGE_GROUP, HEAD_DIM,
+                            HEAD_DIM_PAD, MERGE_CHUNK, SPLITS_PAD)
 
 
 @triton.jit
@@ -329,36 +327,6 @@ def _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_h
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr,
-    num_splits, stride_os, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    num_active = _slices(context_len, num_splits, BLOCK_N, ROPE)[1]  # the slices that wrote partials
-    base = (seq * NUM_HEADS + head) * num_splits
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < num_active
-    m_s = tl.load(part_max_ptr + base + offs_s, mask=s_mask, other=float("-inf"))  # [SPLITS_PAD]
-    l_s = tl.load(part_sum_ptr + base + offs_s, mask=s_mask, other=0.0)
-    o_s = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                  mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
-    m_max = tl.max(m_s, 0)
-    m_max = tl.where(num_active > 0, m_max, 0.0)  # context 0: every weight exp2(-inf) = 0, not NaN
-    w = tl.exp2(m_s - m_max)
-    total = tl.sum(l_s * w, 0)
-    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, group: int, tuning: DecodeTuning,
                  counters: SplitCounters, rope: DecodeRope | None = None) -> torch.Tensor:
@@ -380,7 +348,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     sms = num_sms(q.device)
     splits = choose_num_splits(tuning, num_seqs, num_kv_heads, block_tables.shape[1] * block_size, sms)
-    merge = tuning.single_launch(splits)
     head_dim_pad = pad_dim(head_dim)
     if splits > 1:
         # Sized by shapes only, so allocating here is fine inside a CUDA-graph capture (graph pool).
@@ -389,7 +356,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused: the kernel writes `out` directly
-    arrivals = counters.get(q.device, num_seqs * num_kv_heads) if merge else out  # unused without merge
+    arrivals = counters.get(q.device, num_seqs * num_kv_heads) if splits > 1 else out  # unused unsplit
     splits_pad = triton.next_power_of_2(splits)
     merge_group = triton.next_power_of_2(group)
     # Merge tile [merge_group, chunk, head_dim_pad] of at most merge_chunk_elems fp32 (DecodeTuning says why).
@@ -410,17 +377,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=pad_dim(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
-        SPLIT=splits > 1, MERGE=merge, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
+        SPLIT=splits > 1, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
         PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, **dot_settings(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch_options(tuning.pdl),
     )
-    if splits > 1 and not merge:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_max, part_sum, context_lens,
-            splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=tuning.block_n,
-            SPLITS_PAD=splits_pad, ROPE=rope is not None, PDL=tuning.pdl,
-            num_warps=4, **launch_options(tuning.pdl),
-        )
     return out

@@ -24,14 +24,10 @@ class DecodeTuning:
     programs_per_sm: split into as many slices as keep num_seqs * num_kv_heads * splits within this many
         programs per SM (rounded down, so that they all fit on the GPU at once: rounding up gave batch 16 with 8
         kv heads 5 slices, 640 programs where 528 fit, and a second wave, measurably slower).
-    max_splits: at most this many slices (bounds the reduce's work and the partials' memory).
+    max_splits: at most this many slices (bounds the merge's work and the partials' memory).
     max_keys_per_program: split a table wider than this many tokens at any batch (a long sequence's scan
     must not set the step's time; choose_num_splits).
     splits: force this split count for every shape (tests, measurements); None chooses per shape.
-    single_launch_max_splits: a split launch with at most this many slices merges its partials in its
-        last-arriving program (one launch); above it, or at 0, a separate reduce kernel merges them (two).
-        The default merges in the kernel at every split count (max_splits): not yet measured against the
-        reduce kernel, see benchmarks/kernels/decode_attention.py --compare-merge.
     apply_rope: the decoder's Triton path may hand decode the qkv projection itself (decode_with_rope: q/k
         norm, RoPE and the K/V write in this kernel, one launch fewer per layer); False keeps the q/k-norm +
         RoPE kernel before it. benchmarks/kernels/decode_attention.py --rope times both.
@@ -65,7 +61,6 @@ class DecodeTuning:
     max_splits: int = 64
     max_keys_per_program: int = 2048
     splits: int | None = None
-    single_launch_max_splits: int = 64
     apply_rope: bool = True
     pdl: bool = False
     late_trigger_programs: int = 128
@@ -84,8 +79,6 @@ class DecodeTuning:
             raise ConfigError(f"decode splits must be >= 1 or None, got {self.splits}")
         if self.late_trigger_programs < 0:
             raise ConfigError(f"decode late_trigger_programs must be >= 0, got {self.late_trigger_programs}")
-        if self.single_launch_max_splits < 0:
-            raise ConfigError(f"decode single_launch_max_splits must be >= 0, got {self.single_launch_max_splits}")
 
     def launch_for(self, splits: int, batch_programs: int, num_sms: int) -> tuple[int, int]:
         """(num_warps, num_stages) of a launch of `splits` slices whose batch alone makes `batch_programs`
@@ -96,10 +89,6 @@ class DecodeTuning:
         if splits > 1 and batch_programs < num_sms:
             return self.split_num_warps, self.split_num_stages
         return self.num_warps, self.num_stages
-
-    def single_launch(self, splits: int) -> bool:
-        """Whether a launch of `splits` slices merges in its last program (see single_launch_max_splits)."""
-        return 1 < splits <= self.single_launch_max_splits
 
 
 def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, max_context: int,
@@ -121,12 +110,6 @@ def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, ma
 
 
 @functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter on CPU: a small pretend GPU, so CPU tests split small batches too
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @dataclass(frozen=True)
 class DecodeRope:
     """What the decode kernel needs to apply (Qwen3: per-head RMSNorm, then) RoPE itself and write the new

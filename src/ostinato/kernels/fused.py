@@ -41,16 +41,17 @@ even, so the kernels round bf16 by hand there (EMULATE_BF16), making CPU results
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
-import torch.nn.functional as F
 
 from ostinato.errors import ConfigError
+from ostinato.kernels.decoder_kernels import DecoderKernels
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.gemv import folds_glu, small_batch_linear, small_batch_norm_linear
-from ostinato.model.layers import apply_rope
+from ostinato.kernels.fused_ref import (  # noqa: F401  (re-exported with the kernels they check)
+    fused_add_rms_norm_ref, linear_ref, qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref,
+)
 
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -58,49 +59,6 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.rope_tile import norm_rope, rope_partner, rope_table
     from ostinato.kernels.rope_tile import round_like as _round_like
-
-
-# ---- plain-torch references (the CPU path) ---------------------------------------------------------------
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, N] -> rmsnorm(x) * weight [T, N], normalised in fp32 (torch's fused F.rms_norm)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(residual + x) * weight, residual + x), the sum rounded to the model dtype first."""
-    residual = residual + x  # [T, N]
-    return rms_norm_ref(residual, weight, eps), residual
-
-
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def qk_norm_rope_ref(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                     cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     eps: float) -> torch.Tensor:
-    """Rotated (and, with weights, per-head RMS-normalised) q and k from the fused qkv projection.
-
-    heads: [T, H + 2Hkv, D] (q | k | v heads); q_weight, k_weight: [D] each (Qwen3) or both None;
-    cos_sin_cache: [max_positions, 2D] = [cos | signed sin] (RotaryEmbedding); positions: [T] int64.
-    Returns a new contiguous [T, H + Hkv, D] tensor: q = out[:, :H], k = out[:, H:].
-    """
-    h, kv = num_heads, num_kv_heads
-    if q_weight is not None:
-        # Qwen3 RMS-normalises each q and k head before RoPE. One weightless norm over all heads of the
-        # contiguous projection, then one multiply by the per-head weights: HF's order (normalise, round
-        # to the model dtype, scale), in 3 kernels where two norms on strided views cost copies more.
-        normed = F.rms_norm(heads, (heads.shape[-1],), eps=eps)[:, :h + kv]
-        weight = torch.cat((q_weight.expand(h, -1), k_weight.expand(kv, -1)))  # [H + Hkv, D]
-        qk = normed * weight
-    else:
-        qk = heads[:, :h + kv]
-    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D] each
-    return apply_rope(qk, cos, sin)  # one RoPE application for q and k together
 
 
 # ---- Triton kernels --------------------------------------------------------------------------------------
@@ -370,58 +328,6 @@ def _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, nu
 
 
 # ---- choosing an implementation --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DecoderKernels:
-    """One implementation of each non-GEMM decoder step; signatures as the functions above."""
-
-    name: str
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
-                                 tuple[torch.Tensor, torch.Tensor]]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    qk_norm_rope: Callable[..., torch.Tensor]
-    linear: Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor]  # (x, layer) -> layer(x)
-    # qk_norm_rope that also writes k and v to the paged cache (the backend's write_kv folded in), or None
-    # where the set has no such kernel; Attention uses it when its backend accepts it (attention/base.py).
-    qk_norm_rope_write_kv: Callable[..., torch.Tensor] | None = None
-    # The norm folded into the projection after it (kernels/gemv.py), where one kernel can take both at these
-    # shapes; it returns None where it cannot, and norm_then_linear then launches the two apart. None: never.
-    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    # (x, layer) -> whether linear and norm_linear take glu=True for the (gate | up) projection at these shapes:
-    # silu(gate) * up out of the projection's own kernel, no activation kernel after it. None: never.
-    folds_glu: Callable[[torch.Tensor, torch.nn.Linear], bool] | None = None
-
-    def norm_then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                         layer: torch.nn.Linear, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer(rmsnorm(x + residual) * weight), x + residual); residual None: the norm of x alone, and x
-        is the residual returned. [T, K] -> ([T, N], [T, K]). glu: silu(gate) * up [T, N / 2] of a (gate |
-        up) layer from the projection's kernel, only where folds_glu said so (norm_then_glu)."""
-        fold = {"glu": True} if glu else {}  # the torch set's functions take no such flag
-        if self.norm_linear is not None:
-            folded = self.norm_linear(x, residual, weight, eps, layer, **fold)
-            if folded is not None:
-                return folded
-        if residual is None:
-            normed, residual = self.rms_norm(x, weight, eps), x
-        else:
-            normed, residual = self.fused_add_rms_norm(x, residual, weight, eps)
-        return self.linear(normed, layer, **fold), residual
-
-    def norm_then_glu(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      layer: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP's first half: (silu(gate) * up of layer(rmsnorm(x + residual) * weight), x + residual),
-        layer the (gate | up) projection. [T, K] -> ([T, I], [T, K]). The activation comes out of the
-        projection's kernel where folds_glu says so, else from its own kernel after it."""
-        if self.folds_glu is not None and self.folds_glu(x, layer):
-            return self.norm_then_linear(x, residual, weight, eps, layer, glu=True)
-        gate_up, residual = self.norm_then_linear(x, residual, weight, eps, layer)
-        return self.silu_and_mul(gate_up), residual
-
-
-def linear_ref(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    return layer(x)  # the module's own forward: a tensor-parallel layer's collective included
-
 
 TORCH_KERNELS = DecoderKernels("torch", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref,
                                qk_norm_rope_ref, linear_ref)

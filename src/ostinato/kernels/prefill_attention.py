@@ -1,7 +1,7 @@
 """Prefill attention split over the key range (flash-decoding for prefill), in Triton.
 
 Why: a chunked prefill step attends a short chunk (tens to hundreds of new tokens) over a long cached
-context. The one-pass kernel in attention/triton_paged.py gives each (query block, sequence, kv head) one
+context. The one-pass kernel in kernels/prefill_one_pass.py gives each (query block, sequence, kv head) one
 program that scans every key serially: a 96-token chunk over 8000 cached tokens of the llama-3.1-8b shape
 is 6 x 8 = 48 programs on 132 SMs, 330 µs per layer (~38 TFLOP/s), which stalls the decodes beside it.
 Here each of those programs' key range is cut into `splits` slices, one program each, and a small reduce
@@ -54,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.attention.base import AttentionMetadata
-from ostinato.kernels.decode_plan import num_sms
+from ostinato.kernels.attention_metadata import AttentionMetadata
+from ostinato.kernels.device import num_sms
 from ostinato.kernels.prefill_plan import PrefillPlan, PrefillSplitTuning, plan_prefill
 from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
 

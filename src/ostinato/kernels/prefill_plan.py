@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from ostinato.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ostinato.attention.base import AttentionMetadata
+    from ostinato.kernels.attention_metadata import AttentionMetadata
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -76,7 +76,7 @@ class PrefillSplitTuning:
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """How one prefill launch runs. splits == 1: the one-pass kernel (attention/triton_paged.py).
+    """How one prefill launch runs. splits == 1: the one-pass kernel (kernels/prefill_one_pass.py).
     max_query_len: the bound the one-pass kernel's grid uses (num_tokens when only shapes may be used)."""
 
     block_q: int

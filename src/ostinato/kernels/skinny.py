@@ -5,17 +5,15 @@ decode projection's weight far below HBM bandwidth: whole decode steps with each
 Qwen3-0.6B's o_proj at batch 16 reading its weight at a small fraction of HBM bandwidth, where at batch 1 the GEMV
 reads the same projections at about half of it or more.
 
-Algorithm: grid (cdiv(N, BLOCK_N), split_k); a program owns BLOCK_N output features for all M rows and walks K in
+Algorithm: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N output features for all M rows and walks K in
 BLOCK_K steps: tl.dot of the [BLOCK_N, BLOCK_K] weight tile (K contiguous: 16-byte loads) with the
 [BLOCK_K, M_PAD] activations (M padded to 16, the smallest tl.dot tile), an fp32 [BLOCK_N, M_PAD] accumulator,
 software-pipelined over K (num_stages). The weight is the dot's left operand so that M, not N, is the padded
 side: N / BLOCK_N programs, and the x tile is re-read from L2 by each. The first weight tile is requested
 before the PDL wait (kernels/pdl.py: the step never writes weights), so with PDL the weight read starts during the
-kernel before. Optionally split over K (SkinnyTiles.split_k, for long K where N / BLOCK_N programs are too
-few, e.g. Llama-3.2-1B's down_proj: 128 programs of 256 KB each): each program stores its fp32 partials and counts
-its arrival (SplitCounters); the last of a block's programs sums them in slice order and writes the output, so
-there is no reduce kernel and the result does not depend on which arrives last. One kernel per call, grid from
-shapes only: CUDA-graph safe. No rule picks a split yet: it awaits measurement (benchmarks/kernels/skinny.py).
+kernel before. One kernel per call, grid from shapes only: CUDA-graph safe. No split over K: split with an
+in-launch merge of the partials, it won alone on some long-K shapes but lost in every whole decode step measured
+(Llama-3.2-1B qkv and down, Llama-3.1-8B o and down, splits of 2, 4, 8).
 With glu, the SwiGLU activation of a (gate | up) projection comes out of the epilogue (kernels/linear_epilogue.py).
 The RMSNorm before the projection stays its own kernel: folded into this kernel's prologue (every program first
 passes over its rows for their 1/rms, after the PDL wait) it cost whole steps far more than the norms' own time
@@ -29,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
-from ostinato.kernels.split_counters import SplitCounters
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
@@ -42,8 +39,8 @@ MAX_ROWS = 16  # one tl.dot tile of rows; above it the rows are a GEMM's, and cu
 
 @_jit
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     GLU: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
@@ -54,49 +51,22 @@ def _skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    if SPLIT_K == 1:  # the whole of K (the measured default: no rule picks a split)
-        k_start = 0
-        k_end = K
-    else:  # this program's slice of K
-        k_start = tl.program_id(1) * K_PER_SPLIT
-        k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + w_index.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_cols = x_ptr + offs_m[None, :] * stride_xm  # [1, M_PAD]: x read transposed, [BLOCK_K, M_PAD]
-    ks = k_start + offs_k
-    k_mask = ks < k_end
+    ks = offs_k
+    k_mask = ks < K
     w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # before the wait
     pdl_wait(PDL)
     x_t = tl.load(x_cols + ks[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
     acc = dot(w, x_t, DOT_PRECISION, UPCAST_DOT)  # [BLOCK_N, M_PAD] fp32
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
-        k_mask = ks < k_end
+        k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x_t = tl.load(x_cols + ks[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
         acc += dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
-    if SPLIT_K == 1:
-        _finish(out_ptr, b_ptr, acc, pid, offs_n, w_index, n_mask, offs_m, m_mask, N, stride_om, M_PAD, BLOCK_N,
-                HAS_BIAS, GLU, EMULATE_BF16)
-    else:
-        # Partials [SPLIT_K, programs * BLOCK_N, M_PAD] fp32. Publish, then count (the decode attention's
-        # single-launch merge, kernels/decode_attention.py): the CTA barrier orders every thread's stores before
-        # the one thread's acq_rel count; the program that counts last sums the slices in split order (the same
-        # sum whichever arrives last) and resets the counter for the next launch.
-        split_stride = tl.num_programs(0) * BLOCK_N * M_PAD
-        tile = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * M_PAD + offs_m[None, :]  # [BLOCK_N, M_PAD]
-        tl.store(part_ptr + tl.program_id(1) * split_stride + tile, acc)
-        tl.debug_barrier()
-        counter = counters_ptr + pid
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last: its acquire saw every other slice's release
-            tl.debug_barrier()
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            total = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                # .cg: from L2, not this SM's L1: other SMs wrote them during this launch
-                total += tl.load(part_ptr + split * split_stride + tile, cache_modifier=".cg")
-            _finish(out_ptr, b_ptr, total, pid, offs_n, w_index, n_mask, offs_m, m_mask, N, stride_om, M_PAD,
-                    BLOCK_N, HAS_BIAS, GLU, EMULATE_BF16)
+    _finish(out_ptr, b_ptr, acc, pid, offs_n, w_index, n_mask, offs_m, m_mask, N, stride_om, M_PAD, BLOCK_N,
+            HAS_BIAS, GLU, EMULATE_BF16)
 
 
 @_jit
@@ -118,23 +88,19 @@ def _finish(out_ptr, b_ptr, acc, pid, offs_n, w_index, n_mask, offs_m, m_mask, N
 @dataclass(frozen=True)
 class SkinnyTiles:
     """block_n outputs (>= 16) by block_k inputs (>= 16) per step, both powers of two; num_stages: the K loop's
-    software-pipelining depth (weight and x tiles in flight); split_k: programs per block of outputs, each over
-    its own slice of K (for long K, where N / block_n programs alone leave SMs idle or each reads too much)."""
+    software-pipelining depth (weight and x tiles in flight)."""
 
     block_n: int = 16
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
-    split_k: int = 1  # > 1: K cut into that many slices, one program each, summed by the last to finish
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: SkinnyTiles,
-                  out_dtype: torch.dtype | None = None, pdl: bool = False,
-                  counters: SplitCounters | None = None, glu: bool = False) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, pdl: bool = False, glu: bool = False) -> torch.Tensor:
     """x [M, K] (K contiguous, M <= MAX_ROWS), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype
     (default x's dtype), accumulated in fp32. pdl: launch with programmatic dependent launch (kernels/pdl.py; the
-    caller checked the device supports it). counters: the arrival counters tiles.split_k > 1 needs (one per
-    block of outputs; zero between launches, kept for as long as a graph may replay this launch). glu: W is a
+    caller checked the device supports it). glu: W is a
     (gate | up) projection [2I, K] and the output silu(gate) * up [M, I] (kernels/gemv.py's gemv_linear)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -148,20 +114,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     m_pad = max(16, triton.next_power_of_2(m))
     blocks = triton.cdiv(n * rows_per_output, tiles.block_n)
-    split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # every slice at least one K step
-    k_per_split = triton.cdiv(triton.cdiv(k, split), tiles.block_k) * tiles.block_k
-    split = triton.cdiv(k, k_per_split)
-    if split > 1:
-        if counters is None:
-            raise ValueError("skinny_linear: tiles.split_k > 1 needs counters (a SplitCounters)")
-        parts = torch.empty(split, blocks * tiles.block_n, m_pad, device=x.device, dtype=torch.float32)
-        arrivals = counters.get(x.device, blocks)
-    else:
-        parts = arrivals = out  # unused
-    _skinny_kernel[(blocks, split)](
-        x, weight, bias if bias is not None else weight, out, parts, arrivals, m, n, k, k_per_split,
+    _skinny_kernel[(blocks,)](
+        x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=m_pad, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=split,
+        M_PAD=m_pad, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         HAS_BIAS=bias is not None, PDL=pdl, **dot_settings(x.dtype),  # fp32 exact; bf16 upcast when interpreted
         GLU=glu, EMULATE_BF16=KERNELS_INTERPRETED and x.dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
@@ -190,8 +146,8 @@ def choose_skinny_tiles(m: int, n: int, k: int, pdl: bool = False) -> SkinnyTile
     - Llama-3.2-1B (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192): only qkv won;
       o and gate_up lost, down tied (left to cuBLAS).
     - Llama-3.1-8B: o and down lost by hundreds of microseconds a step. cuBLAS.
-    Split over K (SkinnyTiles.split_k) won alone on some long-K shapes (benchmarks/kernels/skinny.py) but lost in every
-    whole step measured (1B qkv and down, 8B o and down, splits of 2, 4, 8), so no rule picks it.
+    Split over K won alone on some long-K shapes but lost in every whole step measured (1B qkv and down, 8B o and
+    down, splits of 2, 4, 8), so the kernel no longer splits (module docstring).
     """
     if not 2 <= m <= MAX_ROWS or not _measured_to_win(n, k):
         return None

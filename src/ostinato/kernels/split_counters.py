@@ -1,6 +1,5 @@
 """Arrival counters for Triton kernels that merge their programs' partial results in the same launch (the
-decode attention's single-launch split-KV, the few-rows linear's split-K): torch only, so that the modules
-that hold one need no Triton."""
+decode attention's single-launch split-KV): torch only, so that the modules that hold one need no Triton."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ import torch
 
 class SplitCounters:
     """Arrival counters: one int32 per group of programs whose partials one launch merges (the decode
-    attention: per (sequence, kv head); the few-rows linear: per block of outputs), zero between launches (the
-    merging program resets its own). Allocated once per device, zeroed, and never freed or
+    attention: per (sequence, kv head)), zero between launches (the merging program resets its own). Allocated once per device, zeroed, and never freed or
     moved while a graph may read it: a CUDA graph bakes in the address, and a zero-fill inside the graph
     would be one more kernel per layer. Every layer shares one, since launches on one stream run one after
     another; launches sharing one must not run concurrently on two streams.

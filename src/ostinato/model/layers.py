@@ -99,17 +99,6 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF's `x * cos + rotate_half(x) * sin` in three kernels (cat, mul, addcmul).
-
-    x: [T, heads, D] (may be a strided view, e.g. the q|k part of the fused qkv output);
-    cos, signed_sin: [T, 1, D]. Returns a new contiguous tensor.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # cat(x2, x1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
-
-
 class SwiGLUMLP(nn.Module):
     """The weights of down(silu(gate(x)) * up(x)), gate and up fused into one matmul (rows: gate then up).
 

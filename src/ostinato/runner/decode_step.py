@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from ostinato.kernels.decode_plan import num_sms
+from ostinato.kernels.device import num_sms
 from ostinato.kernels import sampling as sampling_kernel
 from ostinato.kernels import unpack as unpack_kernel
 from ostinato.runner.decode_batch import BLOCKS, POS, ROW_COLUMNS, TOKEN, DecodeBatch, DecodeLayout, resolve_placeholders

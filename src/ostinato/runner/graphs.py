@@ -35,13 +35,11 @@ through the very code that runs on the GPU.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import gc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,8 +48,10 @@ from tqdm.auto import tqdm
 from ostinato.config import GraphConfig, plan_capture_sizes  # noqa: F401 (re-exported)
 from ostinato.errors import ConfigError, CudaGraphCaptureError
 from ostinato.runner.graph_backends import (  # noqa: F401 (re-exported: the runner's public API)
-    CudaGraphBackend, GraphBackend, MemoryReading, RecordingGraphBackend, first_line)
-from ostinato.runner.memory import MiB, capture_oom_message
+    CudaGraphBackend, GraphBackend, MemoryReading, RecordingGraphBackend)
+from ostinato.runner.graph_checks import default_compare, describe_capture_failure
+from ostinato.runner.graph_inputs import (  # noqa: F401 (re-exported: the runner's public API)
+    CaptureReport, GraphInputError, GraphStats, StaticInput, check_step_output, pick_graph_size, validate_inputs)
 
 __all__ = [
     "CaptureReport", "CudaGraphBackend", "CudaGraphRunner", "GraphBackend", "GraphInputError", "GraphStats",
@@ -62,180 +62,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FALLBACK_POLICIES = ("error", "eager")
-
-# Text CUDA / torch use when a captured region synchronizes with the host or touches a capturing stream.
-_HOST_SYNC_MARKERS = ("stream is capturing", "graph capture", "during capture", "cudaerrorstreamcapture",
-                      "operation not permitted when stream")
 _FALLBACK_HINT = (" To serve without graphs instead, pass --cuda-graph-fallback eager (fallback='eager'), "
                   "or --enforce-eager to skip capture.")
-_HOST_SYNC_HINT = (
-    "This usually means the step synchronizes with the host inside the captured region: .item(), .cpu(), "
-    ".tolist(), printing a tensor, a Python branch on a tensor value, or an op whose output shape depends "
-    "on the data (nonzero, masked_select, unique). Move that out of the step."
-)
-
-
-class GraphInputError(ConfigError):
-    """An input that does not fit the captured static buffers (too wide, wrong dtype or device, unknown
-    name). Raised before any replay; nothing is copied or truncated."""
-
-
-# ---------------------------------------------------------------------------------------------- planning
-
-
-def pick_graph_size(n: int, sizes: Sequence[int]) -> int | None:
-    """The smallest captured size >= n (the graph a batch of n is padded to), or None when n is above the
-    largest size (that batch runs eager). `sizes` must be ascending."""
-    if n < 1:
-        raise ValueError(f"batch size must be >= 1, got {n}")
-    i = bisect.bisect_left(sizes, n)
-    return sizes[i] if i < len(sizes) else None
-
-
-# ------------------------------------------------------------------------------------ inputs and reports
-
-
-@dataclass(frozen=True)
-class StaticInput:
-    """One persistent input buffer: allocated once at its largest shape, copied into before each replay.
-
-    shape is the full shape, dim 0 the largest batch (>= the largest capture size); trailing dims are the
-    largest the input may ever be (e.g. a block table's width = ceil(max_model_len / block_size)).
-    pad_value fills padded rows and the unused right part of narrower inputs (for a block table: the
-    scratch block; for a slot mapping: a scratch slot).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    pad_value: int | float | bool = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if not self.name.isidentifier():
-            raise ConfigError(f"static input name {self.name!r} must be a Python identifier (fn takes it as a keyword)")
-        if not self.shape or any(d < 1 for d in self.shape):
-            raise ConfigError(f"static input {self.name!r}: shape must be non-empty and positive, got "
-                              f"{self.shape}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ConfigError(f"static input {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
-
-
-@dataclass(frozen=True)
-class CaptureReport:
-    """What capture() did. Memory is device memory each capture added (torch.cuda.mem_get_info deltas:
-    the graph pool plus the driver's graph objects), keyed by size in capture order (largest first)."""
-
-    sizes: tuple[int, ...]  # captured, ascending; () when graphs are off
-    bytes_by_size: Mapping[int, int]
-    pool_bytes: int  # growth of the caching allocator's reservation (the shared graph pool)
-    seconds: float
-    disabled_cause: str | None = None
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_by_size.values())
-
-    def summary(self) -> str:
-        if self.disabled_cause is not None:
-            return f"CUDA graphs off: {self.disabled_cause}"
-        return (f"captured {len(self.sizes)} CUDA graphs (sizes {self.sizes[0]}..{self.sizes[-1]}) in "
-                f"{self.seconds:.2f} s using {self.total_bytes / MiB:.1f} MiB")
-
-
-@dataclass(frozen=True)
-class GraphStats:
-    """Counters since construction. Every decode step is either a graph step or an eager step."""
-
-    captured_sizes: tuple[int, ...]
-    graph_steps: int
-    eager_steps: int  # oversize steps plus every step while graphs are disabled
-    oversize_steps: int  # eager because the batch was above the largest captured size
-    real_rows: int  # rows of graph steps that carried a sequence
-    padded_rows: int  # rows of graph steps computed only to fill the graph
-    replays_by_size: Mapping[int, int]
-    disabled_cause: str | None
-    steps_by_batch: Mapping[int, int] = field(default_factory=dict)  # real batch size -> decode steps (graph or eager)
-
-    @property
-    def graphs_enabled(self) -> bool:
-        return self.disabled_cause is None
-
-    @property
-    def padding_fraction(self) -> float:
-        """Share of graph rows that were padding (wasted compute)."""
-        rows = self.real_rows + self.padded_rows
-        return self.padded_rows / rows if rows else 0.0
-
-
-# ------------------------------------------------------------------------------------------------ runner
-
-
-def describe_capture_failure(size: int, error: BaseException) -> str:
-    """The message for a failed capture: size, original error, and a hint when the cause is known."""
-    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    if isinstance(error, oom):
-        return capture_oom_message(size, first_line(error))
-    msg = f"capturing the CUDA graph for batch size {size} failed: {first_line(error)}."
-    if any(marker in str(error).lower() for marker in _HOST_SYNC_MARKERS):
-        msg += " " + _HOST_SYNC_HINT
-    for note in getattr(error, "__notes__", ()):  # what the backend knows (runner/graph_backends.py)
-        msg += " " + note
-    return msg
-
-
-def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol) for graph-vs-eager agreement. The same kernels run both ways, but a padded buffer
-    width can change a kernel's reduction order, so allow a few units of the dtype's precision."""
-    return {torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}.get(dtype, (1e-3, 1e-3))
-
-
-def default_compare(graph_out: torch.Tensor, eager_out: torch.Tensor) -> str | None:
-    """None when the graph's output matches eager's, else what differs.
-
-    Floating outputs: allclose with a dtype-dependent tolerance, and the argmax over the last dim (the
-    sampled token under greedy decoding) equal in every row unless eager itself has a tie there within
-    that tolerance. Other dtypes (e.g. sampled token ids): exactly equal.
-    """
-    if graph_out.shape != eager_out.shape:
-        return f"shape {tuple(graph_out.shape)} != eager {tuple(eager_out.shape)}"
-    if not graph_out.is_floating_point():
-        if torch.equal(graph_out, eager_out):
-            return None
-        if graph_out.ndim == 0:
-            return f"value {graph_out.item()} != eager {eager_out.item()}"
-        rows = (graph_out != eager_out).reshape(graph_out.shape[0], -1).any(-1).nonzero().flatten()
-        return f"values differ from eager in rows {rows.tolist()[:8]}"
-    rtol, atol = _tolerance(eager_out.dtype)
-    g, e = graph_out.float(), eager_out.float()
-    if not torch.allclose(g, e, rtol=rtol, atol=atol):
-        diff = (g - e).abs().nan_to_num(nan=float("inf"))
-        return f"max abs diff {diff.max().item():.4g} from eager (rtol={rtol}, atol={atol})"
-    if g.ndim == 0 or g.shape[-1] == 0:
-        return None
-    g_top, e_top = g.argmax(-1), e.argmax(-1)
-    flipped = g_top != e_top
-    if flipped.any():
-        e_best = e.gather(-1, e_top.unsqueeze(-1)).squeeze(-1)
-        e_at_graph_top = e.gather(-1, g_top.unsqueeze(-1)).squeeze(-1)
-        not_a_tie = flipped & (e_best - e_at_graph_top > atol + rtol * e_best.abs())
-        if not_a_tie.any():
-            return f"argmax over the last dim differs from eager at {int(not_a_tie.sum())} positions"
-    return None
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _check_output(out: Any, size: int, trailing: tuple[int, ...] | None) -> None:
-    """The step must return one tensor [size, *trailing] (trailing fixed by the largest size)."""
-    if isinstance(out, torch.Tensor) and out.ndim > 0 and out.shape[0] == size \
-            and (trailing is None or tuple(out.shape[1:]) == trailing):
-        return
-    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    raise GraphInputError(f"the step returned {got} for batch size {size}; it must return one tensor whose "
-                          "dim 0 is the batch size and whose other dims do not depend on it")
 
 
 class CudaGraphRunner:
@@ -383,7 +211,7 @@ class CudaGraphRunner:
                     self._backend.warmup(step, self.warmup_iters)
                     if self._shared_out is None:  # largest size: learn the output's shape and dtype
                         proto = step()
-                        _check_output(proto, size, None)
+                        check_step_output(proto, size, None)
                         self._shared_out = torch.empty((size, *proto.shape[1:]), dtype=proto.dtype,
                                                        device=proto.device)
                         del proto
@@ -421,7 +249,7 @@ class CudaGraphRunner:
         end of the capture, so the next (smaller) graph reuses that pool memory.
         """
         out = step()
-        _check_output(out, size, tuple(self._shared_out.shape[1:]))
+        check_step_output(out, size, tuple(self._shared_out.shape[1:]))
         shared = self._shared_out[:size]
         shared.copy_(out)
         return shared
@@ -539,38 +367,7 @@ class CudaGraphRunner:
 
     def _validate(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Check every input against its static buffer before anything is copied; returns the batch size."""
-        if inputs.keys() != self.inputs.keys():
-            missing, unknown = self.inputs.keys() - inputs.keys(), inputs.keys() - self.inputs.keys()
-            raise GraphInputError(f"inputs must be exactly {sorted(self.inputs)}; missing {sorted(missing)}, "
-                                  f"unknown {sorted(unknown)}")
-        batch = {name: x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None
-                 for name, x in inputs.items()}
-        for name, x in inputs.items():
-            spec = self.inputs[name]
-            if not isinstance(x, torch.Tensor):
-                raise GraphInputError(f"input {name!r} must be a tensor, got {type(x).__name__}")
-            if x.ndim != len(spec.shape):
-                raise GraphInputError(f"input {name!r} has {x.ndim} dims, its static buffer {len(spec.shape)} "
-                                      f"(shape {spec.shape})")
-            if x.dtype != spec.dtype:
-                raise GraphInputError(f"input {name!r} is {x.dtype}, its static buffer {spec.dtype}; convert "
-                                      "it before the step (no silent casts)")
-            if not _same_device(x.device, self.device):
-                raise GraphInputError(f"input {name!r} is on {x.device}, the graphs on {self.device}; move it "
-                                      "there before the step")
-            for dim, (got, cap) in enumerate(zip(x.shape[1:], spec.shape[1:]), start=1):
-                if got > cap:
-                    raise GraphInputError(
-                        f"input {name!r} is {got} wide in dim {dim} but was captured {cap} wide (buffer shape "
-                        f"{spec.shape}); it is never truncated: allocate the static input at the largest "
-                        "width it can take (for a block table ceil(max_model_len / block_size))")
-        sizes = set(batch.values())
-        if len(sizes) != 1:
-            raise GraphInputError(f"inputs disagree on the batch size (dim 0): {batch}")
-        n = sizes.pop()
-        if n < 1:
-            raise GraphInputError("empty batch: a step needs at least one row")
-        return n
+        return validate_inputs(inputs, self.inputs, self.device)
 
     def _replay(self, size: int, n: int, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Copy validated inputs into the buffers, pad rows [n:size], replay, return output[:n]."""

@@ -17,7 +17,7 @@ of the output is finite, and the padded rows are never read. The graph itself cl
 and sets the padding sequence's context to T - query_start_loc[S] (device ops, T fixed per graph), so a
 graph is consistent whatever the buffers hold, at warm-up and capture too.
 
-Why the attention kernel is graph-safe here (attention/triton_paged.py, `_prefill_kernel`): its grid is
+Why the attention kernel is graph-safe here (kernels/prefill_one_pass.py, `_prefill_kernel`): its grid is
 (cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads) and we pass max_query_len = T and num_seqs = S + 1,
 both fixed per graph; a program reads its sequence's query length and context from the device tensors and
 returns at once when its query tile starts past that sequence's length (`q_block * BLOCK_Q >= q_len`), so

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ostinato.kernels.decode_plan import num_sms
+from ostinato.kernels.device import num_sms
 from ostinato.contract import ScheduledSeq
 from ostinato.sampling_params import SamplingParams
 from ostinato.kernels import sampling as sampling_kernel

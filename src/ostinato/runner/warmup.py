@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from ostinato.kernels.decode_plan import num_sms
+from ostinato.kernels.device import num_sms
 from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.sampling_params import SamplingParams
 from ostinato.kernels import sampling as sampling_kernel

@@ -14,18 +14,19 @@ the shard layout, nor on the number of threads that drew them.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import json
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ostinato.config import ModelConfig
 from ostinato.errors import ConfigError
+from ostinato.tools.checkpoint_tokenizer import (  # noqa: F401 (re-exported: the tokenizer's names)
+    BEGIN_OF_TEXT, END_OF_TEXT, IM_END, IM_START, SPECIAL_TOKENS, TINY_VOCAB_SIZE, build_tokenizer, eos_token_ids,
+    write_tokenizer,
+)
+from ostinato.tools.checkpoint_weights import remove_old_weights, write_weights
 
 FAMILIES = {
     "llama": "LlamaForCausalLM",
@@ -37,10 +38,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Public checkpoints ship 2-5 GB shards; 4 GB keeps Llama-3.2-1B in one file and splits 8B into five.
 DEFAULT_MAX_SHARD_SIZE = 4 * 10**9
 
-BEGIN_OF_TEXT, END_OF_TEXT = "<|begin_of_text|>", "<|end_of_text|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (BEGIN_OF_TEXT, END_OF_TEXT, IM_START, IM_END)  # ids 0..3: the BPE trainer puts them first
-TINY_VOCAB_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -152,7 +149,7 @@ def hf_config_dict(shape: str = "tiny", family: str | None = None, dtype: str = 
         rope_scaling=rope_scaling,
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=SPECIAL_TOKENS.index(BEGIN_OF_TEXT),
-        eos_token_id=_eos_token_ids(),
+        eos_token_id=eos_token_ids(),
         dtype=dtype,
     )
     if family == "qwen2":
@@ -213,241 +210,6 @@ def parameter_count(shape: str = "tiny", family: str | None = None) -> int:
     return total
 
 
-# -------------------------------------------------------------------------------------------- tokenizer
-
-# Training text for the tiny BPE. Plain English, so round-trip tests and prompts tokenize into real merges.
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. A small engine can run a large model if it keeps the work
-close to the hardware and does not waste time between steps. Every step of decoding reads all the
-weights once, writes one new token into the cache, and then hands the result back to the scheduler.
-
-Once upon a time there was a little town by the river. The people of the town grew apples and pears,
-and in the autumn they carried their baskets to the market in the square. Children played near the
-water while their parents talked about the weather, the price of bread and the news from the city.
-
-Language models predict the next word from the words that came before it. They are trained on a great
-amount of text written by people: books, letters, articles, questions and answers. When you ask a
-question, the model writes an answer one piece at a time, and each piece depends on everything before.
-
-Good software is tested with care. Write a small example first, check that it works, and then make it
-faster. Measure before you change anything, and measure again afterwards, because the numbers often
-surprise even the people who wrote the code. Simple things that are correct are better than clever
-things that are wrong.
-
-The weather today is sunny with a few clouds in the afternoon. Tomorrow there may be rain in the
-morning, so bring an umbrella if you are going out early. The weekend should be warm and dry, which is
-good news for anyone who wants to walk in the hills or sit in the garden with a book.
-
-What is the capital of France? Paris is the capital of France, and it is known for its museums, its
-food and the long walks along the river. How many days are there in a week? There are seven days in a
-week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. Numbers like 1, 2, 3, 10, 42
-and 2024 appear in text too, as do symbols such as (brackets), "quotes", commas, colons; and dashes.
-"""
-
-_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def _eos_token_ids() -> list[int]:
-    return [SPECIAL_TOKENS.index(END_OF_TEXT), SPECIAL_TOKENS.index(IM_END)]
-
-
-def _filler_tokens(count: int, taken: set[str]) -> list[str]:
-    """`count` distinct pseudo-words (" bazo", " kifute", ...) not in `taken`, in byte-level form.
-
-    They pad the BPE vocabulary up to the model's vocab_size: no merge produces them, so encoding never
-    yields them, but a random model does, and each then decodes to readable text of a realistic length
-    instead of being dropped (which is what `decode` does with ids beyond the vocabulary).
-    """
-    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]  # 75
-    words: list[str] = []
-    index = 0
-    while len(words) < count:
-        n, parts = index, []
-        while True:  # bijective base-75: every index gives a distinct syllable string
-            parts.append(syllables[n % 75])
-            n = n // 75 - 1
-            if n < 0:
-                break
-        word = "\u0120" + "".join(parts)  # \u0120 is the byte-level form of a leading space
-        if word not in taken:
-            words.append(word)
-        index += 1
-    return words
-
-
-# Qwen2's pre-tokenizer split (GPT-4 style). Using Qwen's exact pipeline for every family matters: for
-# model_type qwen2, transformers 5 rebuilds the tokenizer from vocab + merges with this pipeline whatever
-# tokenizer.json says, so any other pipeline would load differently there.
-_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
-    r"""|\s+(?!\S)|\s+"""
-)
-
-
-def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE, add_bos: bool = True):
-    """A byte-level BPE `tokenizers.Tokenizer` with exactly `vocab_size` tokens (special tokens at 0..3).
-
-    Trained on the built-in corpus (deterministic: the trainer breaks ties by pair id), then padded
-    with filler tokens up to `vocab_size`. `add_bos` prepends <|begin_of_text|> when encoding, as the
-    Llama tokenizers do (Qwen's do not).
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=min(vocab_size, TINY_VOCAB_SIZE), special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tokenizer.train_from_iterator(_CORPUS.split("\n\n"), trainer)
-    vocab = tokenizer.get_vocab()
-    if len(vocab) < vocab_size:
-        merges = json.loads(tokenizer.to_str())["model"]["merges"]  # [[left, right], ...]
-        fillers = _filler_tokens(vocab_size - len(vocab), set(vocab))
-        vocab.update({token: len(vocab) + i for i, token in enumerate(fillers)})
-        tokenizer.model = models.BPE(vocab=vocab, merges=[tuple(m) for m in merges])
-    if add_bos:
-        bos_id = SPECIAL_TOKENS.index(BEGIN_OF_TEXT)
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{BEGIN_OF_TEXT} $A", pair=f"{BEGIN_OF_TEXT} $A {BEGIN_OF_TEXT} $B",
-            special_tokens=[(BEGIN_OF_TEXT, bos_id)],
-        )
-    assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
-    return tokenizer
-
-
-def write_tokenizer(out_dir: str | Path, vocab_size: int = TINY_VOCAB_SIZE, family: str = "llama",
-                    model_max_length: int = 2048) -> None:
-    """Write tokenizer.json and tokenizer_config.json (ChatML template) for `family` into `out_dir`.
-
-    Llama and Mistral tokenizers prepend <|begin_of_text|> and their chat template starts with it;
-    Qwen2/Qwen3 ones do neither, as with the real models.
-    """
-    out = Path(out_dir)
-    add_bos = family in ("llama", "mistral")
-    build_tokenizer(vocab_size, add_bos).save(str(out / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BEGIN_OF_TEXT,
-        "eos_token": END_OF_TEXT,
-        "pad_token": END_OF_TEXT,
-        "unk_token": None,  # byte-level BPE needs none (and transformers' Qwen2Tokenizer would add one)
-        "add_bos_token": add_bos,
-        "add_eos_token": False,
-        "model_max_length": model_max_length,
-        # Byte-level BPE round-trips text exactly; the "cleanup" would rewrite " ," as ",".
-        "clean_up_tokenization_spaces": False,
-        # Llama 3's template starts with the BOS token itself (chat prompts are encoded without specials).
-        "chat_template": ("{{- bos_token }}" if add_bos else "") + _CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-
-
-# ---------------------------------------------------------------------------------------------- weights
-
-_CHUNK_NUMEL = 1 << 22  # elements per draw: fine enough that all threads share even one big tensor
-_POOL_MIN_BYTES = 64 << 20  # below this a thread pool costs more than it saves
-
-
-def _chunk_seed(seed: int, name: str, chunk: int) -> int:
-    digest = hashlib.blake2b(f"{seed}/{name}/{chunk}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _fill_chunk(flat, name: str, chunk: int, seed: int, spec: Shape) -> None:
-    """Draw chunk `chunk` of the flattened tensor `flat` in place, in its own dtype.
-
-    Drawing bf16 directly is about as fast as drawing fp32 and casting, and it keeps each worker thread to a
-    single serial op: a cast would open an OpenMP team inside every worker and oversubscribe the cores.
-    """
-    import torch
-
-    out = flat[chunk * _CHUNK_NUMEL:(chunk + 1) * _CHUNK_NUMEL]
-    generator = torch.Generator().manual_seed(_chunk_seed(seed, name, chunk))
-    if name == "model.norm.weight":
-        out.uniform_(0.5 * spec.final_norm_gain, 1.5 * spec.final_norm_gain, generator=generator)
-    elif name.endswith("norm.weight"):
-        out.uniform_(0.5, 1.5, generator=generator)  # RMSNorm gains around 1, far enough to test them
-    else:
-        out.normal_(0.0, spec.init_std, generator=generator)
-
-
-def _random_tensors(shapes: dict[str, tuple[int, ...]], dtype, seed: int, spec: Shape, pool,
-                    on_chunk_done=None) -> dict[str, Any]:
-    """Draw the named tensors; `pool` (a thread pool or None) shares the chunks out, `on_chunk_done(nbytes)`
-    reports progress."""
-    import torch
-
-    tensors = {name: torch.empty(dims, dtype=dtype) for name, dims in shapes.items()}
-    jobs = [
-        (tensor.view(-1), name, chunk)
-        for name, tensor in tensors.items()
-        for chunk in range((tensor.numel() + _CHUNK_NUMEL - 1) // _CHUNK_NUMEL)
-    ]
-
-    def draw(job) -> None:
-        flat, name, chunk = job
-        _fill_chunk(flat, name, chunk, seed, spec)
-        if on_chunk_done is not None:
-            on_chunk_done(min(_CHUNK_NUMEL, flat.numel() - chunk * _CHUNK_NUMEL) * flat.element_size())
-
-    # torch releases the GIL inside the draws, so a thread pool uses all cores
-    list(pool.map(draw, jobs) if pool is not None else map(draw, jobs))
-    return tensors
-
-
-def _remove_old_weights(out: Path) -> None:
-    """Delete weight files a previous run left here: HF would otherwise mix stale and new layouts."""
-    for path in out.iterdir():
-        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", path.name):
-            path.unlink()
-
-
-def _write_weights(out: Path, config: dict[str, Any], dtype_name: str, seed: int, spec: Shape,
-                   max_shard_size: int, progress: bool) -> int:
-    """Write the safetensors files shard by shard (memory stays at one shard); returns bytes written."""
-    import torch
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    dtype = getattr(torch, dtype_name)
-    shapes = weight_shapes(config)
-    # Plan on meta tensors: huggingface_hub's splitter needs only sizes, nothing is allocated.
-    plan = split_torch_state_dict_into_shards(
-        {name: torch.empty(dims, dtype=dtype, device="meta") for name, dims in shapes.items()},
-        max_shard_size=max_shard_size,
-    )
-    total = plan.metadata["total_size"]
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    use_pool = threads > 1 and total >= _POOL_MIN_BYTES
-    # delay: quick (tiny) writes print no bar at all. tqdm.update is thread-safe.
-    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, delay=1.0)
-    with ThreadPoolExecutor(threads) if use_pool else contextlib.nullcontext() as pool:
-        n_shards = len(plan.filename_to_tensors)
-        for i, (filename, names) in enumerate(plan.filename_to_tensors.items()):
-            bar.set_description(f"drawing shard {i + 1}/{n_shards}", refresh=False)
-            tensors = _random_tensors({n: shapes[n] for n in names}, dtype, seed, spec, pool, bar.update)
-            bar.set_description(f"writing shard {i + 1}/{n_shards}", refresh=False)
-            save_file(tensors, str(out / filename), metadata={"format": "pt"})
-            del tensors  # before drawing the next shard: memory stays at one shard
-    bar.close()
-    if plan.is_sharded:
-        index = {"metadata": {"total_size": total}, "weight_map": plan.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return total
-
-
 # ------------------------------------------------------------------------------------------ entry point
 
 
@@ -465,13 +227,13 @@ def make_checkpoint(out_dir: str | Path, shape: str = "tiny", family: str | None
         raise ConfigError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _remove_old_weights(out)
+    remove_old_weights(out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     from transformers import GenerationConfig
 
-    GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=_eos_token_ids()).save_pretrained(out)
+    GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=eos_token_ids()).save_pretrained(out)
     write_tokenizer(out, spec.vocab_size, family, spec.max_position_embeddings)
-    _write_weights(out, config, dtype, seed, spec, max_shard_size or DEFAULT_MAX_SHARD_SIZE, progress)
+    write_weights(out, weight_shapes(config), dtype, seed, spec, max_shard_size or DEFAULT_MAX_SHARD_SIZE, progress)
     return out
 
 
