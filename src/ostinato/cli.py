@@ -60,7 +60,7 @@ def _run_generate(args) -> int:
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 # Commands in modules with optional dependencies: a missing one must not hide the other commands, and the
 # command itself must still say what to install.
-_OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench.decode": "bench",
+_OPTIONAL_COMMANDS = {"ostinato.serve_command": "serve", "ostinato.tools.bench.decode": "bench",
                       "ostinato.tools.bench.serve": "bench-serve", "ostinato.tools.bench.host": "bench-host",
                       "ostinato.tools.bench.engine": "bench-engine", "ostinato.tools.bench.prefill": "bench-prefix",
                       "ostinato.tools.bench.kernels": "bench-kernels", "ostinato.tools.bench.peers": "bench-peers",

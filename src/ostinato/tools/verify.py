@@ -86,11 +86,11 @@ def format_table(verdicts: list[SizeVerdict]) -> str:
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("verify", help="profile real decode steps and prove which path (graph or eager) they take")
     add_engine_args(p)
-    p.add_argument("--batch-sizes", type=_int_list, default=None,
+    p.add_argument("--batch-sizes", type=int_list, default=None,
                    help="decode batch sizes to check (default: 1, a padded size, the largest captured, one above)")
     p.add_argument("--steps", type=int, default=5, help="decode steps profiled per batch size")
     p.add_argument("--trace", default=None, help="save the Chrome trace here")

@@ -32,11 +32,11 @@ def weights_read_per_step(runner) -> int:
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("bench", help="decode-step latency: graph vs eager vs HF transformers")
     add_engine_args(p)
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 8, 32, 64))
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)

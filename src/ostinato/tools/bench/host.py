@@ -26,11 +26,11 @@ from ostinato.sampling_params import RequestOutputKind
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list
+    from ostinato.cli_args import int_list
 
     p = sub.add_parser("bench-host", help="host microseconds per decode step, forward replaced by a no-op (CPU)")
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 16, 64, 256))
-    p.add_argument("--contexts", type=_int_list, default=(128, 2048))
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 16, 64, 256))
+    p.add_argument("--contexts", type=int_list, default=(128, 2048))
     p.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per point; the median is reported")
     p.add_argument("--output-kinds", type=_output_kinds,
