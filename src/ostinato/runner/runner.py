@@ -51,7 +51,7 @@ from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
 from ostinato.runner.inputs import to_device
 from ostinato.runner.inputs import build_prefill_inputs, decode_metadata
-from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs
+from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
 from ostinato.runner.sampler import Sampler, finish_sampling
 from ostinato.runner.warmup import warm_up_prefill
@@ -176,6 +176,7 @@ class ModelRunner:
         self.memory_report = setup.report
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
+        self.graph_backend = setup.graph_backend
 
     def _warm_up(self) -> None:
         """Compile the eager prefill path's kernel variants now, not inside a user's step."""
@@ -236,6 +237,13 @@ class ModelRunner:
 
         with torch.inference_mode():  # as the tensor-parallel runner runs it on every rank
             return resolve_call(target)(self, *args)
+
+    def probe_decode_graph_bytes(self, size: int) -> int:
+        """Bytes a decode graph of `size` rows adds when captured alone, measured by capturing it into a
+        throwaway pool over a temporary KV pool (`ostinato advise` weighs graph memory this way). The model is
+        left bound to the temporary pool: rebind self.kv_caches after the last probe."""
+        assert self.graph_backend is not None, "no graphs were captured, so there is no backend to probe with"
+        return estimate_graph_bytes(self.kv_spec, size, self.graph_backend)
 
     def rank_health(self) -> list[dict]:
         return []  # one rank: nothing to report beside the engine's own health

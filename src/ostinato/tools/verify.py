@@ -128,12 +128,8 @@ def profile_stop(runner, path: str) -> None:
 
 
 def _on_every_rank(engine, target: str, *args) -> None:
-    """Run a function of this module on every rank: through call_all under tensor parallelism."""
-    runner = engine.runner
-    if hasattr(runner, "call_all"):
-        runner.call_all(f"{__name__}:{target}", *args)
-    else:
-        globals()[target](runner, *args)
+    """Run a function of this module on every rank (one rank's runner runs it itself)."""
+    engine.runner.call_all(f"{__name__}:{target}", *args)
 
 
 def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> dict[int, list[StepCount]]:
