@@ -122,6 +122,7 @@ class EngineConfig:
 
     runner: RunnerConfig
     parallel: ParallelConfig
+    model_source: str  # the model as the user named it (--model: a folder, a .gguf file or a short name)
     tokenizer: str  # a folder or HF name AutoTokenizer loads
     served_model_name: str
     enable_prefix_caching: bool
@@ -303,6 +304,7 @@ class EngineArgs:
             dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
             decode_tuning=self.decode_tuning)
         return EngineConfig(
-            runner=runner, parallel=self.parallel_config(), tokenizer=self.tokenizer or model_dir,
+            runner=runner, parallel=self.parallel_config(), model_source=self.model,
+            tokenizer=self.tokenizer or model_dir,
             served_model_name=self.served_model_name or Path(self.model).resolve().name,
             enable_prefix_caching=self.enable_prefix_caching, async_scheduling=self.async_scheduling)

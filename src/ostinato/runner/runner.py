@@ -176,7 +176,6 @@ class ModelRunner:
         self.memory_report = setup.report
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
-        self.graph_backend = setup.graph_backend
 
     def _warm_up(self) -> None:
         """Compile the eager prefill path's kernel variants now, not inside a user's step."""
@@ -242,8 +241,8 @@ class ModelRunner:
         """Bytes a decode graph of `size` rows adds when captured alone, measured by capturing it into a
         throwaway pool over a temporary KV pool (`ostinato advise` weighs graph memory this way). The model is
         left bound to the temporary pool: rebind self.kv_caches after the last probe."""
-        assert self.graph_backend is not None, "no graphs were captured, so there is no backend to probe with"
-        return estimate_graph_bytes(self.kv_spec, size, self.graph_backend)
+        # The decode graphs' own backend (its capture stream): what a capture stream costs once is not counted twice.
+        return estimate_graph_bytes(self.kv_spec, size, self.graphs._backend)
 
     def rank_health(self) -> list[dict]:
         return []  # one rank: nothing to report beside the engine's own health

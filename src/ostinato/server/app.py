@@ -104,6 +104,47 @@ def _openapi_without_422(app: FastAPI) -> Callable[[], dict]:
     return openapi
 
 
+class _Serving:
+    """What every route of one app shares: the engine, the limits, the served name and the tokenizer pool."""
+
+    def __init__(self, async_engine: AsyncEngine | ProcessAsyncEngine, limits: ServerLimits, served_model_name: str):
+        self.async_engine, self.limits, self.name = async_engine, limits, served_model_name
+        # Tokenizing and chat templating run here: never on the event loop, never on the engine thread.
+        self.tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ostinato-tokenize")
+
+    def model_len(self) -> int | None:
+        engine = self.async_engine
+        return engine.engine.scheduler_config.max_model_len if engine.is_ready else None
+
+    def engine(self):
+        if self.async_engine.dead_cause is not None:
+            raise EngineDeadError(f"the engine is not serving: {self.async_engine.dead_cause}")
+        return self.async_engine.engine  # EngineNotReadyError while loading: 503
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.name!r} "
+                           "(see GET /v1/models)", "not_found_error", param="model")
+
+    def check_limits(self, body, logprobs: int | None) -> None:
+        self.limits.check_sampling(n=body.n, stop=body.stop, stop_token_ids=body.stop_token_ids, logprobs=logprobs)
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    async def prompt_ids(self, engine, prompt: str | list[int]) -> str | list[int]:
+        """The prompt as token ids, measured before and after tokenizing ("" is left to the engine's rule)."""
+        max_len = engine.scheduler_config.max_model_len
+        if isinstance(prompt, str) and prompt:
+            self.limits.check_prompt_chars(len(prompt), max_len)
+            prompt = await self.off_loop(engine.tokenizer.encode, prompt)  # as LLMEngine would encode it
+        self.limits.check_prompt_tokens(len(prompt), max_len)
+        return prompt
+
+    def stream_response(self, events: AsyncIterator[str], stream: RequestStream) -> Response:
+        return EngineStreamResponse(events, stream, self.limits.stream_send_timeout)
+
+
 def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | None = None, served_model_name: str,
               max_body_bytes: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` (which may still be loading: /health says 503 until ready).
@@ -120,46 +161,20 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
     metrics = ServerMetrics(served_model_name)
     async_engine.observer = metrics
     app.state.async_engine, app.state.metrics, app.state.limits = async_engine, metrics, limits
-    # Tokenizing and chat templating run here: never on the event loop, never on the engine thread.
-    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ostinato-tokenize")
+    serving = _Serving(async_engine, limits, served_model_name)
     install_error_handlers(app)
-
-    def model_len() -> int | None:
-        return async_engine.engine.scheduler_config.max_model_len if async_engine.is_ready else None
-
     # Added last = outermost: the key is checked before a body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=lambda: limits.body_bytes(model_len()),
+    app.add_middleware(BodyLimitMiddleware, max_bytes=lambda: limits.body_bytes(serving.model_len()),
                        timeout=limits.body_timeout)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_status_routes(app, serving, metrics)
+    _add_completion_routes(app, serving)
+    return app
 
-    def serving_engine():
-        if async_engine.dead_cause is not None:
-            raise EngineDeadError(f"the engine is not serving: {async_engine.dead_cause}")
-        return async_engine.engine  # EngineNotReadyError while loading: 503
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r} "
-                           "(see GET /v1/models)", "not_found_error", param="model")
-
-    def check_limits(body, logprobs: int | None) -> None:
-        limits.check_sampling(n=body.n, stop=body.stop, stop_token_ids=body.stop_token_ids, logprobs=logprobs)
-
-    async def off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
-
-    async def prompt_ids(engine, prompt: str | list[int]) -> str | list[int]:
-        """The prompt as token ids, measured before and after tokenizing ("" is left to the engine's rule)."""
-        max_len = engine.scheduler_config.max_model_len
-        if isinstance(prompt, str) and prompt:
-            limits.check_prompt_chars(len(prompt), max_len)
-            prompt = await off_loop(engine.tokenizer.encode, prompt)  # as LLMEngine would encode it
-        limits.check_prompt_tokens(len(prompt), max_len)
-        return prompt
-
-    def stream_response(events: AsyncIterator[str], stream: RequestStream) -> Response:
-        return EngineStreamResponse(events, stream, limits.stream_send_timeout)
+def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) -> None:
+    async_engine = serving.async_engine
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -168,7 +183,7 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
         if not async_engine.is_ready:
             return JSONResponse({"status": "starting"}, status_code=503)
         stats = await async_engine.get_stats()
-        body = {"status": "ok", "model": served_model_name, "cuda_graphs": async_engine.engine.graph_status,
+        body = {"status": "ok", "model": serving.name, "cuda_graphs": async_engine.engine.graph_status,
                 "cuda_graphs_enabled": stats.graphs_enabled, "captured_sizes": list(stats.captured_sizes)}
         if stats.ranks:  # tensor parallelism: every rank must be alive to serve
             body["ranks"] = list(stats.ranks)
@@ -191,24 +206,28 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
 
     @app.get("/v1/models", responses=_ERROR_RESPONSES)
     async def models() -> ModelList:
-        engine = serving_engine()
+        engine = serving.engine()
         # root is the served name, never the model's folder: a client has no business knowing server paths.
-        return ModelList(data=[ModelCard(id=served_model_name, root=served_model_name,
+        return ModelList(data=[ModelCard(id=serving.name, root=serving.name,
                                          max_model_len=engine.scheduler_config.max_model_len)])
+
+
+def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
+    async_engine, limits, name = serving.async_engine, serving.limits, serving.name
 
     @app.post("/v1/completions", response_model=None, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        engine = serving_engine()
-        check_model(body.model)
+        engine = serving.engine()
+        serving.check_model(body.model)
         params = _as_delta(body.to_sampling_params())
-        check_limits(body, params.logprobs)
-        prompt = await prompt_ids(engine, body.single_prompt())
+        serving.check_limits(body, params.logprobs)
+        prompt = await serving.prompt_ids(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return stream_response(completion_events(stream, request_id, served_model_name, fmt, want_logprobs,
-                                                      body.include_usage_chunk), stream)
+            return serving.stream_response(completion_events(stream, request_id, name, fmt, want_logprobs,
+                                                              body.include_usage_chunk), stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -216,36 +235,34 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
         for c in final.outputs:
             lp = fmt.completion_logprobs(c, ChoiceCursor()) if want_logprobs else None
             choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
-        return JSONResponse(CompletionResponse(id=request_id, model=served_model_name, choices=choices,
+        return JSONResponse(CompletionResponse(id=request_id, model=name, choices=choices,
                                                usage=_usage(final)).model_dump())
 
     @app.post("/v1/chat/completions", response_model=None, responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        engine = serving_engine()
-        check_model(body.model)
+        engine = serving.engine()
+        serving.check_model(body.model)
         messages = body.template_messages()
         max_len = engine.scheduler_config.max_model_len
         limits.check_prompt_chars(sum(len(m["content"]) for m in messages), max_len, param="messages")
-        prompt = await off_loop(_chat_prompt_ids, engine.tokenizer, messages)
+        prompt = await serving.off_loop(_chat_prompt_ids, engine.tokenizer, messages)
         limits.check_prompt_tokens(len(prompt), max_len, param="messages")
         params = _as_delta(body.to_sampling_params(len(prompt), max_len))
-        check_limits(body, params.logprobs)
+        serving.check_limits(body, params.logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return stream_response(chat_events(stream, request_id, served_model_name, fmt, want_logprobs,
-                                                params.n, body.include_usage_chunk), stream)
+            return serving.stream_response(chat_events(stream, request_id, name, fmt, want_logprobs,
+                                                        params.n, body.include_usage_chunk), stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                               logprobs=fmt.chat_logprobs(c) if want_logprobs else None,
                               finish_reason=c.finish_reason) for c in final.outputs]
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=served_model_name, choices=choices,
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=name, choices=choices,
                                                    usage=_usage(final)).model_dump())
-
-    return app
 
 
 def _as_delta(params):

@@ -98,7 +98,7 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
     without = (plan.num_blocks + plan.graph_blocks if plan is not None
                else runner.cache_config.num_blocks + math.ceil(runner.graph_memory_bytes / block_bytes))
     return Measurements(
-        model=engine.args.model,
+        model=engine.config.model_source,
         device=torch.cuda.get_device_name(runner.device), dtype=str(runner.dtype).replace("torch.", ""),
         torch_version=torch.__version__, batch_sizes=tuple(sizes), contexts=tuple(contexts),
         eager_ms=tuple(eager), graph_ms=tuple(graph), prefill_lens=tuple(prefill_lens), prefill_ms=tuple(prefill),

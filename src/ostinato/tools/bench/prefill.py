@@ -97,12 +97,12 @@ def run_prefix(args) -> int:
     if not 0 <= args.cached_len < args.prompt_len:
         raise ConfigError(f"--cached-len must be in [0, --prompt-len), got {args.cached_len}")
     engine = _engine(args, args.prompt_len + 16)
-    if not engine.args.enable_prefix_caching:
+    if not engine.config.enable_prefix_caching:
         raise ConfigError("bench prefix measures prefix caching: drop --no-enable-prefix-caching")
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
     prefix = _random_ids(rng, args.cached_len, vocab)
-    block = engine.args.block_size
+    block = engine.config.runner.kv_pool.block_size
     _ttft(engine, "warm-uncached", _random_ids(rng, args.prompt_len, vocab))  # warm-up (allocator, kernels)
     _ttft(engine, "warm-prefix", prefix + _random_ids(rng, args.prompt_len - args.cached_len, vocab))
     uncached, cached, hits = [], [], []
