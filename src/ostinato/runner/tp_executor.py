@@ -61,6 +61,11 @@ def make_runner(config: RunnerConfig, parallel: ParallelConfig):
     return TensorParallelRunner(config, parallel)
 
 
+def _of_rank0(name: str) -> property:
+    """A read-only attribute of rank 0's own runner (every rank holds the same graph and KV state)."""
+    return property(lambda self: getattr(self.runner, name), doc=f"rank 0's runner's {name}")
+
+
 class _Worker:
     """A worker process we started, its step pipe and what it reported."""
 
@@ -263,51 +268,22 @@ class TensorParallelRunner:
                 logger.debug("destroy_process_group: %s", e)
 
     # ---- the rest of the Runner protocol (runner/protocol.py): rank 0's runner's ---------------------------
-    @property
-    def cache_config(self):
-        return self.runner.cache_config
-
-    @property
-    def dtype(self):
-        return self.runner.dtype
-
-    @property
-    def compile_watch(self):
-        return self.runner.compile_watch
+    cache_config = _of_rank0("cache_config")
+    dtype = _of_rank0("dtype")
+    compile_watch = _of_rank0("compile_watch")
+    graph_status = _of_rank0("graph_status")
+    graphs_enabled = _of_rank0("graphs_enabled")
+    graph_disabled_cause = _of_rank0("graph_disabled_cause")
+    captured_sizes = _of_rank0("captured_sizes")
+    graph_memory_bytes = _of_rank0("graph_memory_bytes")
+    prefill_graph_memory_bytes = _of_rank0("prefill_graph_memory_bytes")
+    graph_capture_seconds = _of_rank0("graph_capture_seconds")
 
     def graph_stats(self):
         return self.runner.graph_stats()
 
     def prefill_graph_stats(self):
         return self.runner.prefill_graph_stats()
-
-    @property
-    def graph_status(self) -> str:
-        return self.runner.graph_status
-
-    @property
-    def graphs_enabled(self) -> bool:
-        return self.runner.graphs_enabled
-
-    @property
-    def graph_disabled_cause(self) -> str | None:
-        return self.runner.graph_disabled_cause
-
-    @property
-    def captured_sizes(self) -> tuple[int, ...]:
-        return self.runner.captured_sizes
-
-    @property
-    def graph_memory_bytes(self) -> int:
-        return self.runner.graph_memory_bytes
-
-    @property
-    def prefill_graph_memory_bytes(self) -> int:
-        return self.runner.prefill_graph_memory_bytes
-
-    @property
-    def graph_capture_seconds(self) -> float:
-        return self.runner.graph_capture_seconds
 
     def __getattr__(self, name: str):  # everything else is rank 0's runner's (graph state, KV config, ...)
         if name == "runner":
