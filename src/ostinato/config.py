@@ -1,8 +1,11 @@
 """Frozen configuration, one dataclass per concern; each component receives only its own.
 
 `EngineArgs` is the flat, user-facing set of flags (CLI and `LLM(**kwargs)`); `EngineArgs.resolve()`
-checks them against the checkpoint and splits them into the per-component configs below.
-Pure Python: no torch import here, so the scheduler side can use these too.
+checks them against the checkpoint (read there, once) and splits them into an `EngineConfig` of the
+per-component configs below: the scheduler's, the graphs', the parallel layout and the `RunnerConfig` every
+rank's runner is built from. The checkpoint's own facts are in model_config.py, the flags that hold lists of
+sizes are read in config_readers.py (both re-exported here). Pure Python: no torch import here, so the
+scheduler side can use these too.
 """
 
 from __future__ import annotations
