@@ -11,7 +11,7 @@ scheduler side can use these too.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -226,6 +226,8 @@ class EngineArgs:
             (self.mixed_step in MIXED_STEPS,
              f"--mixed-step must be one of {', '.join(MIXED_STEPS)}, got {self.mixed_step!r}"),
             (self.pdl in PDL_MODES, f"--pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}"),
+            (self.decode_tuning is None or (is_dataclass(self.decode_tuning) and hasattr(self.decode_tuning, "pdl")),
+             f"decode_tuning must be an ostinato.kernels.decode_plan.DecodeTuning, got {self.decode_tuning!r}"),
             (self.prefill_graph_max_seqs >= 1,
              f"--prefill-graph-max-seqs must be >= 1, got {self.prefill_graph_max_seqs}"),
             (self.max_model_len is None or self.max_model_len >= 1,

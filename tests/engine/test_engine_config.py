@@ -54,6 +54,8 @@ def test_resolve_says_what_is_wrong(checkpoint, tmp_path):
         EngineArgs(str(tmp_path / "missing")).resolve(device="cpu")
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
         EngineArgs(checkpoint, max_model_len=10**7).resolve(device="cpu")
+    with pytest.raises(ConfigError, match="decode_tuning must be an ostinato.kernels.decode_plan.DecodeTuning"):
+        EngineArgs(checkpoint, decode_tuning={"block_n": 32})
     with pytest.raises(ConfigError, match="cuda or cpu"):
         EngineArgs(checkpoint).resolve()  # --device auto: only the caller, who sees torch, can pick
 
