@@ -1,8 +1,9 @@
 """Rank 0 of a tensor-parallel engine: start the other ranks, send them every step, stop them all.
 
-`make_runner` is what the engine calls: a plain ModelRunner for one rank, else a TensorParallelRunner,
-which looks like a ModelRunner to the engine (same launch / properties; it wraps rank 0's own runner) and
-sends each SchedulerOutput to the workers before launching it locally (runner/distributed.py).
+`make_runner` is what the engine calls: a plain ModelRunner for one rank, else a TensorParallelRunner; both
+satisfy the Runner protocol (runner/protocol.py). The latter wraps rank 0's own runner, starts the workers
+with rank 0's RunnerConfig, and sends each SchedulerOutput to them before launching it locally
+(runner/distributed.py).
 
 Failure handling, so that no rank hangs:
 - a worker that fails reports its cause (one JSON line on its stdout) and exits; a thread here reads it,
