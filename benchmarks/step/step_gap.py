@@ -20,7 +20,7 @@ import torch
 
 from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
-from ostinato.tools.bench.decode import _time_cuda, rows_loaded, time_cuda_queued
+from ostinato.tools.bench.decode import time_cuda, rows_loaded, time_cuda_queued
 
 
 def host_us(fn, steps: int) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
                 copy()
                 figures = {"synced": [], "queued": [], "replay": [], "host_copy": [], "host_replay": []}
                 for _ in range(args.rounds):
-                    figures["synced"].append(_time_cuda(step, args.steps, 10))
+                    figures["synced"].append(time_cuda(step, args.steps, 10))
                     figures["queued"].append(time_cuda_queued(step, args.steps, 1, warmup_rounds=0))
                     figures["replay"].append(time_cuda_queued(replay, args.steps, 1, warmup_rounds=0))
                     figures["host_copy"].append(host_us(copy, args.steps))

@@ -60,7 +60,7 @@ def _run_generate(args) -> int:
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 # Commands in modules with optional dependencies: a missing one must not hide the other commands, and the
 # command itself must still say what to install.
-_OPTIONAL_COMMANDS = {"ostinato.server.app": "serve", "ostinato.tools.bench.decode": "bench",
+_OPTIONAL_COMMANDS = {"ostinato.serve_command": "serve", "ostinato.tools.bench.decode": "bench",
                       "ostinato.tools.bench.serve": "bench-serve", "ostinato.tools.bench.host": "bench-host",
                       "ostinato.tools.bench.engine": "bench-engine", "ostinato.tools.bench.prefill": "bench-prefix",
                       "ostinato.tools.bench.kernels": "bench-kernels", "ostinato.tools.bench.peers": "bench-peers",
@@ -119,6 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_worker_rank(ns: argparse.Namespace) -> int:
+    """A command started on rank > 0 by torchrun-style variables: serve rank 0's steps until it stops."""
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.engine import resolve_engine_config
+    from ostinato.errors import ConfigError
+    from ostinato.runner.distributed import ENV_VARS, check_world, env_rank_info
+    from ostinato.runner.tp_worker import run_worker
+
+    args = engine_args_from(ns)
+    info = env_rank_info()
+    if info is None:
+        raise ConfigError(f"RANK is set but not all of {', '.join(ENV_VARS)} are; set every one of them")
+    check_world(info, args.tensor_parallel_size)
+    run_worker(resolve_engine_config(args).runner, info)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `ostinato bench serve|host|engine|throughput|kernels|peers ...` (spelled like vLLM's) are bench-* commands.
@@ -131,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if torchrun_style and int(os.environ["RANK"] or 0) > 0:
             # torchrun-style launch, rank > 0: serve rank 0's steps (no server, no output) until it stops.
-            from ostinato.runner.tp_worker import run_env_worker
-
-            code = run_env_worker(args)
+            code = _serve_worker_rank(args)
         else:
             code = int(args.func(args) or 0)
     except OstinatoError as e:

@@ -6,20 +6,13 @@ import argparse
 from collections.abc import Callable
 
 from ostinato.config import (
-    DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, PDL_MODES, EngineArgs, read_cuda_graph_sizes,
+    DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, PDL_MODES, EngineArgs, read_cuda_graph_sizes, read_int_list,
     read_prefill_graph_tokens,
 )
 from ostinato.errors import ConfigError
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.replace(",", " ").split())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like '1 2 4 8' or '1,2,4,8', got {text!r}") from None
-
-
-def _arg_type(read: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
+def arg_type(read: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
     """An argparse type from a config reader: the reader's ConfigError becomes argparse's usage error."""
     def parse(text: str) -> tuple[int, ...]:
         try:
@@ -28,6 +21,10 @@ def _arg_type(read: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[i
             raise argparse.ArgumentTypeError(str(e)) from None
     parse.__name__ = read.__name__  # argparse names the type in some messages
     return parse
+
+
+# Integers as one flag's text ('1 2 4 8' or '1,2,4,8'): the type of every list-of-sizes flag of the tools.
+int_list = arg_type(read_int_list)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -48,12 +45,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode and prefill step runs eager")
-    g.add_argument("--cuda-graph-sizes", type=_arg_type(read_cuda_graph_sizes), default=None,
+    g.add_argument("--cuda-graph-sizes", type=arg_type(read_cuda_graph_sizes), default=None,
                    help="batch sizes to capture, e.g. '1 2 4 8 16', or @FILE (as `ostinato advise` writes)")
     g.add_argument("--max-cuda-graph-size", type=int, default=None)
     g.add_argument("--cuda-graph-fallback", default="error", choices=["error", "eager"],
                    help="what a capture failure does: stop start-up (default) or run eager, visibly")
-    g.add_argument("--prefill-graph-tokens", type=_arg_type(read_prefill_graph_tokens), default=None,
+    g.add_argument("--prefill-graph-tokens", type=arg_type(read_prefill_graph_tokens), default=None,
                    help="token counts at which prefill steps (and chunks beside running decodes) run as CUDA-graph "
                         "replays, e.g. '16 32 64 128 256'; 'none' runs every prefill eager (default: 16 to 512 "
                         "in 1.5x steps, up to --max-num-batched-tokens; --enforce-eager turns them off too)")

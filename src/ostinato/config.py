@@ -1,129 +1,31 @@
 """Frozen configuration, one dataclass per concern; each component receives only its own.
 
 `EngineArgs` is the flat, user-facing set of flags (CLI and `LLM(**kwargs)`); `EngineArgs.resolve()`
-checks them against the checkpoint and splits them into the per-component configs below.
-Pure Python: no torch import here, so the scheduler side can use these too.
+checks them against the checkpoint (read there, once) and splits them into an `EngineConfig` of the
+per-component configs below: the scheduler's, the graphs', the parallel layout and the `RunnerConfig` every
+rank's runner is built from. The checkpoint's own facts are in model_config.py, the flags that hold lists of
+sizes are read in config_readers.py (both re-exported here). Pure Python: no torch import here, so the
+scheduler side can use these too.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ostinato.errors import CheckpointError, ConfigError
+from ostinato.config_readers import (  # noqa: F401 - re-exported: callers import the flag readers from here
+    DEFAULT_PREFILL_GRAPH_MAX_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS, MIXED_STEPS, PDL_MODES, default_capture_sizes,
+    plan_capture_sizes, plan_prefill_graph_tokens, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
+)
+from ostinato.errors import ConfigError
+from ostinato.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the kernels
+    from ostinato.kernels.decode_plan import DecodeTuning
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the decoder needs, read from an HF `config.json`."""
-
-    architecture: str
-    family: str  # llama | mistral | qwen2 | qwen3
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3)
-    rope_scaling: dict[str, Any] | None = None
-    checkpoint_dtype: str = "float32"  # torch_dtype / dtype written in config.json
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    # Sliding-window attention (some Mistral checkpoints) is not implemented: attention is full, so such a
-    # model is exact only up to this many tokens and max_model_len is capped there.
-    sliding_window: int | None = None
-
-    @staticmethod
-    def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise CheckpointError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; ostinato loads "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            head_dim = cfg.get("head_dim") or hidden // heads
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            rope_scaling = cfg.get("rope_scaling")
-            rope_theta = cfg.get("rope_theta")
-            # transformers >= 5 may write rope settings under "rope_parameters".
-            rope_params = cfg.get("rope_parameters")
-            if isinstance(rope_params, dict):
-                rope_theta = rope_theta or rope_params.get("rope_theta")
-                if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-                    rope_scaling = dict(rope_params)
-            if rope_scaling is not None:
-                kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-                if kind in (None, "default"):
-                    rope_scaling = None
-                elif kind != "llama3":
-                    raise CheckpointError(
-                        f"rope_scaling type {kind!r} is not supported; ostinato supports 'llama3' and none"
-                    )
-            return ModelConfig(
-                architecture=arch,
-                family=family,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta or 10000.0),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
-                rope_scaling=rope_scaling,
-                checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-                eos_token_ids=eos_ids,
-                bos_token_id=cfg.get("bos_token_id"),
-                sliding_window=(int(cfg["sliding_window"]) if cfg.get("sliding_window")
-                                and cfg.get("use_sliding_window", True) else None),
-            )
-        except KeyError as e:
-            raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from None
-
-    @staticmethod
-    def from_dir(model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not Path(model_dir).is_dir():
-            raise CheckpointError(f"model folder {str(model_dir)!r} does not exist")
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing: a model folder needs an HF config.json")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-        return ModelConfig.from_hf_dict(cfg)
-
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The offline API (LLM, and so `bench throughput`) defaults to a larger step budget, as vLLM's LLM class does:
@@ -190,131 +92,59 @@ class GraphConfig:
     mixed_step: str = "one-replay"
 
 
-def default_capture_sizes(max_num_seqs: int, max_size: int = 256) -> tuple[int, ...]:
-    """1, 2, 4, then steps of 8 up to min(max_size, max_num_seqs); the cap itself is always included."""
-    cap = max(1, min(max_size, max_num_seqs))
-    sizes = [s for s in (1, 2, 4) if s <= cap] + list(range(8, cap + 1, 8))
-    if sizes[-1] != cap:
-        sizes.append(cap)
-    return tuple(sorted(set(sizes)))
+@dataclass(frozen=True)
+class KVPoolConfig:
+    """How the runner sizes the paged KV pool; the CacheConfig the scheduler gets is what came of it."""
+
+    block_size: int
+    num_blocks: int | None  # a fixed count (--num-kv-blocks) instead of profiling GPU memory
+    gpu_memory_utilization: float
 
 
-def plan_capture_sizes(
-    max_num_seqs: int,
-    cuda_graph_sizes: Sequence[int] | None = None,
-    max_cuda_graph_size: int | None = None,
-) -> tuple[int, ...]:
-    """The batch sizes to capture, ascending.
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Everything a rank's ModelRunner is built from (every tensor-parallel rank gets the same one)."""
 
-    Default: 1, 2, 4, then steps of 8 up to min(max_cuda_graph_size or 256, max_num_seqs), that cap
-    included. An explicit list is sorted and deduplicated; sizes above max_num_seqs (a decode batch never
-    has more sequences) or above max_cuda_graph_size are dropped with a WARNING saying why.
-    """
-    if max_num_seqs < 1:
-        raise ConfigError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
-    if max_cuda_graph_size is not None and max_cuda_graph_size < 1:
-        raise ConfigError(f"--max-cuda-graph-size must be >= 1, got {max_cuda_graph_size}")
-    if cuda_graph_sizes is None:
-        return default_capture_sizes(max_num_seqs, max_cuda_graph_size or 256)
-
-    sizes = tuple(cuda_graph_sizes)
-    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
-    if not sizes or bad:
-        raise ConfigError(f"--cuda-graph-sizes must be positive integers, got {list(sizes)}")
-    kept, dropped = [], []
-    for size in sorted(set(sizes)):
-        if size > max_num_seqs:
-            dropped.append(f"{size} (above --max-num-seqs {max_num_seqs}: no decode batch is that large)")
-        elif max_cuda_graph_size is not None and size > max_cuda_graph_size:
-            dropped.append(f"{size} (above --max-cuda-graph-size {max_cuda_graph_size})")
-        else:
-            kept.append(size)
-    if not kept:
-        raise ConfigError(
-            f"none of --cuda-graph-sizes {sorted(set(sizes))} can be used: {'; '.join(dropped)}. Pass sizes "
-            "<= --max-num-seqs (and --max-cuda-graph-size), or run with --enforce-eager"
-        )
-    if dropped:
-        logger.warning("not capturing CUDA graphs for --cuda-graph-sizes %s", "; ".join(dropped))
-    return tuple(kept)
+    model_dir: str  # an HF folder: a GGUF file or short name was resolved to one before
+    model: ModelConfig
+    scheduler: SchedulerConfig
+    graph: GraphConfig
+    kv_pool: KVPoolConfig
+    dtype: str  # as asked (auto | bfloat16 | ...): the loader maps it to the torch dtype for the device
+    device: str  # cuda | cpu ("auto" resolved)
+    attention_backend: str  # triton | torch ("auto" resolved)
+    pdl: str  # auto | on | off (kernels/pdl.py decides "auto" on the device)
+    seed: int
+    decode_tuning: DecodeTuning | None = None  # the Triton decode attention's launch settings; None: defaults
 
 
-# Token counts of the captured prefill graphs. Why these (llama-3.1-8b, bf16): an eager forward of up to ~480
-# tokens costs more in host-side launches than in GPU work, whatever its size; by ~512 tokens the GPU work
-# catches up with the launches, so above that a graph saves little and eager runs. The 1.5x steps bound padding
-# to a third of a replay's tokens.
-# Graph memory is that of the largest size (all sizes share one pool): its activations, tens of MiB on the 8B.
-DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-# A captured prefill step holds up to this many sequences (a chunk beside running decodes is one; a burst of
-# short prompts more). Unused sequence slots cost one early-returning program per query tile and KV head.
-DEFAULT_PREFILL_GRAPH_MAX_SEQS = 16
-MIXED_STEPS = ("one-replay", "two-replays")
-PDL_MODES = ("auto", "on", "off")  # --pdl (kernels/pdl.py)
+@dataclass(frozen=True)
+class EngineConfig:
+    """EngineArgs checked against the checkpoint and split per component: what LLMEngine is built from."""
 
+    runner: RunnerConfig
+    parallel: ParallelConfig
+    model_source: str  # the model as the user named it (--model: a folder, a .gguf file or a short name)
+    tokenizer: str  # a folder or HF name AutoTokenizer loads
+    served_model_name: str
+    enable_prefix_caching: bool
+    async_scheduling: bool
 
-def plan_prefill_graph_tokens(max_num_batched_tokens: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The prefill token counts to capture, ascending. Default: DEFAULT_PREFILL_GRAPH_TOKENS below the step's
-    token budget, plus the budget itself when it is within the largest (a step never holds more tokens, and a
-    chunk that fills the budget then replays unpadded). Given sizes above the budget are dropped with a
-    WARNING (no step holds that many tokens); an empty tuple turns prefill graphs off."""
-    if given is None:
-        sizes = [s for s in DEFAULT_PREFILL_GRAPH_TOKENS if s < max_num_batched_tokens]
-        if max_num_batched_tokens <= DEFAULT_PREFILL_GRAPH_TOKENS[-1]:
-            sizes.append(max_num_batched_tokens)
-        return tuple(sorted(set(sizes)))
-    kept = tuple(sorted({s for s in given if s <= max_num_batched_tokens}))
-    dropped = sorted({s for s in given if s > max_num_batched_tokens})
-    if dropped:
-        logger.warning("not capturing prefill graphs for --prefill-graph-tokens %s: above "
-                       "--max-num-batched-tokens %d, no step holds that many tokens", dropped, max_num_batched_tokens)
-    return kept
+    @property
+    def model(self) -> ModelConfig:
+        return self.runner.model
 
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return self.runner.scheduler
 
-def read_prefill_graph_tokens(text: str) -> tuple[int, ...]:
-    """--prefill-graph-tokens as written: integers ('16 32 64' or '16,32,64'), or 'none' (no prefill graphs)."""
-    if text.strip().lower() in ("none", "off", ""):
-        return ()
-    try:
-        sizes = tuple(int(w) for w in text.replace(",", " ").split())
-    except ValueError:
-        raise ConfigError(f"--prefill-graph-tokens must hold integers like '16 32 64' or 'none', got {text!r}") from None
-    if any(s < 1 for s in sizes):
-        raise ConfigError(f"--prefill-graph-tokens must hold positive integers, got {list(sizes)}")
-    return sizes
+    @property
+    def graph(self) -> GraphConfig:
+        return self.runner.graph
 
-
-def read_cuda_graph_sizes(text: str) -> tuple[int, ...]:
-    """--cuda-graph-sizes as the user wrote it: integers ('1 2 4 8' or '1,2,4,8'), or '@FILE' naming a file
-    that holds them (what `ostinato advise` writes): whitespace/comma separated, '#' starts a comment; a
-    JSON list or a JSON object with a "cuda_graph_sizes" list is accepted too."""
-    source = "--cuda-graph-sizes"
-    if text.startswith("@"):
-        path = Path(text[1:])
-        source = f"--cuda-graph-sizes file {str(path)!r}"
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read {source}: {e.strerror or e}; pass an existing file after '@'") from None
-        stripped = text.strip()
-        if stripped.startswith(("[", "{")):
-            try:
-                value = json.loads(stripped)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{source} is not valid JSON: {e}") from None
-            if isinstance(value, dict):
-                value = value.get("cuda_graph_sizes")
-            if not isinstance(value, list):
-                raise ConfigError(f'{source} must hold a JSON list of sizes or {{"cuda_graph_sizes": [...]}}')
-            text = " ".join(str(v) for v in value)
-        text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
-    words = text.replace(",", " ").split()
-    try:
-        sizes = tuple(int(w) for w in words)
-    except ValueError:
-        raise ConfigError(f"{source} must hold integers like '1 2 4 8' or '1,2,4,8', got {text.strip()!r}") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise ConfigError(f"{source} must hold positive integers, got {list(sizes)}")
-    return sizes
+    @property
+    def model_dir(self) -> str:
+        return self.runner.model_dir
 
 
 @dataclass(frozen=True)
@@ -356,6 +186,9 @@ class EngineArgs:
     # Programmatic dependent launch of the Triton kernels (kernels/pdl.py): auto (where the GPU and triton support it),
     # on (an error where they do not) or off.
     pdl: str = "auto"
+    # Launch settings of the Triton decode attention (kernels/decode_plan.py); None: its defaults. --pdl still
+    # decides its `pdl` field.
+    decode_tuning: DecodeTuning | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -392,6 +225,8 @@ class EngineArgs:
             (self.mixed_step in MIXED_STEPS,
              f"--mixed-step must be one of {', '.join(MIXED_STEPS)}, got {self.mixed_step!r}"),
             (self.pdl in PDL_MODES, f"--pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}"),
+            (self.decode_tuning is None or (is_dataclass(self.decode_tuning) and hasattr(self.decode_tuning, "pdl")),
+             f"decode_tuning must be an ostinato.kernels.decode_plan.DecodeTuning, got {self.decode_tuning!r}"),
             (self.prefill_graph_max_seqs >= 1,
              f"--prefill-graph-max-seqs must be >= 1, got {self.prefill_graph_max_seqs}"),
             (self.max_model_len is None or self.max_model_len >= 1,
@@ -447,3 +282,33 @@ class EngineArgs:
         prefill = plan_prefill_graph_tokens(self._max_num_batched_tokens(), self.prefill_graph_tokens)
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
                            min(self.prefill_graph_max_seqs, self.max_num_seqs), self.mixed_step)
+
+    def resolve(self, model_dir: str | Path | None = None, device: str | None = None) -> EngineConfig:
+        """Check the flags against the checkpoint (its config.json is read here, once) and split them per component.
+
+        model_dir: the HF folder `model` names (default `model` itself; model/gguf_sources.resolve_model_dir turns
+        a GGUF file or short name into one). device: "cuda" or "cpu", what --device auto picked (default --device;
+        config imports no torch, so the caller asks torch)."""
+        model_dir = str(model_dir if model_dir is not None else self.model)
+        device = device or self.device
+        if device not in ("cuda", "cpu"):
+            raise ConfigError(f"EngineArgs.resolve needs the device --device {self.device} stands for: cuda or cpu")
+        model = ModelConfig.from_dir(model_dir)
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch"
+        graph = self.graph_config(device == "cuda")
+        if device == "cuda" and graph.prefill_sizes and backend != "triton":
+            # The torch backend's prefill reads sequence lengths on the host: it cannot be captured.
+            logger.info("prefill graphs off: --attention-backend %s reads lengths on the host (use triton)", backend)
+            graph = replace(graph, prefill_sizes=())
+        runner = RunnerConfig(
+            model_dir=model_dir, model=model, scheduler=self.scheduler_config(model), graph=graph,
+            kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization),
+            dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
+            decode_tuning=self.decode_tuning)
+        return EngineConfig(
+            runner=runner, parallel=self.parallel_config(), model_source=self.model,
+            tokenizer=self.tokenizer or model_dir,
+            served_model_name=self.served_model_name or Path(self.model).resolve().name,
+            enable_prefix_caching=self.enable_prefix_caching, async_scheduling=self.async_scheduling)

@@ -24,6 +24,7 @@ from ostinato.errors import ConfigError, TensorParallelError
 from ostinato.model.loader import load_model
 from ostinato.model.parallel import TPGroup, check_tp_size
 from ostinato.tools.checkpoint import make_checkpoint
+from support.tp_faults import inject_failure
 
 ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64, max_num_seqs=8)
 PROMPTS = ["hello there", "the quick brown fox", [5, 6, 7, 8, 9], "a"]
@@ -169,7 +170,7 @@ def test_tp4_with_fewer_kv_heads_than_ranks_matches_tp1(tmp_path_factory):
 
 def test_a_rank_failing_at_start_up_stops_every_rank_with_its_cause(tmp_path_factory, monkeypatch):
     path = _checkpoint(tmp_path_factory, "tiny", "llama")
-    monkeypatch.setenv("OSTINATO_TP_INJECT_FAILURE", "1:load")
+    inject_failure(monkeypatch, "1:load")
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rank 1 failed: RuntimeError: failure injected on rank 1"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
@@ -178,7 +179,7 @@ def test_a_rank_failing_at_start_up_stops_every_rank_with_its_cause(tmp_path_fac
 
 def test_a_rank_failing_mid_generation_stops_every_rank_with_its_cause(tmp_path_factory, monkeypatch):
     path = _checkpoint(tmp_path_factory, "tiny", "llama")
-    monkeypatch.setenv("OSTINATO_TP_INJECT_FAILURE", "1:step4")
+    inject_failure(monkeypatch, "1:step4")
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     try:
         workers = list(llm.engine.runner._workers)

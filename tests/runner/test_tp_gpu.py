@@ -15,6 +15,7 @@ from ostinato.engine.engine import LLMEngine
 from ostinato.errors import TensorParallelError
 from ostinato.sampling_params import SamplingParams
 from ostinato.tools.checkpoint import make_checkpoint
+from support.tp_faults import inject_failure
 from test_gpu_e2e import TOP, close_until_divergence, run_schedule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -92,7 +93,7 @@ def test_verify_sees_one_graph_launch_per_decode_step_on_every_rank(ckpt, tmp_pa
 def test_a_capture_failure_on_one_rank_stops_every_rank_with_the_cause(ckpt, monkeypatch):
     import time
 
-    monkeypatch.setenv("OSTINATO_TP_INJECT_FAILURE", "1:capture")  # rank 1's model syncs with the host
+    inject_failure(monkeypatch, "1:capture")  # rank 1's model syncs with the host
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 failed: CudaGraphCaptureError"):
         _engine(ckpt, dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=None, gpu_memory_utilization=0.3)

@@ -149,7 +149,7 @@ def test_help_spells_bench_serve_as_the_readme_does(capsys):
 
 
 def test_serve_without_fastapi_says_what_to_install(monkeypatch, capsys):
-    for name in [m for m in sys.modules if m.startswith("ostinato.server")]:
+    for name in [m for m in sys.modules if m.startswith(("ostinato.server", "ostinato.serve_command"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
     assert cli.main(["serve", "/tmp/some-model", "--port", "1"]) == 2

@@ -28,7 +28,7 @@ from ostinato.engine.engine import LLMEngine
 from ostinato.engine.outputs import RequestOutput
 from ostinato.errors import InvalidRequestError
 from ostinato.sampling_params import SamplingParams
-from ostinato.server import app as server_app
+from ostinato import serve_command
 from ostinato.server.app import build_app
 from ostinato.tools.bench import serve as bench_serve
 from ostinato.tools.checkpoint import make_checkpoint
@@ -524,11 +524,11 @@ def test_bench_serve_against_the_server(server, tmp_path):
 def test_serve_flags_build_engine_args(monkeypatch):
     monkeypatch.setenv("OSTINATO_API_KEY", "from-env")
     parser = argparse.ArgumentParser()
-    server_app.register(parser.add_subparsers())
+    serve_command.register(parser.add_subparsers())
     ns = parser.parse_args(["serve", "/models/x", "--port", "9001", "--max-num-seqs", "8", "--cuda-graph-sizes",
                             "1,2,4", "--enforce-eager", "--cuda-graph-fallback", "eager", "--dtype", "float32"])
     args = engine_args_from(ns)
     assert (args.model, args.max_num_seqs, args.cuda_graph_sizes) == ("/models/x", 8, (1, 2, 4))
     assert args.enforce_eager and args.cuda_graph_fallback == "eager" and args.dtype == "float32"
     assert args.block_size == EngineArgs(model="m").block_size  # flags not given keep EngineArgs' defaults
-    assert ns.api_key == "from-env" and ns.port == 9001 and ns.func is server_app.run
+    assert ns.api_key == "from-env" and ns.port == 9001 and ns.func is serve_command.run

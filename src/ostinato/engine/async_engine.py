@@ -23,30 +23,19 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Union
 
 from ostinato.errors import EngineDeadError, EngineNotReadyError  # noqa: F401 (re-exported for callers)
-from ostinato.sampling_params import RequestOutputKind, SamplingParams
-from ostinato.engine.outputs import EngineStats, RequestOutput, merge_deltas
+from ostinato.sampling_params import SamplingParams
+from ostinato.engine.outputs import EngineStats, RequestOutput
+from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, deliver  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from ostinato.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-class StepObserver(Protocol):
-    """Sees every step's outputs on the engine thread (the server's latency histograms use it).
-
-    Called on the engine thread, so it must be quick and thread-safe towards readers on other threads.
-    """
-
-    def on_step(self, outputs: list[RequestOutput], now: float) -> None: ...
-
-    def on_request_aborted(self, request_id: str) -> None:
-        """The request was aborted (it will get no finished output); drop any per-request state."""
 
 
 @dataclass
@@ -57,74 +46,6 @@ class _Command:
     fail: Callable[[BaseException], None]
 
 
-class RequestStream:
-    """The outputs of one request, in order, as an async iterator. Created by AsyncEngine.add_request.
-
-    Iteration ends after the finished output (or when the request is aborted). `close()` aborts the request if
-    it has not finished; use `async with stream:` or call it in a `finally` so a consumer that stops early
-    frees the request's KV blocks.
-    """
-
-    def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop,
-                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
-        self.request_id = request_id
-        self.loop = loop
-        self.output_kind = output_kind
-        self.finished = False
-        self._owner = owner
-        # Items: RequestOutput, an exception to raise, or _ENDED (aborted: stop iterating). Event-loop only.
-        self._items: deque = deque()
-        self._ready = asyncio.Event()
-
-    # Called on the event loop (scheduled from the engine thread).
-    def _put(self, item) -> None:
-        self._items.append(item)
-        self._ready.set()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
-            # Several outputs queued up (an exception or the end stays queued for the next call).
-            if self.output_kind is RequestOutputKind.DELTA:
-                deltas = [item]
-                while self._items and isinstance(self._items[0], RequestOutput):
-                    deltas.append(self._items.popleft())
-                item = merge_deltas(deltas)
-            else:  # CUMULATIVE: the newest holds everything
-                while self._items and isinstance(self._items[0], RequestOutput):
-                    item = self._items.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item is _ENDED:
-            self.finished = True
-            raise StopAsyncIteration
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it already finished. Safe to call more than once."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
-
-    async def __aenter__(self) -> "RequestStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
-
-_ENDED = object()
 EngineOrFactory = Union["LLMEngine", Callable[[], "LLMEngine"]]
 
 
@@ -241,7 +162,7 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self._notify_aborted(request_id)
-                self._deliver_soon(stream.loop, [(stream, _ENDED)])
+                self._deliver_soon(stream.loop, [(stream, ENDED)])
 
         try:
             self._submit(_Command(run, lambda exc: None))
@@ -335,7 +256,7 @@ class AsyncEngine:
 
     def _deliver_soon(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
         try:
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening, free the blocks
             for stream, _ in items:
                 if self._streams.pop(stream.request_id, None) is not None and self._engine is not None:
@@ -366,11 +287,6 @@ class AsyncEngine:
         self._streams.clear()
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:
                 pass
-
-
-def _deliver(items: list) -> None:
-    for stream, item in items:
-        stream._put(item)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from ostinato.config import EngineArgs, ModelConfig
 from ostinato.errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from ostinato.sampling_params import SamplingParams
-from ostinato.engine.async_engine import _ENDED, RequestStream, StepObserver, _deliver
+from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, deliver
 from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ class ProcessAsyncEngine:
                     self.observer.on_request_aborted(request_id)
                 except Exception:
                     logger.exception("step observer failed")
-            _call_soon(pending.stream.loop, _deliver, [(pending.stream, _ENDED)])
+            _call_soon(pending.stream.loop, deliver, [(pending.stream, ENDED)])
 
     async def get_stats(self) -> EngineStats:
         _ = self.engine  # raises unless the engine is serving
@@ -355,7 +355,7 @@ class ProcessAsyncEngine:
                 except Exception:  # metrics must never take the engine down
                     logger.exception("step observer failed")
         for loop, batch in by_loop.items():
-            if not _call_soon(loop, _deliver, batch):  # that loop is closed: nobody is listening
+            if not _call_soon(loop, deliver, batch):  # that loop is closed: nobody is listening
                 for stream, _ in batch:
                     self.abort(stream.request_id)
 
@@ -375,7 +375,7 @@ class ProcessAsyncEngine:
             else:
                 _call_soon(p.stream.loop, _settle, p.accepted, error)
         for loop, batch in by_loop.items():
-            _call_soon(loop, _deliver, batch)
+            _call_soon(loop, deliver, batch)
         self._ready.set()
 
 

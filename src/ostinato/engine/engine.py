@@ -12,8 +12,9 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ostinato.config import EngineArgs, ModelConfig
+from ostinato.config import EngineArgs, EngineConfig, ModelConfig
 from ostinato.contract import StepResult
 from ostinato.errors import InvalidRequestError, QueueFullError
 from ostinato.model.gguf_sources import resolve_model_dir
@@ -22,6 +23,9 @@ from ostinato.engine.detokenizer import IncrementalDetokenizer, OutputText
 from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
 from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from ostinato.runner.protocol import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -84,22 +88,32 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer) -
     return frozenset(ids)
 
 
-class LLMEngine:
-    def __init__(self, args: EngineArgs):
-        from ostinato.runner.tp_executor import make_runner  # torch lives below this line of the dependency graph
+def resolve_engine_config(args: EngineArgs) -> EngineConfig:
+    """args.resolve() on what only the layers below know: the HF folder args.model names (a GGUF file or short
+    name, e.g. smollm2-135m, is dequantized into a cached folder) and the device --device auto picks."""
+    from ostinato.runner.runner import pick_device  # torch lives below this line of the dependency graph
 
-        self.args = args
-        # An HF folder as given; a GGUF file or short name (e.g. smollm2-135m) dequantized into a cached folder.
-        self.model_dir = resolve_model_dir(args.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
-        self.scheduler_config = args.scheduler_config(self.model_config)
-        self.served_model_name = args.served_model_name or Path(args.model).resolve().name
+    model_dir = resolve_model_dir(args.model)
+    return args.resolve(model_dir, pick_device(args.device).type)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineArgs | EngineConfig):
+        from ostinato.runner.tp_executor import make_runner
+
+        if isinstance(config, EngineArgs):
+            config = resolve_engine_config(config)
+        self.config = config
+        self.model_dir = Path(config.model_dir)
+        self.model_config = config.model
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.scheduler_config = config.scheduler
+        self.served_model_name = config.served_model_name
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        self.runner = make_runner(replace(args, model=str(self.model_dir)), self.model_config,
-                                  self.scheduler_config)  # a TensorParallelRunner with --tensor-parallel-size > 1
+        # A TensorParallelRunner with --tensor-parallel-size > 1.
+        self.runner: Runner = make_runner(config.runner, config.parallel)
         # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
-        cache_config = replace(self.runner.cache_config, enable_prefix_caching=args.enable_prefix_caching,
+        cache_config = replace(self.runner.cache_config, enable_prefix_caching=config.enable_prefix_caching,
                                prefix_cache_salt=f"{self.model_dir}|{self.runner.dtype}")
         self.scheduler = Scheduler(self.scheduler_config, cache_config)
         self._requests: dict[str, _RequestState] = {}
@@ -189,9 +203,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker ranks, if any (also done at interpreter exit)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -204,7 +216,7 @@ class LLMEngine:
         if out.is_empty and not out.left and self._inflight is None:
             return []
         pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
-        if out.num_decode and self.args.async_scheduling:  # a mixed step's chunks' tokens wait with the rows'
+        if out.num_decode and self.config.async_scheduling:  # a mixed step's chunks' tokens wait with the rows'
             ready = [self._inflight] if self._inflight is not None else []
             self._inflight = pending
         else:  # a prefill-only (or idle) step reads what is in flight too: the next step starts from settled tokens
@@ -320,7 +332,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         g = self.runner.graph_stats()
-        pg = self.runner.prefill_graph_stats() if hasattr(self.runner, "prefill_graph_stats") else None
+        pg = self.runner.prefill_graph_stats()
         bm = self.scheduler.block_manager
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -342,12 +354,11 @@ class LLMEngine:
             graph_disabled_cause=self.runner.graph_disabled_cause,
             decode_batch_sizes=dict(g.steps_by_batch),
             max_num_seqs=self.scheduler_config.max_num_seqs,
-            ranks=tuple(self.runner.rank_health()) if hasattr(self.runner, "rank_health") else (),
+            ranks=tuple(self.runner.rank_health()),
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
-            kernel_compiles_in_service=getattr(getattr(self.runner, "compile_watch", None), "compiles_in_service", 0),
-            **({} if pg is None else dict(
-                prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
-                prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,
-                prefill_graph_memory_bytes=self.runner.prefill_graph_memory_bytes, decode_steps_mixed=pg.mixed_steps)),
+            kernel_compiles_in_service=self.runner.compile_watch.compiles_in_service,
+            prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
+            prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,
+            prefill_graph_memory_bytes=self.runner.prefill_graph_memory_bytes, decode_steps_mixed=pg.mixed_steps,
         )

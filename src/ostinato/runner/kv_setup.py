@@ -70,6 +70,7 @@ class KVSetup:
     plan: KVCachePlan | None  # the GPU budget split; None when the pool size was given (CPU, --num-kv-blocks)
     prefill_graphs: PrefillGraphs | None = None
     prefill_capture: CaptureReport | None = None
+    graph_backend: CudaGraphBackend | None = None  # what captured the graphs (None: none captured)
 
 
 def allocate_kv_cache(spec: KVSpec, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -194,7 +195,7 @@ def _profile_activation_peak(spec: KVSpec) -> int:
     return max(0, peak)
 
 
-def _estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) -> int:
+def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) -> int:
     """Capture the largest decode size once into a throwaway pool over a small temporary KV pool.
 
     The probe shares the real runner's backend (its capture stream), so what a capture stream costs once
@@ -237,7 +238,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         # the graph probe: what the probe leaves behind (the capture stream's workspace) is in its estimate.
         in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
         if not gc_cfg.enforce_eager:
-            estimate = _estimate_or_zero(lambda: _estimate_graph_bytes(spec, max(sizes), backend), gc_cfg)
+            estimate = _estimate_or_zero(lambda: estimate_graph_bytes(spec, max(sizes), backend), gc_cfg)
             if gc_cfg.prefill_sizes:
                 prefill_estimate = _estimate_or_zero(lambda: _estimate_prefill_graph_bytes(spec, backend), gc_cfg)
         plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation, estimate + prefill_estimate,
@@ -286,4 +287,4 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     for line in report.splitlines():
         logger.info(line)
     return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, report, plan, prefill,
-                   prefill_capture)
+                   prefill_capture, backend)

@@ -35,11 +35,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from ostinato.attention.base import AttentionBackend
-from ostinato.config import CacheConfig, EngineArgs, GraphConfig, ModelConfig, SchedulerConfig
+from ostinato.config import CacheConfig, GraphConfig, RunnerConfig
 from ostinato.contract import ScheduledSeq, SchedulerOutput, StepResult
 from ostinato.errors import ConfigError
 from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
@@ -48,10 +49,13 @@ from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
 from ostinato.runner.inputs import to_device
 from ostinato.runner.inputs import build_prefill_inputs, decode_metadata
-from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs
+from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
 from ostinato.runner.sampler import Sampler, finish_sampling
 from ostinato.runner.warmup import warm_up_prefill
+
+if TYPE_CHECKING:  # imported where used: the Triton modules load only for the Triton backend
+    from ostinato.kernels.decode_plan import DecodeTuning
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +71,12 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device, pdl: str = "off") -> AttentionBackend:
+def make_backend(name: str, device: torch.device, pdl: str = "off",
+                 decode_tuning: DecodeTuning | None = None) -> AttentionBackend:
     """The attention backend; it also carries the launch policy of the decoder's Triton kernels (`pdl`, --pdl:
-    model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (kernels/pdl.py)."""
+    model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (kernels/pdl.py).
+    decode_tuning (RunnerConfig.decode_tuning): the Triton decode attention's launch settings; --pdl sets its
+    `pdl` field."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
@@ -79,7 +86,8 @@ def make_backend(name: str, device: torch.device, pdl: str = "off") -> Attention
         from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend
         from ostinato.kernels.pdl import resolve_pdl
 
-        return TritonPagedBackend(TritonAttentionTuning(decode=DecodeTuning(pdl=resolve_pdl(pdl, device))))
+        tuning = replace(decode_tuning or DecodeTuning(), pdl=resolve_pdl(pdl, device))
+        return TritonPagedBackend(TritonAttentionTuning(decode=tuning))
     if pdl == "on":
         raise ConfigError(f"--pdl on needs --attention-backend triton (the {name} backend's kernels are torch's); "
                           "use --pdl auto or off")
@@ -104,41 +112,54 @@ class ModelRunner:
     """One rank's runner. Under tensor parallelism (runner/tp_executor.py) every rank builds one with its
     `tp` place and runs every step; `agree_num_blocks` then makes the KV pool the smallest any rank fits."""
 
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig,
-                 tp: TPGroup = SINGLE_RANK, agree_num_blocks: Callable[[int], int] | None = None):
-        self.args = args
+    def __init__(self, config: RunnerConfig, tp: TPGroup = SINGLE_RANK,
+                 agree_num_blocks: Callable[[int], int] | None = None):
+        self.config = config
         self.tp = tp
         if tp.world_size > 1:  # the start-up self-check draws random rows: the same ones on every rank
-            torch.manual_seed(args.seed)
-        self.model_config = model_config
-        self.scheduler_config = scheduler_config
-        self.device = pick_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, model_config, self.device)
-        self.backend = make_backend(args.attention_backend, self.device, args.pdl)
+            torch.manual_seed(config.seed)
+        self.model_config = config.model
+        self.scheduler_config = config.scheduler
+        self.graph_config: GraphConfig = config.graph
+        self.device = pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.model, self.device)
+        self.backend = make_backend(config.attention_backend, self.device, config.pdl, config.decode_tuning)
         # Installed before anything compiles (capture included), sealed at the end of start-up: an earlier
         # engine's sealed watch in this process must not count this engine's start-up compiles.
         self.compile_watch = CompileWatch()
         if self.device.type == "cuda":
             self.compile_watch.install()
-        self.block_size = args.block_size
+        self.block_size = config.kv_pool.block_size
+        self._load_model()
+        self._allocate_kv_and_graphs(agree_num_blocks)
+        # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
+        rows = self.decode_batch.layout.rows
+        cuda = self.device.type == "cuda"
+        self._tokens_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._turn = 0
+        self._sampled_np = self.decode_step.sampled.numpy() if not cuda else None
+        self.sampler = Sampler(self.device, config.seed)
+        if cuda:
+            self._warm_up()
+
+    def _load_model(self) -> None:
         t0 = time.perf_counter()
-        self.model = load_model(args.model, model_config, self.dtype, self.device, self.backend,
-                                progress=tp.rank == 0, tp=tp)
+        self.model = load_model(self.config.model_dir, self.model_config, self.dtype, self.device, self.backend,
+                                progress=self.tp.rank == 0, tp=self.tp)
         self.load_seconds = time.perf_counter() - t0
         self.weights_bytes = weights_nbytes(self.model)
-        logger.info("loaded %s (%.2f GiB, %s) in %.1f s", args.model, self.weights_bytes / 2**30,
+        logger.info("loaded %s (%.2f GiB, %s) in %.1f s", self.config.model_dir, self.weights_bytes / 2**30,
                     self.dtype, self.load_seconds)
-        self.graph_config: GraphConfig = args.graph_config(self.device.type == "cuda")
-        if self.device.type == "cuda" and self.graph_config.prefill_sizes and self.backend.name != "triton":
-            # The torch backend's prefill reads sequence lengths on the host: it cannot be captured.
-            logger.info("prefill graphs off: --attention-backend %s reads lengths on the host (use triton)",
-                        self.backend.name)
-            self.graph_config = replace(self.graph_config, prefill_sizes=())
-        # Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs.
+
+    def _allocate_kv_and_graphs(self, agree_num_blocks: Callable[[int], int] | None) -> None:
+        """Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs."""
+        config, tp = self.config, self.tp
         self.kv_spec = KVSpec(
-            self.model, rank_view(model_config, tp.world_size), scheduler_config, self.graph_config, self.device,
-            self.dtype, self.block_size, self.weights_bytes, args.num_kv_blocks, args.gpu_memory_utilization,
-            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, args.seed),
+            self.model, rank_view(config.model, tp.world_size), config.scheduler, self.graph_config, self.device,
+            self.dtype, self.block_size, self.weights_bytes, config.kv_pool.num_blocks,
+            config.kv_pool.gpu_memory_utilization,
+            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, config.seed),
             agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
             compile_watch=self.compile_watch)
         setup = allocate_kv_and_graphs(self.kv_spec)
@@ -149,28 +170,21 @@ class ModelRunner:
         self.decode_batch = setup.decode_step.batch
         self.prefill_graphs = setup.prefill_graphs  # prefill chunks as replays (runner/prefill_graphs.py)
         self.prefill_capture_report = setup.prefill_capture
-        # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
-        rows = self.decode_batch.layout.rows
-        cuda = self.device.type == "cuda"
-        self._tokens_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
-        self._turn = 0
-        self._sampled_np = self.decode_step.sampled.numpy() if not cuda else None
         self.capture_report = setup.capture
         self.memory_report = setup.report
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
-        self.sampler = Sampler(self.device, args.seed)
-        if cuda:
-            logger.info("decoder kernels: %s (%s)", self.model.kernels.name, pdl_status(args.pdl, self.backend.pdl,
-                                                                                     self.device))
-            # Compile the eager prefill path's kernel variants now, not inside a user's step.
-            ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
-                                           self.device, scheduler_config.max_model_len,
-                                           max_sampled_rows=scheduler_config.max_num_seqs)
-            logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
-                        self.compile_watch.compiles_at_startup, seconds)
-            self.compile_watch.seal()
+
+    def _warm_up(self) -> None:
+        """Compile the eager prefill path's kernel variants now, not inside a user's step."""
+        logger.info("decoder kernels: %s (%s)", self.model.kernels.name,
+                    pdl_status(self.config.pdl, self.backend.pdl, self.device))
+        scheduler = self.scheduler_config
+        ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
+                                       self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
+        logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
+                    self.compile_watch.compiles_at_startup, seconds)
+        self.compile_watch.seal()
 
     # ---- graph state, as the engine reports it ------------------------------------------------------
     @property
@@ -212,6 +226,27 @@ class ModelRunner:
 
     def prefill_graph_stats(self):
         return self.prefill_graphs.stats()
+
+    # ---- the rest of the Runner protocol (runner/protocol.py), for one rank -----------------------------
+    def call_all(self, target: str, *args):
+        """Run `target` ("module:function", taking the runner first) here: this is the only rank."""
+        from ostinato.runner.tp_worker import resolve_call
+
+        with torch.inference_mode():  # as the tensor-parallel runner runs it on every rank
+            return resolve_call(target)(self, *args)
+
+    def probe_decode_graph_bytes(self, size: int) -> int:
+        """Bytes a decode graph of `size` rows adds when captured alone, measured by capturing it into a
+        throwaway pool over a temporary KV pool (`ostinato advise` weighs graph memory this way). The model is
+        left bound to the temporary pool: rebind self.kv_caches after the last probe."""
+        # The decode graphs' own backend (its capture stream): what a capture stream costs once is not counted twice.
+        return estimate_graph_bytes(self.kv_spec, size, self.graphs._backend)
+
+    def rank_health(self) -> list[dict]:
+        return []  # one rank: nothing to report beside the engine's own health
+
+    def shutdown(self) -> None:
+        """Nothing to stop: a single rank starts no processes."""
 
     # ---- decode callable shared by graph capture, replay and the eager path -------------------------
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

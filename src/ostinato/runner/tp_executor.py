@@ -1,8 +1,9 @@
 """Rank 0 of a tensor-parallel engine: start the other ranks, send them every step, stop them all.
 
-`make_runner` is what the engine calls: a plain ModelRunner for one rank, else a TensorParallelRunner,
-which looks like a ModelRunner to the engine (same launch / properties; it wraps rank 0's own runner) and
-sends each SchedulerOutput to the workers before launching it locally (runner/distributed.py).
+`make_runner` is what the engine calls: a plain ModelRunner for one rank, else a TensorParallelRunner; both
+satisfy the Runner protocol (runner/protocol.py). The latter wraps rank 0's own runner, starts the workers
+with rank 0's RunnerConfig, and sends each SchedulerOutput to them before launching it locally
+(runner/distributed.py).
 
 Failure handling, so that no rank hangs:
 - a worker that fails reports its cause (one JSON line on its stdout) and exits; a thread here reads it,
@@ -29,33 +30,41 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from ostinato.config import EngineArgs, ModelConfig, SchedulerConfig
+from ostinato.config import ParallelConfig, RunnerConfig
 from ostinato.errors import TensorParallelError
 from ostinato.model.parallel import check_tp_size
 from ostinato.runner.distributed import (BroadcastChannel, PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group,
                           leave_process, timeout_seconds)
 from ostinato.runner.runner import ModelRunner, pick_device
-from ostinato.runner.tp_worker import engine_args_json, resolve_call, run_worker
+from ostinato.runner.tp_worker import CONFIG_ENV, resolve_call, run_worker, runner_config_env
 
 logger = logging.getLogger(__name__)
 
+# What rank 0 runs as `python -m` for each worker rank it starts (tests start theirs through a wrapper).
+WORKER_MODULE = "ostinato.runner.tp_worker"
 
-def make_runner(args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig):
+
+def make_runner(config: RunnerConfig, parallel: ParallelConfig):
     """The engine's runner: ModelRunner for --tensor-parallel-size 1, TensorParallelRunner above.
 
     Under torchrun-style variables (RANK > 0) this process is a worker: it serves rank 0 until rank 0 stops,
     then its process ends with status 0 (distributed.leave_process: atexit handlers run, `finally` blocks do
     not), so the same command or script runs on every rank."""
-    size = args.parallel_config().tensor_parallel_size
+    size = parallel.tensor_parallel_size
     if size == 1:
-        return ModelRunner(args, model_config, scheduler_config)
-    check_tp_size(model_config, size)
+        return ModelRunner(config)
+    check_tp_size(config.model, size)
     info = env_rank_info()
     if info is not None and info.rank > 0:
         check_world(info, size)
-        run_worker(args, info)
+        run_worker(config, info)
         leave_process(0)
-    return TensorParallelRunner(args, model_config, scheduler_config)
+    return TensorParallelRunner(config, parallel)
+
+
+def _of_rank0(name: str) -> property:
+    """A read-only attribute of rank 0's own runner (every rank holds the same graph and KV state)."""
+    return property(lambda self: getattr(self.runner, name), doc=f"rank 0's runner's {name}")
 
 
 class _Worker:
@@ -72,18 +81,18 @@ class _Worker:
 class TensorParallelRunner:
     """Rank 0's runner plus the workers; the engine sees a ModelRunner (attributes are rank 0's)."""
 
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, scheduler_config: SchedulerConfig):
-        self.world_size = args.tensor_parallel_size
+    def __init__(self, config: RunnerConfig, parallel: ParallelConfig):
+        self.world_size = parallel.tensor_parallel_size
         self._workers: list[_Worker] = []
         self._failure: str | None = None
         self._busy = 0  # > 0 while the main thread is inside a call that may wait on other ranks
         self._closed = False
         self._owns_group = False
         info = env_rank_info()
-        device_type = pick_device(args.device).type
+        device_type = pick_device(config.device).type
         try:
             if info is None:  # we start the other ranks on this host
-                store = self._start_workers(args)
+                store = self._start_workers(config)
                 info = RankInfo(0, self.world_size, 0, True)
                 self._channel_for = lambda _group: PipeChannel(writers=[w.steps for w in self._workers])
             else:  # torchrun-style: every rank runs this command; we are rank 0
@@ -93,7 +102,7 @@ class TensorParallelRunner:
             with self._guard():
                 self._owns_group = not _group_exists()
                 tp, cpu_group = init_group(info, device_type, store)
-                self.runner = ModelRunner(args, model_config, scheduler_config, tp, lambda n: agree_min(n, cpu_group))
+                self.runner = ModelRunner(config, tp, lambda n: agree_min(n, cpu_group))
             self.channel = self._channel_for(cpu_group)
         except BaseException:
             self.shutdown()
@@ -101,7 +110,7 @@ class TensorParallelRunner:
         atexit.register(self.shutdown)  # a script or CLI command that never calls shutdown() stops every rank too
 
     # ---- start-up ------------------------------------------------------------------------------------
-    def _start_workers(self, args: EngineArgs):
+    def _start_workers(self, config: RunnerConfig):
         import torch.distributed as dist
 
         # Port 0: the store picks a free port itself (no race with other processes picking one).
@@ -110,11 +119,11 @@ class TensorParallelRunner:
         port = store.port
         src = str(Path(__file__).resolve().parents[2])  # the folder holding this ostinato package
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world_size),
-                   OSTINATO_TP_LAUNCHED="1", OSTINATO_TP_ARGS=engine_args_json(args),
+                   OSTINATO_TP_LAUNCHED="1", **{CONFIG_ENV: runner_config_env(config)},
                    OSTINATO_LOG_LEVEL=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                    PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
         for rank in range(1, self.world_size):
-            proc = subprocess.Popen([sys.executable, "-m", "ostinato.runner.tp_worker"],
+            proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
                                     env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
             worker = _Worker(rank, proc)
@@ -258,6 +267,24 @@ class TensorParallelRunner:
                 dist.destroy_process_group()
             except Exception as e:  # noqa: BLE001 - after an abort the group may be half torn down
                 logger.debug("destroy_process_group: %s", e)
+
+    # ---- the rest of the Runner protocol (runner/protocol.py): rank 0's runner's ---------------------------
+    cache_config = _of_rank0("cache_config")
+    dtype = _of_rank0("dtype")
+    compile_watch = _of_rank0("compile_watch")
+    graph_status = _of_rank0("graph_status")
+    graphs_enabled = _of_rank0("graphs_enabled")
+    graph_disabled_cause = _of_rank0("graph_disabled_cause")
+    captured_sizes = _of_rank0("captured_sizes")
+    graph_memory_bytes = _of_rank0("graph_memory_bytes")
+    prefill_graph_memory_bytes = _of_rank0("prefill_graph_memory_bytes")
+    graph_capture_seconds = _of_rank0("graph_capture_seconds")
+
+    def graph_stats(self):
+        return self.runner.graph_stats()
+
+    def prefill_graph_stats(self):
+        return self.runner.prefill_graph_stats()
 
     def __getattr__(self, name: str):  # everything else is rank 0's runner's (graph state, KV config, ...)
         if name == "runner":

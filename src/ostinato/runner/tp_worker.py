@@ -5,28 +5,28 @@ Messages (runner/distributed.py carries them): ("step", SchedulerOutput) runs a 
 does (its tokens are dropped: rank 0 returns them); ("call", "module:function", args) runs
 function(runner, *args) on every rank (bench, verify); ("stop",) ends the loop.
 
-Started two ways: by rank 0 (runner/tp_executor.py) as `python -m ostinato.runner.tp_worker`, with the
-engine arguments in $OSTINATO_TP_ARGS, steps on stdin and failures reported as one JSON line on stdout; or
-by the user's own command under torchrun (cli.py / LLM call `run_worker` when RANK > 0).
+Started two ways: by rank 0 (runner/tp_executor.py) as `python -m ostinato.runner.tp_worker`, with rank 0's
+RunnerConfig in $OSTINATO_TP_CONFIG, steps on stdin and failures reported as one JSON line on stdout; or by
+the user's own command under torchrun (cli.py / LLM call `run_worker` when RANK > 0).
 """
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
 import traceback
-from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ostinato.config import EngineArgs, ModelConfig
-from ostinato.errors import ConfigError
-from ostinato.runner.distributed import ENV_VARS, BroadcastChannel, PipeChannel, RankInfo, agree_min, init_group
+from ostinato.config import RunnerConfig
+from ostinato.runner.distributed import BroadcastChannel, PipeChannel, RankInfo, agree_min, init_group
 
 logger = logging.getLogger(__name__)
 
@@ -36,40 +36,18 @@ def resolve_call(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None) -> None:
+def serve_rank(config: RunnerConfig, info: RankInfo, channel_for, store: Any = None) -> None:
     """Build this rank's runner and run rank 0's messages until ("stop",). channel_for(cpu_group) -> channel."""
-    from ostinato.model.gguf_sources import resolve_model_dir
     from ostinato.runner.runner import ModelRunner, pick_device
 
-    model_dir = resolve_model_dir(args.model)
-    args = replace(args, model=str(model_dir))
-    model_config = ModelConfig.from_dir(model_dir)
-    tp, cpu_group = init_group(info, pick_device(args.device).type, store)
-    fail_at = _injected_failure(info.rank)
-    if fail_at == "load":
-        raise RuntimeError(f"failure injected on rank {info.rank} by $OSTINATO_TP_INJECT_FAILURE")
-    if fail_at == "capture":  # a host sync inside the model: this rank's CUDA-graph capture fails
-        from ostinato.model import decoder
-
-        build = decoder.DecoderForCausalLM.__init__
-
-        def build_with_sync(model, *a, **k):
-            build(model, *a, **k)
-            model.debug_host_sync = True
-
-        decoder.DecoderForCausalLM.__init__ = build_with_sync
-    runner = ModelRunner(args, model_config, args.scheduler_config(model_config), tp,
-                         lambda n: agree_min(n, cpu_group))
+    tp, cpu_group = init_group(info, pick_device(config.device).type, store)
+    runner = ModelRunner(config, tp, lambda n: agree_min(n, cpu_group))
     channel = channel_for(cpu_group)
-    steps = 0
     while True:
         message = channel.recv()
         if message[0] == "stop":
             break
         if message[0] == "step":
-            steps += 1
-            if fail_at == f"step{steps}":
-                raise RuntimeError(f"failure injected on rank {info.rank} at step {steps} by $OSTINATO_TP_INJECT_FAILURE")
             runner.launch(message[1])  # rank 0 reads the tokens; this rank's copy of them is not needed
         elif message[0] == "call":
             import torch
@@ -78,16 +56,7 @@ def serve_rank(args: EngineArgs, info: RankInfo, channel_for, store: Any = None)
                 resolve_call(message[1])(runner, *message[2])
 
 
-def _injected_failure(rank: int) -> str | None:
-    """Test hook: $OSTINATO_TP_INJECT_FAILURE="RANK:load", "RANK:capture" (its graph capture fails) or
-    "RANK:stepN" makes that rank fail there, so tests prove that one rank's failure stops every rank with its
-    cause."""
-    where = os.environ.get("OSTINATO_TP_INJECT_FAILURE", "")
-    target, _, phase = where.partition(":")
-    return phase if target == str(rank) else None
-
-
-def run_worker(args: EngineArgs, info: RankInfo) -> None:
+def run_worker(config: RunnerConfig, info: RankInfo) -> None:
     """A torchrun-style worker: steps come over a gloo broadcast from rank 0.
 
     The group this function created is destroyed here, in order, while rank 0 may still host the store; a group
@@ -97,23 +66,9 @@ def run_worker(args: EngineArgs, info: RankInfo) -> None:
     import torch.distributed as dist
 
     owns_group = not dist.is_initialized()
-    serve_rank(args, info, lambda cpu_group: BroadcastChannel(cpu_group, info.rank))
+    serve_rank(config, info, lambda cpu_group: BroadcastChannel(cpu_group, info.rank))
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def run_env_worker(ns) -> int:
-    """A CLI command (its parsed arguments `ns`) started on rank > 0 by torchrun-style variables."""
-    from ostinato.cli_args import engine_args_from
-    from ostinato.runner.distributed import check_world, env_rank_info
-
-    args = engine_args_from(ns)
-    info = env_rank_info()
-    if info is None:
-        raise ConfigError(f"RANK is set but not all of {', '.join(ENV_VARS)} are; set every one of them")
-    check_world(info, args.tensor_parallel_size)
-    run_worker(args, info)
-    return 0
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -141,12 +96,12 @@ def main() -> None:
     try:
         import torch.distributed as dist
 
-        args = EngineArgs(**json.loads(os.environ["OSTINATO_TP_ARGS"]))
+        config = runner_config_from_env()
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
                               is_master=False, timeout=_timeout())
         store.set(f"ostinato/joined/{info.rank}", "1")  # rank 0 waits for these, watching that we live
         steps = Connection(os.dup(0), writable=False)
-        serve_rank(args, info, lambda _group: PipeChannel(reader=steps), store)
+        serve_rank(config, info, lambda _group: PipeChannel(reader=steps), store)
     except BaseException as e:  # noqa: BLE001 - any failure is reported to rank 0 with its cause
         cause = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         report.write(json.dumps({"error": cause, "traceback": traceback.format_exc()}) + "\n")
@@ -164,8 +119,15 @@ def _timeout():
     return timedelta(seconds=timeout_seconds())
 
 
-def engine_args_json(args: EngineArgs) -> str:
-    return json.dumps(asdict(args))
+CONFIG_ENV = "OSTINATO_TP_CONFIG"  # the RunnerConfig rank 0 resolved, pickled: every rank builds the same runner
+
+
+def runner_config_env(config: RunnerConfig) -> str:
+    return base64.b64encode(pickle.dumps(config)).decode("ascii")
+
+
+def runner_config_from_env() -> RunnerConfig:
+    return pickle.loads(base64.b64decode(os.environ[CONFIG_ENV]))
 
 
 if __name__ == "__main__":

@@ -86,11 +86,11 @@ def format_table(verdicts: list[SizeVerdict]) -> str:
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("verify", help="profile real decode steps and prove which path (graph or eager) they take")
     add_engine_args(p)
-    p.add_argument("--batch-sizes", type=_int_list, default=None,
+    p.add_argument("--batch-sizes", type=int_list, default=None,
                    help="decode batch sizes to check (default: 1, a padded size, the largest captured, one above)")
     p.add_argument("--steps", type=int, default=5, help="decode steps profiled per batch size")
     p.add_argument("--trace", default=None, help="save the Chrome trace here")
@@ -128,12 +128,8 @@ def profile_stop(runner, path: str) -> None:
 
 
 def _on_every_rank(engine, target: str, *args) -> None:
-    """Run a function of this module on every rank: through call_all under tensor parallelism."""
-    runner = engine.runner
-    if hasattr(runner, "call_all"):
-        runner.call_all(f"{__name__}:{target}", *args)
-    else:
-        globals()[target](runner, *args)
+    """Run a function of this module on every rank (one rank's runner runs it itself)."""
+    engine.runner.call_all(f"{__name__}:{target}", *args)
 
 
 def profile_decode_steps(engine, batch_sizes, steps: int, trace_path: Path) -> dict[int, list[StepCount]]:

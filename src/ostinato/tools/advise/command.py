@@ -50,7 +50,7 @@ def parse_overhead(text: str) -> tuple[float, float]:
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("advise", help="is CUDA-graph replay worth it here, and which batch sizes to capture")
     add_engine_args(p)
@@ -69,9 +69,9 @@ def register(sub) -> None:
     a = p.add_argument_group("advise")
     a.add_argument("--measurements", default=None, help="load measurements (JSON) instead of measuring")
     a.add_argument("--save-measurements", default=None, help="write what was measured here (JSON)")
-    a.add_argument("--contexts", type=_int_list, default=(256, 1024, 4096),
+    a.add_argument("--contexts", type=int_list, default=(256, 1024, 4096),
                    help="decode contexts to time at (tokens per sequence)")
-    a.add_argument("--prefill-lens", type=_int_list, default=(64, 256, 1024, 4096),
+    a.add_argument("--prefill-lens", type=int_list, default=(64, 256, 1024, 4096),
                    help="prompt lengths to time prefill at (the workload's are added)")
     a.add_argument("--iters", type=int, default=20)
     a.add_argument("--warmup", type=int, default=3)

@@ -22,7 +22,7 @@ from ostinato.config import default_capture_sizes
 from ostinato.errors import ConfigError, CudaGraphCaptureError
 from ostinato.runner.memory import kv_block_bytes
 from ostinato.tools.advise.costs import Measurements
-from ostinato.tools.bench.decode import _time_cuda, replay_ms
+from ostinato.tools.bench.decode import time_cuda, replay_ms
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +41,17 @@ def _prefill_ms(runner, length: int, iters: int, warmup: int) -> float:
         hidden = runner.model(inp.input_ids, inp.positions, inp.meta)
         runner.model.compute_logits(hidden[inp.last_token_indices])
 
-    return _time_cuda(step, iters, warmup)
+    return time_cuda(step, iters, warmup)
 
 
 def _first_bytes(runner, sizes: list[int]) -> dict[int, int]:
     """Bytes a capture of each size alone adds (probes into throwaway pools, after every timing: a probe
     rebinds the model to a temporary KV pool, so the real one is bound back at the end)."""
-    from ostinato.runner.kv_setup import _estimate_graph_bytes
-
     out = {}
     try:
         for size in sizes:
             try:
-                out[size] = _estimate_graph_bytes(runner.kv_spec, size, runner.graphs._backend)
+                out[size] = runner.probe_decode_graph_bytes(size)
             except (CudaGraphCaptureError, torch.cuda.OutOfMemoryError) as e:  # no room: fewer probe points
                 logger.warning("graph memory probe of size %d failed (%s); interpolating without it", size, e)
     finally:
@@ -100,7 +98,7 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
     without = (plan.num_blocks + plan.graph_blocks if plan is not None
                else runner.cache_config.num_blocks + math.ceil(runner.graph_memory_bytes / block_bytes))
     return Measurements(
-        model=engine.args.model,
+        model=engine.config.model_source,
         device=torch.cuda.get_device_name(runner.device), dtype=str(runner.dtype).replace("torch.", ""),
         torch_version=torch.__version__, batch_sizes=tuple(sizes), contexts=tuple(contexts),
         eager_ms=tuple(eager), graph_ms=tuple(graph), prefill_lens=tuple(prefill_lens), prefill_ms=tuple(prefill),

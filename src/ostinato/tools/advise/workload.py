@@ -214,9 +214,8 @@ class SimResult:
         return self.output_tokens / self.total_s if self.total_s > 0 else 0.0
 
 
-def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], float],
-             prefill_ms: Callable[[int], float]) -> SimResult:
-    """Play the requests through the scheduler model (module docstring) and add up measured step times."""
+def _fit_requests(w: Workload, limits: EngineLimits) -> tuple[list[tuple[int, int, int]], int]:
+    """Each request as (prompt, output, KV blocks) cut to max_model_len, and how many were cut."""
     bs, cap_len = limits.block_size, limits.max_model_len
     truncated = 0
     reqs = []
@@ -227,6 +226,26 @@ def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], 
         reqs.append((prompt, out, math.ceil((prompt + out) / bs)))
     if any(blocks > limits.kv_blocks for _, _, blocks in reqs):
         raise ConfigError(f"a request needs more KV blocks than the cache holds ({limits.kv_blocks})")
+    return reqs, truncated
+
+
+def _feed_prefills(prefilling: deque[list[int]], budget: int, chunks: list[int]) -> int:
+    """The prompts already prefilling take their next chunks, oldest first, while the step's token budget
+    lasts (appended to `chunks`); returns the budget left."""
+    for entry in prefilling:
+        if budget <= 0:
+            break
+        take = min(entry[1], budget)
+        entry[1] -= take
+        budget -= take
+        chunks.append(take)
+    return budget
+
+
+def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], float],
+             prefill_ms: Callable[[int], float]) -> SimResult:
+    """Play the requests through the scheduler model (module docstring) and add up measured step times."""
+    reqs, truncated = _fit_requests(w, limits)
     closed = w.concurrency is not None
     arrivals = [0.0] * min(len(reqs), w.concurrency) if closed else [r.arrival_s for r in w.requests]
     t = prefill_s = decode_s = 0.0
@@ -249,16 +268,9 @@ def simulate(w: Workload, limits: EngineLimits, step_ms: Callable[[int, float], 
         while nxt < len(arrivals) and arrivals[nxt] <= t:
             waiting.append(nxt)
             nxt += 1
-        budget = limits.max_num_batched_tokens - running
         chunks: list[int] = []  # this step's chunk sizes
         completed: list[int] = []  # requests whose prompt ends in this step
-        for entry in prefilling:
-            if budget <= 0:
-                break
-            take = min(entry[1], budget)
-            entry[1] -= take
-            budget -= take
-            chunks.append(take)
+        budget = _feed_prefills(prefilling, limits.max_num_batched_tokens - running, chunks)
         while waiting and running + len(prefilling) < limits.max_num_seqs and budget > 0:
             prompt, out, blocks = reqs[waiting[0]]
             if blocks > free:

@@ -32,11 +32,11 @@ def weights_read_per_step(runner) -> int:
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("bench", help="decode-step latency: graph vs eager vs HF transformers")
     add_engine_args(p)
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 8, 32, 64))
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
@@ -46,7 +46,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _time_cuda(fn, iters: int, warmup: int) -> float:
+def time_cuda(fn, iters: int, warmup: int) -> float:
     """Median milliseconds of fn() measured with CUDA events (CPU wall time on CPU)."""
     import torch
 
@@ -120,24 +120,32 @@ def time_cuda_queued(fn, iters: int, rounds: int, warmup_rounds: int = 1) -> flo
     return statistics.median(times[warmup_rounds:])
 
 
+def _seed(gen) -> int:
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+
+
 def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tuple[float, float | None]:
     """(eager, graph) milliseconds of one decode step (forward and in-graph sampling) on the engine's own
     decode rows: the copy of the rows to the device plus the replay, as LLMEngine.step makes them. Graph is
-    None above the largest captured size or with graphs off. Under tensor parallelism every rank times the
-    same steps (their collectives pair up); rank 0's times are returned."""
-    if hasattr(runner, "call_all"):
-        import torch
+    None above the largest captured size or with graphs off. Every rank times the same steps (under tensor
+    parallelism their collectives pair up); rank 0's times are returned."""
+    return runner.call_all(f"{__name__}:replay_ms_seeded", bs, context, _seed(gen), iters, warmup)
 
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-        return runner.call_all(f"{__name__}:replay_ms_seeded", bs, context, seed, iters, warmup)
-    with rows_loaded(runner, bs, context, gen) as batch:
+
+def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmup: int):
+    """replay_ms on one rank's runner, its random rows drawn from `seed`: what each rank runs."""
+    import torch
+
+    with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed)) as batch:
         rows = batch.copy_to_device(bs)
-        eager_ms = _time_cuda(lambda: runner.decode_step(rows), iters, warmup)
+        eager_ms = time_cuda(lambda: runner.decode_step(rows), iters, warmup)
         graph_ms = None
         size = runner.graphs.graph_size(bs)
         if size is not None:
-            graph_ms = _time_cuda(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
-                                  warmup)
+            graph_ms = time_cuda(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
+                                 warmup)
     return eager_ms, graph_ms
 
 
@@ -147,31 +155,19 @@ def queued_graph_ms(runner, bs: int, context: int, gen, iters: int, rounds: int 
     scheduling launches step n+1 before it reads step n's tokens), so the host's time to issue a step hides
     behind the step before; replay_ms's synced figure counts it (tens of microseconds at batch 1,
     benchmarks/step/step_gap.py). None where there is no graph for bs; CUDA only."""
-    import torch
-
-    if hasattr(runner, "call_all"):
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-        return runner.call_all(f"{__name__}:queued_graph_ms_seeded", bs, context, seed, iters, rounds)
-    size = runner.graphs.graph_size(bs)
-    if size is None or not torch.cuda.is_available():
-        return None
-    with rows_loaded(runner, bs, context, gen) as batch:
-        return time_cuda_queued(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
-                                rounds)
+    return runner.call_all(f"{__name__}:queued_graph_ms_seeded", bs, context, _seed(gen), iters, rounds)
 
 
 def queued_graph_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, rounds: int):
-    """queued_graph_ms with its rows drawn from `seed`: what each tensor-parallel rank runs."""
+    """queued_graph_ms on one rank's runner, its rows drawn from `seed`: what each rank runs."""
     import torch
 
-    return queued_graph_ms(runner, bs, context, torch.Generator().manual_seed(seed), iters, rounds)
-
-
-def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmup: int):
-    """replay_ms with its random rows drawn from `seed`: what each tensor-parallel rank runs."""
-    import torch
-
-    return replay_ms(runner, bs, context, torch.Generator().manual_seed(seed), iters, warmup)
+    size = runner.graphs.graph_size(bs)
+    if size is None or not torch.cuda.is_available():
+        return None
+    with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed)) as batch:
+        return time_cuda_queued(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
+                                rounds)
 
 
 def _load_hf(model_dir: str, dtype, device):
@@ -195,7 +191,7 @@ def _hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, voca
             hf(input_ids=tok, past_key_values=cache, use_cache=True)
 
         # The cache grows by one token per call: warm-up + iters tokens past `context` (a few %).
-        return _time_cuda(step, iters, warmup)
+        return time_cuda(step, iters, warmup)
 
 
 def run(args) -> int:

@@ -21,11 +21,11 @@ import time
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("bench-engine", help="whole engine step (LLM.generate) vs forward-only replay")
     add_engine_args(p)
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64, 128, 256))
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 8, 32, 64, 128, 256))
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--short", type=int, default=16, help="max_tokens of the short run")
     p.add_argument("--long", type=int, default=144, help="max_tokens of the long run")

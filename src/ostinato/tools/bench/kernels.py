@@ -55,11 +55,11 @@ def class_bytes(mc, itemsize: int, batch: int, context: int) -> dict[str, int]:
 
 
 def register(sub) -> None:
-    from ostinato.cli_args import _int_list, add_engine_args
+    from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("bench-kernels", help="decode-step GPU time per kernel class (torch.profiler)")
     add_engine_args(p)
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 16, 64))
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 16, 64))
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
     p.add_argument("--steps", type=int, default=5, help="profiled eager steps per batch size")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per batch size")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 
-from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, _hf_step_ms, _load_hf, _time_cuda, replay_ms, weights_read_per_step
+from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, _hf_step_ms, _load_hf, time_cuda, replay_ms, weights_read_per_step
 
 
 def register(sub) -> None:
@@ -64,7 +64,7 @@ def hf_compiled_ms(hf, device, context: int, iters: int, warmup: int, vocab: int
             step()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
-        return _time_cuda(step, iters, warmup), compile_s
+        return time_cuda(step, iters, warmup), compile_s
 
 
 def run(args) -> int:

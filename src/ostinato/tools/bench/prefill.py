@@ -97,12 +97,12 @@ def run_prefix(args) -> int:
     if not 0 <= args.cached_len < args.prompt_len:
         raise ConfigError(f"--cached-len must be in [0, --prompt-len), got {args.cached_len}")
     engine = _engine(args, args.prompt_len + 16)
-    if not engine.args.enable_prefix_caching:
+    if not engine.config.enable_prefix_caching:
         raise ConfigError("bench prefix measures prefix caching: drop --no-enable-prefix-caching")
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
     prefix = _random_ids(rng, args.cached_len, vocab)
-    block = engine.args.block_size
+    block = engine.config.runner.kv_pool.block_size
     _ttft(engine, "warm-uncached", _random_ids(rng, args.prompt_len, vocab))  # warm-up (allocator, kernels)
     _ttft(engine, "warm-prefix", prefix + _random_ids(rng, args.prompt_len - args.cached_len, vocab))
     uncached, cached, hits = [], [], []
@@ -169,24 +169,7 @@ def run_chunked(args) -> int:
     rounds = []
     for r in range(args.rounds):  # the first prompt may meet first-time costs (kernel variants); later are warm
         gaps.clear()
-        t0 = time.perf_counter()
-        engine.add_request(f"long{r}", _random_ids(rng, args.prompt_len, vocab),
-                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        in_order: list[float] = []
-        steps = 0
-        while True:
-            t_step = time.perf_counter()
-            outs = step()
-            in_order.append(1e3 * (time.perf_counter() - t_step))
-            steps += 1
-            if any(o.request_id == f"long{r}" and o.outputs and o.outputs[0].token_ids for o in outs):
-                break
-        ttft = time.perf_counter() - t0
-        during = sorted(gaps)
-        rounds.append({
-            "itl_p99_ms_during_prefill": 1e3 * _quantile(during, 0.99), "itl_max_ms_during_prefill": 1e3 * during[-1],
-            "long_prompt_ttft_ms": 1e3 * ttft, "steps_during_prefill": steps, "step_ms": in_order,
-        })
+        rounds.append(_long_prompt_round(engine, step, gaps, f"long{r}", _random_ids(rng, args.prompt_len, vocab)))
         rounds[-1]["ratio"] = rounds[-1]["itl_p99_ms_during_prefill"] / (1e3 * median)
         for _ in range(3):
             step()
@@ -210,6 +193,30 @@ def run_chunked(args) -> int:
           f"(captured token counts {list(stats.prefill_graph_sizes) or 'none'})")
     _write(args, result)
     return 0
+
+
+def _long_prompt_round(engine, step, gaps: list[float], request_id: str, prompt: list[int]) -> dict:
+    """Add one long prompt and step until its first token: its TTFT, and the decodes' gaps (`gaps`, filled
+    by `step`) meanwhile."""
+    from ostinato.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    in_order: list[float] = []
+    steps = 0
+    while True:
+        t_step = time.perf_counter()
+        outs = step()
+        in_order.append(1e3 * (time.perf_counter() - t_step))
+        steps += 1
+        if any(o.request_id == request_id and o.outputs and o.outputs[0].token_ids for o in outs):
+            break
+    ttft = time.perf_counter() - t0
+    during = sorted(gaps)
+    return {
+        "itl_p99_ms_during_prefill": 1e3 * _quantile(during, 0.99), "itl_max_ms_during_prefill": 1e3 * during[-1],
+        "long_prompt_ttft_ms": 1e3 * ttft, "steps_during_prefill": steps, "step_ms": in_order,
+    }
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

@@ -78,7 +78,7 @@ def noop(runner) -> None:
 
 def channel_us(runner, n: int = 2000) -> float | None:
     """Microseconds rank 0 spends sending one message to every other rank (what each step pays)."""
-    if not hasattr(runner, "call_all"):
+    if not runner.rank_health():  # one rank: no channel
         return None
     t0 = time.perf_counter()
     for _ in range(n):
@@ -121,10 +121,7 @@ def measure_one(args) -> dict:
     with torch.inference_mode():
         for bs in sizes:
             eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup)
-            if hasattr(runner, "call_all"):
-                share = runner.call_all(f"{MODULE}:nccl_share", bs, args.context, bs, args.profile_steps)
-            else:
-                share = nccl_share(runner, bs, args.context, bs, args.profile_steps)
+            share = runner.call_all(f"{MODULE}:nccl_share", bs, args.context, bs, args.profile_steps)
             row = {"tp": args.one, "batch": bs, "context": args.context, "graph_ms": graph_ms, "eager_ms": eager_ms}
             for mode, ms in (("graph", graph_ms), ("eager", eager_ms)):
                 if mode in share and ms:

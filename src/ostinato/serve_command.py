@@ -1,0 +1,84 @@
+"""`ostinato serve MODEL ...`: the command that reads the flags and runs the HTTP server (server/app.py).
+
+Apart from the server because the flags are the CLI's (cli_args): the server package takes EngineArgs, not
+argparse namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from ostinato.cli_args import add_engine_args, engine_args_from
+from ostinato.engine.async_engine import AsyncEngine
+from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
+from ostinato.server import app
+from ostinato.server.limits import add_limit_args, limits_from
+
+logger = logging.getLogger("ostinato.server.app")  # the server's start-up lines keep their logger's name
+
+
+def register(subparsers) -> None:
+    """Add `ostinato serve MODEL_DIR ...` to the CLI."""
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description=app.__doc__.split("\n\n")[0])
+    add_engine_args(p)
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("OSTINATO_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSTINATO_API_KEY)")
+    add_limit_args(p)
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of in its own process "
+                        "(slower: the engine and the HTTP work then share one GIL)")
+    p.set_defaults(func=run)
+
+
+_UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "WARN": "warning",
+                       "INFO": "info", "DEBUG": "debug"}
+
+
+def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
+    """Load the model in the engine core process (or on the engine thread, --engine-thread) while uvicorn
+    already answers /health (503), then serve. engine_factory(EngineArgs) builds the engine; for the core
+    process it must be a module-level function (spawn pickles it by name)."""
+    import uvicorn
+
+    from ostinato.server.http import uvicorn_config
+
+    args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
+    limits = limits_from(ns)
+    name = args.served_model_name or Path(args.model).resolve().name  # the name LLMEngine gives it
+    if getattr(ns, "engine_thread", False):
+        async_engine = AsyncEngine(lambda: engine_factory(args))
+    else:
+        async_engine = ProcessAsyncEngine(args, factory=engine_factory)
+    http_app = app.build_app(async_engine, api_key=ns.api_key, served_model_name=name, limits=limits)
+    log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
+    server = uvicorn.Server(uvicorn_config(http_app, limits, host=ns.host, port=ns.port, log_level=log_level))
+
+    async def main() -> int:
+        async_engine.start()
+        serving = asyncio.create_task(server.serve())
+        ready = asyncio.create_task(async_engine.wait_ready())
+        await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is not None:
+            cause = ready.exception().__cause__ or ready.exception()
+            logger.error("ostinato could not start: %s", cause)
+            server.should_exit = True
+            await serving
+            return 1
+        if ready.done():
+            port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
+            logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
+                        async_engine.engine.graph_status)
+        await serving
+        return 0
+
+    try:
+        return asyncio.run(main())
+    finally:
+        async_engine.shutdown()
