@@ -170,13 +170,13 @@ def queued_graph_ms_seeded(runner, bs: int, context: int, seed: int, iters: int,
                                 rounds)
 
 
-def _load_hf(model_dir: str, dtype, device):
+def load_hf(model_dir: str, dtype, device):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
-def _hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, vocab: int) -> float:
+def hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, vocab: int) -> float:
     """transformers' own decode step: a one-token forward over a DynamicCache already holding `context`."""
     import torch
     from transformers import DynamicCache
@@ -207,7 +207,7 @@ def run(args) -> int:
     kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
     gen = torch.Generator().manual_seed(0)
     rows = []
-    hf = None if args.no_hf else _load_hf(engine.model_dir, runner.dtype, runner.device)
+    hf = None if args.no_hf else load_hf(engine.model_dir, runner.dtype, runner.device)
     print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), "
           f"{runner.dtype}, graphs: {engine.graph_status}")
     with torch.inference_mode():
@@ -217,7 +217,7 @@ def run(args) -> int:
             floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
             hf_ms = None
             if hf is not None:
-                hf_ms = _hf_step_ms(hf, runner.device, bs, args.context, args.iters, args.warmup, mc.vocab_size)
+                hf_ms = hf_step_ms(hf, runner.device, bs, args.context, args.iters, args.warmup, mc.vocab_size)
             best = graph_ms or eager_ms
             rows.append({
                 "batch": bs, "context": args.context, "graph_ms": graph_ms, "graph_queued_ms": queued_ms,

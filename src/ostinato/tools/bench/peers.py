@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 
-from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, _hf_step_ms, _load_hf, time_cuda, replay_ms, weights_read_per_step
+from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, hf_step_ms, load_hf, time_cuda, replay_ms, weights_read_per_step
 
 
 def register(sub) -> None:
@@ -87,8 +87,8 @@ def run(args) -> int:
     with torch.inference_mode():
         eager_ms, graph_ms = replay_ms(runner, 1, args.context, gen, args.iters, args.warmup)
     result["ostinato_ms"] = graph_ms or eager_ms
-    hf = _load_hf(engine.model_dir, runner.dtype, runner.device)
-    result["hf_eager_ms"] = _hf_step_ms(hf, runner.device, 1, args.context, args.iters, args.warmup, mc.vocab_size)
+    hf = load_hf(engine.model_dir, runner.dtype, runner.device)
+    result["hf_eager_ms"] = hf_step_ms(hf, runner.device, 1, args.context, args.iters, args.warmup, mc.vocab_size)
     result["hf_compiled_ms"] = result["hf_compile_s"] = result["hf_compiled_error"] = None
     if not args.no_compile:
         try:
