@@ -9,6 +9,14 @@ from dataclasses import dataclass
 
 from ostinato.errors import InvalidRequestError
 
+# Temperatures below this are greedy: dividing logits by ~0 overflows float32. The one greedy rule: the
+# sampler (host and device) and SamplingParams.greedy all compare against it. vLLM uses the same cut-off.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_TEMPERATURE
+
 
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a request holds (as vLLM's SamplingParams.output_kind).
@@ -43,7 +51,8 @@ def _is_real(x) -> bool:
 class SamplingParams:
     """Per-request sampling settings (names and meanings follow vLLM / OpenAI).
 
-    temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 disables top-p.
+    temperature 0 (anything below GREEDY_TEMPERATURE) means greedy. top_k <= 0 (or -1) disables top-k;
+    top_p == 1 disables top-p.
     seed makes the request's random draws reproducible whatever else shares its batch.
     logprobs=N returns the sampled token's logprob and the top-N alternatives per generated token.
     """
@@ -107,4 +116,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)

@@ -4,7 +4,7 @@ parameter named; the coercions callers rely on (a single stop string, lists beco
 import pytest
 
 from ostinato.errors import InvalidRequestError
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -62,9 +62,12 @@ def test_defaults_follow_vllm():
     assert p.skip_special_tokens is True and p.stop == () and p.stop_token_ids == ()
 
 
-def test_greedy_means_temperature_zero_only():
+def test_greedy_is_the_one_rule_the_sampler_applies():
+    # One rule (sampling_params.is_greedy): a temperature below GREEDY_TEMPERATURE samples the argmax, as the
+    # runner always did for it (1e-6 was greedy there, while this property said otherwise).
     assert SamplingParams(temperature=0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
     assert not SamplingParams().greedy
 
 
