@@ -82,3 +82,21 @@ def test_float32_edges_and_wrong_types_name_the_parameter(kwargs, param, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+def test_replace_checks_the_changed_values_only(monkeypatch):
+    from ostinato import sampling_params as sp
+
+    p = SamplingParams(temperature=0.7, seed=3, stop=["x"])
+    checked = []
+    for name, check in list(sp._CHECKS.items()):
+        monkeypatch.setitem(sp._CHECKS, name, lambda v, name=name, check=check: checked.append(name) or check(v))
+    q = p.replace(seed=4, n=1, stop="y")
+    assert checked == ["seed", "n", "stop"]  # the rest was checked when p was made
+    assert (q.seed, q.stop, q.temperature, p.seed) == (4, ("y",), 0.7, 3)  # normalized like the constructor
+    assert q == SamplingParams(temperature=0.7, seed=4, stop=["y"])
+    with pytest.raises(InvalidRequestError, match="^seed must be an integer") as e:
+        p.replace(seed="4")
+    assert e.value.param == "seed"
+    with pytest.raises(TypeError, match="no field"):
+        p.replace(temprature=1.0)

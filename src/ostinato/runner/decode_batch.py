@@ -238,9 +238,8 @@ class DecodeBatch:
         return self._num_filtered > 0 or self._num_logprob_rows > 0
 
     def sampling(self, rows: torch.Tensor) -> SamplingBatch:
-        """The step's sampling settings, read from the device rows (no host work per row)."""
-        return read_settings(rows[: len(self.rows)], self._num_logprobs if self._num_logprob_rows else None,
-                             self._num_filtered > 0)
+        """The step's sampling settings, read from its device rows [len(self), width] (no host work per row)."""
+        return read_settings(rows, self._num_logprobs if self._num_logprob_rows else None, self._num_filtered > 0)
 
     def joined_sampling(self, first: int, count: int) -> SamplingBatch:
         """The settings of rows [first, first + count), which sequences just joined at, for the draw their

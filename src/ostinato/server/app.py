@@ -404,7 +404,7 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
 
 def _as_delta(params):
     """The server streams (and merges non-streamed answers from) DELTA outputs: O(new tokens) per step."""
-    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    return params.replace(output_kind=RequestOutputKind.DELTA)
 
 
 def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
