@@ -65,7 +65,7 @@ class DecodeLayout:
         block_tables = batch[:, BLOCKS:]
         return {
             "input_ids": batch[:, TOKEN].long(), "positions": positions,
-            "slot_mapping": kv_slots(block_tables.long(), positions, self.block_size), "block_tables": block_tables,
+            "slot_mapping": kv_slots(block_tables, positions, self.block_size), "block_tables": block_tables,
             "context_lens": batch[:, POS] + 1,
         }
 

@@ -96,7 +96,7 @@ class PrefillGraphs:
         # The padding sequence reads up to T_max positions through its block-table row: the width covers both
         # a real sequence (blocks_per_seq) and T_max tokens (a graph may be longer than max_model_len).
         width = max(blocks_per_seq, math.ceil(t_max / block_size))
-        self._scratch_slot = scratch_block * block_size
+        self._scratch_slot = int(kv_slots(np.array([scratch_block]), np.zeros(1, dtype=np.int64), block_size)[0])
         self.tokens = torch.zeros(3, t_max, dtype=torch.int64, device=device)
         self.tokens[2].fill_(self._scratch_slot)  # warm-up and capture write K/V only into the scratch block
         self.lengths = torch.zeros(2 * max_seqs + 3, dtype=torch.int32, device=device)
@@ -110,7 +110,7 @@ class PrefillGraphs:
         # Padded tokens: positions only feed RoPE (the attention mask counts query rows), so any position below
         # max_model_len will do; their slots walk the scratch block.
         self._pad_positions = np.arange(t_max, dtype=np.int64) % max_model_len
-        self._pad_slots = self._scratch_slot + np.arange(t_max, dtype=np.int64) % block_size
+        self._pad_slots = kv_slots(np.full(width, scratch_block, dtype=np.int64), np.arange(t_max), block_size)
         # Mixed steps (run_mixed): up to `decode_rows` decode rows ride first in the token buffers, attended by
         # the decode kernel (AttentionBackend.attend) over these tables and contexts; a context of 0 is no row.
         # Their input tokens may be placeholders -(r + 1) for sampled[r] (DecodeBatch), resolved in forward.
