@@ -32,7 +32,7 @@ from ostinato.runner.inputs import kv_slots
 from ostinato.runner.sampler import row_key
 from ostinato.runner.sampling_state import (  # noqa: F401  (the row's columns, read from here too)
     BLOCKS, CTR, KEY_HI, KEY_LO, POS, ROW_COLUMNS, TEMP, TOKEN, TOP_K, TOP_P, SamplingBatch, filtered_rows,
-    read_settings, write_settings)
+    filters, read_settings, write_settings)
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,7 @@ class DecodeBatch:
         # Host writes go through numpy views of the same memory: a few rows change per step, and a numpy
         # op on them costs about a microsecond where a torch op costs ten.
         self.np = self.host.numpy()
+        self.np_f = self.np.view(np.float32)  # the float columns
         self._pad_np = self._pad.numpy()
         self._placeholders = -np.arange(1, layout.rows + 1, dtype=np.int32)  # row r feeds sampled[r]
         self.rows = DecodeRows()
@@ -170,7 +171,7 @@ class DecodeBatch:
             return  # never joined (e.g. aborted before its prefill)
         hole, last = moved
         h = self.np
-        self._num_filtered -= bool(filtered_rows(h[hole:hole + 1])[0])
+        self._num_filtered -= bool(filters(h[hole, TOP_K], self.np_f[hole, TOP_P]))
         self._num_logprob_rows -= self._num_logprobs[hole] is not None
         if hole != last:
             h[hole] = h[last]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -30,19 +31,35 @@ MAX_TOP_K = (1 << 31) - 1
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling settings of one step, as device tensors read from the rows, plus host flags that skip
-    unused work."""
+    """One step's rows to sample (device int32 rows holding their settings), plus host flags that skip unused
+    work. The settings as tensors are read from the rows when first asked for: a step whose rows neither
+    filter nor sample on the host (greedy and temperature rows on a GPU) never pays for those casts."""
 
     num_rows: int
-    rows: torch.Tensor  # [B, >= BLOCKS] int32: the rows the settings below were read from
-    temperature: torch.Tensor  # [B] float32; 0 on greedy rows
-    top_k: torch.Tensor  # [B] int64; 0 = off
-    top_p: torch.Tensor  # [B] float32; 1.0 = off
-    key: torch.Tensor  # [B] int64
-    counter: torch.Tensor  # [B] int64: tokens the row generated before this draw
+    rows: torch.Tensor  # [B, >= BLOCKS] int32
     any_filtered: bool  # some row has top-k or top-p (and samples)
     num_logprobs: tuple[int | None, ...] | None  # per row; None when no row asked
     max_num_logprobs: int | None  # largest N asked for; None when no row wants logprobs
+
+    @cached_property
+    def temperature(self) -> torch.Tensor:  # [B] float32; 0 on greedy rows
+        return self.rows[:, TEMP].view(torch.float32)
+
+    @cached_property
+    def top_k(self) -> torch.Tensor:  # [B] int64; 0 = off
+        return self.rows[:, TOP_K].long()
+
+    @cached_property
+    def top_p(self) -> torch.Tensor:  # [B] float32; 1.0 = off
+        return self.rows[:, TOP_P].view(torch.float32)
+
+    @cached_property
+    def key(self) -> torch.Tensor:  # [B] int64
+        return (self.rows[:, KEY_HI].long() << 32) | (self.rows[:, KEY_LO].long() & 0xFFFFFFFF)
+
+    @cached_property
+    def counter(self) -> torch.Tensor:  # [B] int64: tokens the row generated before this draw
+        return self.rows[:, CTR].long()
 
 
 class RowSettings(NamedTuple):
@@ -74,28 +91,32 @@ def write_settings(row: np.ndarray, p: SamplingParams, key: int, counter: int) -
     return settings
 
 
+def filters(top_k, top_p):
+    """Whether rows sample with top-k or top-p, from their top_k and top_p columns (numpy arrays or scalars):
+    write_settings leaves both off on the others."""
+    return (top_p < 1.0) | (top_k > 0)
+
+
 def filtered_rows(rows: np.ndarray) -> np.ndarray:
-    """[n] bool: which int32 rows sample with top-k or top-p (write_settings leaves both off on the others)."""
-    return (rows[:, TOP_P].view(np.float32) < 1.0) | (rows[:, TOP_K] > 0)
+    """[n] bool: which int32 rows [n, >= BLOCKS] sample with top-k or top-p."""
+    return filters(rows[:, TOP_K], rows[:, TOP_P].view(np.float32))
 
 
 def sampling_inputs(rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """What sample_tokens reads of the rows (temperature, key, counter), from [B, >= BLOCKS] int32."""
-    key = (rows[:, KEY_HI].long() << 32) | (rows[:, KEY_LO].long() & 0xFFFFFFFF)
-    return {"temperature": rows[:, TEMP].view(torch.float32), "key": key, "counter": rows[:, CTR].long()}
+    batch = SamplingBatch(rows.shape[0], rows, False, None, None)
+    return {"temperature": batch.temperature, "key": batch.key, "counter": batch.counter}
 
 
 def read_settings(rows: torch.Tensor, num_logprobs: Sequence[int | None] | None, any_filtered: bool
                   ) -> SamplingBatch:
-    """The settings of rows [B, >= BLOCKS] int32 (device), with the host flags the caller keeps for them:
-    each row's logprobs request (None when no row asked: then nothing here walks the rows) and whether any
-    row filters. Device views and casts only."""
-    s = sampling_inputs(rows)
+    """The rows [B, >= BLOCKS] int32 (device) to sample, with the host flags the caller keeps for them: each
+    row's logprobs request (None when no row asked: then nothing here walks the rows) and whether any row
+    filters. No device work here."""
     asked = [k for k in num_logprobs if k is not None] if num_logprobs is not None else []
-    return SamplingBatch(
-        num_rows=rows.shape[0], rows=rows, temperature=s["temperature"], top_k=rows[:, TOP_K].long(),
-        top_p=rows[:, TOP_P].view(torch.float32), key=s["key"], counter=s["counter"], any_filtered=any_filtered,
-        num_logprobs=tuple(num_logprobs) if asked else None, max_num_logprobs=max(asked) if asked else None)
+    return SamplingBatch(num_rows=rows.shape[0], rows=rows, any_filtered=any_filtered,
+                         num_logprobs=tuple(num_logprobs) if asked else None,
+                         max_num_logprobs=max(asked) if asked else None)
 
 
 def _int32(x: int) -> int:
