@@ -2,7 +2,9 @@
 
 The graph's static input is declared here once (`DecodeLayout`): one [rows, C] int32 tensor whose columns
 are the input token, its position, the sampling counter, the temperature (a float32 bit pattern), the
-sampling key (two int32 halves of an int64), top-k, top-p (float32 bits) and the block table. Capture,
+sampling key (two int32 halves of an int64), top-k, top-p (float32 bits) and the block table. The columns
+before the block table are the sequence's sampling state (runner/sampling_state.py): written at join, read
+by its prefill draw (`joined_sampling`) and its decode draws (`sampling`, or the kernels in place). Capture,
 replay, the start-up self-check, `verify` and `bench` all go through it; the step unpacks it inside the
 graph (context length = position + 1, slot = block_table[position // block_size] * block_size + offset).
 
