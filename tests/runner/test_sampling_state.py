@@ -114,3 +114,23 @@ def test_kv_slots_is_the_slot_formula_for_numpy_and_torch(block_size):
     assert kv_slots(tables[0], one, block_size).tolist() == [
         int(tables[0, p // block_size]) * block_size + p % block_size for p in one]
     assert kv_slots(tables.astype(np.int32), positions, block_size).dtype == np.int64
+
+
+def test_both_prefill_paths_lay_out_the_same_tokens():
+    from ostinato.contract import SchedulerOutput
+    from ostinato.runner.inputs import build_prefill_inputs
+    from ostinato.runner.prefill_graphs import PrefillGraphs
+
+    seqs = (ScheduledSeq(0, (5, 6, 7), 13, (4, 2, 9, 1), SamplingParams(), 0),
+            ScheduledSeq(1, (8,), 0, (3,), SamplingParams(), 0, samples=False),
+            ScheduledSeq(2, tuple(range(9)), 4, (6, 5, 0, 7), SamplingParams(), 0))
+    eager = build_prefill_inputs(SchedulerOutput("prefill", seqs), 4, 99, torch.device("cpu"))
+    graphs = PrefillGraphs(torch.nn.Identity(), (32,), 4, 8, 4, 99, 64, torch.device("cpu"), enforce_eager=True)
+    n, last_rows = graphs.fill(seqs, 32)
+    assert n == 13 and last_rows == eager.last_token_indices.tolist() == [2, 12]
+    assert graphs.tokens[0, :n].tolist() == eager.input_ids.tolist()
+    assert graphs.tokens[1, :n].tolist() == eager.positions.tolist() == [13, 14, 15, 0, *range(4, 13)]
+    assert graphs.tokens[2, :n].tolist() == eager.meta.slot_mapping.tolist()
+    assert eager.meta.slot_mapping.tolist()[:4] == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 3 * 4]  # block 1 holds 12..15
+    assert graphs.lengths[:3].tolist() == eager.meta.query_start_loc[:3].tolist() == [0, 3, 4]
+    assert graphs.lengths[5:8].tolist() == eager.meta.context_lens.tolist() == [16, 1, 13]

@@ -3,13 +3,12 @@
 Slot arithmetic, written once (`kv_slots`): the token at position p of a sequence lives in block
 block_table[p // block_size] at offset p % block_size, i.e. slot = block * block_size + p % block_size. Rows that
 pad a decode batch up to a captured graph size use the scratch block (see attention/base.py), so a graph needs
-neither masks nor real addresses. `prefill_chunks` lays out a step's chunks for both prefill paths: the eager
-forward (`build_prefill_inputs`) and the prefill graphs' static buffers (runner/prefill_graphs.py).
+neither masks nor real addresses. `write_prefill_chunks` lays out a step's chunks for both prefill paths: the
+eager forward (`build_prefill_inputs`) and the prefill graphs' static buffers (runner/prefill_graphs.py).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,45 +24,43 @@ def kv_slots(tables, positions, block_size: int):
     position % block_size. tables: one block table [W] for positions [q], or one per row [n, W] for positions
     [n]; numpy arrays or torch tensors (then device ops only: capturable)."""
     index = positions // block_size
-    if tables.ndim == 2:
-        index = index[:, None]
     if isinstance(tables, torch.Tensor):
-        block = tables.gather(-1, index).reshape(positions.shape).long()
-    else:
-        block = np.take_along_axis(tables, index, -1).reshape(positions.shape).astype(np.int64)
+        block = (tables.gather(1, index[:, None]).squeeze(1) if tables.ndim == 2 else tables[index]).long()
+    else:  # plain indexing: numpy's take_along_axis costs several microseconds more per call
+        block = (tables[np.arange(len(index)), index] if tables.ndim == 2 else tables[index]).astype(np.int64,
+                                                                                                    copy=False)
     return block * block_size + positions % block_size
 
 
 @dataclass
-class PrefillChunks:
-    """A step's chunks on the host, their tokens in feeding order (chunk after chunk), as both prefill paths
-    feed them. Rows count from `first_row` (a mixed step's decode rows ride before the chunks)."""
+class ChunkRows:
+    """Where write_prefill_chunks put a step's chunks (chunk after chunk, from its first_row on)."""
 
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    slots: np.ndarray  # [T] int64: kv_slots of each token
     query_starts: list[int]  # [k + 1]: row of each chunk's first token, then the row after the last
     context_lens: list[int]  # [k]
     last_rows: list[int]  # row of the last fed token of each chunk that samples
 
 
-def prefill_chunks(seqs: Sequence[ScheduledSeq], block_size: int, first_row: int = 0) -> PrefillChunks:
-    num_tokens = sum(len(s.token_ids) for s in seqs)
-    positions = [np.arange(s.start_pos, s.context_len, dtype=np.int64) for s in seqs]
-    slots = [kv_slots(np.asarray(s.block_table, dtype=np.int64), pos, block_size) for s, pos in zip(seqs, positions)]
-    starts = [first_row]
-    for s in seqs:
-        starts.append(starts[-1] + len(s.token_ids))
-    return PrefillChunks(
-        input_ids=np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, num_tokens),
-        positions=_joined(positions), slots=_joined(slots), query_starts=starts,
-        context_lens=[s.context_len for s in seqs],
-        # An earlier chunk of a prompt only writes K/V: no logits for it.
-        last_rows=[end - 1 for s, end in zip(seqs, starts[1:]) if s.samples])
-
-
-def _joined(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+def write_prefill_chunks(seqs: Sequence[ScheduledSeq], block_size: int, tokens: np.ndarray,
+                         first_row: int = 0) -> ChunkRows:
+    """Write the chunks' input ids, positions and KV slots into rows 0, 1, 2 of tokens [3, >= first_row + T]
+    int64 (T: the chunks' tokens), from column first_row on (a mixed step's decode rows ride before them).
+    Both prefill paths lay out their tokens here: the eager forward (build_prefill_inputs) and the prefill
+    graphs' static buffers (runner/prefill_graphs.py)."""
+    starts, contexts, last_rows = [first_row], [], []
+    n = first_row
+    for seq in seqs:
+        q = len(seq.token_ids)
+        pos = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int64)
+        tokens[0, n:n + q] = seq.token_ids
+        tokens[1, n:n + q] = pos
+        tokens[2, n:n + q] = kv_slots(np.asarray(seq.block_table, dtype=np.int64), pos, block_size)
+        n += q
+        starts.append(n)
+        contexts.append(seq.context_len)
+        if seq.samples:  # an earlier chunk of a prompt only writes K/V: no logits for it
+            last_rows.append(n - 1)
+    return ChunkRows(starts, contexts, last_rows)
 
 
 @dataclass
@@ -90,13 +87,14 @@ def _pad_tables(tables: list[tuple[int, ...]], width: int, fill: int) -> list[li
 
 def build_prefill_inputs(out: SchedulerOutput, block_size: int, scratch_block: int,
                          device: torch.device) -> PrefillInputs:
-    """The eager prefill forward's inputs: the step's chunks (prefill_chunks) as device tensors."""
-    chunks = prefill_chunks(out.seqs, block_size)
+    """The eager prefill forward's inputs: the step's chunks (write_prefill_chunks) as device tensors."""
+    tokens = np.empty((3, sum(len(s.token_ids) for s in out.seqs)), dtype=np.int64)
+    chunks = write_prefill_chunks(out.seqs, block_size, tokens)
     query_lens = [len(s.token_ids) for s in out.seqs]
     width = max(len(s.block_table) for s in out.seqs)
     meta = AttentionMetadata(
         is_prefill=True,
-        slot_mapping=to_device(chunks.slots, torch.int64, device),
+        slot_mapping=to_device(tokens[2], torch.int64, device),
         block_tables=to_device(_pad_tables([s.block_table for s in out.seqs], width, scratch_block),
                                 torch.int32, device),
         context_lens=to_device(chunks.context_lens, torch.int32, device),
@@ -107,8 +105,8 @@ def build_prefill_inputs(out: SchedulerOutput, block_size: int, scratch_block: i
         max_context_len=max(chunks.context_lens),
     )
     return PrefillInputs(
-        input_ids=to_device(chunks.input_ids, torch.int64, device),
-        positions=to_device(chunks.positions, torch.int64, device),
+        input_ids=to_device(tokens[0], torch.int64, device),
+        positions=to_device(tokens[1], torch.int64, device),
         meta=meta,
         last_token_indices=to_device(chunks.last_rows, torch.int64, device),
     )

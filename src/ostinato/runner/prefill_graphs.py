@@ -56,7 +56,7 @@ from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.runner.decode_batch import BLOCKS, POS, TOKEN, resolve_placeholders
 from ostinato.runner.graphs import CaptureReport, CudaGraphRunner, GraphBackend, StaticInput
-from ostinato.runner.inputs import kv_slots, prefill_chunks
+from ostinato.runner.inputs import kv_slots, write_prefill_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -223,14 +223,12 @@ class PrefillGraphs:
         sampled chunks' last tokens)."""
         s = self.max_seqs
         tok, lens, tables = self._tokens_np, self._lengths_np, self._tables_np
-        first = self._fill_decode_rows(decode_rows)
-        chunks = prefill_chunks(seqs, self.block_size, first_row=first)
+        chunks = write_prefill_chunks(seqs, self.block_size, tok, first_row=self._fill_decode_rows(decode_rows))
         k, n = len(seqs), chunks.query_starts[-1]
-        tok[0, first:n], tok[1, first:n], tok[2, first:n] = chunks.input_ids, chunks.positions, chunks.slots
         lens[: s + 1 + s] = 0  # query starts and contexts of empty slots: no tokens, no context
-        lens[:k] = chunks.query_starts[:k]
-        lens[s + 1:s + 1 + k] = chunks.context_lens
         for i, seq in enumerate(seqs):
+            lens[i] = chunks.query_starts[i]
+            lens[s + 1 + i] = seq.context_len
             tables[i, : len(seq.block_table)] = seq.block_table
             tables[i, len(seq.block_table):] = self.scratch_block
         lens[k: s + 1] = n  # empty slots and the padding sequence start where the real tokens end
