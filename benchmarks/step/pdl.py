@@ -23,7 +23,7 @@ from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.kernels import gemv
 from ostinato.kernels.fused import kernels_for
-from ostinato.tools.bench.decode import _decode_rows
+from ostinato.tools.bench.decode import join_random_rows, leave_rows
 
 
 def set_pdl(runner, on: bool) -> None:
@@ -83,7 +83,7 @@ def main() -> None:
     with torch.inference_mode():
         for bs in args.batches:
             batch = runner.decode_batch
-            batch.load_rows(_decode_rows(runner, bs, args.context, gen))
+            seq_ids = join_random_rows(runner, bs, args.context, gen)
             rows = batch.copy_to_device(bs)
             graphs = {}
             for on in (False, True):
@@ -113,8 +113,7 @@ def main() -> None:
                 print(f"          pdl on, wide projections on cuBLAS {cublas:.4f}  on/this {on / cublas:.3f}  "
                       f"max rel. logit difference {err:.1e}")
             del graphs
-            batch.load_rows(None)
-            batch.copy_to_device(batch.layout.rows)
+            leave_rows(runner, seq_ids)
 
 
 if __name__ == "__main__":

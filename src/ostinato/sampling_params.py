@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ostinato.errors import InvalidRequestError
+
+# Temperatures below this are greedy: dividing logits by ~0 overflows float32. The one greedy rule: the
+# sampler (host and device) and SamplingParams.greedy all compare against it. vLLM uses the same cut-off.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_TEMPERATURE
 
 
 class RequestOutputKind(enum.Enum):
@@ -31,6 +42,24 @@ def _as_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+def _check_temperature(t) -> str | None:
+    # NaN compares false with everything, so finiteness is checked first; the sampler works in float32,
+    # where a tiny top_p becomes 0 and a huge temperature inf: both would give garbage tokens.
+    if not _is_real(t) or not math.isfinite(t) or t < 0:
+        return f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}"
+    if not math.isfinite(_as_float32(t)):
+        return f"temperature {t!r} overflows float32; use a value below 1e38"
+    return None
+
+
+def _check_top_p(p) -> str | None:
+    if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
+        return f"top_p must be a finite number in (0, 1], got {p!r}"
+    if _as_float32(p) == 0.0:
+        return f"top_p {p!r} rounds to 0 in float32; use a value >= 1e-38"
+    return None
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not to a user
 
@@ -43,7 +72,8 @@ def _is_real(x) -> bool:
 class SamplingParams:
     """Per-request sampling settings (names and meanings follow vLLM / OpenAI).
 
-    temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 disables top-p.
+    temperature 0 (anything below GREEDY_TEMPERATURE) means greedy. top_k <= 0 (or -1) disables top-k;
+    top_p == 1 disables top-p.
     seed makes the request's random draws reproducible whatever else shares its batch.
     logprobs=N returns the sampled token's logprob and the top-N alternatives per generated token.
     """
@@ -64,6 +94,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        self._normalize()
+        self._validate(_CHECKS)
+
+    def _normalize(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable-frozen.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -71,40 +105,47 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        self._validate()
 
-    def _validate(self) -> None:
-        def bad(param: str, msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg, param=param)
+    def _validate(self, names) -> None:
+        """Check the named fields (in _CHECKS order: the first bad one is reported)."""
+        for name in (n for n in _CHECKS if n in names):
+            problem = _CHECKS[name](getattr(self, name))
+            if problem is not None:
+                raise InvalidRequestError(problem, param=name)
 
-        # NaN compares false with everything, so finiteness is checked first; the sampler works in float32,
-        # where a tiny top_p becomes 0 and a huge temperature inf: both would give garbage tokens.
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"temperature must be a finite number >= 0 (0 means greedy), "
-                      f"got {self.temperature!r}")
-        if not math.isfinite(_as_float32(self.temperature)):
-            raise bad("temperature", f"temperature {self.temperature!r} overflows float32; use a value below 1e38")
-        if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
-        if _as_float32(self.top_p) == 0.0:
-            raise bad("top_p", f"top_p {self.top_p!r} rounds to 0 in float32; use a value >= 1e-38")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise bad("top_k", f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", f"n must be an integer >= 1, got {self.n!r}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise bad("stop", "stop strings must be non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "stop_token_ids must be non-negative integers")
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise bad("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+    def replace(self, **changes) -> SamplingParams:
+        """A copy with `changes`, checking the changed values only: the others were checked when this object
+        was made (dataclasses.replace would build and check every field again)."""
+        unknown = set(changes) - set(self.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}")
+        new = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        new._normalize()
+        new._validate(changes)
+        return new
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
+
+
+# Each checked field's check: the problem with a value (InvalidRequestError's message), or None.
+_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "temperature": _check_temperature,
+    "top_p": _check_top_p,
+    "top_k": lambda k: None if _is_int(k) and (k >= 1 or k in (0, -1)) else
+    f"top_k must be -1 or 0 (disabled) or >= 1, got {k!r}",
+    "max_tokens": lambda m: None if _is_int(m) and m >= 1 else f"max_tokens must be an integer >= 1, got {m!r}",
+    "seed": lambda s: None if s is None or _is_int(s) else f"seed must be an integer, got {s!r}",
+    "logprobs": lambda n: None if n is None or (_is_int(n) and 0 <= n <= 20) else
+    f"logprobs must be an integer in [0, 20], got {n!r}",
+    "n": lambda n: None if _is_int(n) and n >= 1 else f"n must be an integer >= 1, got {n!r}",
+    "stop": lambda stop: None if all(isinstance(s, str) and s != "" for s in stop) else
+    "stop strings must be non-empty strings",
+    "stop_token_ids": lambda ids: None if all(_is_int(t) and t >= 0 for t in ids) else
+    "stop_token_ids must be non-negative integers",
+    "output_kind": lambda kind: None if isinstance(kind, RequestOutputKind) else
+    f"output_kind must be a RequestOutputKind, got {kind!r}",
+}

@@ -4,7 +4,7 @@ parameter named; the coercions callers rely on (a single stop string, lists beco
 import pytest
 
 from ostinato.errors import InvalidRequestError
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -62,9 +62,12 @@ def test_defaults_follow_vllm():
     assert p.skip_special_tokens is True and p.stop == () and p.stop_token_ids == ()
 
 
-def test_greedy_means_temperature_zero_only():
+def test_greedy_is_the_one_rule_the_sampler_applies():
+    # One rule (sampling_params.is_greedy): a temperature below GREEDY_TEMPERATURE samples the argmax, as the
+    # runner always did for it (1e-6 was greedy there, while this property said otherwise).
     assert SamplingParams(temperature=0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
     assert not SamplingParams().greedy
 
 
@@ -79,3 +82,21 @@ def test_float32_edges_and_wrong_types_name_the_parameter(kwargs, param, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+def test_replace_checks_the_changed_values_only(monkeypatch):
+    from ostinato import sampling_params as sp
+
+    p = SamplingParams(temperature=0.7, seed=3, stop=["x"])
+    checked = []
+    for name, check in list(sp._CHECKS.items()):
+        monkeypatch.setitem(sp._CHECKS, name, lambda v, name=name, check=check: checked.append(name) or check(v))
+    q = p.replace(seed=4, n=1, stop="y")
+    assert checked == ["seed", "n", "stop"]  # the rest was checked when p was made
+    assert (q.seed, q.stop, q.temperature, p.seed) == (4, ("y",), 0.7, 3)  # normalized like the constructor
+    assert q == SamplingParams(temperature=0.7, seed=4, stop=["y"])
+    with pytest.raises(InvalidRequestError, match="^seed must be an integer") as e:
+        p.replace(seed="4")
+    assert e.value.param == "seed"
+    with pytest.raises(TypeError, match="no field"):
+        p.replace(temprature=1.0)

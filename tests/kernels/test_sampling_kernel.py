@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from ostinato.runner import sampler
-from ostinato.runner.decode_batch import CTR, KEY_HI, KEY_LO, ROW_COLUMNS, TEMP, DecodeLayout
-from ostinato.runner.sampler import GREEDY_TEMPERATURE, PACKED_COLUMNS, pack_rows, uniform
+from ostinato.runner.decode_batch import BLOCKS, CTR, KEY_HI, KEY_LO, ROW_COLUMNS, TEMP
+from ostinato.runner.sampler import GREEDY_TEMPERATURE, uniform
+from ostinato.runner.sampling_state import sampling_inputs
 
 triton = pytest.importorskip("triton")
 from ostinato.kernels import sampling as sampling_kernel  # noqa: E402
@@ -25,6 +26,22 @@ def _torch_path(logits, temperature, key, counter):
         return sampler.sample_tokens(logits, temperature, key, counter)
     finally:
         sampling_kernel.available_for = real
+
+
+def _rows(temperature, key, counter):
+    """[B] settings -> [B, BLOCKS] int32 rows holding them at ROW_COLUMNS, as a sequence's decode row does."""
+    rows = torch.zeros(len(temperature), BLOCKS, dtype=torch.int32, device=temperature.device)
+    rows[:, TEMP] = temperature.to(torch.float32).view(torch.int32)
+    rows[:, KEY_LO] = (key & 0xFFFFFFFF).to(torch.int32)
+    rows[:, KEY_HI] = (key >> 32).to(torch.int32)
+    rows[:, CTR] = counter.to(torch.int32)
+    return rows
+
+
+def _sample_rows(logits, rows):
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    sampler.sample_rows(logits, rows, out)
+    return out
 
 
 def _near_boundary(logits, temperature, u, rel=2e-6):
@@ -63,7 +80,7 @@ def test_kernels_draw_what_the_torch_path_draws(vocab, block, chunk_max, num_sms
     temperature[3] = 0.0
     plan = sampling_kernel.plan_chunks(rows, vocab, num_sms, block, chunk_max)
     assert plan.chunk <= max(chunk_max, plan.block)
-    got = _kernel(logits, pack_rows(temperature, key, counter), PACKED_COLUMNS, num_sms, block, chunk_max)
+    got = _kernel(logits, _rows(temperature, key, counter), ROW_COLUMNS, num_sms, block, chunk_max)
     want = _torch_path(logits, temperature, key, counter)
     ambiguous = _near_boundary(logits, temperature, uniform(key, counter)) & (temperature >= GREEDY_TEMPERATURE)
     assert ambiguous.sum() <= 2  # the comparison below must cover the rows
@@ -79,7 +96,7 @@ def test_greedy_rows_take_the_first_index_of_a_max_split_across_chunks():
     logits[2, 599] = 9.0  # the last entry
     logits[3, 0] = 9.0
     zeros = torch.zeros(4, dtype=torch.int64)
-    got = _kernel(logits, pack_rows(torch.zeros(4), zeros, zeros), PACKED_COLUMNS, block=64, chunk_max=128)
+    got = _kernel(logits, _rows(torch.zeros(4), zeros, zeros), ROW_COLUMNS, block=64, chunk_max=128)
     assert got.tolist() == [70, 64, 599, 0] == logits.argmax(-1).tolist()
 
 
@@ -92,7 +109,7 @@ def test_the_device_hash_is_sampler_uniform():
     key = torch.randint(-(1 << 63), (1 << 63) - 1, (rows,), generator=g, dtype=torch.int64)
     counter = torch.randint(0, 1 << 30, (rows,), generator=g, dtype=torch.int64)
     u = uniform(key, counter)
-    got = _kernel(torch.zeros(rows, vocab), pack_rows(torch.ones(rows), key, counter), PACKED_COLUMNS,
+    got = _kernel(torch.zeros(rows, vocab), _rows(torch.ones(rows), key, counter), ROW_COLUMNS,
                   block=256, chunk_max=1024)
     exact = (u * vocab).floor()
     clear = ((u * vocab) - exact).abs() > 1e-3
@@ -102,7 +119,7 @@ def test_the_device_hash_is_sampler_uniform():
 
 def test_decode_rows_are_read_in_place():
     # DecodeStep.sample passes the packed decode rows (settings at ROW_COLUMNS, `width` apart): the same tokens as
-    # the torch path on DecodeLayout.sampling_inputs of those rows.
+    # the torch path on sampling_inputs of those rows.
     g = torch.Generator().manual_seed(5)
     rows, vocab, width = 8, 200, 30
     packed = torch.randint(0, 1 << 20, (rows, width), generator=g, dtype=torch.int32)  # other fields: noise
@@ -110,7 +127,7 @@ def test_decode_rows_are_read_in_place():
     packed[:, KEY_LO] = torch.randint(-(1 << 31), (1 << 31) - 1, (rows,), generator=g, dtype=torch.int32)
     packed[:, KEY_HI] = torch.randint(-(1 << 31), (1 << 31) - 1, (rows,), generator=g, dtype=torch.int32)
     packed[:, CTR] = torch.arange(rows, dtype=torch.int32)
-    s = DecodeLayout.sampling_inputs(packed)
+    s = sampling_inputs(packed)
     logits = torch.randn(rows, vocab, generator=g) * 3
     want = _torch_path(logits, s["temperature"], s["key"], s["counter"])
     got = _kernel(logits, packed, ROW_COLUMNS)
@@ -129,7 +146,7 @@ def test_kernels_skip_zero_probability_tokens():
     logits[:, 200] = 0.0
     key = torch.arange(rows, dtype=torch.int64) * 7919
     counter = torch.zeros(rows, dtype=torch.int64)
-    got = _kernel(logits, pack_rows(torch.ones(rows), key, counter), PACKED_COLUMNS)
+    got = _kernel(logits, _rows(torch.ones(rows), key, counter), ROW_COLUMNS)
     assert set(got.tolist()) == {10, 200}
     assert torch.equal(got, _torch_path(logits, torch.ones(rows), key, counter))
 
@@ -145,15 +162,16 @@ def test_plan_fills_the_gpu_and_bounds_the_walk():
     assert p.block == 64 and p.num_chunks == 1
 
 
-def test_sample_tokens_takes_the_kernels_where_they_run(monkeypatch):
+def test_sample_rows_takes_the_kernels_where_they_run(monkeypatch):
     """CPU tensors keep the torch path (the reference); with the kernels forced on, the same tokens."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 300, generator=g) * 2
     temperature, key, counter = _settings(6, g)
     assert not sampling_kernel.available_for(logits)
-    want = sampler.sample_tokens(logits, temperature, key, counter)
+    want = _sample_rows(logits, _rows(temperature, key, counter))
+    assert torch.equal(want, sampler.sample_tokens(logits, temperature, key, counter))
     monkeypatch.setattr(sampling_kernel, "available_for", lambda _l: True)
-    got = sampler.sample_tokens(logits, temperature, key, counter)
+    got = _sample_rows(logits, _rows(temperature, key, counter))
     assert not _near_boundary(logits, temperature, uniform(key, counter)).any()
     assert torch.equal(got, want)
 
@@ -169,7 +187,7 @@ def test_kernels_match_torch_on_the_gpu_at_a_real_vocabulary(rows):
     temperature[::3] = 0.0
     key = torch.arange(rows, device="cuda", dtype=torch.int64) * 0x9E3779B97F4A7C1 - 12345
     counter = torch.arange(rows, device="cuda", dtype=torch.int64) * 3
-    got = sampler.sample_tokens(logits, temperature, key, counter)
+    got = _sample_rows(logits, _rows(temperature, key, counter))
     want = _torch_path(logits, temperature, key, counter)
     ambiguous = _near_boundary(logits, temperature, uniform(key, counter)) & (temperature >= GREEDY_TEMPERATURE)
     assert ambiguous.sum() <= max(2, rows // 16)  # 152k boundaries per row: a few land within rounding of one

@@ -161,9 +161,7 @@ class LLMEngine:
         # n > 1 with a seed: each completion gets its own reproducible stream (seed + index).
         if params.n == 1 or params.seed is None:
             return params
-        from dataclasses import replace
-
-        return replace(params, seed=params.seed + index, n=1)
+        return params.replace(seed=params.seed + index, n=1)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

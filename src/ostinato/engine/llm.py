@@ -55,7 +55,7 @@ class LLM:
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         params = [p if p.output_kind is RequestOutputKind.FINAL_ONLY
-                  else replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+                  else p.replace(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one "
                                       "SamplingParams or one per prompt", param="sampling_params")

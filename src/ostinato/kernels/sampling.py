@@ -24,7 +24,8 @@ two tokens may pick the other one. Nothing else: the same u, the same greedy tie
 three [B, num_chunks] partials.
 
 Settings come as int32 columns of packed rows (`RowColumns`): the decode step passes its persistent rows as
-they are (no unpacking kernels in the graph), prefill packs its settings the same way (sampler.pack_rows).
+they are (no unpacking kernels in the graph), prefill the setting columns of the rows its sequences joined at
+(runner/sampling_state.py).
 """
 
 from __future__ import annotations

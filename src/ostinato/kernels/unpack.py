@@ -5,8 +5,8 @@ block id, the slot arithmetic, the placeholder lookup), ~1.5 us each in a replay
 step at batch 1. One program per 128 rows does all of it.
 
 Outputs, for rows [0, n): input ids (int64; a placeholder -(r + 1) resolved to sampled[r]), positions (int64),
-slot mapping (int64: block_table[position // block_size] * block_size + position % block_size) and context
-lengths (int32: position + 1). The block table stays a view of the rows.
+slot mapping (int64: block_table[position // block_size] * block_size + position % block_size, the formula of
+kv_slots in runner/inputs.py) and context lengths (int32: position + 1). The block table stays a view of the rows.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 The graph's static input is declared here once (`DecodeLayout`): one [rows, C] int32 tensor whose columns
 are the input token, its position, the sampling counter, the temperature (a float32 bit pattern), the
-sampling key (two int32 halves of an int64), top-k, top-p (float32 bits) and the block table. Capture,
+sampling key (two int32 halves of an int64), top-k, top-p (float32 bits) and the block table. The columns
+before the block table are the sequence's sampling state (runner/sampling_state.py): written at join, read
+by its prefill draw (`joined_sampling`) and its decode draws (`sampling`, or the kernels in place). Capture,
 replay, the start-up self-check, `verify` and `bench` all go through it; the step unpacks it inside the
 graph (context length = position + 1, slot = block_table[position // block_size] * block_size + offset).
 
@@ -27,13 +29,12 @@ import numpy as np
 import torch
 
 from ostinato.contract import DecodeRows, ScheduledSeq
-from ostinato.kernels import sampling as sampling_kernel
-from ostinato.runner.sampler import SamplingBatch, row_key, row_settings
 from ostinato.runner.graphs import StaticInput
-
-# Column layout of a decode row. POS and CTR are adjacent: one slice advances both.
-TOKEN, POS, CTR, TEMP, KEY_LO, KEY_HI, TOP_K, TOP_P, BLOCKS = range(9)
-ROW_COLUMNS = sampling_kernel.RowColumns(counter=CTR, temperature=TEMP, key_lo=KEY_LO, key_hi=KEY_HI)
+from ostinato.runner.inputs import kv_slots
+from ostinato.runner.sampler import row_key
+from ostinato.runner.sampling_state import (  # noqa: F401  (the row's columns, read from here too)
+    BLOCKS, CTR, KEY_HI, KEY_LO, POS, ROW_COLUMNS, TEMP, TOKEN, TOP_K, TOP_P, SamplingBatch, filtered_rows,
+    filters, read_settings, write_settings)
 
 
 @dataclass(frozen=True)
@@ -61,22 +62,14 @@ class DecodeLayout:
 
     def unpack(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         """Device tensors the model needs, from [B, width] int32. Capturable. (The sampler reads its settings
-        from the rows themselves: sampling_inputs, or the sampling kernels on a GPU.)"""
+        from the rows themselves: sampling_state.sampling_inputs, or the sampling kernels on a GPU.)"""
         positions = batch[:, POS].long()
         block_tables = batch[:, BLOCKS:]
-        offset = positions % self.block_size
-        block = block_tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1).long()
         return {
             "input_ids": batch[:, TOKEN].long(), "positions": positions,
-            "slot_mapping": block * self.block_size + offset, "block_tables": block_tables,
+            "slot_mapping": kv_slots(block_tables, positions, self.block_size), "block_tables": block_tables,
             "context_lens": batch[:, POS] + 1,
         }
-
-    @staticmethod
-    def sampling_inputs(batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What sample_tokens reads of the rows (temperature, key, counter), from [B, width] int32."""
-        key = (batch[:, KEY_HI].long() << 32) | (batch[:, KEY_LO].long() & 0xFFFFFFFF)
-        return {"temperature": batch[:, TEMP].view(torch.float32), "key": key, "counter": batch[:, CTR].long()}
 
     def pack(self, input_ids, positions, block_tables, temperature=None, keys=None, counters=None) -> torch.Tensor:
         """Rows built from whole tensors (self-check, bench, tests): [n, width] int32 on their device."""
@@ -117,7 +110,7 @@ class DecodeBatch:
         self.layout = layout
         self.device = device
         self.engine_seed = engine_seed
-        pin = device.type == "cuda" and torch.cuda.is_available()
+        self._pin = pin = device.type == "cuda" and torch.cuda.is_available()
         self._pad = layout.pad_row()
         self.host = self._pad.repeat(layout.rows, 1)
         if pin:
@@ -159,13 +152,11 @@ class DecodeBatch:
         if row >= self.layout.rows:
             raise RuntimeError(f"decode batch full ({self.layout.rows} rows): the scheduler admitted too many")
         p = seq.sampling_params
-        h, hf = self.np[row], self.np_f[row]
-        token = self._placeholders[row] if first_token is None else first_token
-        h[TOKEN], h[POS], h[CTR] = token, seq.context_len, seq.num_generated + 1
-        settings = row_settings(p)
-        hf[TEMP], h[TOP_K], hf[TOP_P] = settings.temperature, settings.top_k, settings.top_p
-        key = row_key(p.seed, self.engine_seed, seq.seq_id)
-        h[KEY_LO], h[KEY_HI] = _int32(key & 0xFFFFFFFF), _int32(key >> 32)
+        h = self.np[row]
+        h[TOKEN] = self._placeholders[row] if first_token is None else first_token
+        h[POS] = seq.context_len
+        # The counter of the row's next draw: its first decode token (the prefill draw is seq.num_generated).
+        settings = write_settings(h, p, row_key(p.seed, self.engine_seed, seq.seq_id), seq.num_generated + 1)
         table = seq.block_table
         h[BLOCKS:BLOCKS + len(table)] = table
         self._width_used = max(self._width_used, BLOCKS + len(table))
@@ -182,7 +173,7 @@ class DecodeBatch:
             return  # never joined (e.g. aborted before its prefill)
         hole, last = moved
         h = self.np
-        self._num_filtered -= bool(self.np_f[hole, TOP_P] < 1.0 or h[hole, TOP_K] > 0)
+        self._num_filtered -= bool(filters(h[hole, TOP_K], self.np_f[hole, TOP_P]))
         self._num_logprob_rows -= self._num_logprobs[hole] is not None
         if hole != last:
             h[hole] = h[last]
@@ -250,23 +241,22 @@ class DecodeBatch:
         return self._num_filtered > 0 or self._num_logprob_rows > 0
 
     def sampling(self, rows: torch.Tensor) -> SamplingBatch:
-        """The step's sampling settings, read from the device rows (no host work per row)."""
-        n = len(self.rows)
-        u = self.layout.sampling_inputs(rows)
-        asked = [k for k in self._num_logprobs if k is not None] if self._num_logprob_rows else []
-        return SamplingBatch(
-            num_rows=n, temperature=u["temperature"], top_k=rows[:, TOP_K].long(),
-            top_p=rows[:, TOP_P].view(torch.float32), key=u["key"], counter=u["counter"],
-            any_filtered=self._num_filtered > 0, num_logprobs=tuple(self._num_logprobs) if asked else None,
-            max_num_logprobs=max(asked) if asked else None)
+        """The step's sampling settings, read from its device rows [len(self), width] (no host work per row)."""
+        return read_settings(rows, self._num_logprobs if self._num_logprob_rows else None, self._num_filtered > 0)
 
-    def load_rows(self, rows: torch.Tensor | None) -> None:
-        """Bench only, on an empty batch: write rows [0, n) as given (`DecodeLayout.pack`), or None to put
-        the pad rows back. The rows bookkeeping is not touched: no sequence holds them."""
-        self.reset()
-        if rows is not None:
-            self.np[: len(rows)] = rows.numpy()
-            self._width_used = self.layout.width
+    def joined_sampling(self, first: int, count: int) -> SamplingBatch:
+        """The settings of rows [first, first + count), which sequences just joined at, for the draw their
+        prefill makes before they decode: the rows as written, one counter back (one host-to-device copy of
+        their setting columns; the device rows are copied at the next decode step as ever)."""
+        rows = self.np[first:first + count, :BLOCKS].copy()
+        rows[:, CTR] -= 1
+        host = torch.from_numpy(rows)
+        if self._pin:
+            host = host.pin_memory()
+        num_logprobs = self._num_logprobs[first:first + count]
+        return read_settings(host.to(self.device, non_blocking=self._pin),
+                             num_logprobs if any(k is not None for k in num_logprobs) else None,
+                             bool(filtered_rows(rows).any()))
 
     def reset(self) -> None:
         """Every row back to padding, on the host and the device. Needed after anything wrote the graph's
@@ -286,8 +276,3 @@ class DecodeBatch:
     def row(self, seq_id: int) -> torch.Tensor:
         return self.host[self.rows.row_of[seq_id]]
 
-
-def _int32(x: int) -> int:
-    """The int32 with the same low 32 bits as x."""
-    x &= 0xFFFFFFFF
-    return x - (1 << 32) if x >= 1 << 31 else x

@@ -12,12 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from ostinato.kernels.device import num_sms
-from ostinato.kernels import sampling as sampling_kernel
 from ostinato.kernels import unpack as unpack_kernel
-from ostinato.runner.decode_batch import BLOCKS, POS, ROW_COLUMNS, TOKEN, DecodeBatch, DecodeLayout, resolve_placeholders
+from ostinato.runner.decode_batch import BLOCKS, POS, TOKEN, DecodeBatch, DecodeLayout, resolve_placeholders
 from ostinato.runner.graphs import CudaGraphRunner, GraphBackend, default_compare
-from ostinato.runner.sampler import GREEDY_TEMPERATURE, sample_tokens
+from ostinato.runner.sampler import sample_rows
 
 # logits_fn(input_ids, positions, slot_mapping, block_tables, context_lens) -> [B, vocab] logits
 LogitsFn = Callable[..., torch.Tensor]
@@ -49,13 +47,8 @@ class DecodeStep:
     def sample(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
         """Draw the rows' tokens from logits [B, vocab] into sampled[:B]; rows: the packed decode rows [>= B,
         width] holding their settings. The decode graph and a mixed step (runner.py, _launch_mixed) both draw
-        through here. On a GPU the sampling kernels read the settings from the rows as they are."""
-        out = self.sampled[: logits.shape[0]]
-        if sampling_kernel.available_for(logits):
-            sampling_kernel.sample(logits, rows, ROW_COLUMNS, out, GREEDY_TEMPERATURE, num_sms(logits.device))
-            return
-        s = DecodeLayout.sampling_inputs(rows[: logits.shape[0]])
-        out.copy_(sample_tokens(logits, s["temperature"], s["key"], s["counter"]))
+        through here (sample_rows, as prefill steps do)."""
+        sample_rows(logits, rows, self.sampled[: logits.shape[0]])
 
     def graph_runner(self, sizes: tuple[int, ...], enforce_eager: bool, fallback: str, progress: bool,
                      backend: GraphBackend | None) -> CudaGraphRunner:

@@ -56,6 +56,7 @@ from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.runner.decode_batch import BLOCKS, POS, TOKEN, resolve_placeholders
 from ostinato.runner.graphs import CaptureReport, CudaGraphRunner, GraphBackend, StaticInput
+from ostinato.runner.inputs import kv_slots, write_prefill_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class PrefillGraphs:
         # The padding sequence reads up to T_max positions through its block-table row: the width covers both
         # a real sequence (blocks_per_seq) and T_max tokens (a graph may be longer than max_model_len).
         width = max(blocks_per_seq, math.ceil(t_max / block_size))
-        self._scratch_slot = scratch_block * block_size
+        self._scratch_slot = int(kv_slots(np.array([scratch_block]), np.zeros(1, dtype=np.int64), block_size)[0])
         self.tokens = torch.zeros(3, t_max, dtype=torch.int64, device=device)
         self.tokens[2].fill_(self._scratch_slot)  # warm-up and capture write K/V only into the scratch block
         self.lengths = torch.zeros(2 * max_seqs + 3, dtype=torch.int32, device=device)
@@ -109,7 +110,7 @@ class PrefillGraphs:
         # Padded tokens: positions only feed RoPE (the attention mask counts query rows), so any position below
         # max_model_len will do; their slots walk the scratch block.
         self._pad_positions = np.arange(t_max, dtype=np.int64) % max_model_len
-        self._pad_slots = self._scratch_slot + np.arange(t_max, dtype=np.int64) % block_size
+        self._pad_slots = kv_slots(np.full(width, scratch_block, dtype=np.int64), np.arange(t_max), block_size)
         # Mixed steps (run_mixed): up to `decode_rows` decode rows ride first in the token buffers, attended by
         # the decode kernel (AttentionBackend.attend) over these tables and contexts; a context of 0 is no row.
         # Their input tokens may be placeholders -(r + 1) for sampled[r] (DecodeBatch), resolved in forward.
@@ -220,33 +221,24 @@ class PrefillGraphs:
         """Write the chunks (after `decode_rows`, DecodeBatch rows, if given) into the static buffers for the
         graph of `size` tokens (three copies, five with decode rows). Returns (real tokens n, rows of the
         sampled chunks' last tokens)."""
-        s, bs = self.max_seqs, self.block_size
+        s = self.max_seqs
         tok, lens, tables = self._tokens_np, self._lengths_np, self._tables_np
-        n, last_rows = self._fill_decode_rows(decode_rows), []
+        chunks = write_prefill_chunks(seqs, self.block_size, tok, first_row=self._fill_decode_rows(decode_rows))
+        k, n = len(seqs), chunks.query_starts[-1]
         lens[: s + 1 + s] = 0  # query starts and contexts of empty slots: no tokens, no context
         for i, seq in enumerate(seqs):
-            q = len(seq.token_ids)
-            pos = np.arange(seq.start_pos, seq.start_pos + q, dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            tok[0, n:n + q] = seq.token_ids
-            tok[1, n:n + q] = pos
-            tok[2, n:n + q] = table[pos // bs] * bs + pos % bs
-            lens[i] = n
+            lens[i] = chunks.query_starts[i]
             lens[s + 1 + i] = seq.context_len
-            tables[i, : len(table)] = table
-            tables[i, len(table):] = self.scratch_block
-            n += q
-            if seq.samples:
-                last_rows.append(n - 1)
-        lens[len(seqs): s + 1] = n  # empty slots and the padding sequence start where the real tokens end
+            tables[i, : len(seq.block_table)] = seq.block_table
+            tables[i, len(seq.block_table):] = self.scratch_block
+        lens[k: s + 1] = n  # empty slots and the padding sequence start where the real tokens end
         tok[0, n:size] = 0
         tok[1, n:size] = self._pad_positions[: size - n]
         tok[2, n:size] = self._pad_slots[: size - n]
-        k = len(seqs)
         self._copy(self.tokens, tok)  # whole (3 x T_max, 12 KiB at 512): one contiguous copy
         self._copy(self.lengths, lens)
         self._copy(self.block_tables[:k], tables[:k])
-        return n, last_rows
+        return n, chunks.last_rows
 
     def _fill_decode_rows(self, rows: np.ndarray | None) -> int:
         """Decode rows as the step's first tokens: token (or placeholder), position, slot, and for the decode
@@ -255,16 +247,17 @@ class PrefillGraphs:
         live = max(n, self._decode_live)
         if live == 0:
             return 0
-        bs, ctx = self.block_size, self._decode_contexts_np
+        ctx = self._decode_contexts_np
         ctx[:live] = 0
         if n:
             pos = rows[:, POS].astype(np.int64)
             tables = rows[:, BLOCKS:]
             self._tokens_np[0, :n] = rows[:, TOKEN]
             self._tokens_np[1, :n] = pos
-            self._tokens_np[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+            self._tokens_np[2, :n] = kv_slots(tables, pos, self.block_size)
             ctx[:n] = pos + 1
-            used = min(tables.shape[1], int(pos.max()) // bs + 1)  # columns past a row's context: never read
+            # Columns past a row's context are never read.
+            used = min(tables.shape[1], int(pos.max()) // self.block_size + 1)
             self._copy(self.decode_tables[:n, :used], tables[:, :used])
         self._copy(self.decode_contexts[:live], ctx[:live])
         self._decode_live = n

@@ -316,9 +316,10 @@ class ModelRunner:
         token, copied into the decode step's `sampled` buffer on the device. Waiting here instead made the
         step that ends a long prompt wait for two steps of GPU work (~42 ms at 8B, 32 decodes, 256-token
         chunks: `bench chunked`), one whole gap for every running stream."""
-        sampled = self.sampler(logits, self.sampler.prepare(seqs))
         rows = [self.decode_batch.join(seq) for seq in seqs]  # appended: consecutive rows
         assert rows == list(range(rows[0], rows[0] + len(rows))), rows
+        # Drawn from the settings the rows now hold: one state for a sequence's prefill and decode draws.
+        sampled = self.sampler(logits, self.decode_batch.joined_sampling(rows[0], len(rows)))
         self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
         return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
 

@@ -7,30 +7,29 @@ its own logits, key and counter: a seeded request gets the same tokens alone or 
 again after a preemption recomputes it. The key is the request's seed hashed (or, unseeded, the engine
 seed and the sequence id); the counter is the number of tokens the sequence generated before.
 
-`sample_tokens` (greedy, temperature, seeds) is the draw every step makes: on a GPU as the two Triton kernels
-of kernels/sampling.py (the decode graph calls them on its packed rows), elsewhere in torch (below, their
-reference). Rows with top-k or top-p need a sort of the vocabulary; a step that has such rows runs `sample_filtered` eagerly after the replay
-on the same device tensors and takes its tokens for those rows. Prefill steps run both eagerly.
+`sample_rows` (greedy, temperature, seeds) is the draw every step makes, on the settings of the rows
+(runner/sampling_state.py): on a GPU as the two Triton kernels of kernels/sampling.py, elsewhere in torch
+(`sample_tokens`, their reference). Rows with top-k or top-p need a sort of the vocabulary; a step that has
+such rows runs `sample_filtered` eagerly after the replay on the same device tensors and takes its tokens
+for those rows. Prefill steps run both eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ostinato.kernels.device import num_sms
 from ostinato.contract import ScheduledSeq
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import GREEDY_TEMPERATURE
 from ostinato.kernels import sampling as sampling_kernel
+from ostinato.runner.sampling_state import (BLOCKS, ROW_COLUMNS, SamplingBatch, filtered_rows, read_settings,
+                                            sampling_inputs, write_settings)
 
-# Temperatures below this are greedy (dividing logits by ~0 overflows); vLLM uses the same cut-off.
-GREEDY_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
-# top_k travels in an int32 column of the decode row.
-MAX_TOP_K = (1 << 31) - 1
 _UNIFORM_BITS = 24  # u = top 24 bits / 2**24: exact in float32, in [0, 1)
 
 
@@ -74,21 +73,6 @@ def uniform(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     x = (x ^ _lsr(x, 27)) * _MIX2
     x = x ^ _lsr(x, 31)
     return _lsr(x, 64 - _UNIFORM_BITS).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
-
-
-@dataclass(frozen=True)
-class SamplingBatch:
-    """Per-row sampling settings of one step, as device tensors, plus host flags that skip unused work."""
-
-    num_rows: int
-    temperature: torch.Tensor  # [B] float32; 0 on greedy rows
-    top_k: torch.Tensor  # [B] int64; 0 = off
-    top_p: torch.Tensor  # [B] float32; 1.0 = off
-    key: torch.Tensor  # [B] int64
-    counter: torch.Tensor  # [B] int64: tokens the row generated before this draw
-    any_filtered: bool  # some row has top-k or top-p (and samples)
-    num_logprobs: tuple[int | None, ...] | None  # per row; None when no row asked
-    max_num_logprobs: int | None  # largest N asked for; None when no row wants logprobs
 
 
 @dataclass(frozen=True)
@@ -176,13 +160,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor,
                   counter: torch.Tensor) -> torch.Tensor:
     """Greedy rows (temperature 0) take the argmax; the others draw from softmax(logits / T). [B] int64.
-    No host sync, no data-dependent shape: capturable. On a GPU the two Triton kernels of kernels/sampling.py
-    (the decode step calls them on its packed rows directly); elsewhere the torch path below, their reference."""
-    if sampling_kernel.available_for(logits):
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        sampling_kernel.sample(logits, pack_rows(temperature, key, counter), PACKED_COLUMNS, out,
-                               GREEDY_TEMPERATURE, num_sms(logits.device))
-        return out
+    No host sync, no data-dependent shape: capturable. The torch path, reference of the two Triton kernels
+    of kernels/sampling.py (sample_rows picks between them)."""
     greedy_ids = logits.argmax(dim=-1)
     is_greedy = temperature < GREEDY_TEMPERATURE
     # One float32 [B, V] buffer, worked in place.
@@ -193,14 +172,15 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Te
     return torch.where(is_greedy, greedy_ids, sampled_ids)
 
 
-# Settings packed as int32 rows for sampling_kernel: counter, temperature bits, key low and high halves.
-PACKED_COLUMNS = sampling_kernel.RowColumns(counter=0, temperature=1, key_lo=2, key_hi=3)
-
-
-def pack_rows(temperature: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """[B] float32 temperature, int64 key and counter -> [B, 4] int32 rows at PACKED_COLUMNS."""
-    return torch.stack([counter.to(torch.int32), temperature.to(torch.float32).view(torch.int32),
-                        (key & 0xFFFFFFFF).to(torch.int32), (key >> 32).to(torch.int32)], dim=1)
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """sample_tokens on the settings of rows [>= B, >= BLOCKS] int32 (runner/sampling_state.py) into out [B]:
+    on a GPU the sampling kernels read the int32 columns as they are, elsewhere the torch path. Decode (in the
+    graph and in a mixed step) and prefill steps all draw through here. Capturable."""
+    if sampling_kernel.available_for(logits):
+        sampling_kernel.sample(logits, rows, ROW_COLUMNS, out, GREEDY_TEMPERATURE, num_sms(logits.device))
+        return
+    s = sampling_inputs(rows[: logits.shape[0]])
+    out.copy_(sample_tokens(logits, s["temperature"], s["key"], s["counter"]))
 
 
 def sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -251,26 +231,6 @@ def finish_sampling(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingB
     return SamplerOutput(tokens, logprobs, top_ids, top_logprobs, batch.num_logprobs or ())
 
 
-class RowSettings(NamedTuple):
-    """A request's sampling settings as a row carries them: temperature 0 on greedy rows, and top-k / top-p
-    switched off (0 / 1.0) unless the row samples and asks for them."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    filtered: bool  # the row samples with top-k or top-p: it needs the eager finish after a decode replay
-
-
-def row_settings(p: SamplingParams) -> RowSettings:
-    """The one rule for a row's settings, shared by prefill rows (Sampler.prepare) and decode rows
-    (DecodeBatch.join)."""
-    greedy = p.temperature < GREEDY_TEMPERATURE
-    filtered = not greedy and (p.top_k > 0 or p.top_p < 1.0)
-    return RowSettings(0.0 if greedy else float(p.temperature),
-                       min(p.top_k, MAX_TOP_K) if filtered and p.top_k > 0 else 0,
-                       float(p.top_p) if filtered else 1.0, filtered)
-
-
 class Sampler:
     """Eager sampling of a prefill step's rows. `seed` keys the rows whose request has no seed."""
 
@@ -280,35 +240,23 @@ class Sampler:
         self._pin = self.device.type == "cuda" and torch.cuda.is_available()
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> SamplingBatch:
-        """Gather the rows' settings into device tensors (one host-to-device copy) and host flags."""
+        """Rows of the sequences' settings as a decode row holds them (write_settings), counting their next
+        draw, read back on the device (one host-to-device copy). For prefill-shaped batches whose sequences
+        hold no decode row (start-up warm-up, tests); a step's sequences are sampled from their rows."""
         assert seqs, "a step samples at least one sequence"
-        temperature, top_k, top_p, keys, counters, num_logprobs = [], [], [], [], [], []
-        any_filtered = False
-        for seq in seqs:
+        rows = np.zeros((len(seqs), BLOCKS), dtype=np.int32)
+        for row, seq in zip(rows, seqs):
             p = seq.sampling_params
-            row = row_settings(p)
-            any_filtered |= row.filtered
-            temperature.append(row.temperature)
-            top_k.append(row.top_k)
-            top_p.append(row.top_p)
-            keys.append(row_key(p.seed, self.seed, seq.seq_id))
-            counters.append(seq.num_generated)
-            num_logprobs.append(p.logprobs)
-        ints = torch.tensor([top_k, keys, counters], dtype=torch.int64)  # [3, B]
-        floats = torch.tensor([temperature, top_p], dtype=torch.float32)  # [2, B]
-        packed = torch.cat([ints, floats.view(torch.int32).to(torch.int64)])  # [5, B]: one copy
+            write_settings(row, p, row_key(p.seed, self.seed, seq.seq_id), seq.num_generated)
+        host = torch.from_numpy(rows)
         if self._pin:
-            packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=self._pin)
-        floats = packed[3:].to(torch.int32).view(torch.float32)
-        asked = [n for n in num_logprobs if n is not None]
-        return SamplingBatch(
-            num_rows=len(seqs), temperature=floats[0], top_k=packed[0], top_p=floats[1], key=packed[1],
-            counter=packed[2], any_filtered=any_filtered, num_logprobs=tuple(num_logprobs) if asked else None,
-            max_num_logprobs=max(asked) if asked else None)
+            host = host.pin_memory()
+        return read_settings(host.to(self.device, non_blocking=self._pin),
+                             [seq.sampling_params.logprobs for seq in seqs], bool(filtered_rows(rows).any()))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from logits [B, V] (any float dtype). Device work only."""
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (tuple(logits.shape), batch.num_rows)
-        tokens = sample_tokens(logits, batch.temperature, batch.key, batch.counter)
+        tokens = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
+        sample_rows(logits, batch.rows, tokens)
         return finish_sampling(logits, tokens, batch)

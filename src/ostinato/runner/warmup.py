@@ -11,9 +11,10 @@ anything this misses.
 
 Sampling: an eager prefill step samples one row per prompt it finishes, up to max_num_seqs rows, and the
 sampling kernels (kernels/sampling.py) pick their vocabulary chunks by row count: the decode graphs'
-capture compiled them for the decode rows only, whose packed settings have other strides. So the warm-up also
-samples one batch of each row count with a chunk plan of its own: without it Triton compiled sampling kernels
-inside the first live steps of `ostinato bench throughput`, and that first run lost a fifth of its rate.
+capture compiled them for the decode rows only, whose rows have other strides than the setting columns a
+prefill step samples from (runner/sampling_state.py). So the warm-up also samples one batch of each row count
+with a chunk plan of its own, on rows of those columns: without it Triton compiled sampling kernels inside the
+first live steps of `ostinato bench throughput`, and that first run lost a fifth of its rate.
 
 The steps write their K/V into the scratch block only (every block-table entry is the scratch block, which
 the scheduler never hands out: attention/base.py), so no sequence's cache is touched and nothing joins the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
 from ostinato.kernels.device import num_sms
@@ -32,7 +34,8 @@ from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.sampling_params import SamplingParams
 from ostinato.kernels import sampling as sampling_kernel
 from ostinato.runner.inputs import build_prefill_inputs
-from ostinato.runner.sampler import sample_tokens
+from ostinato.runner.sampler import sample_rows
+from ostinato.runner.sampling_state import BLOCKS, write_settings
 
 # (new tokens, cached tokens before them) per sequence, one tuple of sequences per warm-up step.
 WARMUP_STEPS: tuple[tuple[tuple[int, int], ...], ...] = (
@@ -48,6 +51,7 @@ WARMUP_STEPS: tuple[tuple[tuple[int, int], ...], ...] = (
 )
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 _RANDOM = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=1, logprobs=2)
+_TEMPERATURE = SamplingParams(temperature=0.8, max_tokens=1)
 
 
 def warm_up_prefill(model, sampler, block_size: int, scratch_block: int, device: torch.device,
@@ -78,8 +82,9 @@ def warm_up_prefill(model, sampler, block_size: int, scratch_block: int, device:
 
 def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> list[int]:
     """Sample one batch of random float32 logits (what compute_logits returns) for each row count up to max_rows
-    whose vocabulary chunk plan differs, half of the rows greedy, through the prefill path (sample_tokens).
-    Returns the row counts sampled; none off the GPU, where sampling is torch's and compiles nothing."""
+    whose vocabulary chunk plan differs, half of the rows greedy, on setting rows as a prefill step samples from
+    (sample_rows). Returns the row counts sampled; none off the GPU, where sampling is torch's and compiles
+    nothing."""
     if not sampling_kernel.available_for(torch.empty(0, device=device)):
         return []
     counts = sampling_kernel.plan_representatives(max_rows, vocab, num_sms(device))
@@ -87,7 +92,9 @@ def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> list[in
     with torch.inference_mode():
         for rows in counts:
             logits = torch.randn(rows, vocab, device=device, generator=gen)
-            temperature = torch.where(torch.arange(rows, device=device) % 2 == 0, 0.0, 0.8)
-            zeros = torch.zeros(rows, dtype=torch.int64, device=device)
-            sample_tokens(logits, temperature, zeros, zeros)
+            settings = np.zeros((rows, BLOCKS), dtype=np.int32)
+            for i, row in enumerate(settings):
+                write_settings(row, _GREEDY if i % 2 == 0 else _TEMPERATURE, key=0, counter=0)
+            out = torch.empty(rows, dtype=torch.int64, device=device)
+            sample_rows(logits, torch.from_numpy(settings).to(device), out)
     return counts

@@ -267,7 +267,7 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
 
 def _as_delta(params):
     """The server streams (and merges non-streamed answers from) DELTA outputs: O(new tokens) per step."""
-    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    return params.replace(output_kind=RequestOutputKind.DELTA)
 
 
 def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -5,8 +5,9 @@ extensions. Unknown fields are ignored, as OpenAI clients send extra ones. OpenA
 not implement (penalties, logit_bias, echo, best_of, tools) are accepted only at their no-op values, so a
 request never silently gets something other than what it asked for.
 
-Types are strict, as the OpenAI API's are: `"temperature": "0.5"`, `"stream": "yes"`, `"n": true` and
-`"max_tokens": "3"` are refused (400), not coerced. Every string must be valid Unicode: a lone UTF-16
+These models check shapes and types only; SamplingParams checks the values' ranges and holds the defaults
+(one message per bad value, naming its parameter). Types are strict, as the OpenAI API's are:
+`"temperature": "0.5"`, `"stream": "yes"`, `"n": true` and `"max_tokens": "3"` are refused (400), not coerced. Every string must be valid Unicode: a lone UTF-16
 surrogate (`"\\ud800"` in JSON) is refused with the field named, before a tokenizer could choke on it.
 """
 
@@ -75,10 +76,11 @@ class _SamplingFields(_Lenient):
         self._reject_unsupported()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        # Left out (or null), a setting takes SamplingParams' default: the defaults, like the ranges, live there.
+        given = {name: value for name, value in (("temperature", self.temperature), ("top_p", self.top_p),
+                                                 ("top_k", self.top_k)) if value is not None}
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
+            **given,
             max_tokens=max_tokens,
             seed=self.seed,
             stop=self.stop or (),

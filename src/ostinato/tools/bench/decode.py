@@ -69,9 +69,13 @@ def time_cuda(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _decode_rows(runner, bs: int, context: int, gen):
-    """B rows of the persistent decode batch at `context` cached tokens, greedy, over random blocks."""
+def join_random_rows(runner, bs: int, context: int, gen) -> list[int]:
+    """B sequences join the (empty) persistent decode batch at `context` cached tokens, greedy, over random
+    blocks, as prefilled sequences join it; returns their seq ids (leave_rows takes them out again)."""
     import torch
+
+    from ostinato.contract import ScheduledSeq
+    from ostinato.sampling_params import SamplingParams
 
     block = runner.block_size
     nblk = -(-(context + 1) // block)
@@ -86,21 +90,33 @@ def _decode_rows(runner, bs: int, context: int, gen):
         perm = torch.randperm(total, generator=gen)[: bs * nblk].view(bs, nblk)
     else:  # rows share blocks: the time depends on the bytes read, not on which blocks
         perm = torch.randint(0, total, (bs, nblk), generator=gen)
-    ids = torch.randint(0, runner.model_config.vocab_size, (bs,), generator=gen)
-    return runner.decode_batch.layout.pack(ids, torch.full((bs,), context), perm)
+    ids = torch.randint(0, runner.model_config.vocab_size, (bs,), generator=gen).tolist()
+    batch, greedy = runner.decode_batch, SamplingParams(temperature=0.0, max_tokens=1)
+    assert not len(batch), "the bench's rows go into an idle engine"
+    for i, table in enumerate(perm.tolist()):
+        # One token at position context - 1 makes a context of `context`: the row feeds its next token there.
+        batch.join(ScheduledSeq(i, (0,), context - 1, tuple(table), greedy, 0), first_token=ids[i])
+    return list(range(bs))
+
+
+def leave_rows(runner, seq_ids: list[int]) -> None:
+    """The bench's sequences leave (last row first: nothing moves), and every row is padding again, on the
+    device too."""
+    batch = runner.decode_batch
+    for seq_id in reversed(seq_ids):
+        batch.leave(seq_id)
+    batch.reset()
 
 
 @contextlib.contextmanager
 def rows_loaded(runner, bs: int, context: int, gen):
-    """The decode batch holds `bs` random rows at `context` cached tokens (_decode_rows) inside the block; after
-    it, the rows go back to padding, on the device too."""
-    batch = runner.decode_batch
-    batch.load_rows(_decode_rows(runner, bs, context, gen))
+    """The decode batch holds `bs` random rows at `context` cached tokens (join_random_rows) inside the block;
+    after it, the rows go back to padding, on the device too."""
+    seq_ids = join_random_rows(runner, bs, context, gen)
     try:
-        yield batch
+        yield runner.decode_batch
     finally:
-        batch.load_rows(None)
-        batch.copy_to_device(batch.layout.rows)
+        leave_rows(runner, seq_ids)
 
 
 def time_cuda_queued(fn, iters: int, rounds: int, warmup_rounds: int = 1) -> float:
