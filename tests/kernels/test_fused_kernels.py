@@ -630,6 +630,6 @@ def test_fused_kernels_cut_kernels_per_layer(shape, min_saved, norms, activation
     # At decode the q/k norm, RoPE and K/V write ride in the attention kernel (one launch, no reduce).
     for kernel, per_layer in [("_rms_norm_kernel", norms), ("_qk_norm_rope_kernel", 0),
                               ("_silu_and_mul_kernel", activations),
-                              ("_write_kv_kernel", 0), ("_decode_split_kernel", 1), ("_decode_reduce_kernel", 0)]:
+                              ("_write_kv_kernel", 0), ("_decode_split_kernel", 1)]:
         assert sum(kernel in name for name in fused_names) == per_layer, kernel
     assert len(fused_names) <= len(counts["torch"]) - min_saved

@@ -18,7 +18,7 @@ QWEN3_06B = types.SimpleNamespace(num_layers=28, num_heads=16, num_kv_heads=8, h
 
 
 @pytest.mark.parametrize("name,cls", [
-    ("_decode_split_kernel", "attention"), ("_decode_reduce_kernel", "attention"),
+    ("_decode_split_kernel", "attention"),
     ("_write_kv_kernel", "kv write"), ("_gemv_kernel", "projections"),
     ("nvjet_tst_64x8_64x16_2x1_v_bz_splitK_TNT", "projections"),
     ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(...)",

@@ -19,7 +19,7 @@ def run_pytest(tmp_path, ci: str | None, broken: str | None):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
     if ci is not None:
         env["CI"] = ci
-    quick = "tests/engine/test_sampling_params.py::test_greedy_means_temperature_zero_only"
+    quick = "tests/engine/test_sampling_params.py::test_greedy_is_the_one_rule_the_sampler_applies"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", quick], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
 

@@ -52,6 +52,14 @@ def check_inputs(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     assert k_cache.stride(-1) == 1, "the KV cache's head_dim must be contiguous"
 
 
+def prefill_shape(q: torch.Tensor, k_cache: torch.Tensor, meta) -> tuple[int, int, int, int, int, int]:
+    """(num_tokens, num_heads, head_dim, num_kv_heads, block_size, num_seqs) of a paged prefill launch: q is
+    [num_tokens, num_heads, head_dim], the cache [blocks, block_size, kv_heads, head_dim], meta an
+    AttentionMetadata whose block table has a row per sequence."""
+    num_tokens, num_heads, head_dim = q.shape
+    return num_tokens, num_heads, head_dim, k_cache.shape[2], k_cache.shape[1], meta.block_tables.shape[0]
+
+
 def group_size(num_heads: int, num_kv_heads: int) -> int:
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")

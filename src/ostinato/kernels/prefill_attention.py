@@ -57,7 +57,7 @@ import triton.language as tl
 from ostinato.kernels.attention_metadata import AttentionMetadata
 from ostinato.kernels.device import num_sms
 from ostinato.kernels.prefill_plan import PrefillPlan, PrefillSplitTuning, plan_prefill
-from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets, prefill_shape
 
 _REDUCE_TILE = 4096  # fp32 partial-output values per reduce program (32 registers a thread at 4 warps)
 
@@ -232,10 +232,8 @@ def paged_prefill_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, group: int, tuning: PrefillSplitTuning, plan: PrefillPlan) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] (head_dim contiguous), sequences back to back per
     meta.query_start_loc -> out, same shape. Grid and allocations depend on shapes and `plan` only."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_tokens, num_heads, head_dim, num_kv_heads, block_size, num_seqs = prefill_shape(q, k_cache, meta)
     block_tables = meta.block_tables  # [num_seqs, W]
-    num_seqs = block_tables.shape[0]
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets, prefill_shape
 from ostinato.kernels.attention_metadata import AttentionMetadata
 from ostinato.kernels.prefill_plan import PrefillPlan
 
@@ -86,10 +86,8 @@ def paged_prefill_one_pass(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (head_dim contiguous), sequences back to back per
     meta.query_start_loc -> the same shape. block_m: rows per program (queries x query heads per kv head)."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_tokens, num_heads, head_dim, num_kv_heads, block_size, num_seqs = prefill_shape(q, k_cache, meta)
     block_tables = meta.block_tables  # [num_seqs, W]
-    num_seqs = block_tables.shape[0]
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out

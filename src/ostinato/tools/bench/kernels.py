@@ -21,7 +21,7 @@ from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, replay_ms, rows_lo
 
 # (class, name fragments): the first class with a fragment in the kernel's name (lower case) wins.
 KERNEL_CLASSES = (
-    ("attention", ("_decode_split_kernel", "_decode_reduce_kernel", "_decode_partition_kernel")),
+    ("attention", ("_decode_split_kernel",)),
     ("kv write", ("_write_kv_kernel",)),
     ("projections", ("_gemv_kernel", "_skinny_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("norms", ("_rms_norm_kernel",)),
