@@ -47,8 +47,7 @@ from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, rank_view
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
-from ostinato.runner.inputs import to_device
-from ostinato.runner.inputs import build_prefill_inputs, decode_metadata
+from ostinato.runner.inputs import build_prefill_inputs, decode_metadata, to_device
 from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
 from ostinato.runner.sampler import Sampler, finish_sampling
