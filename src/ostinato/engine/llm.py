@@ -47,6 +47,9 @@ class LLM:
         Requests run as RequestOutputKind.FINAL_ONLY whatever their output_kind says: the engine hands back
         nothing per step and builds each output once, when its request finishes.
         """
+        if not isinstance(prompts, (str, Sequence)):
+            raise InvalidRequestError(f"prompts must be a prompt (a string or a list of token ids) or a list of "
+                                      f"prompts, got {type(prompts).__name__}", param="prompts")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
