@@ -27,7 +27,29 @@ def arg_type(read: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[in
 int_list = arg_type(read_int_list)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def read_queue_bound(text: str) -> int | None:
+    """--max-queued-requests: a count, or 'none' for an unbounded waiting queue."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _queue_bound_help(default: int | None) -> str:
+    what = ("sequences that may wait for a slot (a request with n counts n); past it a request gets HTTP 429 "
+            "with Retry-After, and 'none' lifts the bound")
+    if default is None:
+        return f"{what} (default: none, a batch job queues all its prompts)"
+    return (f"{what} (default: {default}, one more batch of the default --max-num-seqs: a queued request starts "
+            "within about one batch's lifetime, and past that a client hears 429 at once instead of waiting "
+            "unbounded under a full KV cache)")
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, max_queued_requests: int | None = None) -> None:
+    """The engine flags; max_queued_requests is the command's default bound of the waiting queue (`serve`'s is
+    config.SERVER_MAX_QUEUED_REQUESTS, the others' none)."""
     p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
                                  "or a short name: smollm2-135m")
     g = p.add_argument_group("engine")
@@ -67,7 +89,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
     g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--max-queued-requests", type=read_queue_bound, default=max_queued_requests,
+                   help=_queue_bound_help(max_queued_requests))
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N GPUs (one process each, NCCL); under torchrun, the number of "
                         "ranks (see README: Tensor parallelism)")

@@ -33,6 +33,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # cost nano-vllm's workload nothing measurable, while the server's 2048 cost a few percent (smaller steps: more
 # mixed steps; docs/PERFORMANCE.md, "Why these defaults"). A prompt longer than the budget is still chunked.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
+# `ostinato serve` bounds its waiting queue by default (sequences: a request with n counts n); the offline API
+# and the tools leave it unbounded, as a batch job queues all its prompts at once. 256 is the default
+# --max-num-seqs: one more full batch may wait behind the running one, so a queued request starts within about
+# one batch's lifetime, and past that a client gets a 429 with Retry-After at once instead of waiting unbounded
+# under a full KV cache. TGI bounds a public server the same way (--max-concurrent-requests, 128).
+SERVER_MAX_QUEUED_REQUESTS = 256
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,8 @@ class EngineArgs:
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}"),
+            (self.max_queued_requests is None or self.max_queued_requests >= 1,
+             f"--max-queued-requests must be >= 1 (or none: unbounded), got {self.max_queued_requests}"),
             (self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}"),
             (self.cuda_graph_fallback in ("error", "eager"),

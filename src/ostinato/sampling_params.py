@@ -60,6 +60,17 @@ def _check_top_p(p) -> str | None:
     return None
 
 
+# Seeds are 64-bit, as in vLLM (torch.long) and OpenAI: the sampler keys a row by the seed's low 64 bits, so a
+# wider one would silently draw another seed's tokens.
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _check_seed(seed) -> str | None:
+    if seed is None or (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        return None
+    return f"seed must be an integer in [-2**63, 2**63 - 1] (64 bits), got {seed!r}"
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not to a user
 
@@ -112,6 +123,10 @@ class SamplingParams:
             problem = _CHECKS[name](getattr(self, name))
             if problem is not None:
                 raise InvalidRequestError(problem, param=name)
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            # Completion i of a seeded request draws with seed + i (LLMEngine): the last one must fit too.
+            raise InvalidRequestError(f"seed {self.seed} with n {self.n}: completion i uses seed + i, which must "
+                                      f"stay at most 2**63 - 1; lower the seed", param="seed")
 
     def replace(self, **changes) -> SamplingParams:
         """A copy with `changes`, checking the changed values only: the others were checked when this object
@@ -138,7 +153,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "top_k": lambda k: None if _is_int(k) and (k >= 1 or k in (0, -1)) else
     f"top_k must be -1 or 0 (disabled) or >= 1, got {k!r}",
     "max_tokens": lambda m: None if _is_int(m) and m >= 1 else f"max_tokens must be an integer >= 1, got {m!r}",
-    "seed": lambda s: None if s is None or _is_int(s) else f"seed must be an integer, got {s!r}",
+    "seed": _check_seed,
     "logprobs": lambda n: None if n is None or (_is_int(n) and 0 <= n <= 20) else
     f"logprobs must be an integer in [0, 20], got {n!r}",
     "n": lambda n: None if _is_int(n) and n >= 1 else f"n must be an integer >= 1, got {n!r}",

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ostinato.cli_args import add_engine_args, engine_args_from
+from ostinato.config import SERVER_MAX_QUEUED_REQUESTS
 from ostinato.engine.async_engine import AsyncEngine
 from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
 from ostinato.server import app
@@ -25,7 +26,7 @@ def register(subparsers) -> None:
     """Add `ostinato serve MODEL_DIR ...` to the CLI."""
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description=app.__doc__.split("\n\n")[0])
-    add_engine_args(p)
+    add_engine_args(p, max_queued_requests=SERVER_MAX_QUEUED_REQUESTS)
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("OSTINATO_API_KEY"),

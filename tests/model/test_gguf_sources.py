@@ -3,6 +3,7 @@
 Small GGUF files are written with the gguf library's own writer; nothing here dequantizes a real model.
 """
 
+import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -89,16 +90,22 @@ def test_env_override_and_bad_paths(tmp_path, monkeypatch):
     assert resolve_model_dir(str(tmp_path)) == tmp_path  # a folder passes through as it is
 
 
-def test_cached_conversion_is_reused(tmp_path, cache, monkeypatch):
-    """A second load of the same file content reads the cache: no header parse, no dequantization."""
-    path = _write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.zeros((8, 4), np.float32), None)})
-    calls = []
+def _fake_converter(calls: list):
+    """A stand-in for transformers' dequantization: writes only the done marker, and records each call."""
 
-    def fake_convert(src, out, marker):  # stands in for transformers' dequantization
+    def fake_convert(src, out, marker):
         calls.append(src)
         out.mkdir(parents=True)
         (out / gguf_sources.DONE_MARKER).write_text(__import__("json").dumps(marker))
 
+    return fake_convert
+
+
+def test_cached_conversion_is_reused(tmp_path, cache, monkeypatch):
+    """A second load of the same file content reads the cache: no header parse, no dequantization."""
+    path = _write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.zeros((8, 4), np.float32), None)})
+    calls = []
+    fake_convert = _fake_converter(calls)
     monkeypatch.setattr(gguf_sources, "_convert", fake_convert)
     first = gguf_sources.gguf_to_hf_dir(path)
     assert first.dequantize_seconds is not None and first.tensor_types == {"F32": 1} and first.num_params == 32
@@ -111,3 +118,20 @@ def test_cached_conversion_is_reused(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("OSTINATO_CACHE_DIR", str(cache))
     monkeypatch.setattr(gguf_sources, "_convert", fake_convert)
     assert gguf_sources.gguf_to_hf_dir(path).hf_dir != first.hf_dir and len(calls) == 2
+
+
+def test_a_changed_converter_converts_again(tmp_path, cache, monkeypatch):
+    """The cache folder's name holds the hash of the converter's own source, so an edit to the conversion code
+    is exercised even where an older conversion of the same file is cached."""
+    path = _write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.zeros((8, 4), np.float32), None)})
+    calls = []
+    monkeypatch.setattr(gguf_sources, "_convert", _fake_converter(calls))
+    first = gguf_sources.gguf_to_hf_dir(path)
+    source = Path(gguf_sources.__file__)
+    assert first.hf_dir.name.endswith("-" + hashlib.sha256(source.read_bytes()).hexdigest()[:12])
+    assert gguf_sources.gguf_to_hf_dir(path).dequantize_seconds is None  # same converter: the cache
+    edited = tmp_path / "gguf_sources.py"
+    edited.write_text(source.read_text() + "\n# a changed conversion\n")
+    monkeypatch.setattr(gguf_sources, "CONVERTER_SOURCE", edited)
+    second = gguf_sources.gguf_to_hf_dir(path)
+    assert second.hf_dir != first.hf_dir and second.dequantize_seconds is not None and len(calls) == 2

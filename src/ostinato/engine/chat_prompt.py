@@ -6,10 +6,24 @@ the template writes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ostinato.errors import InvalidRequestError
+
+
+# A role is a name ("system", "user", "assistant", "tool", ...). Templates print it as it is, so an empty role,
+# or one holding markup (a newline, "<|im_end|>"), would make a turn the template never meant.
+ROLE_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+
+
+def role_problem(role: Any) -> str | None:
+    """What is wrong with a message's role, or None for a valid one."""
+    if isinstance(role, str) and re.fullmatch(ROLE_PATTERN, role):
+        return None
+    return (f"role must be a name such as 'system', 'user' or 'assistant' (a letter, then up to 63 letters, "
+            f"digits, '_' or '-'), got {role!r}")
 
 
 def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
@@ -22,6 +36,9 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_templa
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}",
                                       param="messages")
+        problem = role_problem(m["role"])
+        if problem is not None:
+            raise InvalidRequestError(f"message {i}: {problem}", param="messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template (tokenizer_config.json); pass chat_template=... "
                                   "or send a plain prompt (generate() offline, /v1/completions on the server)",

@@ -131,6 +131,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_lengths(prompt_ids, params)
+        self._check_stop_token_ids(params.stop_token_ids)
         limit = self.scheduler_config.max_queued_requests
         if limit is not None and params.n > limit:  # no retry could ever queue it: 400, not 429
             raise InvalidRequestError(f"n ({params.n}) exceeds the waiting queue's bound --max-queued-requests "
@@ -174,13 +175,26 @@ class LLMEngine:
                     raise InvalidRequestError(f"the prompt contains a lone UTF-16 surrogate at character {e.start}; "
                                               "send valid Unicode text", param="prompt") from None
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
+        try:
+            ids = list(prompt)
+        except TypeError:  # None, a number: say what a prompt is rather than that it is not iterable
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got "
+                                      f"{type(prompt).__name__}", param="prompt") from None
         self.scheduler.check_prompt_len(len(ids))  # before the scan below, which is as long as the list
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}", param="prompt")
         return None, ids
+
+    def _check_stop_token_ids(self, stop_token_ids: tuple[int, ...]) -> None:
+        # SamplingParams knows they are non-negative integers; only the model knows its vocabulary. An id past
+        # it could never be sampled, so the request would silently run on to max_tokens.
+        vocab = self.model_config.vocab_size
+        bad = [t for t in stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab}) (the model's vocabulary); "
+                                      f"got {bad[:5]}", param="stop_token_ids")
 
     def _validate_lengths(self, prompt_ids: list[int], params: SamplingParams) -> None:
         # The scheduler's rule (non-empty, shorter than max_model_len) first, before any sequence is queued.

@@ -47,6 +47,9 @@ class LLM:
         Requests run as RequestOutputKind.FINAL_ONLY whatever their output_kind says: the engine hands back
         nothing per step and builds each output once, when its request finishes.
         """
+        if not isinstance(prompts, (str, Sequence)):
+            raise InvalidRequestError(f"prompts must be a prompt (a string or a list of token ids) or a list of "
+                                      f"prompts, got {type(prompts).__name__}", param="prompts")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
@@ -59,30 +62,38 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one "
                                       "SamplingParams or one per prompt", param="sampling_params")
-        ids = []
+        ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
                 self.engine.add_request(rid, prompt, p)
                 ids.append(rid)
-        except Exception:
-            for rid in ids:  # leave the engine clean: no half-submitted batch
+            return self._run_to_completion(ids, use_tqdm)
+        except BaseException:
+            # Whatever stops the batch (a bad prompt, an error inside a step, Ctrl-C) aborts all of it: requests
+            # left in the engine would hold KV blocks and hand their outputs to the next generate.
+            for rid in ids:
                 self.engine.abort(rid)
             raise
+
+    def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `ids` has finished; their outputs in the order of `ids`."""
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while len(results) < len(ids):
-            for out in self.engine.step():  # FINAL_ONLY: every output is a finished request
-                results[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():  # FINAL_ONLY: every output is a finished request
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[rid] for rid in ids]
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],

@@ -8,7 +8,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ostinato.errors import ConfigError
 
@@ -91,6 +90,11 @@ class DecodeTuning:
         return self.num_warps, self.num_stages
 
 
+def _ceil_div(a: int, b: int) -> int:
+    # triton.cdiv's arithmetic, without importing triton: this plan is host-side, and CPU installs have no triton.
+    return -(-a // b)
+
+
 def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, max_context: int,
                       num_sms: int) -> int:
     """Slices per sequence for a decode launch; shapes only (see the module docstring)."""
@@ -101,11 +105,11 @@ def choose_num_splits(tuning: DecodeTuning, num_seqs: int, num_kv_heads: int, ma
     # GPU idles, and the step waits for them (32 short rows beside one of 8192 tokens: milliseconds a step).
     # So no program gets more than max_keys_per_program keys of the widest context
     # the table holds, even when the batch alone fills the GPU.
-    straggler = triton.cdiv(max(max_context, 1), tuning.max_keys_per_program)
+    straggler = _ceil_div(max(max_context, 1), tuning.max_keys_per_program)
     if programs >= num_sms:
         return max(1, min(straggler, tuning.max_splits))
     wanted = max(tuning.programs_per_sm * num_sms // programs, straggler)  # all resident at once (DecodeTuning)
-    useful = triton.cdiv(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
+    useful = _ceil_div(max(max_context, 1), tuning.block_n)  # more slices than tiles would all be empty
     return max(1, min(wanted, useful, tuning.max_splits))
 
 

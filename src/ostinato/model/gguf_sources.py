@@ -4,7 +4,8 @@ Everything downstream (ModelConfig.from_dir, the tokenizer, the safetensors load
 folder, so a GGUF file is turned into one once: transformers' GGUF support (built on the `gguf` library by
 llama.cpp's authors) parses the metadata into config and tokenizer, dequantizes every tensor to float32 and
 undoes llama.cpp's q/k row permutation; the result is saved as config.json + model.safetensors + tokenizer
-files in a cache folder keyed by the file's SHA-256. Later runs load that folder directly. The loader then
+files in a cache folder keyed by the file's SHA-256 and by this module's own source (the converter), so that a
+changed conversion never reads a folder an older one wrote. Later runs load that folder directly. The loader then
 converts the float32 values to the dtype the engine runs in.
 
 Checked before any dequantization, from the file's header: the architecture (one ostinato implements) and
@@ -16,6 +17,7 @@ No torch import at module level: the engine imports this before it needs torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 # general.architecture values ostinato runs (llama.cpp stores Mistral models as "llama").
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 CACHE_FORMAT = "v1"  # bump when the cached folder's layout changes
+CONVERTER_SOURCE = Path(__file__)  # the conversion code: its hash is part of every cache folder's name
 DONE_MARKER = "ostinato_gguf.json"
 
 
@@ -134,6 +137,18 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
+def converter_hash(source: Path = CONVERTER_SOURCE) -> str:
+    """The first 12 hex digits of the SHA-256 of the converter's source: an edit to it (a fix to the
+    dequantization, a changed config.json) reconverts instead of reusing what the older code wrote."""
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12]
+
+
+def conversion_dir(path: Path) -> Path:
+    """The cache folder of `path`'s conversion: its content, the folder layout and the converter's source."""
+    return cache_root() / "gguf" / f"{file_sha256(path)[:24]}-{CACHE_FORMAT}-{converter_hash(CONVERTER_SOURCE)}"
+
+
 def inspect_gguf(path: Path) -> tuple[str, dict[str, int], int]:
     """(architecture, {quantization type: tensor count}, parameter count) from the header, after checking
     that ostinato can run the architecture and the `gguf` library can dequantize every tensor."""
@@ -165,7 +180,7 @@ def gguf_to_hf_dir(path: Path) -> GGUFReport:
     """Convert a GGUF file to a cached HF folder (once per file content) and report what was done.
     A cache hit reads neither the header nor the tensors (the `gguf` reader takes seconds on big vocabularies)."""
     path = Path(path).resolve()
-    out = cache_root() / "gguf" / f"{file_sha256(path)[:24]}-{CACHE_FORMAT}"
+    out = conversion_dir(path)
     if (out / DONE_MARKER).is_file():
         facts = json.loads((out / DONE_MARKER).read_text())
         report = GGUFReport(path, facts["architecture"], facts["tensor_types"], facts["num_params"], out, None)

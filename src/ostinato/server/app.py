@@ -38,7 +38,7 @@ from ostinato.server.metrics import ServerMetrics
 from ostinato.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from ostinato.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList,
-                       UsageInfo)
+                       UsageInfo, ChatCompletionChunk, streaming_responses)
 from ostinato.server.streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events, usage_of
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,8 @@ def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) 
 def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
     async_engine, limits, name = serving.async_engine, serving.limits, serving.name
 
-    @app.post("/v1/completions", response_model=None, responses=_ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=None,
+              responses={**_ERROR_RESPONSES, **streaming_responses(CompletionResponse, CompletionResponse)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = serving.engine()
         serving.check_model(body.model)
@@ -238,7 +239,8 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
         return JSONResponse(CompletionResponse(id=request_id, model=name, choices=choices,
                                                usage=_usage(final)).model_dump())
 
-    @app.post("/v1/chat/completions", response_model=None, responses=_ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**_ERROR_RESPONSES, **streaming_responses(ChatCompletionResponse, ChatCompletionChunk)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = serving.engine()
         serving.check_model(body.model)

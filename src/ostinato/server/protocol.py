@@ -5,8 +5,9 @@ extensions. Unknown fields are ignored, as OpenAI clients send extra ones. OpenA
 not implement (penalties, logit_bias, echo, best_of, tools) are accepted only at their no-op values, so a
 request never silently gets something other than what it asked for.
 
-These models check shapes and types only; SamplingParams checks the values' ranges and holds the defaults
-(one message per bad value, naming its parameter). Types are strict, as the OpenAI API's are:
+These models check shapes and types, and what the schema can state (no empty prompt, only text content parts,
+a role that is a name, a 64-bit seed); SamplingParams checks the values' ranges and holds the defaults (one
+message per bad value, naming its parameter), and the engine what only the model knows (the vocabulary). Types are strict, as the OpenAI API's are:
 `"temperature": "0.5"`, `"stream": "yes"`, `"n": true` and `"max_tokens": "3"` are refused (400), not coerced. Every string must be valid Unicode: a lone UTF-16
 surrogate (`"\\ud800"` in JSON) is refused with the field named, before a tokenizer could choke on it.
 """
@@ -19,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       field_validator)
 
+from ostinato.engine.chat_prompt import ROLE_PATTERN, role_problem
 from ostinato.errors import InvalidRequestError
 from ostinato.sampling_params import SamplingParams
 
@@ -33,7 +35,21 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _valid_role(role: str) -> str:
+    problem = role_problem(role)
+    if problem is not None:
+        raise ValueError(problem)
+    return role
+
+
 Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+# The schema says what _check_prompt accepts: no empty prompt, in any of its forms.
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
+          | Annotated[list[TokenIds], Field(min_length=1)])
+Role = Annotated[StrictStr, AfterValidator(_valid_role), Field(json_schema_extra={"pattern": ROLE_PATTERN})]
 _PROMPT_TYPES = "a string, a list of token ids (integers), or a list holding one of those"
 
 
@@ -52,13 +68,15 @@ class _SamplingFields(_Lenient):
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
-    seed: StrictInt | None = None
+    # 64 bits, as SamplingParams checks: OpenAPI's int64 says it exactly (FastAPI writes a minimum/maximum as a
+    # float, and 2**63 - 1 as a float is 2**63).
+    seed: Annotated[StrictInt, Field(json_schema_extra={"format": "int64"})] | None = None
     stop: Text | list[Text] | None = None
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     # Accepted at their defaults only (see _reject_unsupported).
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
@@ -96,8 +114,22 @@ class _SamplingFields(_Lenient):
 
 
 # ---- requests ----------------------------------------------------------------------------------------------
+def _prompt_of_known_type(value: Any) -> str | list:
+    """value if it is a prompt of one of the accepted types (strings as valid Unicode); else a ValueError."""
+    if isinstance(value, str):
+        return _valid_unicode(value)
+    if isinstance(value, list):
+        if all(type(t) is int for t in value):  # type(): bool is an int subclass, and no token id
+            return value
+        if all(isinstance(p, str) for p in value):
+            return [_valid_unicode(p) for p in value]
+        if all(isinstance(p, list) and all(type(t) is int for t in p) for p in value):
+            return value
+    raise ValueError(f"prompt must be {_PROMPT_TYPES}")
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
@@ -109,16 +141,10 @@ class CompletionRequest(_SamplingFields):
     def _check_prompt(cls, value: Any, _handler) -> str | list:
         # Checked by hand, not by pydantic's union: on a long list of the wrong type the union would build one
         # error per element and alternative, seconds of work on the event loop for one request.
-        if isinstance(value, str):
-            return _valid_unicode(value)
-        if isinstance(value, list):
-            if all(type(t) is int for t in value):  # type(): bool is an int subclass, and no token id
-                return value
-            if all(isinstance(p, str) for p in value):
-                return [_valid_unicode(p) for p in value]
-            if all(isinstance(p, list) and all(type(t) is int for t in p) for p in value):
-                return value
-        raise ValueError(f"prompt must be {_PROMPT_TYPES}")
+        prompt = _prompt_of_known_type(value)
+        if not prompt or (isinstance(prompt, list) and isinstance(prompt[0], (str, list)) and not all(prompt)):
+            raise ValueError("the prompt is empty; send at least one token")
+        return prompt
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: a string or token ids. Batched prompts are refused (400)."""
@@ -129,7 +155,7 @@ class CompletionRequest(_SamplingFields):
                     f"got {len(p)} prompts in one request; ostinato takes one prompt per request, send one "
                     "request per prompt (they are batched on the server)", param="prompt")
             p = p[0]
-        return p  # an empty prompt is the engine's to refuse (400), like every other prompt rule
+        return p
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:
@@ -142,27 +168,32 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(_Lenient):
-    type: Text
+    type: Literal["text"]  # ostinato serves text models: the schema lists the one part type it accepts
     text: Text = ""
 
 
 class ChatMessage(_Lenient):
-    role: Text
+    role: Role
     # A string, or OpenAI content parts; only {"type": "text"} parts are supported.
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
 
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _check_part_types(cls, value: Any, handler) -> Any:
+        # Before the union: a refused part type would otherwise be reported once per alternative (string or
+        # parts), and "should be a valid string" first.
+        for i, part in enumerate(value if isinstance(value, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part {i} has type {kind!r}, which is not supported; ostinato serves "
+                                 "text models, send only {'type': 'text'} parts")
+        return handler(value)
+
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.type != "text":
-                raise InvalidRequestError(
-                    f"content part type {part.type!r} is not supported; ostinato serves text models, "
-                    "send only {'type': 'text'} parts", param="messages")
-            parts.append(part.text)
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -300,6 +331,15 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def streaming_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int, dict]:
+    """The 200 response of an endpoint that streams, for a route's `responses`: `body` as JSON, or with
+    "stream": true a text/event-stream of `chunk` objects (as the streaming module writes them)."""
+    events = (f'with "stream": true, server-sent events: each `data: <{chunk.__name__} JSON>` (an error '
+              'mid-stream is `data: <ErrorResponse JSON>`), then `data: [DONE]`')
+    return {200: {"model": body, "description": f"{body.__name__} as JSON; {events}",
+                  "content": {"text/event-stream": {"schema": {"type": "string", "description": events}}}}}
 
 
 class ErrorInfo(BaseModel):
