@@ -29,8 +29,11 @@ int_list = arg_type(read_int_list)
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
-                                 "or a short name: smollm2-135m")
+                                 "a hub id such as Qwen/Qwen3-0.6B (from the HF cache, or downloaded), or a "
+                                 "short name: smollm2-135m")
     g = p.add_argument_group("engine")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a hub id (default: the repository's main)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--max-model-len", type=int, default=None)

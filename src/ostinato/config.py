@@ -171,6 +171,7 @@ class EngineArgs:
     served_model_name: str | None = None
     max_queued_requests: int | None = None
     tokenizer: str | None = None
+    revision: str | None = None  # branch, tag or commit of a hub id (ORG/NAME); None: the repository's main
     # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
     async_scheduling: bool = True
     # Ranks the model is split over (one process and one GPU each); see runner/distributed.py.

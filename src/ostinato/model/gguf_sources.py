@@ -1,4 +1,5 @@
-"""Where a model comes from: an HF folder, a GGUF file, or a short name of an installed GGUF package.
+"""Where a model comes from: an HF folder, a GGUF file, a short name of an installed GGUF package, or a hub
+id (model/hub.py).
 
 Everything downstream (ModelConfig.from_dir, the tokenizer, the safetensors loader, HF baselines) reads an HF
 folder, so a GGUF file is turned into one once: transformers' GGUF support (built on the `gguf` library by
@@ -28,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ostinato.errors import CheckpointError
+from ostinato.errors import CheckpointError, ConfigError
+from ostinato.model.hub import looks_like_hub_id, resolve_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -110,20 +112,33 @@ def is_gguf_file(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def resolve_model_dir(model: str) -> Path:
-    """The HF folder to load for `model`: a short name, a GGUF file (converted once, cached) or a folder."""
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """The HF folder to load for `model`: a short name, a GGUF file (converted once, cached), a folder, or a hub
+    id (ORG/NAME, from the HF cache or downloaded; `revision` picks a branch, tag or commit of it)."""
+    path = Path(model).expanduser()
+    is_hub_id = looks_like_hub_id(model) and not path.exists()
+    if revision is not None and not is_hub_id:
+        raise ConfigError(f"--revision {revision} applies to hub ids (ORG/NAME) only; {model!r} is not one")
     if model in SHORT_NAMES:
         return gguf_to_hf_dir(short_name_path(model)).hf_dir
-    path = Path(model).expanduser()
     if is_gguf_file(path):
         return gguf_to_hf_dir(path).hf_dir
     if path.is_file():
         raise CheckpointError(f"{model!r} is a file but not a GGUF file; pass a .gguf file, an HF model folder "
                               f"or one of the short names {', '.join(SHORT_NAMES)}")
+    if is_hub_id:
+        return resolve_hub_id(model, revision)
     if not path.exists():
-        raise CheckpointError(f"model {model!r} is neither an HF model folder, a GGUF file nor a short name "
-                              f"({', '.join(SHORT_NAMES)})")
+        raise CheckpointError(_not_found(model))
     return path
+
+
+def _not_found(model: str) -> str:
+    """A path that does not exist and a name that is none of the known kinds get different messages."""
+    kinds = f"an HF model folder, a GGUF file nor a short name ({', '.join(SHORT_NAMES)}), nor a hub id (ORG/NAME)"
+    if os.sep in model or model.startswith(("~", ".")) or model.endswith(".gguf"):
+        return f"no such file or folder: {model!r}; it is neither {kinds}"
+    return f"unknown model name {model!r}: it is neither {kinds}"
 
 
 def file_sha256(path: Path) -> str:
