@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     except OstinatoError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, the shell's exit status for SIGINT, no traceback
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        code = 130
     if torchrun_style:  # every rank: torch.distributed's teardown at exit may abort (distributed.leave_process)
         from ostinato.runner.distributed import leave_process
 

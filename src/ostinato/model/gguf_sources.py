@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 CACHE_FORMAT = "v1"  # bump when the cached folder's layout changes
 DONE_MARKER = "ostinato_gguf.json"
+TMP_INFIX = ".partial-"  # a conversion's temporary folder: <cache key>.partial-<pid>-<random>
+LEGACY_TMP_MAX_AGE_S = 6 * 3600  # longer than any conversion takes
 
 
 @dataclass(frozen=True)
@@ -185,12 +187,46 @@ def gguf_to_hf_dir(path: Path) -> GGUFReport:
         facts = json.loads((out / DONE_MARKER).read_text())
         report = GGUFReport(path, facts["architecture"], facts["tensor_types"], facts["num_params"], out, None)
     else:
+        remove_stale_conversions(out.parent)
         t0 = time.perf_counter()
-        arch, types, params = inspect_gguf(path)
-        _convert(path, out, {"source": str(path), "architecture": arch, "tensor_types": types, "num_params": params})
+        try:
+            arch, types, params = inspect_gguf(path)
+            _convert(path, out, {"source": str(path), "architecture": arch, "tensor_types": types,
+                                 "num_params": params})
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"the conversion of {path.name} was stopped; nothing was cached, the next "
+                                    "run converts it again") from None
         report = GGUFReport(path, arch, types, params, out, time.perf_counter() - t0)
     logger.info("%s", report.describe())
     return report
+
+
+def _conversion_owner_alive(tmp: Path) -> bool:
+    """Whether the process that writes the temporary folder `tmp` still runs (its pid is in the name)."""
+    try:
+        pid = int(tmp.name.rsplit(TMP_INFIX, 1)[1].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (IndexError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_conversions(folder: Path) -> None:
+    """A conversion killed mid-way (SIGKILL, power loss) cannot clean up after itself: its temporary folder,
+    as large as the model in float32, is removed by the next conversion, unless its process still runs."""
+    if not folder.is_dir():
+        return
+    now = time.time()
+    for tmp in folder.glob(f"*-{CACHE_FORMAT}.*"):
+        if TMP_INFIX in tmp.name:
+            stale = not _conversion_owner_alive(tmp)
+        else:  # named before the pid was in the name: stale once no live conversion could still write it
+            stale = now - tmp.stat().st_mtime > LEGACY_TMP_MAX_AGE_S
+        if tmp.is_dir() and stale:
+            logger.info("removing %s, left by a conversion that was stopped", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _convert(path: Path, out: Path, marker: dict) -> None:
@@ -201,7 +237,7 @@ def _convert(path: Path, out: Path, marker: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}{TMP_INFIX}{os.getpid()}-", dir=out.parent))
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
