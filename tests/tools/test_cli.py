@@ -136,3 +136,14 @@ def test_bench_throughput_repeats_without_prefix_hits(ckpt, tmp_path, capsys):
 def test_bench_throughput_refuses_zero_repeats(ckpt, capsys):
     assert cli.main(["bench", "throughput", str(ckpt), *ENGINE_FLAGS, "--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_the_cpu_start_up_log_says_there_is_no_cuda_device(ckpt, caplog, capsys):
+    """Nothing the user set turned graphs off on CPU: the log must not blame the configuration."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", "Hi", "--max-tokens", "2"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert "no CUDA device: decode runs eager" in messages
+    assert not any("turned off by configuration" in m or "CUDA graphs disabled" in m for m in messages)
