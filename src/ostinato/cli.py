@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         mod.register(sub)
     for choice in sub._choices_actions:  # argparse has no public way to show a name other than the key
         choice.metavar = _SPELLED.get(choice.dest, choice.dest)
+    for key, command_parser in sub.choices.items():  # usage and errors of `bench X` say `ostinato bench X`
+        command_parser.prog = f"{parser.prog} {_SPELLED.get(key, key)}"
     for command_parser in sub.choices.values():
         # Also accepted after the command; SUPPRESS keeps the top-level value when it is not given there.
         if "--log-level" not in command_parser._option_string_actions:

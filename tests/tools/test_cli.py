@@ -147,3 +147,11 @@ def test_the_cpu_start_up_log_says_there_is_no_cuda_device(ckpt, caplog, capsys)
     messages = [r.getMessage() for r in caplog.records]
     assert "no CUDA device: decode runs eager" in messages
     assert not any("turned off by configuration" in m or "CUDA graphs disabled" in m for m in messages)
+
+
+@pytest.mark.parametrize("words", [["bench", x] for x in cli._BENCH_SUBCOMMANDS] + [["advise"], ["bench"]])
+def test_every_command_help_shows_the_command_as_typed(words, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*words, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: ostinato {' '.join(words)} ")
