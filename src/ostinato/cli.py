@@ -18,12 +18,12 @@ def _register_generate(sub) -> None:
     from ostinato.cli_args import add_engine_args
 
     p = sub.add_parser("generate", help="generate text for one or more prompts (offline)")
-    add_engine_args(p)
+    add_engine_args(p, offline=True)
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="(default: %(default)s: off)")
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--raw", action="store_true",
                    help="send each prompt as is; by default a model with a chat template gets each prompt as "
@@ -92,8 +92,18 @@ def _register_unavailable(sub, command: str, error: ImportError) -> None:
     p.set_defaults(func=explain)
 
 
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ostinato")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed: no version metadata)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ostinato", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ostinato {_installed_version()}")
     parser.add_argument("--log-level", type=_log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from ostinato import chat_repl
