@@ -37,6 +37,28 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+class HoldUntilReady(logging.Filter):
+    """Holds back uvicorn's "Uvicorn running on ..." line until the model is ready: the port answers /health
+    (503) during the load, but "running" must not be read as "ready to serve"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = False
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.ready and record.getMessage().startswith("Uvicorn running on"):
+            self.held.append(record)
+            return False
+        return True
+
+    def release(self, to: logging.Logger) -> None:
+        self.ready = True
+        for record in self.held:
+            to.handle(record)
+        self.held.clear()
+
+
 _UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "WARN": "warning",
                        "INFO": "info", "DEBUG": "debug"}
 
@@ -59,8 +81,12 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
     http_app = app.build_app(async_engine, api_key=ns.api_key, served_model_name=name, limits=limits)
     log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
     server = uvicorn.Server(uvicorn_config(http_app, limits, host=ns.host, port=ns.port, log_level=log_level))
+    uvicorn_logger = logging.getLogger("uvicorn.error")  # the logger uvicorn announces the port on
+    hold = HoldUntilReady()
+    uvicorn_logger.addFilter(hold)
 
     async def main() -> int:
+        logger.info("loading %s; until it is ready /health answers 503", args.model)
         async_engine.start()
         serving = asyncio.create_task(server.serve())
         ready = asyncio.create_task(async_engine.wait_ready())
@@ -72,6 +98,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
             await serving
             return 1
         if ready.done():
+            hold.release(uvicorn_logger)
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
             logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
                         async_engine.engine.graph_status)
@@ -81,4 +108,5 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
     try:
         return asyncio.run(main())
     finally:
+        uvicorn_logger.removeFilter(hold)
         async_engine.shutdown()
