@@ -11,6 +11,7 @@ scheduler side can use these too.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,19 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # cost nano-vllm's workload nothing measurable, while the server's 2048 cost a few percent (smaller steps: more
 # mixed steps; docs/PERFORMANCE.md, "Why these defaults"). A prompt longer than the budget is still chunked.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """ORG/NAME with nothing that marks a file path (a leading /, ./, ~ or a .gguf ending)."""
+    return bool(_HUB_ID.match(model)) and not model.endswith(".gguf") and ".." not in model
+
+
+def default_served_model_name(model: str) -> str:
+    """The name the server answers to: a hub id as given (as vLLM does), else the folder's or file's name."""
+    if looks_like_hub_id(model) and not Path(model).exists():
+        return model
+    return Path(model).resolve().name
 
 
 @dataclass(frozen=True)
@@ -311,5 +325,5 @@ class EngineArgs:
         return EngineConfig(
             runner=runner, parallel=self.parallel_config(), model_source=self.model,
             tokenizer=self.tokenizer or model_dir,
-            served_model_name=self.served_model_name or Path(self.model).resolve().name,
+            served_model_name=self.served_model_name or default_served_model_name(self.model),
             enable_prefix_caching=self.enable_prefix_caching, async_scheduling=self.async_scheduling)

@@ -10,9 +10,9 @@ import argparse
 import asyncio
 import logging
 import os
-from pathlib import Path
 
 from ostinato.cli_args import add_engine_args, engine_args_from
+from ostinato.config import default_served_model_name
 from ostinato.engine.async_engine import AsyncEngine
 from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
 from ostinato.server import app
@@ -73,7 +73,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
 
     args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
     limits = limits_from(ns)
-    name = args.served_model_name or Path(args.model).resolve().name  # the name LLMEngine gives it
+    name = args.served_model_name or default_served_model_name(args.model)  # the name LLMEngine gives it
     if getattr(ns, "engine_thread", False):
         async_engine = AsyncEngine(lambda: engine_factory(args))
     else:

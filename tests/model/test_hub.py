@@ -6,9 +6,10 @@ import shutil
 import pytest
 
 from ostinato import LLM, SamplingParams, cli
+from ostinato.config import default_served_model_name, looks_like_hub_id
 from ostinato.errors import CheckpointError, ConfigError
 from ostinato.model.gguf_sources import resolve_model_dir
-from ostinato.model.hub import check_tokenizer_folder, looks_like_hub_id
+from ostinato.model.hub import check_tokenizer_folder
 from ostinato.tools.checkpoint import make_checkpoint
 
 MAIN = "a" * 40
@@ -44,6 +45,8 @@ def test_hub_ids_are_told_apart_from_paths():
     assert looks_like_hub_id("Qwen/Qwen3-0.6B") and looks_like_hub_id("meta-llama/Llama-3.2-1B-Instruct")
     for not_an_id in ("/abs/path", "./rel/x", "~/x/y", "a/b/c", "org/model.gguf", "smollm2-135m", "../x"):
         assert not looks_like_hub_id(not_an_id), not_an_id
+    assert default_served_model_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert default_served_model_name("/models/qwen3") == "qwen3"
 
 
 def test_hub_id_resolves_from_the_cache_at_main_and_at_a_revision(hub_cache, ckpt):
@@ -58,6 +61,7 @@ def test_hub_id_runs_through_llm_and_the_cli(hub_cache, ckpt, capsys):
     _cache_model(hub_cache, "Org/Tiny", ckpt, OLDER, ref="v1")
     llm = LLM("Org/Tiny", revision="v1", device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
     assert llm.engine.model_dir == hub_cache / "models--Org--Tiny" / "snapshots" / OLDER
+    assert llm.engine.served_model_name == "Org/Tiny"  # the id clients send as `model`, as vLLM names it
     ref = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0]
     assert cli.main(["generate", "Org/Tiny", "--revision", "v1", *ENGINE_FLAGS, "--raw", "--prompt", "Hello world",
                      "--max-tokens", "5"]) == 0

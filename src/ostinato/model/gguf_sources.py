@@ -29,8 +29,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ostinato.config import looks_like_hub_id
 from ostinato.errors import CheckpointError, ConfigError
-from ostinato.model.hub import looks_like_hub_id, resolve_hub_id
+from ostinato.model.hub import resolve_hub_id
 
 logger = logging.getLogger(__name__)
 

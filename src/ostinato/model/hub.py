@@ -15,7 +15,6 @@ the tokenizer of any folder.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from ostinato.errors import CheckpointError
@@ -29,12 +28,6 @@ HUB_FILE_PATTERNS = (
 # Any one of these sets is a tokenizer transformers can load without extra packages or a network.
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
 _TRUE = {"1", "on", "yes", "true"}  # huggingface_hub's spelling of a set boolean variable
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-
-def looks_like_hub_id(model: str) -> bool:
-    """ORG/NAME with nothing that marks a file path (a leading /, ./, ~ or a .gguf ending)."""
-    return bool(_HUB_ID.match(model)) and not model.endswith(".gguf") and ".." not in model
 
 
 def hub_cache_dir() -> Path:
