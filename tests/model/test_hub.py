@@ -109,3 +109,14 @@ def test_a_folder_without_tokenizer_files_names_them(tmp_path, ckpt, capsys):
     assert cli.main(["generate", str(folder), *ENGINE_FLAGS, "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "has no tokenizer files" in err and "Traceback" not in err and "sentencepiece" not in err
+
+
+def test_without_network_the_cache_serves_and_a_missing_model_is_named(hub_cache, ckpt, monkeypatch):
+    """HF_HUB_OFFLINE unset but no hub to reach (a closed local port stands for it): the cached snapshot is
+    used; an uncached id says the hub cannot be reached."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")
+    main = _cache_model(hub_cache, "Org/Tiny", ckpt, MAIN, ref="main")
+    assert resolve_model_dir("Org/Tiny") == main
+    with pytest.raises(CheckpointError, match="not in the HF cache .* and the hub cannot be reached"):
+        resolve_model_dir("Org/Other")

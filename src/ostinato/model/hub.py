@@ -5,7 +5,7 @@ model another tool downloaded is used as it is. `HF_HUB_OFFLINE=1` reads the cac
 allows, only the files the engine reads are downloaded: config, safetensors weights, tokenizer and
 generation_config, never the .bin/.gguf/onnx copies a repository may also hold.
 
-Both environment variables are read at each call (huggingface_hub reads them once, at its import), so a
+These variables (and `HF_ENDPOINT`, a mirror) are read at each call (huggingface_hub reads them once, at its import), so a
 process that sets them late, as a test does, is honoured too.
 
 Also here: which files an HF folder needs, and a check that names the missing ones, for hub snapshots and for
@@ -90,7 +90,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     at = f" at revision {revision!r}" if revision else ""
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(),
-                                      allow_patterns=list(HUB_FILE_PATTERNS), local_files_only=offline))
+                                      allow_patterns=list(HUB_FILE_PATTERNS), local_files_only=offline,
+                                      endpoint=os.environ.get("HF_ENDPOINT") or None))
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
         raise CheckpointError(f"{repo_id}{at} is not in the HF cache {hub_cache_dir()} and {why}, so it cannot "
