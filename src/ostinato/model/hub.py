@@ -5,8 +5,8 @@ model another tool downloaded is used as it is. `HF_HUB_OFFLINE=1` reads the cac
 allows, only the files the engine reads are downloaded: config, safetensors weights, tokenizer and
 generation_config, never the .bin/.gguf/onnx copies a repository may also hold.
 
-These variables (and `HF_ENDPOINT`, a mirror) are read at each call (huggingface_hub reads them once, at its import), so a
-process that sets them late, as a test does, is honoured too.
+These variables (and `HF_ENDPOINT`, a mirror) are read at each call, where huggingface_hub reads them once at
+its import, so a process that sets them late, as a test does, is honoured too.
 
 Also here: which files an HF folder needs, and a check that names the missing ones, for hub snapshots and for
 the tokenizer of any folder.
