@@ -82,7 +82,7 @@ def _how_to_provide(repo_id: str, revision: str | None) -> str:
 def _snapshot(repo_id: str, revision: str | None) -> Path:
     """The snapshot folder of repo_id at revision, from the cache or downloaded; typed errors for the rest."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
+    from huggingface_hub.utils import (  # where every huggingface_hub version exports them
         GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
     )
 
