@@ -124,11 +124,13 @@ def test_a_conversion_killed_midway_leaves_no_folder_for_the_next_run(tmp_path, 
     dead_pid = 2**22 + 7  # above the kernel's pid_max default: no such process
     killed = folder / f"0123abcd-v1{gguf_sources.TMP_INFIX}{dead_pid}-xyz"
     running = folder / f"4567abcd-v1{gguf_sources.TMP_INFIX}{os.getpid()}-xyz"
-    legacy_old, legacy_new = folder / "89abcdef-v1.k2j3h4", folder / "fedcba98-v1.q9w8e7"
-    for d in (killed, running, legacy_old, legacy_new):
+    legacy_old, legacy_new = folder / f"{'8' * 24}-v1.k2j3h4_x", folder / f"{'f' * 24}-v1.q9w8e7"
+    finished = folder / f"{'9' * 24}-v1"  # a done conversion, however old, is the cache itself
+    for d in (killed, running, legacy_old, legacy_new, finished):
         (d / "partial").mkdir(parents=True)
     old = time.time() - gguf_sources.LEGACY_TMP_MAX_AGE_S - 60
     os.utime(legacy_old, (old, old))
+    os.utime(finished, (old, old))
 
     def fake_convert(src, out, marker):
         out.mkdir(parents=True)
@@ -137,7 +139,7 @@ def test_a_conversion_killed_midway_leaves_no_folder_for_the_next_run(tmp_path, 
     monkeypatch.setattr(gguf_sources, "_convert", fake_convert)
     gguf_sources.gguf_to_hf_dir(path)
     assert not killed.exists() and not legacy_old.exists()
-    assert running.is_dir() and legacy_new.is_dir()
+    assert running.is_dir() and legacy_new.is_dir() and finished.is_dir()
 
 
 def test_ctrl_c_during_the_first_conversion_is_one_line_and_exit_130(tmp_path, cache, monkeypatch, capsys):

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -40,6 +41,8 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 CACHE_FORMAT = "v1"  # bump when the cached folder's layout changes
 DONE_MARKER = "ostinato_gguf.json"
 TMP_INFIX = ".partial-"  # a conversion's temporary folder: <cache key>.partial-<pid>-<random>
+# Temporary folders named before the pid was in the name: <24 hex digits>-v1.<mkdtemp's random suffix>.
+LEGACY_TMP_NAME = re.compile(r"^[0-9a-f]{24}-v1\.[A-Za-z0-9_]+$")
 LEGACY_TMP_MAX_AGE_S = 6 * 3600  # longer than any conversion takes
 
 
@@ -220,11 +223,13 @@ def remove_stale_conversions(folder: Path) -> None:
     if not folder.is_dir():
         return
     now = time.time()
-    for tmp in folder.glob(f"*-{CACHE_FORMAT}.*"):
+    for tmp in folder.iterdir():
         if TMP_INFIX in tmp.name:
             stale = not _conversion_owner_alive(tmp)
-        else:  # named before the pid was in the name: stale once no live conversion could still write it
+        elif LEGACY_TMP_NAME.match(tmp.name):  # no pid in the name: stale once no conversion could still write it
             stale = now - tmp.stat().st_mtime > LEGACY_TMP_MAX_AGE_S
+        else:  # a finished conversion (or something that is not ours)
+            continue
         if tmp.is_dir() and stale:
             logger.info("removing %s, left by a conversion that was stopped", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
