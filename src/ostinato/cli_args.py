@@ -27,7 +27,7 @@ def arg_type(read: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[in
 int_list = arg_type(read_int_list)
 
 
-def add_engine_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
+def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False) -> None:
     """The engine flags. offline: a command that runs LLM in-process (generate), whose step budget default is
     the offline API's and which has no use for the server's flags (they are left out)."""
     p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
