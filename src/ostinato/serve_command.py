@@ -10,10 +10,9 @@ import argparse
 import asyncio
 import logging
 import os
-from pathlib import Path
 
 from ostinato.cli_args import add_engine_args, engine_args_from
-from ostinato.config import SERVER_MAX_QUEUED_REQUESTS
+from ostinato.config import SERVER_MAX_QUEUED_REQUESTS, default_served_model_name
 from ostinato.engine.async_engine import AsyncEngine
 from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
 from ostinato.server import app
@@ -38,6 +37,28 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+class HoldUntilReady(logging.Filter):
+    """Holds back uvicorn's "Uvicorn running on ..." line until the model is ready: the port answers /health
+    (503) during the load, but "running" must not be read as "ready to serve"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = False
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.ready and record.getMessage().startswith("Uvicorn running on"):
+            self.held.append(record)
+            return False
+        return True
+
+    def release(self, to: logging.Logger) -> None:
+        self.ready = True
+        for record in self.held:
+            to.handle(record)
+        self.held.clear()
+
+
 _UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "WARN": "warning",
                        "INFO": "info", "DEBUG": "debug"}
 
@@ -52,7 +73,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
 
     args = engine_args_from(ns)  # a ConfigError reaches the CLI, which prints it (exit code 2)
     limits = limits_from(ns)
-    name = args.served_model_name or Path(args.model).resolve().name  # the name LLMEngine gives it
+    name = args.served_model_name or default_served_model_name(args.model)  # the name LLMEngine gives it
     if getattr(ns, "engine_thread", False):
         async_engine = AsyncEngine(lambda: engine_factory(args))
     else:
@@ -60,8 +81,12 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
     http_app = app.build_app(async_engine, api_key=ns.api_key, served_model_name=name, limits=limits)
     log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
     server = uvicorn.Server(uvicorn_config(http_app, limits, host=ns.host, port=ns.port, log_level=log_level))
+    uvicorn_logger = logging.getLogger("uvicorn.error")  # the logger uvicorn announces the port on
+    hold = HoldUntilReady()
+    uvicorn_logger.addFilter(hold)
 
     async def main() -> int:
+        logger.info("loading %s; until it is ready /health answers 503", args.model)
         async_engine.start()
         serving = asyncio.create_task(server.serve())
         ready = asyncio.create_task(async_engine.wait_ready())
@@ -73,6 +98,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
             await serving
             return 1
         if ready.done():
+            hold.release(uvicorn_logger)
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
             logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
                         async_engine.engine.graph_status)
@@ -82,4 +108,5 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
     try:
         return asyncio.run(main())
     finally:
+        uvicorn_logger.removeFilter(hold)
         async_engine.shutdown()

@@ -135,3 +135,45 @@ def test_a_changed_converter_converts_again(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(gguf_sources, "CONVERTER_SOURCE", edited)
     second = gguf_sources.gguf_to_hf_dir(path)
     assert second.hf_dir != first.hf_dir and second.dequantize_seconds is not None and len(calls) == 2
+
+
+def test_a_conversion_killed_midway_leaves_no_folder_for_the_next_run(tmp_path, cache, monkeypatch):
+    """The temporary folder of a conversion whose process is gone is removed by the next conversion; one
+    whose process still runs (here: this one) is left to it."""
+    import os
+    import time
+
+    path = _write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.zeros((8, 4), np.float32), None)})
+    folder = cache / "gguf"
+    dead_pid = 2**22 + 7  # above the kernel's pid_max default: no such process
+    killed = folder / f"0123abcd-v1{gguf_sources.TMP_INFIX}{dead_pid}-xyz"
+    running = folder / f"4567abcd-v1{gguf_sources.TMP_INFIX}{os.getpid()}-xyz"
+    legacy_old, legacy_new = folder / f"{'8' * 24}-v1.k2j3h4_x", folder / f"{'f' * 24}-v1.q9w8e7"
+    finished = folder / f"{'9' * 24}-v1"  # a done conversion, however old, is the cache itself
+    for d in (killed, running, legacy_old, legacy_new, finished):
+        (d / "partial").mkdir(parents=True)
+    old = time.time() - gguf_sources.LEGACY_TMP_MAX_AGE_S - 60
+    os.utime(legacy_old, (old, old))
+    os.utime(finished, (old, old))
+
+    def fake_convert(src, out, marker):
+        out.mkdir(parents=True)
+        (out / gguf_sources.DONE_MARKER).write_text(__import__("json").dumps(marker))
+
+    monkeypatch.setattr(gguf_sources, "_convert", fake_convert)
+    gguf_sources.gguf_to_hf_dir(path)
+    assert not killed.exists() and not legacy_old.exists()
+    assert running.is_dir() and legacy_new.is_dir() and finished.is_dir()
+
+
+def test_ctrl_c_during_the_first_conversion_is_one_line_and_exit_130(tmp_path, cache, monkeypatch, capsys):
+    path = _write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.zeros((8, 4), np.float32), None)})
+
+    def interrupted(src, out, marker):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_sources, "_convert", interrupted)
+    assert cli.main(["generate", str(path), "--device", "cpu", "--prompt", "x"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "interrupted: the conversion of m.gguf was stopped; nothing was cached, the next run converts it again"]

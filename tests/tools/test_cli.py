@@ -136,3 +136,43 @@ def test_bench_throughput_repeats_without_prefix_hits(ckpt, tmp_path, capsys):
 def test_bench_throughput_refuses_zero_repeats(ckpt, capsys):
     assert cli.main(["bench", "throughput", str(ckpt), *ENGINE_FLAGS, "--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_the_cpu_start_up_log_says_there_is_no_cuda_device(ckpt, caplog, capsys):
+    """Nothing the user set turned graphs off on CPU: the log must not blame the configuration."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", "Hi", "--max-tokens", "2"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert "no CUDA device: decode runs eager" in messages
+    assert not any("turned off by configuration" in m or "CUDA graphs disabled" in m for m in messages)
+
+
+@pytest.mark.parametrize("words", [["bench", x] for x in cli._BENCH_SUBCOMMANDS] + [["advise"], ["bench"]])
+def test_every_command_help_shows_the_command_as_typed(words, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*words, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: ostinato {' '.join(words)} ")
+
+
+def test_generate_help_shows_the_offline_defaults_and_no_server_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+    assert "(default max(8192, --max-num-seqs))" in text and "2048" not in text
+    assert "--served-model-name" not in text and "--max-queued-requests" not in text
+    assert "per prompt (default: 32)" in text and "0 is greedy (default: 0.0)" in text
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    served = " ".join(capsys.readouterr().out.split())
+    assert "(default max(2048, --max-num-seqs))" in served and "--served-model-name" in served
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ostinato {version('ostinato')}"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from ostinato.config import EngineArgs, ModelConfig
 from ostinato.errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from ostinato.sampling_params import SamplingParams
+from ostinato.engine.core_logging import log_like_the_front, parent_logging
 from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, deliver
 from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
@@ -56,9 +57,12 @@ def build_engine(args: EngineArgs) -> "LLMEngine":
 
 
 # ---- the core process -------------------------------------------------------------------------------------
-def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, commands, events) -> None:
+def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, commands, events,
+               logging_setup: tuple[int, logging.Formatter | None] | None = None) -> None:
     """The engine core's loop: apply commands between steps, step while anything is unfinished, send outputs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us in order
+    if logging_setup is not None:
+        log_like_the_front(*logging_setup)
     try:
         engine = factory(args)
     except BaseException as e:
@@ -174,7 +178,8 @@ class ProcessAsyncEngine:
         commands_recv, self._commands = ctx.Pipe(duplex=False)
         self._events, events_send = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=_core_main, name="ostinato-engine-core", daemon=True,
-                                    args=(self._factory, self.args, commands_recv, events_send))
+                                    args=(self._factory, self.args, commands_recv, events_send,
+                                          parent_logging()))
         self._process.start()
         commands_recv.close()  # the core's ends: the front must see EOF when the core dies
         events_send.close()

@@ -18,6 +18,7 @@ from ostinato.config import EngineArgs, EngineConfig, ModelConfig
 from ostinato.contract import StepResult
 from ostinato.errors import InvalidRequestError, QueueFullError
 from ostinato.model.gguf_sources import resolve_model_dir
+from ostinato.model.hub import check_tokenizer_folder
 from ostinato.sampling_params import RequestOutputKind, SamplingParams
 from ostinato.engine.detokenizer import IncrementalDetokenizer, OutputText
 from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
@@ -71,6 +72,8 @@ class _RequestState:
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
+    check_tokenizer_folder(path)  # a folder without one: a CheckpointError naming the files, not a traceback
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -93,7 +96,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     name, e.g. smollm2-135m, is dequantized into a cached folder) and the device --device auto picks."""
     from ostinato.runner.runner import pick_device  # torch lives below this line of the dependency graph
 
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(args.model, args.revision)
     return args.resolve(model_dir, pick_device(args.device).type)
 
 

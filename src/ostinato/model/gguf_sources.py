@@ -1,4 +1,5 @@
-"""Where a model comes from: an HF folder, a GGUF file, or a short name of an installed GGUF package.
+"""Where a model comes from: an HF folder, a GGUF file, a short name of an installed GGUF package, or a hub
+id (model/hub.py).
 
 Everything downstream (ModelConfig.from_dir, the tokenizer, the safetensors loader, HF baselines) reads an HF
 folder, so a GGUF file is turned into one once: transformers' GGUF support (built on the `gguf` library by
@@ -23,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -30,7 +32,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ostinato.errors import CheckpointError
+from ostinato.config import looks_like_hub_id
+from ostinato.errors import CheckpointError, ConfigError
+from ostinato.model.hub import resolve_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,10 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 CACHE_FORMAT = "v1"  # bump when the cached folder's layout changes
 CONVERTER_SOURCE = Path(__file__)  # the conversion code: its hash is part of every cache folder's name
 DONE_MARKER = "ostinato_gguf.json"
+TMP_INFIX = ".partial-"  # a conversion's temporary folder: <cache key>.partial-<pid>-<random>
+# Temporary folders named before the pid was in the name: <24 hex digits>-v1.<mkdtemp's random suffix>.
+LEGACY_TMP_NAME = re.compile(r"^[0-9a-f]{24}-v1\.[A-Za-z0-9_]+$")
+LEGACY_TMP_MAX_AGE_S = 6 * 3600  # longer than any conversion takes
 
 
 @dataclass(frozen=True)
@@ -113,20 +121,33 @@ def is_gguf_file(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def resolve_model_dir(model: str) -> Path:
-    """The HF folder to load for `model`: a short name, a GGUF file (converted once, cached) or a folder."""
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """The HF folder to load for `model`: a short name, a GGUF file (converted once, cached), a folder, or a hub
+    id (ORG/NAME, from the HF cache or downloaded; `revision` picks a branch, tag or commit of it)."""
+    path = Path(model).expanduser()
+    is_hub_id = looks_like_hub_id(model) and not path.exists()
+    if revision is not None and not is_hub_id:
+        raise ConfigError(f"--revision {revision} applies to hub ids (ORG/NAME) only; {model!r} is not one")
     if model in SHORT_NAMES:
         return gguf_to_hf_dir(short_name_path(model)).hf_dir
-    path = Path(model).expanduser()
     if is_gguf_file(path):
         return gguf_to_hf_dir(path).hf_dir
     if path.is_file():
         raise CheckpointError(f"{model!r} is a file but not a GGUF file; pass a .gguf file, an HF model folder "
                               f"or one of the short names {', '.join(SHORT_NAMES)}")
+    if is_hub_id:
+        return resolve_hub_id(model, revision)
     if not path.exists():
-        raise CheckpointError(f"model {model!r} is neither an HF model folder, a GGUF file nor a short name "
-                              f"({', '.join(SHORT_NAMES)})")
+        raise CheckpointError(_not_found(model))
     return path
+
+
+def _not_found(model: str) -> str:
+    """A path that does not exist and a name that is none of the known kinds get different messages."""
+    kinds = f"an HF model folder, a GGUF file nor a short name ({', '.join(SHORT_NAMES)}), nor a hub id (ORG/NAME)"
+    if os.sep in model or model.startswith(("~", ".")) or model.endswith(".gguf"):
+        return f"no such file or folder: {model!r}; it is neither {kinds}"
+    return f"unknown model name {model!r}: it is neither {kinds}"
 
 
 def file_sha256(path: Path) -> str:
@@ -185,12 +206,48 @@ def gguf_to_hf_dir(path: Path) -> GGUFReport:
         facts = json.loads((out / DONE_MARKER).read_text())
         report = GGUFReport(path, facts["architecture"], facts["tensor_types"], facts["num_params"], out, None)
     else:
+        remove_stale_conversions(out.parent)
         t0 = time.perf_counter()
-        arch, types, params = inspect_gguf(path)
-        _convert(path, out, {"source": str(path), "architecture": arch, "tensor_types": types, "num_params": params})
+        try:
+            arch, types, params = inspect_gguf(path)
+            _convert(path, out, {"source": str(path), "architecture": arch, "tensor_types": types,
+                                 "num_params": params})
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"the conversion of {path.name} was stopped; nothing was cached, the next "
+                                    "run converts it again") from None
         report = GGUFReport(path, arch, types, params, out, time.perf_counter() - t0)
     logger.info("%s", report.describe())
     return report
+
+
+def _conversion_owner_alive(tmp: Path) -> bool:
+    """Whether the process that writes the temporary folder `tmp` still runs (its pid is in the name)."""
+    try:
+        pid = int(tmp.name.rsplit(TMP_INFIX, 1)[1].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (IndexError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_conversions(folder: Path) -> None:
+    """A conversion killed mid-way (SIGKILL, power loss) cannot clean up after itself: its temporary folder,
+    as large as the model in float32, is removed by the next conversion, unless its process still runs."""
+    if not folder.is_dir():
+        return
+    now = time.time()
+    for tmp in folder.iterdir():
+        if TMP_INFIX in tmp.name:
+            stale = not _conversion_owner_alive(tmp)
+        elif LEGACY_TMP_NAME.match(tmp.name):  # no pid in the name: stale once no conversion could still write it
+            stale = now - tmp.stat().st_mtime > LEGACY_TMP_MAX_AGE_S
+        else:  # a finished conversion (or something that is not ours)
+            continue
+        if tmp.is_dir() and stale:
+            logger.info("removing %s, left by a conversion that was stopped", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _convert(path: Path, out: Path, marker: dict) -> None:
@@ -201,7 +258,7 @@ def _convert(path: Path, out: Path, marker: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}{TMP_INFIX}{os.getpid()}-", dir=out.parent))
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

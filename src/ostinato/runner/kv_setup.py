@@ -271,6 +271,8 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     if sizes and graphs.graphs_enabled:
         lines.append(graph_memory_report(capture.bytes_by_size, estimate, block_bytes, spec.block_size, max_len))
         lines.append(f"captured {len(capture.sizes)} decode graphs in {capture.seconds:.2f} s")
+    elif spec.device.type != "cuda":  # graphs are CUDA's: nothing the user set turned them off
+        lines.append("no CUDA device: decode runs eager")
     elif graphs.disabled_cause:
         lines.append(f"CUDA graphs disabled: {graphs.disabled_cause}")
     if prefill.enabled:
