@@ -104,7 +104,7 @@ def test_bench_subcommands_are_spelled_like_the_others(sub, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", sub, "--help"])
     assert exit_info.value.code == 0
-    assert f"bench-{sub}" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith(f"usage: ostinato bench {sub} ")  # as the user types it
 
 
 def test_the_floor_reads_an_untied_embedding_table_one_row_a_token_not_whole():
