@@ -59,6 +59,18 @@ class HoldUntilReady(logging.Filter):
         self.held.clear()
 
 
+async def _stop_when_the_engine_dies(async_engine, server, poll_s: float = 0.1) -> None:
+    """Stop the HTTP server once the engine is dead, so the process exits non-zero and a supervisor (systemd,
+    Kubernetes) restarts it: a dead engine never comes back, and a server answering 503 forever is never
+    restarted. In-flight streams have already been given their error event when dead_cause is set; uvicorn's
+    shutdown lets them finish sending it."""
+    while async_engine.dead_cause is None:
+        await asyncio.sleep(poll_s)
+    logger.error("the engine is dead (%s); stopping the server so that it can be restarted",
+                 async_engine.dead_cause)
+    server.should_exit = True
+
+
 _UVICORN_LOG_LEVELS = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "WARN": "warning",
                        "INFO": "info", "DEBUG": "debug"}
 
@@ -97,13 +109,17 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
             server.should_exit = True
             await serving
             return 1
-        if ready.done():
-            hold.release(uvicorn_logger)
-            port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
-            logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
-                        async_engine.engine.graph_status)
+        if not ready.done():  # stopped (SIGINT, SIGTERM) while loading
+            await serving
+            return 0
+        hold.release(uvicorn_logger)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
+        logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
+                    async_engine.engine.graph_status)
+        engine_died = asyncio.create_task(_stop_when_the_engine_dies(async_engine, server))
         await serving
-        return 0
+        engine_died.cancel()
+        return 1 if engine_died.done() and not engine_died.cancelled() else 0
 
     try:
         return asyncio.run(main())

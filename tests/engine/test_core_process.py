@@ -8,6 +8,7 @@ one where they can.
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -162,18 +163,33 @@ def test_a_killed_core_fails_pending_requests_and_health_says_503(args):
     asyncio.run(main())
 
 
-def test_a_failed_step_kills_the_engine_with_its_cause(args):
+def test_a_failed_step_kills_the_engine_and_leaks_nothing(args, capfd):
+    """The stream's error event and /health carry a generic cause and an incident id, not the exception's text;
+    the core's stderr has the traceback on the line with the same id."""
     async def main():
         core = await _started(args, factory=_failing_engine)
         try:
-            with pytest.raises(EngineDeadError, match="injected step failure"):
-                async for _ in core.generate("f", [4, 5], SamplingParams(max_tokens=50, ignore_eos=True)):
-                    pass
-            assert "injected step failure" in core.dead_cause and not core.is_ready
+            app = build_app(core, served_model_name="m")
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                body = {"model": "m", "prompt": [4, 5], "max_tokens": 50, "ignore_eos": True, "stream": True}
+                events = (await client.post("/v1/completions", json=body)).text
+                health = await client.get("/health")
+            assert not core.is_ready and '"error"' in events
+            return events, health
         finally:
             core.shutdown(timeout=10)
 
-    asyncio.run(main())
+    events, health = asyncio.run(main())
+    assert "injected step failure" not in events and "RuntimeError" not in events
+    incident = re.search(r"incident ([0-9a-f]{16})", events).group(1)
+    assert health.status_code == 503 and incident in health.json()["cause"]
+    assert "injected step failure" not in health.text and "RuntimeError" not in health.text
+    stderr = capfd.readouterr().err
+    logged = [line for line in stderr.splitlines() if incident in line]
+    assert logged, stderr
+    after = stderr[stderr.index(logged[0]):]
+    assert "Traceback" in after and "RuntimeError: injected step failure" in after
 
 
 def test_each_step_is_one_message_carrying_every_request_it_advanced(args):

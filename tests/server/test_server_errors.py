@@ -6,6 +6,8 @@ Real uvicorn + the real engine on a tiny random checkpoint (helpers from test_se
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 import time
 
@@ -157,7 +159,10 @@ def test_full_waiting_queue_is_429_with_retry_after(checkpoint):
 
 
 # ---- a dead engine: 503 -----------------------------------------------------------------------------------
-def test_engine_failure_fails_requests_and_health(checkpoint):
+def test_engine_failure_fails_requests_and_health(checkpoint, caplog):
+    """A step that raises fails the stream and /health with a generic cause and an incident id; the exception's
+    text (which could hold anything) stays in the log, on the line that carries the same id."""
+    caplog.set_level(logging.ERROR)
     engine = ThrottledEngine(LLMEngine(engine_args(checkpoint)))
     engine.delay = 0.02
     srv = TestServer(engine)
@@ -168,9 +173,15 @@ def test_engine_failure_fails_requests_and_health(checkpoint):
             assert next(line for line in lines if line.startswith("data: "))
             engine.fail = True  # the next step raises
             rest = [line for line in lines if line]
-        assert '"error"' in rest[-2] and "injected step failure" in rest[-2] and rest[-1] == "data: [DONE]"
+        assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"
+        assert "injected step failure" not in rest[-2] and "RuntimeError" not in rest[-2]
+        incident = re.search(r"incident ([0-9a-f]{16})", rest[-2]).group(1)
         health = httpx.get(srv.base_url + "/health")
-        assert health.status_code == 503 and "injected step failure" in health.json()["cause"]
+        assert health.status_code == 503 and incident in health.json()["cause"]
+        assert "injected step failure" not in health.text and "RuntimeError" not in health.text
+        logged = [r for r in caplog.records if incident in r.getMessage()]
+        assert logged and "injected step failure" in caplog.text
+        assert logged[0].exc_info is not None and "injected step failure" in str(logged[0].exc_info[1])
         assert_error(srv.post("/v1/completions", {"model": MODEL, "prompt": "hi"}), 503)
         assert httpx.get(srv.base_url + "/metrics").status_code == 200  # still scrapable
     finally:

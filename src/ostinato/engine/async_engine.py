@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Union
 
 from ostinato.errors import EngineDeadError, EngineNotReadyError  # noqa: F401 (re-exported for callers)
 from ostinato.sampling_params import SamplingParams
+from ostinato.engine.incident import report_step_failure
 from ostinato.engine.outputs import EngineStats, RequestOutput
 from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, deliver  # noqa: F401 (re-exported)
 
@@ -231,8 +232,7 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except BaseException as e:
-                logger.exception("engine step failed; the engine is dead and stops serving")
-                self._die(f"engine step failed: {type(e).__name__}: {e}", e)
+                self._die(report_step_failure(logger, "engine step failed"), e)
                 return
             self._dispatch(outputs)
         self._die("the engine was shut down", None)

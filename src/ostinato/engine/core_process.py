@@ -40,6 +40,7 @@ from ostinato.config import EngineArgs, ModelConfig
 from ostinato.errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from ostinato.sampling_params import SamplingParams
 from ostinato.engine.core_logging import log_like_the_front, parent_logging
+from ostinato.engine.incident import report_step_failure
 from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, deliver
 from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
@@ -96,9 +97,8 @@ def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, c
                 events.send(("stats", message[1], engine.stats()))
         try:
             outputs = engine.step()
-        except BaseException as e:
-            logger.exception("engine step failed; the engine core stops")
-            events.send(("dead", f"engine step failed: {type(e).__name__}: {e}"))
+        except BaseException:
+            events.send(("dead", report_step_failure(logger, "engine step failed")))
             return
         if outputs:
             # Plain tuples pickle several times faster than dataclasses; the prompt went out once, with "added".
