@@ -30,7 +30,7 @@ import torch
 
 from ostinato.contract import DecodeRows, ScheduledSeq
 from ostinato.runner.graphs import StaticInput
-from ostinato.runner.inputs import kv_slots
+from ostinato.runner.inputs import kv_slots, to_device
 from ostinato.runner.sampler import row_key
 from ostinato.runner.sampling_state import (  # noqa: F401  (the row's columns, read from here too)
     BLOCKS, CTR, KEY_HI, KEY_LO, POS, ROW_COLUMNS, TEMP, TOKEN, TOP_K, TOP_P, SamplingBatch, filtered_rows,
@@ -110,7 +110,7 @@ class DecodeBatch:
         self.layout = layout
         self.device = device
         self.engine_seed = engine_seed
-        self._pin = pin = device.type == "cuda" and torch.cuda.is_available()
+        pin = device.type == "cuda" and torch.cuda.is_available()
         self._pad = layout.pad_row()
         self.host = self._pad.repeat(layout.rows, 1)
         if pin:
@@ -250,11 +250,8 @@ class DecodeBatch:
         their setting columns; the device rows are copied at the next decode step as ever)."""
         rows = self.np[first:first + count, :BLOCKS].copy()
         rows[:, CTR] -= 1
-        host = torch.from_numpy(rows)
-        if self._pin:
-            host = host.pin_memory()
         num_logprobs = self._num_logprobs[first:first + count]
-        return read_settings(host.to(self.device, non_blocking=self._pin),
+        return read_settings(to_device(rows, torch.int32, self.device),
                              num_logprobs if any(k is not None for k in num_logprobs) else None,
                              bool(filtered_rows(rows).any()))
 

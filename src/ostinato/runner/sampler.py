@@ -24,6 +24,7 @@ import torch
 
 from ostinato.kernels.device import num_sms
 from ostinato.contract import ScheduledSeq
+from ostinato.runner.inputs import to_device
 from ostinato.sampling_params import GREEDY_TEMPERATURE
 from ostinato.kernels import sampling as sampling_kernel
 from ostinato.runner.sampling_state import (BLOCKS, ROW_COLUMNS, SamplingBatch, filtered_rows, read_settings,
@@ -237,7 +238,6 @@ class Sampler:
     def __init__(self, device: torch.device | str, seed: int):
         self.device = torch.device(device)
         self.seed = seed
-        self._pin = self.device.type == "cuda" and torch.cuda.is_available()
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> SamplingBatch:
         """Rows of the sequences' settings as a decode row holds them (write_settings), counting their next
@@ -248,10 +248,7 @@ class Sampler:
         for row, seq in zip(rows, seqs):
             p = seq.sampling_params
             write_settings(row, p, row_key(p.seed, self.seed, seq.seq_id), seq.num_generated)
-        host = torch.from_numpy(rows)
-        if self._pin:
-            host = host.pin_memory()
-        return read_settings(host.to(self.device, non_blocking=self._pin),
+        return read_settings(to_device(rows, torch.int32, self.device),
                              [seq.sampling_params.logprobs for seq in seqs], bool(filtered_rows(rows).any()))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
