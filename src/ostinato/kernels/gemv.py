@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -238,9 +239,10 @@ def choose_gemv_tiles(m: int, n: int, k: int, pdl: bool = False) -> GemvTiles | 
 
 def _takes(x: torch.Tensor, layer: torch.nn.Linear) -> bool:
     """Whether a Triton kernel may compute layer(x) at all: not a row-parallel layer under tensor parallelism
-    (its forward adds the all-reduce, model/parallel.py), x 2-D with K contiguous, 16-bit dtypes alike."""
+    (its forward adds the all-reduce, model/parallel.py), nor a quantized one (its own `linear` runs it), x 2-D
+    with K contiguous, 16-bit dtypes alike."""
     tp = getattr(layer, "tp", None)
-    if tp is not None and tp.world_size > 1:
+    if isinstance(layer, QuantizedLinear) or (tp is not None and tp.world_size > 1):
         return False
     weight = layer.weight
     return x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype \
@@ -261,6 +263,9 @@ def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = Fals
     tensors (the decoder's Triton kernel set calls it). `layer` is an nn.Linear, or a tensor-parallel one
     (model/parallel.py), which on one rank is an nn.Linear too. glu: silu(gate) * up of the (gate | up)
     projection, folded into the kernel; only where folds_glu(x, layer) said so."""
+    if isinstance(layer, QuantizedLinear):
+        assert not glu, "folds_glu never folds the activation into a quantized projection"
+        return layer.linear(x, pdl=pdl)
     tiles = _triton_tiles(x, layer, pdl)
     if isinstance(tiles, GemvTiles):
         return gemv_linear(x, layer.weight, layer.bias, tiles, pdl=pdl, glu=glu)
