@@ -177,6 +177,7 @@ def test_chunked_threaded_draws_match_serial_and_fill_every_element(tmp_path, mo
 
 @pytest.mark.parametrize(("shape", "family", "params"), [
     ("qwen3-0.6b", "qwen3", 0.596e9), ("llama-3.2-1b", "llama", 1.236e9), ("llama-3.1-8b", "llama", 8.030e9),
+    ("llama-3.1-70b", "llama", 70.554e9),
 ])
 def test_public_shapes_have_real_dimensions(shape, family, params):
     assert ck.parameter_count(shape) == pytest.approx(params, rel=0.002)
