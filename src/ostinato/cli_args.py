@@ -93,6 +93,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                    help="programmatic dependent launch of the Triton kernels (Hopper and newer): each may start "
                         "while the one before it finishes; auto uses it where the GPU and triton support it, on "
                         "fails start-up where they do not")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="every kernel reduces a request's rows in an order set by that request alone: its tokens "
+                        "and logprobs are the same whatever runs beside it, padding and chunking (slower; "
+                        "unquantized checkpoints, one GPU)")
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
     if not offline:

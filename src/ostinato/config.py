@@ -138,6 +138,8 @@ class RunnerConfig:
     pdl: str  # auto | on | off (kernels/pdl.py decides "auto" on the device)
     seed: int
     decode_tuning: DecodeTuning | None = None  # the Triton decode attention's launch settings; None: defaults
+    # Every kernel reduces a row in an order set by that row alone (docs/ARCHITECTURE.md, "Batch-invariant mode").
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,9 @@ class EngineArgs:
     # Launch settings of the Triton decode attention (kernels/decode_plan.py); None: its defaults. --pdl still
     # decides its `pdl` field.
     decode_tuning: DecodeTuning | None = None
+    # A request's tokens and logprobs never depend on what else runs, on padding or on the graph size: the
+    # batch-invariant kernels (docs/ARCHITECTURE.md, "Batch-invariant mode"). Slower; off by default.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -258,6 +263,9 @@ class EngineArgs:
              f"--max-model-len must be >= 1, got {self.max_model_len}"),
             (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              f"--tensor-parallel-size must be an integer >= 1, got {self.tensor_parallel_size!r}"),
+            (self.tensor_parallel_size == 1 or not self.batch_invariant,
+             "--batch-invariant needs --tensor-parallel-size 1: the all-reduce of a row-parallel layer sums in an "
+             "order its message size picks; drop one of the two flags"),
             (self.tensor_parallel_size == 1 or self.cuda_graph_fallback == "error",
              "--cuda-graph-fallback eager cannot be used with --tensor-parallel-size > 1: every rank must run "
              "the same decode path, so a capture failure on any rank stops start-up; drop the flag or use "
@@ -327,11 +335,15 @@ class EngineArgs:
             # The torch backend's prefill reads sequence lengths on the host: it cannot be captured.
             logger.info("prefill graphs off: --attention-backend %s reads lengths on the host (use triton)", backend)
             graph = replace(graph, prefill_sizes=())
+        if self.batch_invariant and device == "cuda" and backend == "torch" and not graph.enforce_eager:
+            raise ConfigError("--batch-invariant with --attention-backend torch attends row by row, reading lengths "
+                              "on the host, which a CUDA graph cannot hold: use --attention-backend triton (or auto), "
+                              "or add --enforce-eager")
         runner = RunnerConfig(
             model_dir=model_dir, model=model, scheduler=self.scheduler_config(model), graph=graph,
             kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization),
             dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
-            decode_tuning=self.decode_tuning)
+            decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant)
         return EngineConfig(
             runner=runner, parallel=self.parallel_config(), model_source=self.model,
             tokenizer=self.tokenizer or model_dir,

@@ -37,6 +37,9 @@ class AttentionBackend(ABC):
     # True when the decoder's Triton kernels launch with programmatic dependent launch (kernels/pdl.py, --pdl): set by
     # the Triton backend, whose decode kernel keeps PDL's contract; fixed before capture.
     pdl: bool = False
+    # True under --batch-invariant: the backend reduces each query row in an order set by that row's own context
+    # alone (docs/ARCHITECTURE.md, "Batch-invariant mode"); the decoder then picks the invariant kernel set.
+    batch_invariant: bool = False
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

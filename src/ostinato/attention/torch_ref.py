@@ -3,6 +3,11 @@
 Runs on CPU and GPU with plain torch ops. It favours clarity over speed (decode gathers every block of
 a sequence's block table into a dense tensor), so the Triton backend is tested against it, not the
 other way round. Scores and softmax are computed in float32 whatever the model dtype.
+
+batch_invariant (--batch-invariant on the torch path): every query row, of a prefill or a decode, is attended
+alone by `attend_row`, over exactly the keys it sees: each op's shapes then depend on that row's position only, so
+its result is the same bits whatever the batch, the padding, the chunking or a cached prefix, and a decode row
+equals the same position computed by prefill. Not CUDA-graph safe (the lengths are read on the host).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ class TorchRefBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         # k, v: [num_tokens, num_kv_heads, head_dim]; caches viewed as [num_slots, num_kv_heads, head_dim].
@@ -32,6 +40,8 @@ class TorchRefBackend(AttentionBackend):
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.batch_invariant:
+            return self._decode_rows(q, k_cache, v_cache, meta, scale)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -65,6 +75,8 @@ class TorchRefBackend(AttentionBackend):
             meta.context_lens.tolist()
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, H, D]
+        if self.batch_invariant:
+            return self._prefill_rows(q, out, k_cache, v_cache, meta, scale, query_lens, context_lens)
         # The sequences' rows start at query_start_loc[0]: 0, or past a mixed step's decode rows.
         start = int(meta.query_start_loc[0]) if meta.decode_rows is not None else 0
         for seq, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
@@ -86,3 +98,36 @@ class TorchRefBackend(AttentionBackend):
             out[start:start + query_len] = attn.transpose(0, 1).to(q.dtype)
             start += query_len
         return out
+
+    def _decode_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.zeros_like(q)  # a row of context 0 (padding) gets zeros
+        for seq, context_len in enumerate(meta.context_lens.tolist()):
+            if context_len > 0:
+                out[seq] = attend_row(q[seq], k_cache, v_cache, meta.block_tables[seq], context_len, scale)
+        return out
+
+    def _prefill_rows(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, query_lens: list[int],
+                      context_lens: list[int]) -> torch.Tensor:
+        start = int(meta.query_start_loc[0]) if meta.decode_rows is not None else 0
+        for seq, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
+            for i in range(query_len):  # query i sits at position context_len - query_len + i
+                out[start + i] = attend_row(q[start + i], k_cache, v_cache, meta.block_tables[seq],
+                                            context_len - query_len + i + 1, scale)
+            start += query_len
+        return out
+
+
+def attend_row(q_row: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+               num_keys: int, scale: float) -> torch.Tensor:
+    """One query row [H, D] over the first num_keys tokens of its sequence (block_table [W]) -> [H, D], in float32:
+    every shape here is set by num_keys, so the row's arithmetic is the same in any batch (batch_invariant)."""
+    num_heads, head_dim = q_row.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    blocks = block_table[:-(-num_keys // block_size)]
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].float().permute(1, 2, 0)  # [Hkv, D, C]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].float().transpose(0, 1)  # [Hkv, C, D]
+    q = q_row.float().view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # query head h reads h // group
+    probs = torch.softmax(torch.matmul(q, keys.contiguous()) * scale, dim=-1)  # [Hkv, group, C]
+    return torch.matmul(probs, values.contiguous()).reshape(num_heads, head_dim).to(q_row.dtype)

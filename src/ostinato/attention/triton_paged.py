@@ -42,13 +42,14 @@ Limits
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ostinato.errors import ConfigError
 from ostinato.attention.base import AttentionBackend, AttentionMetadata
 from ostinato.kernels.prefill_plan import PrefillSplitTuning
+from ostinato.kernels.decode_plan import invariant_decode_tuning
 from ostinato.kernels.attention_common import check_inputs, contiguous_last, group_size
 from ostinato.kernels.paged_kv_write import paged_write_kv
 from ostinato.kernels.prefill_one_pass import paged_prefill_one_pass
@@ -67,6 +68,7 @@ class TritonAttentionTuning:
     prefill_block_n: int = 32
     prefill_num_warps: int = 4
     prefill_split: PrefillSplitTuning = field(default_factory=PrefillSplitTuning)  # kernels/prefill_plan.py
+    batch_invariant: bool = False  # set by batch_invariant_tuning
 
     def __post_init__(self) -> None:
         for name in ("prefill_block_m", "prefill_block_n"):
@@ -75,6 +77,16 @@ class TritonAttentionTuning:
                 raise ConfigError(f"{name} must be a power of two >= 16, got {value}")
         if self.prefill_num_warps < 1:
             raise ConfigError(f"prefill_num_warps must be >= 1, got {self.prefill_num_warps}")
+
+
+def batch_invariant_tuning(tuning: TritonAttentionTuning) -> TritonAttentionTuning:
+    """The settings under --batch-invariant. Decode: a fixed split count (kernels/decode_plan.py,
+    invariant_decode_tuning). Prefill: never split, so every query row runs the one-pass kernel, which walks its
+    keys from position 0 in prefill_block_n tiles and masks the keys past the row's own position: tiles past it
+    add exact zeros (weight 1, sum + 0), so the row's result is the same whatever the chunk it came in, the
+    batch, or whether its prefix was cached."""
+    return replace(tuning, decode=invariant_decode_tuning(tuning.decode),
+                   prefill_split=replace(tuning.prefill_split, splits=1), batch_invariant=True)
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -86,6 +98,7 @@ class TritonPagedBackend(AttentionBackend):
     def __init__(self, tuning: TritonAttentionTuning | None = None):
         self.tuning = tuning or TritonAttentionTuning()
         self.pdl = self.tuning.decode.pdl
+        self.batch_invariant = self.tuning.batch_invariant
         self.split_counters = SplitCounters()  # the single-launch decode's workspace, shared by all layers
 
     # ---- K/V write -------------------------------------------------------------------------------------

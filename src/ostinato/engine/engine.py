@@ -376,4 +376,5 @@ class LLMEngine:
             prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
             prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,
             prefill_graph_memory_bytes=self.runner.prefill_graph_memory_bytes, decode_steps_mixed=pg.mixed_steps,
+            batch_invariant=self.config.runner.batch_invariant,
         )

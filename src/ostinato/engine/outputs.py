@@ -116,3 +116,5 @@ class EngineStats:
     # Mixed steps whose decode rows rode in the chunks' prefill-graph replay (--mixed-step one-replay): decode
     # steps too, counted here and not in decode_steps_graph / decode_steps_eager.
     decode_steps_mixed: int = 0
+    # --batch-invariant: the kernels reduce each row in an order that row alone sets (/health and /metrics show it).
+    batch_invariant: bool = False

@@ -5,7 +5,7 @@ decided from shapes before a CUDA graph is captured."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,6 +88,21 @@ class DecodeTuning:
         if splits > 1 and batch_programs < num_sms:
             return self.split_num_warps, self.split_num_stages
         return self.num_warps, self.num_stages
+
+
+# --batch-invariant: every decode launch splits each row's context into this many slices, whatever the batch.
+INVARIANT_DECODE_SPLITS = 16
+
+
+def invariant_decode_tuning(tuning: DecodeTuning) -> DecodeTuning:
+    """The decode settings under --batch-invariant. A slice spans cdiv(context, splits) tokens rounded up to
+    block_n, read from the row's own context length in the kernel; with the split count fixed, a row's slice
+    boundaries, its partials and the merge (all slices in slice order, over a tile set by the split count) are
+    the same in any batch. Split and unsplit launches keep one warp count (the layout sets a reduction's order).
+    RoPE stays in its own kernel (apply_rope off): a mixed step's decode rows take that kernel and the plain
+    decode, so a pure decode step must too, or a row's q and k would be computed two ways."""
+    return replace(tuning, splits=INVARIANT_DECODE_SPLITS, num_warps=tuning.split_num_warps,
+                   num_stages=tuning.split_num_stages, apply_rope=False)
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -28,6 +28,9 @@ class DecoderKernels:
     # (x, layer) -> whether linear and norm_linear take glu=True for the (gate | up) projection at these shapes:
     # silu(gate) * up out of the projection's own kernel, no activation kernel after it. None: never.
     folds_glu: Callable[[torch.Tensor, torch.nn.Linear], bool] | None = None
+    # (hidden [M, K], lm_head weight [V, K]) -> fp32 logits [M, V], where the set computes them itself (the
+    # batch-invariant sets, kernels/invariant_linear.py). None: model/decoder.py's compute_logits decides.
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def norm_then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                          layer: torch.nn.Linear, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,7 @@ from ostinato.errors import ConfigError
 from ostinato.kernels.decoder_kernels import DecoderKernels
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.gemv import folds_glu, small_batch_linear, small_batch_norm_linear
+from ostinato.kernels.invariant_linear import gemm_linear, gemm_logits, rowwise_layer_linear, rowwise_logits
 from ostinato.kernels.fused_ref import (  # noqa: F401  (re-exported with the kernels they check)
     fused_add_rms_norm_ref, linear_ref, qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref,
 )
@@ -344,9 +345,21 @@ TRITON_KERNELS_PDL = DecoderKernels("triton+pdl", **{
     for f in fields(DecoderKernels) if f.name != "name" and getattr(TRITON_KERNELS, f.name) is not None})
 
 
-def kernels_for(device: torch.device, pdl: bool = False) -> DecoderKernels:
+# --batch-invariant: every projection and the lm_head through one kernel whose per-row arithmetic is the same for
+# every row count (kernels/invariant_linear.py); no norm or activation folded into a projection (the folds are
+# chosen by row count), no PDL. The norms, the activation and q/k-norm + RoPE are already one program per row.
+INVARIANT_TORCH_KERNELS = DecoderKernels("torch+invariant", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref,
+                                         qk_norm_rope_ref, rowwise_layer_linear, logits=rowwise_logits)
+INVARIANT_TRITON_KERNELS = DecoderKernels("triton+invariant", rms_norm, fused_add_rms_norm, silu_and_mul,
+                                          qk_norm_rope, gemm_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv,
+                                          logits=gemm_logits)
+
+
+def kernels_for(device: torch.device, pdl: bool = False, batch_invariant: bool = False) -> DecoderKernels:
     """Triton on CUDA when triton is importable (with PDL when `pdl`); torch otherwise (CPU, where torch is the
-    reference)."""
+    reference). batch_invariant: the invariant set of that kind (PDL off)."""
     if device.type == "cuda" and triton is not None:
+        if batch_invariant:
+            return INVARIANT_TRITON_KERNELS
         return TRITON_KERNELS_PDL if pdl else TRITON_KERNELS
-    return TORCH_KERNELS
+    return INVARIANT_TORCH_KERNELS if batch_invariant else TORCH_KERNELS

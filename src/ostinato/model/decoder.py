@@ -197,8 +197,10 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"got {len(caches)} KV caches for {len(self.model.layers)} layers")
         for layer, (k_cache, v_cache) in zip(self.model.layers, caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
-        pdl = self.model.layers[0].self_attn.backend.pdl if len(self.model.layers) else False
-        self.kernels = kernels if kernels is not None else kernels_for(caches[0][0].device, pdl)
+        backend = self.model.layers[0].self_attn.backend if len(self.model.layers) else None
+        pdl = backend.pdl if backend is not None else False
+        invariant = backend.batch_invariant if backend is not None else False
+        self.kernels = kernels if kernels is not None else kernels_for(caches[0][0].device, pdl, invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -223,6 +225,8 @@ class DecoderForCausalLM(nn.Module):
         upcasting after cannot undo that. Measured at M=1: as fast as the bf16 GEMM (docs/PERFORMANCE.md,
         "Why these defaults")."""
         weight = self.lm_head.weight  # [vocab (this rank's rows under tensor parallelism), hidden]
+        if float32 and self.kernels.logits is not None:  # the set's own (batch invariant): one rank, no assemble
+            return self.kernels.logits(hidden, weight)
         if not float32 or hidden.dtype == torch.float32:
             logits = self.lm_head(hidden)
             return logits.float() if float32 else logits

@@ -71,28 +71,29 @@ def pick_device(name: str) -> torch.device:
 
 
 def make_backend(name: str, device: torch.device, pdl: str = "off",
-                 decode_tuning: DecodeTuning | None = None) -> AttentionBackend:
+                 decode_tuning: DecodeTuning | None = None, batch_invariant: bool = False) -> AttentionBackend:
     """The attention backend; it also carries the launch policy of the decoder's Triton kernels (`pdl`, --pdl:
     model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (kernels/pdl.py).
     decode_tuning (RunnerConfig.decode_tuning): the Triton decode attention's launch settings; --pdl sets its
-    `pdl` field."""
+    `pdl` field. batch_invariant (--batch-invariant): the backend's invariant settings, which the decoder's kernel
+    choice follows too."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         if device.type != "cuda":
             raise ConfigError("--attention-backend triton needs a CUDA device; use --attention-backend torch")
         from ostinato.kernels.decode_plan import DecodeTuning
-        from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend
+        from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning
         from ostinato.kernels.pdl import resolve_pdl
 
-        tuning = replace(decode_tuning or DecodeTuning(), pdl=resolve_pdl(pdl, device))
-        return TritonPagedBackend(TritonAttentionTuning(decode=tuning))
+        tuning = TritonAttentionTuning(decode=replace(decode_tuning or DecodeTuning(), pdl=resolve_pdl(pdl, device)))
+        return TritonPagedBackend(batch_invariant_tuning(tuning) if batch_invariant else tuning)
     if pdl == "on":
         raise ConfigError(f"--pdl on needs --attention-backend triton (the {name} backend's kernels are torch's); "
                           "use --pdl auto or off")
     from ostinato.attention.torch_ref import TorchRefBackend
 
-    return TorchRefBackend()
+    return TorchRefBackend(batch_invariant)
 
 
 def pdl_status(mode: str, on: bool, device: torch.device) -> str:
@@ -122,7 +123,11 @@ class ModelRunner:
         self.graph_config: GraphConfig = config.graph
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.model, self.device)
-        self.backend = make_backend(config.attention_backend, self.device, config.pdl, config.decode_tuning)
+        self.backend = make_backend(config.attention_backend, self.device, config.pdl, config.decode_tuning,
+                                    config.batch_invariant)
+        if config.batch_invariant:
+            logger.info("batch-invariant mode on: a request's tokens do not depend on its batch "
+                        "(docs/ARCHITECTURE.md, \"Batch-invariant mode\")")
         # Installed before anything compiles (capture included), sealed at the end of start-up: an earlier
         # engine's sealed watch in this process must not count this engine's start-up compiles.
         self.compile_watch = CompileWatch()

@@ -184,7 +184,8 @@ def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) 
             return JSONResponse({"status": "starting"}, status_code=503)
         stats = await async_engine.get_stats()
         body = {"status": "ok", "model": serving.name, "cuda_graphs": async_engine.engine.graph_status,
-                "cuda_graphs_enabled": stats.graphs_enabled, "captured_sizes": list(stats.captured_sizes)}
+                "cuda_graphs_enabled": stats.graphs_enabled, "captured_sizes": list(stats.captured_sizes),
+                "batch_invariant": stats.batch_invariant}
         if stats.ranks:  # tensor parallelism: every rank must be alive to serve
             body["ranks"] = list(stats.ranks)
             if not all(r["alive"] for r in stats.ranks):

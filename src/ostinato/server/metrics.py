@@ -101,6 +101,8 @@ class _EngineStatsCollector(Collector):
         yield gauge("cuda_graph_memory_bytes", "Device memory held by the CUDA-graph pool.", s.graph_memory_bytes)
         yield gauge("cuda_graph_capture_seconds", "Time spent capturing graphs at start-up.", s.graph_capture_seconds)
         yield gauge("cuda_graphs_enabled", "1 when decode steps run as CUDA-graph replays.", int(s.graphs_enabled))
+        yield gauge("batch_invariant", "1 when the engine runs batch invariant (--batch-invariant): a request's "
+                    "tokens do not depend on its batch.", int(s.batch_invariant))
         yield decode_batch_size_histogram(name, s.decode_batch_sizes, s.max_num_seqs)
 
 

@@ -1,0 +1,142 @@
+"""Batch-invariant projections: y = x @ W^T (+ b) whose every row is computed the same way for every row count.
+
+Why: cuBLAS picks its kernel (tile shape, split-K, reduction order) by M, and the GEMV / few-rows kernels of
+kernels/gemv.py and kernels/skinny.py are chosen by M too (choose_gemv_tiles, choose_skinny_tiles; the few-rows
+kernel also pads M to a power of two, which changes its tl.dot tile). So a request's hidden states change in the
+last bit with the number of rows beside it, and in bf16 a greedy tie flips. Under --batch-invariant every
+projection and the lm_head run through `invariant_linear` instead.
+
+Algorithm (Triton, CUDA): grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); a program owns a [BLOCK_M, BLOCK_N] output
+tile and walks K from 0 in BLOCK_K steps, acc += tl.dot(x tile, W tile) in fp32: no split over K, no atomics.
+The tiles, warps and stages are one constant set (InvariantTiles) for every M, so the compiled kernel is the same
+whatever the batch, and an output element's sum over K runs in the same order in every launch: a row's result
+depends on its own values only (tl.dot's rows are independent; padded rows are masked loads of 0 and never
+stored). The cost: at decode every launch computes a BLOCK_M-row tile however few rows are real (bandwidth-bound,
+the weight read dominates), and no norm or activation folds into it.
+
+CPU (and a CUDA install without triton): torch's F.linear is not batch invariant in fp32 either (oneDNN and MKL
+pick kernels by M), so `rowwise_linear` runs F.linear one row at a time: every row is then the same [1, K] call.
+Slow, and meant for the CPU tests and the CPU oracle, not for speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ostinato.errors import ConfigError
+from ostinato.kernels.quantized_linear import QuantizedLinear
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
+
+if triton is not None:  # the torch path needs none of these
+    from ostinato.kernels.attention_common import dot, dot_settings
+
+
+def _jit_any_m(fn):
+    """triton.jit with M not specialised (Triton compiles M == 1 and M % 16 == 0 apart by default): one compiled
+    kernel serves every row count."""
+    return triton.jit(fn, do_not_specialize=["M"]) if triton is not None else fn
+
+
+@_jit_any_m
+def _invariant_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W read transposed, [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class InvariantTiles:
+    """The one tiling of every batch-invariant launch (powers of two >= 16). Changing any field changes the
+    reduction order, so it is a constant, never chosen per shape."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+INVARIANT_TILES = InvariantTiles()
+
+
+def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None, tiles: InvariantTiles = INVARIANT_TILES) -> torch.Tensor:
+    """x [M, K] (K contiguous), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype (default x's),
+    accumulated in fp32, each row by the same arithmetic for every M. Graph safe: grid from shapes only."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
+    _invariant_gemm_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
+        **dot_settings(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear one row at a time, [M, K] -> [M, N]: every row the same [1, K] call, whatever M (the torch
+    path's invariant linear; see the module docstring)."""
+    if x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+
+
+def _check_layer(layer: torch.nn.Module) -> None:
+    tp = getattr(layer, "tp", None)
+    if isinstance(layer, QuantizedLinear):
+        raise ConfigError("--batch-invariant supports unquantized checkpoints only: a quantized projection picks "
+                          "its kernel by row count; drop --batch-invariant or load a bf16/fp16/fp32 checkpoint")
+    if tp is not None and tp.world_size > 1:
+        raise ConfigError("--batch-invariant needs --tensor-parallel-size 1")
+
+
+def gemm_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """layer(x) through invariant_gemm (the batch-invariant Triton kernel set's linear)."""
+    _check_layer(layer)
+    return invariant_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.weight, layer.bias)
+
+
+def rowwise_layer_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """layer(x) through rowwise_linear (the batch-invariant torch kernel set's linear)."""
+    _check_layer(layer)
+    return rowwise_linear(x, layer.weight, layer.bias)
+
+
+def gemm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [M, K] @ weight^T -> fp32 logits [M, V] through invariant_gemm: 16-bit operands, fp32 accumulation
+    and output, never rounded to 16 bits (model/decoder.py's compute_logits says why)."""
+    return invariant_gemm(hidden if hidden.stride(-1) == 1 else hidden.contiguous(), weight, out_dtype=torch.float32)
+
+
+def rowwise_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """gemm_logits on the torch path: fp32 rows one at a time (16-bit values are exact in fp32)."""
+    return rowwise_linear(hidden.float(), weight.float())

@@ -1,0 +1,98 @@
+"""--batch-invariant on CPU (the torch path, fp32 and bf16): a request run alone gives bit for bit the tokens and the
+logprobs (the sampled token's and the top 20, every step) it gives in a batch of prompts of mixed lengths, with
+chunk budgets of 16 and 2048 tokens, with a cached prefix and without, greedy and seeded sampling.
+
+The default mode is checked against the same requests too: where it is not invariant on this machine (torch's
+fp32 F.linear picks its kernel by row count), that is what the mode exists for; the test only asserts the mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ostinato import LLM, SamplingParams
+from ostinato.errors import ConfigError
+from ostinato.config import EngineArgs
+from ostinato.tools.checkpoint import make_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("invariant-qwen3")
+    make_checkpoint(path, shape="tiny", family="qwen3", seed=5)
+    return path
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Mixed lengths; the last two share a 32-token prefix (two blocks of 16) with the first."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (200,), generator=gen).tolist()
+    return [ids[:45], ids[50:53], ids[60:83], ids[:32] + ids[100:109], ids[:33]]
+
+
+def _llm(path, dtype: str, **kwargs) -> LLM:
+    return LLM(str(path), device="cpu", dtype=dtype, max_model_len=128, block_size=16, num_kv_blocks=64,
+               batch_invariant=True, **kwargs)
+
+
+def _trace(output) -> list[tuple]:
+    """Every step's token, its logprob and the top 20 (ids and logprobs): the logits' top as exact floats."""
+    c = output.outputs[0]
+    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in c.logprobs]
+
+
+def _params(seeded: bool, i: int) -> SamplingParams:
+    if not seeded:
+        return GREEDY
+    return SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, logprobs=20, seed=1000 + i)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_alone_equals_batched_bitwise(checkpoint, dtype):
+    solo_llm = _llm(checkpoint, dtype, enable_prefix_caching=False)
+    prompts = _prompts(solo_llm.engine.model_config.vocab_size)
+    for seeded in (False, True):
+        params = [_params(seeded, i) for i in range(len(prompts))]
+        alone = [_trace(solo_llm.generate([p], sp)[0]) for p, sp in zip(prompts, params)]
+        for budget in (16, 2048):
+            llm = _llm(checkpoint, dtype, max_num_batched_tokens=budget, max_num_seqs=8)
+            # Run twice: the second run finds the prompts' full blocks cached (a cached prefix for every row).
+            for run in range(2):
+                outs = llm.generate(prompts, params)
+                assert [_trace(o) for o in outs] == alone, (dtype, seeded, budget, run)
+            assert sum(o.num_cached_tokens for o in outs) > 0  # the second run did read cached prefixes
+
+
+def test_staggered_arrivals_match_alone(checkpoint):
+    """Requests joining a running batch one step apart (every step a different batch, mixed steps included)."""
+    llm = _llm(checkpoint, "float32", max_num_batched_tokens=16, max_num_seqs=8)
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    alone = [_trace(llm.generate([p], GREEDY)[0]) for p in prompts]
+    engine = llm.engine
+    outs: dict[str, object] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert [_trace(outs[str(i)]) for i in range(len(prompts))] == alone
+
+
+def test_mode_is_in_the_config_and_stats(checkpoint):
+    llm = _llm(checkpoint, "float32")
+    assert llm.engine.config.runner.batch_invariant is True
+    assert llm.engine.stats().batch_invariant is True
+    assert llm.engine.runner.model.kernels.name == "torch+invariant"
+    default = LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    assert default.engine.stats().batch_invariant is False
+
+
+def test_refused_with_tensor_parallelism():
+    with pytest.raises(ConfigError, match="--batch-invariant needs --tensor-parallel-size 1"):
+        EngineArgs(model="x", batch_invariant=True, tensor_parallel_size=2)
