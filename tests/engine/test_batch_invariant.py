@@ -16,7 +16,7 @@ from ostinato.errors import ConfigError
 from ostinato.config import EngineArgs
 from ostinato.tools.checkpoint import make_checkpoint
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=20)
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,10 @@ def checkpoint(tmp_path_factory):
 
 
 def _prompts(vocab: int) -> list[list[int]]:
-    """Mixed lengths; the last two share a 32-token prefix (two blocks of 16) with the first."""
+    """Mixed lengths; the last shares a 32-token prefix (two blocks of 16) with the first."""
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, vocab, (200,), generator=gen).tolist()
-    return [ids[:45], ids[50:53], ids[60:83], ids[:32] + ids[100:109], ids[:33]]
+    return [ids[:40], ids[50:53], ids[60:79], ids[:32] + ids[100:105]]
 
 
 def _llm(path, dtype: str, **kwargs) -> LLM:
@@ -47,22 +47,28 @@ def _trace(output) -> list[tuple]:
 def _params(seeded: bool, i: int) -> SamplingParams:
     if not seeded:
         return GREEDY
-    return SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, logprobs=20, seed=1000 + i)
+    return SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True, logprobs=20, seed=1000 + i)
+
+
+# (budget, runs, seeded): a second run finds the prompts' full blocks cached (a cached prefix for every row).
+RUNS = [(16, 2, False), (2048, 1, False), (16, 1, True), (2048, 2, True)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_alone_equals_batched_bitwise(checkpoint, dtype):
     solo_llm = _llm(checkpoint, dtype, enable_prefix_caching=False)
     prompts = _prompts(solo_llm.engine.model_config.vocab_size)
+    alone = {}
     for seeded in (False, True):
         params = [_params(seeded, i) for i in range(len(prompts))]
-        alone = [_trace(solo_llm.generate([p], sp)[0]) for p, sp in zip(prompts, params)]
-        for budget in (16, 2048):
-            llm = _llm(checkpoint, dtype, max_num_batched_tokens=budget, max_num_seqs=8)
-            # Run twice: the second run finds the prompts' full blocks cached (a cached prefix for every row).
-            for run in range(2):
-                outs = llm.generate(prompts, params)
-                assert [_trace(o) for o in outs] == alone, (dtype, seeded, budget, run)
+        alone[seeded] = [_trace(solo_llm.generate([p], sp)[0]) for p, sp in zip(prompts, params)]
+    for budget, runs, seeded in RUNS:
+        llm = _llm(checkpoint, dtype, max_num_batched_tokens=budget, max_num_seqs=8)
+        params = [_params(seeded, i) for i in range(len(prompts))]
+        for run in range(runs):
+            outs = llm.generate(prompts, params)
+            assert [_trace(o) for o in outs] == alone[seeded], (dtype, seeded, budget, run)
+        if runs > 1:
             assert sum(o.num_cached_tokens for o in outs) > 0  # the second run did read cached prefixes
 
 
