@@ -29,6 +29,15 @@ def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def rowwise_dot(a, b):
+    """a [M, K] @ b [K, N] as an elementwise product summed over K, in fp32: for the interpreter only, whose tl.dot
+    is numpy's matmul, and OpenBLAS's kernel sums an output row in an order set by the row's place in the tile
+    (a GPU's tensor-core dot sums every row alike). Kernels whose rows move within a tile with the batch or the
+    chunking take it there (ROWWISE_DOT), so that the CPU tests can check their batch invariance bit for bit."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
 # True when triton was imported with TRITON_INTERPRET=1: kernels then run on CPU tensors (tests, CI).
 KERNELS_INTERPRETED = type(dot).__name__ == "InterpretedFunction"
 LOG2E = 1.4426950408889634

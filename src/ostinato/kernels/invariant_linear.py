@@ -31,7 +31,7 @@ from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 if triton is not None:  # the torch path needs none of these
-    from ostinato.kernels.attention_common import dot, dot_settings
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED, dot, dot_settings, rowwise_dot
 
 
 def _jit_any_m(fn):
@@ -44,7 +44,7 @@ def _jit_any_m(fn):
 def _invariant_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -61,7 +61,10 @@ def _invariant_gemm_kernel(
         k_mask = ks < K
         x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
+        if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
+            acc += rowwise_dot(x, w)
+        else:
+            acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -86,7 +89,8 @@ INVARIANT_TILES = InvariantTiles()
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, tiles: InvariantTiles = INVARIANT_TILES) -> torch.Tensor:
     """x [M, K] (K contiguous), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype (default x's),
-    accumulated in fp32, each row by the same arithmetic for every M. Graph safe: grid from shapes only."""
+    accumulated in fp32, each row by the same arithmetic for every M. Graph safe: grid from shapes only.
+    Under TRITON_INTERPRET (CPU tests) the K step is attention_common.rowwise_dot instead of tl.dot."""
     m, k = x.shape
     n = weight.shape[0]
     assert x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()
@@ -97,7 +101,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _invariant_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-        **dot_settings(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
 

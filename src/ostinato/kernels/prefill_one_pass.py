@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets, prefill_shape
+from ostinato.kernels.attention_common import (KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets,
+                                               prefill_shape, rowwise_dot)
 from ostinato.kernels.attention_metadata import AttentionMetadata
 from ostinato.kernels.prefill_plan import PrefillPlan
 
@@ -27,7 +28,7 @@ def _prefill_kernel(
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -64,7 +65,10 @@ def _prefill_kernel(
                                     stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE)
         k_t = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
                       mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
-        s = dot(q, k_t, DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [ROWS, BLOCK_N]
+        if ROWWISE_DOT:  # the interpreter: a query's row moves within the tile with the chunking (rowwise_dot)
+            s = rowwise_dot(q, k_t) * scale_log2e
+        else:
+            s = dot(q, k_t, DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [ROWS, BLOCK_N]
         visible = n_mask[None, :] & (toks[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -73,7 +77,10 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        if ROWWISE_DOT:
+            acc = acc * alpha[:, None] + rowwise_dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -101,6 +108,6 @@ def paged_prefill_one_pass(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_dim(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, **dot_settings(q.dtype), num_warps=num_warps,
+        BLOCK_N=block_n, **dot_settings(q.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, num_warps=num_warps,
     )
     return out

@@ -1,0 +1,157 @@
+"""The batch-invariant kernels (--batch-invariant), bit for bit: a row's result is the same alone, in a batch of
+other rows at any position, beside wider block tables, and (attention) whatever chunk its query came in.
+
+CPU: the Triton kernels under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes, and the torch path's
+row-wise attention; GPU (`-m gpu`): the GEMM at the 8B's shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from ostinato.attention.base import AttentionMetadata  # noqa: E402
+from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
+from ostinato.attention.triton_paged import (  # noqa: E402
+    TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning)
+from ostinato.kernels.invariant_linear import InvariantTiles, invariant_gemm, rowwise_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK, KV_HEADS, GROUP, DIM = 16, 2, 2, 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_matches_float64(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 72, generator=gen).to(dtype)
+    w = torch.randn(40, 72, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype)
+    out = invariant_gemm(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), tiles=InvariantTiles(16, 16, 16))
+    ref = F.linear(x.double(), w.double(), b.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * 72 ** 0.5)
+    logits = invariant_gemm(x.to(DEVICE), w.to(DEVICE), out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+
+
+def _row_in_batches(linear, dtype, k=200, n=70):
+    """Row 0's output alone, then placed at several positions among 2..69 other rows: all must be equal."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    row = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    alone = linear(row, w)
+    results = []
+    for m, pos in [(3, 2), (17, 0), (17, 16), (70, 33)]:
+        x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+        x[pos] = row[0]
+        results.append(linear(x, w)[pos])
+    return alone[0], results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_row_is_the_same_in_every_batch(dtype):
+    alone, batched = _row_in_batches(lambda x, w: invariant_gemm(x, w), dtype)
+    for out in batched:
+        assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_linear_row_is_the_same_in_every_batch(dtype):
+    alone, batched = _row_in_batches(lambda x, w: rowwise_linear(x.cpu(), w.cpu()), dtype)
+    for out in batched:
+        assert torch.equal(out, alone)
+
+
+# ---- attention -------------------------------------------------------------------------------------------
+
+class Streams:
+    """Per-sequence K/V token streams written into shuffled blocks of one pool, NaN everywhere else (a read of a
+    slot outside a row's context poisons it). `table_width` pads every block table (wider tables: bigger batches
+    or graphs)."""
+
+    def __init__(self, lengths: list[int], dtype: torch.dtype, seed: int = 0, table_width: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        blocks = [-(-n // BLOCK) for n in lengths]
+        total = sum(blocks) + 2
+        self.k = torch.full((total + 1, BLOCK, KV_HEADS, DIM), float("nan"), dtype=dtype)
+        self.v = torch.full_like(self.k, float("nan"))
+        width = max(max(blocks), table_width)
+        self.tables = torch.full((len(lengths), width), total, dtype=torch.int32)  # unused: the scratch block
+        perm = torch.randperm(total, generator=gen).tolist()
+        for s, n in enumerate(lengths):
+            own = [perm.pop() for _ in range(blocks[s])]
+            self.tables[s, :len(own)] = torch.tensor(own, dtype=torch.int32)
+            for p in range(n):
+                key = torch.Generator().manual_seed(1000 * s + p)  # a token's K/V depends on (s, p) only
+                kv = torch.randn(2, KV_HEADS, DIM, generator=key).to(dtype)
+                self.k[own[p // BLOCK], p % BLOCK] = kv[0]
+                self.v[own[p // BLOCK], p % BLOCK] = kv[1]
+
+
+def _query(seq: int, pos: int, dtype) -> torch.Tensor:
+    return torch.randn(KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(7 + 1000 * seq + pos)).to(dtype)
+
+
+def _decode(backend, streams: Streams, lengths: list[int], dtype) -> torch.Tensor:
+    """Each sequence's next query (position length - 1 of the same stream) attended by decode()."""
+    q = torch.stack([_query(0, n - 1, dtype) for n in lengths]).to(DEVICE)
+    meta = AttentionMetadata(False, torch.zeros(len(lengths), dtype=torch.int64, device=DEVICE),
+                             streams.tables.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    return backend.decode(q, streams.k.to(DEVICE), streams.v.to(DEVICE), meta, DIM ** -0.5).cpu()
+
+
+def _prefill(backend, streams: Streams, chunks: list[tuple[int, int]], dtype) -> torch.Tensor:
+    """chunks: (cached, new) per sequence; sequence s's queries are stream 0's at positions cached..cached+new."""
+    q = torch.cat([torch.stack([_query(0, c + i, dtype) for i in range(n)]) for c, n in chunks]).to(DEVICE)
+    lens = [n for _, n in chunks]
+    ctx = [c + n for c, n in chunks]
+    starts = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(True, torch.zeros(sum(lens), dtype=torch.int64, device=DEVICE), streams.tables.to(DEVICE),
+                             torch.tensor(ctx, dtype=torch.int32, device=DEVICE), starts, lens, ctx, max(lens), max(ctx))
+    return backend.prefill(q, streams.k.to(DEVICE), streams.v.to(DEVICE), meta, DIM ** -0.5).cpu()
+
+
+def _backends():
+    return [pytest.param(TorchRefBackend(batch_invariant=True), id="torch"),
+            pytest.param(TritonPagedBackend(batch_invariant_tuning(TritonAttentionTuning())), id="triton")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", _backends())
+def test_decode_row_is_the_same_in_every_batch(backend, dtype):
+    """Sequence 0 (the same stream everywhere: 150 tokens) alone, then beside longer and shorter rows and in
+    wider tables: its output row stays the same bits."""
+    alone = _decode(backend, Streams([150], dtype), [150], dtype)[0]
+    for others, width in [([7, 300], 0), ([150] * 5, 24), ([1, 2, 3], 40)]:
+        lengths = [150] + others
+        streams = Streams(lengths, dtype, table_width=width)
+        out = _decode(backend, streams, lengths, dtype)
+        assert torch.equal(out[0], alone), (others, width)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", _backends())
+def test_prefill_row_is_the_same_whatever_the_chunking(backend, dtype):
+    """A 40-token prompt in one chunk, in chunks of 16 + 16 + 8 (a cached prefix each time), and beside another
+    sequence: the rows of its last chunk are the same bits every way."""
+    streams = Streams([40], dtype)
+    whole = _prefill(backend, streams, [(0, 40)], dtype)[32:]
+    assert torch.equal(_prefill(backend, streams, [(32, 8)], dtype), whole)
+    assert torch.equal(_prefill(backend, streams, [(24, 16)], dtype)[8:], whole)
+    beside = Streams([40, 70], dtype, table_width=9)
+    assert torch.equal(_prefill(backend, beside, [(32, 8), (0, 70)], dtype)[:8], whole)
+
+
+def test_torch_decode_row_equals_the_prefill_row_at_its_position():
+    """On the torch path a decode row and a prefill row at the same position are one computation."""
+    backend = TorchRefBackend(batch_invariant=True)
+    streams = Streams([40], torch.float32)
+    decoded = _decode(backend, streams, [40], torch.float32)[0]
+    assert torch.equal(_prefill(backend, streams, [(0, 40)], torch.float32)[39], decoded)
