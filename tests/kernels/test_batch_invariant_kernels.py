@@ -155,3 +155,19 @@ def test_torch_decode_row_equals_the_prefill_row_at_its_position():
     streams = Streams([40], torch.float32)
     decoded = _decode(backend, streams, [40], torch.float32)[0]
     assert torch.equal(_prefill(backend, streams, [(0, 40)], torch.float32)[39], decoded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
+def test_gemm_8b_shapes_row_invariant_and_close_to_cublas(n, k):
+    """The 8B's qkv, o, gate_up, down and lm_head: a row alone equals itself among 7, 64 and 300 rows (bf16,
+    fp32 logits for the lm_head), and the GEMM is as close to cuBLAS as two fp32 accumulations are."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * k ** -0.5
+    out_dtype = torch.float32 if n == 128256 else None
+    x = torch.randn(300, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    alone = invariant_gemm(x[5:6], w, out_dtype=out_dtype)[0]
+    for m in (7, 64, 300):
+        assert torch.equal(invariant_gemm(x[:m], w, out_dtype=out_dtype)[5], alone), m
+    torch.testing.assert_close(invariant_gemm(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
