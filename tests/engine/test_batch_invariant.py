@@ -102,3 +102,22 @@ def test_mode_is_in_the_config_and_stats(checkpoint):
 def test_refused_with_tensor_parallelism():
     with pytest.raises(ConfigError, match="--batch-invariant needs --tensor-parallel-size 1"):
         EngineArgs(model="x", batch_invariant=True, tensor_parallel_size=2)
+
+
+def test_cli_flag_reaches_the_engine_args():
+    import argparse
+
+    from ostinato.cli_args import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["m", "--batch-invariant"])).batch_invariant is True
+    assert engine_args_from(p.parse_args(["m"])).batch_invariant is False
+
+
+def test_torch_backend_on_cuda_needs_eager(checkpoint):
+    args = EngineArgs(model=str(checkpoint), batch_invariant=True, attention_backend="torch")
+    with pytest.raises(ConfigError, match="--enforce-eager"):
+        args.resolve(device="cuda")
+    assert EngineArgs(model=str(checkpoint), batch_invariant=True, attention_backend="torch",
+                      enforce_eager=True).resolve(device="cuda").runner.batch_invariant

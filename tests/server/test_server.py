@@ -429,6 +429,17 @@ def test_health_reports_graph_status(server):
     assert body["status"] == "ok" and body["model"] == MODEL
     assert body["cuda_graphs_enabled"] is False and body["captured_sizes"] == []
     assert body["cuda_graphs"].startswith("disabled (") and "CPU" in body["cuda_graphs"]
+    assert body["batch_invariant"] is False
+
+
+def test_health_and_metrics_show_batch_invariant_mode(checkpoint):
+    srv = TestServer(LLMEngine(engine_args(checkpoint, num_kv_blocks=32, batch_invariant=True)))
+    try:
+        assert httpx.get(srv.base_url + "/health").json()["batch_invariant"] is True
+        text = httpx.get(srv.base_url + "/metrics", headers=srv.headers).text
+        assert _metric(text, "ostinato:batch_invariant") == 1.0
+    finally:
+        srv.stop()
 
 
 def test_health_reports_active_graphs(checkpoint):
