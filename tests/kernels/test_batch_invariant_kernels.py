@@ -171,3 +171,18 @@ def test_gemm_8b_shapes_row_invariant_and_close_to_cublas(n, k):
     for m in (7, 64, 300):
         assert torch.equal(invariant_gemm(x[:m], w, out_dtype=out_dtype)[5], alone), m
     torch.testing.assert_close(invariant_gemm(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_quantized_projection_is_refused_with_a_clear_error():
+    """A quantized projection picks its kernel by row count (kernels/quantized_linear.py): the mode refuses it."""
+    from ostinato.errors import ConfigError
+    from ostinato.kernels.invariant_linear import gemm_linear, rowwise_layer_linear
+    from ostinato.kernels.quantized_linear import QuantizedLinear
+
+    class Fake(QuantizedLinear):
+        def linear(self, x, pdl=False):
+            return x
+
+    for linear in (gemm_linear, rowwise_layer_linear):
+        with pytest.raises(ConfigError, match="--batch-invariant supports unquantized checkpoints only"):
+            linear(torch.zeros(1, 4), Fake())
