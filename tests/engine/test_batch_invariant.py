@@ -102,6 +102,8 @@ def test_mode_is_in_the_config_and_stats(checkpoint):
 def test_refused_with_tensor_parallelism():
     with pytest.raises(ConfigError, match="--batch-invariant needs --tensor-parallel-size 1"):
         EngineArgs(model="x", batch_invariant=True, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="--pdl on cannot be used with --batch-invariant"):
+        EngineArgs(model="x", batch_invariant=True, pdl="on")
 
 
 def test_cli_flag_reaches_the_engine_args():
@@ -121,3 +123,9 @@ def test_torch_backend_on_cuda_needs_eager(checkpoint):
         args.resolve(device="cuda")
     assert EngineArgs(model=str(checkpoint), batch_invariant=True, attention_backend="torch",
                       enforce_eager=True).resolve(device="cuda").runner.batch_invariant
+
+
+def test_start_up_log_says_why_pdl_is_off():
+    from ostinato.runner.runner import pdl_status
+
+    assert pdl_status("auto", False, torch.device("cpu"), batch_invariant=True).endswith("--batch-invariant")
