@@ -195,6 +195,16 @@ def test_the_cpu_start_up_log_says_there_is_no_cuda_device(ckpt, caplog, capsys)
     assert not any("turned off by configuration" in m or "CUDA graphs disabled" in m for m in messages)
 
 
+def test_the_start_up_log_names_the_weight_load_before_it_runs(ckpt, caplog, capsys):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", "Hi", "--max-tokens", "1"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    start = messages.index(f"loading weights from {ckpt}")
+    assert any(m.startswith(f"loaded {ckpt} (") for m in messages[start + 1:])
+
+
 @pytest.mark.parametrize("words", [["bench", x] for x in cli._BENCH_SUBCOMMANDS] + [["advise"], ["bench"]])
 def test_every_command_help_shows_the_command_as_typed(words, capsys):
     with pytest.raises(SystemExit) as e:

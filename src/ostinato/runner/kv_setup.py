@@ -230,6 +230,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         want = spec.scheduler_config.max_num_seqs * max_blocks_per_seq(spec)
         num_blocks = max(max_blocks_per_seq(spec), min(want, CPU_KV_BUDGET_BYTES // block_bytes))
     else:
+        logger.info("profiling a worst-case step to size the KV cache")
         t0 = time.perf_counter()
         activation = _profile_activation_peak(spec)
         free, total = torch.cuda.mem_get_info()
