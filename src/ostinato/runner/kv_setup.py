@@ -8,6 +8,7 @@ On CPU, or with --num-kv-blocks, the pool size is given and no graphs are captur
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -21,6 +22,7 @@ from ostinato.config import CacheConfig, GraphConfig, ModelConfig, SchedulerConf
 from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.sampling_params import SamplingParams
+from ostinato.runner.compile_ahead import compile_ahead
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
 from ostinato.runner.decode_step import DecodeStep, compare_step
@@ -213,6 +215,24 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
         torch.cuda.empty_cache()
 
 
+def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device) -> None:
+    """The decode graphs' kernels compiled before their capture, in threads (runner/compile_ahead.py): one
+    CUDA device and no autograd in each thread, as on the capturing one."""
+
+    def prepare_thread() -> None:
+        torch.cuda.set_device(device)
+
+    def in_inference_mode(step: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                step()
+        return run
+
+    logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes)", len(steps))
+    compile_ahead([in_inference_mode(step) for step in steps], prepare_thread,
+                  synchronize=lambda: torch.cuda.synchronize(device))
+
+
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
@@ -258,6 +278,8 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     caches = allocate_kv_cache(spec, num_blocks)
     step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
                                      progress=spec.device.type == "cuda", backend=backend)
+    if spec.device.type == "cuda" and spec.capture_error_mode == "global" and not gc_cfg.enforce_eager:
+        graphs.compile_ahead = functools.partial(compile_graph_kernels_ahead, device=spec.device)
     capture = graphs.capture()
     if graphs.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
         with torch.inference_mode():
