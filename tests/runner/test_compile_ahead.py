@@ -108,3 +108,28 @@ def test_the_graph_runner_hands_every_size_s_step_over_before_capturing():
     runner.compile_ahead = lambda steps: seen.extend(step().shape[0] for step in steps)
     runner.capture()
     assert seen == [8, 2, 1] and runner.captured_sizes == (1, 2, 8)
+
+
+@pytest.mark.gpu
+def test_a_cold_start_compiles_the_graph_kernels_ahead_and_the_capture_none(tmp_path):
+    """With an empty Triton cache, start-up logs the kernels it compiled ahead, and the capture loop that follows
+    compiles none itself (what was not covered shows up as 'the capture compiled N more kernels')."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from ostinato.tools.checkpoint import make_checkpoint
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    make_checkpoint(tmp_path / "ckpt", shape="tiny", family="qwen3", seed=4, dtype="bfloat16")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
+    r = subprocess.run([sys.executable, "-m", "ostinato", "generate", str(tmp_path / "ckpt"), "--prompt", "hi",
+                        "--raw", "--max-tokens", "2", "--max-num-seqs", "64"], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ahead = re.search(r"compiled (\d+) kernels ahead for (\d+) graph sizes", r.stderr)
+    more = re.search(r"the capture compiled (\d+) more kernels", r.stderr)
+    assert ahead and int(ahead[1]) > 0 and int(ahead[2]) > 1, r.stderr[-3000:]
+    assert more and int(more[1]) == 0, r.stderr[-3000:]

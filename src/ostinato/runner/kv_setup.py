@@ -215,9 +215,11 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
         torch.cuda.empty_cache()
 
 
-def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device) -> None:
+def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device,
+                                watch: CompileWatch | None, marks: list[int]) -> None:
     """The decode graphs' kernels compiled before their capture, in threads (runner/compile_ahead.py): one
-    CUDA device and no autograd in each thread, as on the capturing one."""
+    CUDA device and no autograd in each thread, as on the capturing one. Appends the watch's compile count
+    after the pass to `marks`."""
 
     def prepare_thread() -> None:
         torch.cuda.set_device(device)
@@ -231,6 +233,21 @@ def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device:
     logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes)", len(steps))
     compile_ahead([in_inference_mode(step) for step in steps], prepare_thread,
                   synchronize=lambda: torch.cuda.synchronize(device))
+    if watch is not None:
+        marks.append(watch.compiles)
+
+
+def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str]) -> CaptureReport:
+    """graphs.capture(), its kernels compiled ahead first on one CUDA rank; what the capture still compiled
+    itself goes to `lines` (the start-up log)."""
+    marks: list[int] = []  # the compile count once the kernels were compiled ahead
+    if spec.device.type == "cuda" and spec.capture_error_mode == "global" and not spec.graph_config.enforce_eager:
+        graphs.compile_ahead = functools.partial(compile_graph_kernels_ahead, device=spec.device,
+                                                 watch=spec.compile_watch, marks=marks)
+    capture = graphs.capture()
+    if marks and spec.compile_watch is not None:  # what the pass missed: compiles inside the capture loop
+        lines.append(f"the capture compiled {len(spec.compile_watch.kernels_since(marks[0]))} more kernels")
+    return capture
 
 
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
@@ -278,9 +295,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     caches = allocate_kv_cache(spec, num_blocks)
     step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
                                      progress=spec.device.type == "cuda", backend=backend)
-    if spec.device.type == "cuda" and spec.capture_error_mode == "global" and not gc_cfg.enforce_eager:
-        graphs.compile_ahead = functools.partial(compile_graph_kernels_ahead, device=spec.device)
-    capture = graphs.capture()
+    capture = capture_decode_graphs(spec, graphs, lines)
     if graphs.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
         with torch.inference_mode():
             graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
