@@ -27,7 +27,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_WORKERS = 8
+# Threads, so steps in flight at once: each holds its step's activations (a batch-256 step of an 8B model holds
+# 128 MiB of float32 logits) beyond what the KV plan charged for one step.
+DEFAULT_WORKERS = 4
 
 
 @dataclass(frozen=True)

@@ -231,8 +231,13 @@ def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device:
         return run
 
     logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes)", len(steps))
-    compile_ahead([in_inference_mode(step) for step in steps], prepare_thread,
-                  synchronize=lambda: torch.cuda.synchronize(device))
+    def settle() -> None:
+        # The steps' activations, freed but cached by the allocator, would be out of reach of the graphs'
+        # private pool: hand them back before the capture measures and allocates.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+    compile_ahead([in_inference_mode(step) for step in steps], prepare_thread, synchronize=settle)
     if watch is not None:
         marks.append(watch.compiles)
 
