@@ -35,6 +35,7 @@ def _run_generate(args) -> int:
     import time
 
     from ostinato.cli_args import engine_args_from
+    from ostinato.engine.chat_prompt import render_chat
     from ostinato.engine.llm import LLM
     from ostinato.sampling_params import SamplingParams
 
@@ -42,18 +43,28 @@ def _run_generate(args) -> int:
                             max_tokens=args.max_tokens, seed=args.sample_seed)
     llm = LLM.from_engine_args(engine_args_from(args))
     chat = not args.raw and bool(getattr(llm.tokenizer, "chat_template", None))
+    how = " (as a user message, through the chat template; --raw sends it as is)" if chat else ""
     t0 = time.perf_counter()
-    if chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
-    else:
-        outs = llm.generate(args.prompt, params)
-    dt = time.perf_counter() - t0
-    for prompt, out in zip(args.prompt, outs):
-        c = out.outputs[0]
-        how = " (as a user message, through the chat template; --raw sends it as is)" if chat else ""
-        print(f"--- prompt{how}: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"--- {n} tokens in {dt:.2f} s; decode graphs: {llm.engine.graph_status}")
+    if len(args.prompt) == 1:  # one prompt: its text as it comes
+        prompt = args.prompt[0]
+        sent = render_chat(llm.tokenizer, [{"role": "user", "content": prompt}])[1] if chat else prompt
+        print(f"--- prompt{how}: {prompt!r}", flush=True)
+        n, finish_reason = 0, None
+        for delta in llm.stream(sent, params):
+            for c in delta.outputs:
+                print(c.text, end="", flush=True)
+                n, finish_reason = n + len(c.token_ids), c.finish_reason or finish_reason
+        print(f"\n[{n} tokens, finish_reason={finish_reason}]")
+    else:  # many: a progress bar of finished prompts on stderr, then each output
+        conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+        outs = llm.chat(conversations, params, use_tqdm=True) if chat else llm.generate(args.prompt, params,
+                                                                                       use_tqdm=True)
+        for prompt, out in zip(args.prompt, outs):
+            c = out.outputs[0]
+            print(f"--- prompt{how}: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, "
+                  f"finish_reason={c.finish_reason}]")
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"--- {n} tokens in {time.perf_counter() - t0:.2f} s; decode graphs: {llm.engine.graph_status}")
     return 0
 
 

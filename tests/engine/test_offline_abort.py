@@ -82,3 +82,18 @@ def test_an_interrupted_chat_leaves_the_engine_clean(llm, monkeypatch):
     monkeypatch.undo()
     got = llm.chat([chat, chat], GREEDY)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_stream_gives_generate_s_output_in_deltas_and_a_stream_left_early_aborts(llm, reference):
+    from ostinato.engine.outputs import merge_deltas
+
+    deltas = list(llm.stream(PROMPTS[0], GREEDY))
+    assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert merge_deltas(deltas).outputs[0].token_ids == reference[0]
+    assert_clean(llm)
+    stream = llm.stream(PROMPTS[1], GREEDY)
+    next(stream)
+    assert llm.engine.has_unfinished()
+    stream.close()  # what a `break` out of the loop (or Ctrl-C inside it) does to the generator
+    assert_clean(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference

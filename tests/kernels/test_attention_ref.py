@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ostinato.attention.base import AttentionMetadata
-from ostinato.attention.torch_ref import TorchRefBackend
+from ostinato.attention.torch_ref import TorchRefBackend, held_blocks
 
 BLOCK_SIZE = 16
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 32
@@ -116,6 +116,35 @@ def test_decode_padded_row_with_zero_context_stays_finite():
                              context_lens=torch.zeros(1, dtype=torch.int32))
     out = backend.decode(torch.randn(1, NUM_HEADS, HEAD_DIM), cache.k_cache, cache.v_cache, meta, SCALE)
     assert torch.isfinite(out).all()
+
+
+def test_cpu_decode_reads_only_the_blocks_a_sequence_holds():
+    """A 20-token context in a 64-block window (max_model_len 1024) reads its 2 blocks: NaN in every block
+    it does not hold (the scratch block its unused table entries name) would poison the output otherwise,
+    as probability 0 times NaN is NaN."""
+    torch.manual_seed(0)
+    cache, backend = PagedCache(num_blocks=8, seed=4), TorchRefBackend()
+    seq = cache.add_sequence(20)
+    keys, values = torch.randn(20, NUM_KV_HEADS, HEAD_DIM), torch.randn(20, NUM_KV_HEADS, HEAD_DIM)
+    cache.k_cache.fill_(float("nan"))
+    cache.v_cache.fill_(float("nan"))
+    fill(cache, backend, seq, keys, values)
+    held = cache.tables[seq]
+    for b in range(cache.scratch + 1):
+        if b not in held:
+            assert torch.isnan(cache.v_cache[b]).all()
+    # The held blocks' tail past the context is NaN too; the mask must hide it (scores, not values, are
+    # masked there, so zero its values: what a fresh block past the context holds is not this test's point).
+    cache.v_cache[held[-1], 20 % BLOCK_SIZE:] = 0
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor(cache.slots(seq, 19, 20)),
+                             block_tables=cache.block_tables([seq], 64),
+                             context_lens=torch.tensor([20], dtype=torch.int32))
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    out = backend.decode(q, cache.k_cache, cache.v_cache, meta, SCALE)
+    torch.testing.assert_close(out.double(), dense_attention(q, keys, values, [19]), atol=1e-5, rtol=1e-5)
+    # The longest row sets the width: a 17-token and a 5-token row read 2 columns.
+    tables = torch.zeros(2, 64, dtype=torch.int32)
+    assert held_blocks(tables, torch.tensor([5, 17], dtype=torch.int32), BLOCK_SIZE).shape == (2, 2)
 
 
 def test_prefill_over_cached_prefix_matches_dense_reference():

@@ -120,6 +120,28 @@ def test_cached_conversion_is_reused(tmp_path, cache, monkeypatch):
     assert gguf_sources.gguf_to_hf_dir(path).hf_dir != first.hf_dir and len(calls) == 2
 
 
+def test_a_first_conversion_says_so_before_it_starts(tmp_path, cache, monkeypatch, caplog):
+    """The slow part is announced before it runs (what, that it happens once, and where it is cached), and a
+    cache hit does not announce it."""
+    import logging
+
+    path = _write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.zeros((8, 4), np.float32), None)})
+    seen_before_convert = []
+
+    def convert(p, out, marker):
+        seen_before_convert.extend(r.getMessage() for r in caplog.records)
+        _fake_converter([])(p, out, marker)
+
+    monkeypatch.setattr(gguf_sources, "_convert", convert)
+    with caplog.at_level(logging.INFO, logger="ostinato.model.gguf_sources"):
+        out = gguf_sources.gguf_to_hf_dir(path).hf_dir
+        assert any(m.startswith("converting GGUF m.gguf (") and f"once, cached in {out}" in m
+                   for m in seen_before_convert), seen_before_convert
+        caplog.clear()
+        gguf_sources.gguf_to_hf_dir(path)
+    assert not any("converting GGUF" in r.getMessage() for r in caplog.records)
+
+
 def test_a_changed_converter_converts_again(tmp_path, cache, monkeypatch):
     """The cache folder's name holds the hash of the converter's own source, so an edit to the conversion code
     is exercised even where an older conversion of the same file is cached."""

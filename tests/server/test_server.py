@@ -516,7 +516,7 @@ def test_version(server):
 
 
 # ---- the commands -----------------------------------------------------------------------------------------
-def test_bench_serve_against_the_server(server, tmp_path):
+def test_bench_serve_against_the_server(server, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench_serve.register(parser.add_subparsers())
     out = tmp_path / "bench.json"
@@ -530,6 +530,8 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert 0 < summary["ttft_ms"]["median"] <= summary["e2el_ms"]["median"]
     assert summary["output_throughput"] > 0 and summary["tpot_ms"]["mean"] > 0
     assert "Output token throughput" in bench_serve.format_table(summary)
+    err = capsys.readouterr().err  # progress on stderr: the warm-up announced, then every request counted
+    assert "1 warm-up request(s), then 6 to" in err and "bench serve: 100%" in err and "6/6" in err
 
 
 def test_serve_flags_build_engine_args(monkeypatch):

@@ -58,6 +58,52 @@ def test_generate_sampling_flags_reach_the_sampler(ckpt, llm, capsys):
     assert f"--- prompt: 'Once'\n{ref.text}\n" in capsys.readouterr().out
 
 
+class _Recorder:
+    """stdout that notes, for each write, how many engine steps had run by then."""
+
+    def __init__(self, steps: list[int]):
+        self.steps, self.writes = steps, []
+
+    def write(self, text: str) -> int:
+        self.writes.append((self.steps[0], text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_generate_streams_one_prompt_as_its_tokens_come(ckpt, llm, monkeypatch):
+    from ostinato.engine.engine import LLMEngine
+
+    steps = [0]
+    real_step = LLMEngine.step
+
+    def counted(self):
+        steps[0] += 1
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", counted)
+    out = _Recorder(steps)
+    monkeypatch.setattr("sys.stdout", out)
+    assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", "Hello world",
+                     "--max-tokens", "7"]) == 0
+    monkeypatch.undo()
+    ref = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=7))[0].outputs[0]
+    text = "".join(t for _, t in out.writes)
+    assert f"--- prompt: 'Hello world'\n{ref.text}\n[7 tokens, finish_reason=length]" in text
+    # The header is out before the first step, and the text arrives over several steps, not once at the end.
+    assert out.writes[0] == (0, "--- prompt: 'Hello world'")
+    text_steps = {step for step, t in out.writes[2:] if t and not t.startswith(("\n[", "--- "))}
+    assert len(text_steps) >= 3, out.writes
+
+
+def test_generate_shows_a_progress_bar_for_many_prompts(ckpt, capsys):
+    assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", "a", "--prompt", "b",
+                     "--prompt", "c", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "generate: 100%" in err and "3/3" in err
+
+
 def test_generate_bad_sampling_flag_is_a_clear_error(ckpt, capsys):
     assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--prompt", "x", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err
@@ -147,6 +193,16 @@ def test_the_cpu_start_up_log_says_there_is_no_cuda_device(ckpt, caplog, capsys)
     messages = [r.getMessage() for r in caplog.records]
     assert "no CUDA device: decode runs eager" in messages
     assert not any("turned off by configuration" in m or "CUDA graphs disabled" in m for m in messages)
+
+
+def test_the_start_up_log_names_the_weight_load_before_it_runs(ckpt, caplog, capsys):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        assert cli.main(["generate", str(ckpt), *ENGINE_FLAGS, "--raw", "--prompt", "Hi", "--max-tokens", "1"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    start = messages.index(f"loading weights from {ckpt}")
+    assert any(m.startswith(f"loaded {ckpt} (") for m in messages[start + 1:])
 
 
 @pytest.mark.parametrize("words", [["bench", x] for x in cli._BENCH_SUBCOMMANDS] + [["advise"], ["bench"]])

@@ -1,8 +1,10 @@
 """Pure-torch paged attention: the correctness oracle and the CPU path.
 
-Runs on CPU and GPU with plain torch ops. It favours clarity over speed (decode gathers every block of
-a sequence's block table into a dense tensor), so the Triton backend is tested against it, not the
-other way round. Scores and softmax are computed in float32 whatever the model dtype.
+Runs on CPU and GPU with plain torch ops. It favours clarity over speed (decode gathers a sequence's
+blocks into a dense tensor), so the Triton backend is tested against it, not the other way round. It is
+also the CPU decode path, so there decode gathers only the blocks the longest sequence holds, not the
+whole max_model_len window of the block table. Scores and softmax are computed in float32 whatever the
+model dtype.
 
 batch_invariant (--batch-invariant on the torch path): every query row, of a prefill or a decode, is attended
 alone by `attend_row`, over exactly the keys it sees: each op's shapes then depend on that row's position only, so
@@ -18,11 +20,26 @@ import torch.nn.functional as F
 from ostinato.attention.base import AttentionBackend, AttentionMetadata
 
 
+def held_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The block-table columns that some row's context reaches, where the lengths live on the host.
+
+    Why only there: on a GPU the longest length is a device-to-host sync, and inside a CUDA-graph
+    capture the width it picks would be baked into the graph; so there the whole window is read and the
+    mask alone hides what lies past each context. On the CPU a decode step would otherwise read (and
+    score) max_model_len tokens per row whatever the context, which dominates a small model's step.
+    """
+    if block_tables.device.type != "cpu" or context_lens.numel() == 0:
+        return block_tables
+    width = -(-int(context_lens.max()) // block_size)
+    return block_tables[:, :max(width, 1)]
+
+
 class TorchRefBackend(AttentionBackend):
     """Reference implementation of `AttentionBackend` (see attention/base.py for the cache layout).
 
-    `decode` is CUDA-graph safe: every shape comes from tensor shapes (block table width, not the
-    context lengths), masking is arithmetic, and nothing reads a tensor value on the host.
+    `decode` is CUDA-graph safe on a GPU: every shape comes from tensor shapes (block table width, not the
+    context lengths), masking is arithmetic, and nothing reads a tensor value on the host. On the CPU
+    (no graphs; reading a tensor is free) it trims the block table to the longest context first.
     """
 
     name = "torch"
@@ -45,7 +62,7 @@ class TorchRefBackend(AttentionBackend):
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        block_tables = meta.block_tables  # [num_seqs, W]
+        block_tables = held_blocks(meta.block_tables, meta.context_lens, k_cache.shape[1])  # [num_seqs, W]
         # Gather each sequence's pages into one dense context: [num_seqs, W * block_size, Hkv, D].
         keys = k_cache.index_select(0, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)
         values = v_cache.index_select(0, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)

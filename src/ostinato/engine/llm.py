@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -76,6 +76,28 @@ class LLM:
             for rid in ids:
                 self.engine.abort(rid)
             raise
+
+    def stream(self, prompt: str | Sequence[int],
+               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One prompt's output while it is generated: DELTA outputs (the text and token ids new since the
+        previous one), the last with finished=True; merge_deltas joins them into what generate returns.
+
+        Leaving the loop early (break, an exception, Ctrl-C) aborts the request when the iterator is closed,
+        so that it frees its KV blocks and leaves nothing for the next call."""
+        params = (sampling_params or SamplingParams()).replace(output_kind=RequestOutputKind.DELTA)
+        rid = f"gen-{self._next_id}"
+        self._next_id += 1
+        self.engine.add_request(rid, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid)
 
     def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine until every request of `ids` has finished; their outputs in the order of `ids`."""

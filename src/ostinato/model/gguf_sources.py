@@ -207,6 +207,9 @@ def gguf_to_hf_dir(path: Path) -> GGUFReport:
         report = GGUFReport(path, facts["architecture"], facts["tensor_types"], facts["num_params"], out, None)
     else:
         remove_stale_conversions(out.parent)
+        # Said before the slow part (tens of seconds for a small model, minutes for a large one).
+        logger.info("converting GGUF %s (%.2f GiB) to a float32 HF folder: once, cached in %s", path.name,
+                    path.stat().st_size / 2**30, out)
         t0 = time.perf_counter()
         try:
             arch, types, params = inspect_gguf(path)

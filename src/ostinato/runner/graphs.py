@@ -134,6 +134,9 @@ class CudaGraphRunner:
         self._real_rows = self._padded_rows = 0
         self._replays_by_size: dict[int, int] = {}
         self._steps_by_batch: dict[int, int] = {}  # the server's decode_batch_size histogram
+        # Set by the caller before capture() to compile every size's kernels first (runner/compile_ahead.py):
+        # called with one step function per size, largest first.
+        self.compile_ahead: Callable[[list[Callable[[], torch.Tensor]]], Any] | None = None
 
     @classmethod
     def from_config(cls, fn: Callable[..., torch.Tensor], inputs: Sequence[StaticInput], config: GraphConfig,
@@ -200,6 +203,9 @@ class CudaGraphRunner:
         # pool (e.g. the cuBLAS workspace of the capture stream) shows up once, not nowhere.
         first_reading = self._backend.memory_in_use()
         reserved_before = first_reading.reserved_bytes
+        if self.compile_ahead is not None:
+            self.compile_ahead([functools.partial(self.fn, **{name: buf[:size] for name, buf in self._buffers.items()})
+                                for size in reversed(self._sizes)])
         bar = tqdm(total=len(self._sizes), desc="Capturing CUDA graphs", unit="graph",
                    disable=not self.progress)
         try:

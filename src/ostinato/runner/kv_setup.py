@@ -8,6 +8,7 @@ On CPU, or with --num-kv-blocks, the pool size is given and no graphs are captur
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -21,6 +22,7 @@ from ostinato.config import CacheConfig, GraphConfig, ModelConfig, SchedulerConf
 from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.sampling_params import SamplingParams
+from ostinato.runner.compile_ahead import compile_ahead
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
 from ostinato.runner.decode_step import DecodeStep, compare_step
@@ -213,6 +215,46 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
         torch.cuda.empty_cache()
 
 
+def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device,
+                                watch: CompileWatch | None, marks: list[int]) -> None:
+    """The decode graphs' kernels compiled before their capture, in threads (runner/compile_ahead.py): one
+    CUDA device and no autograd in each thread, as on the capturing one. Appends the watch's compile count
+    after the pass to `marks`."""
+
+    def prepare_thread() -> None:
+        torch.cuda.set_device(device)
+
+    def in_inference_mode(step: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                step()
+        return run
+
+    logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes)", len(steps))
+    def settle() -> None:
+        # The steps' activations, freed but cached by the allocator, would be out of reach of the graphs'
+        # private pool: hand them back before the capture measures and allocates.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+    compile_ahead([in_inference_mode(step) for step in steps], prepare_thread, synchronize=settle)
+    if watch is not None:
+        marks.append(watch.compiles)
+
+
+def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str]) -> CaptureReport:
+    """graphs.capture(), its kernels compiled ahead first on one CUDA rank; what the capture still compiled
+    itself goes to `lines` (the start-up log)."""
+    marks: list[int] = []  # the compile count once the kernels were compiled ahead
+    if spec.device.type == "cuda" and spec.capture_error_mode == "global" and not spec.graph_config.enforce_eager:
+        graphs.compile_ahead = functools.partial(compile_graph_kernels_ahead, device=spec.device,
+                                                 watch=spec.compile_watch, marks=marks)
+    capture = graphs.capture()
+    if marks and spec.compile_watch is not None:  # what the pass missed: compiles inside the capture loop
+        lines.append(f"the capture compiled {len(spec.compile_watch.kernels_since(marks[0]))} more kernels")
+    return capture
+
+
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
@@ -230,6 +272,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         want = spec.scheduler_config.max_num_seqs * max_blocks_per_seq(spec)
         num_blocks = max(max_blocks_per_seq(spec), min(want, CPU_KV_BUDGET_BYTES // block_bytes))
     else:
+        logger.info("profiling a worst-case step to size the KV cache")
         t0 = time.perf_counter()
         activation = _profile_activation_peak(spec)
         free, total = torch.cuda.mem_get_info()
@@ -257,7 +300,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     caches = allocate_kv_cache(spec, num_blocks)
     step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
                                      progress=spec.device.type == "cuda", backend=backend)
-    capture = graphs.capture()
+    capture = capture_decode_graphs(spec, graphs, lines)
     if graphs.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
         with torch.inference_mode():
             graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)

@@ -152,6 +152,7 @@ class ModelRunner:
             self._warm_up()
 
     def _load_model(self) -> None:
+        logger.info("loading weights from %s", self.config.model_dir)
         t0 = time.perf_counter()
         self.model = load_model(self.config.model_dir, self.model_config, self.dtype, self.device, self.backend,
                                 progress=self.tp.rank == 0, tp=self.tp)

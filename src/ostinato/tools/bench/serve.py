@@ -25,6 +25,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,13 +153,17 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float) -
     }
 
 
-async def run_benchmark(cfg: BenchConfig) -> dict:
-    """Run the load test against cfg.base_url and return the summary (the --output-json content)."""
+async def run_benchmark(cfg: BenchConfig, progress: bool = False) -> dict:
+    """Run the load test against cfg.base_url and return the summary (the --output-json content).
+    progress: a bar of finished requests on stderr (a long run is not silent until its table)."""
+    from tqdm import tqdm
+
     prompts = make_prompts(cfg)
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limit = cfg.max_concurrency or cfg.num_prompts
     # One connection per request in flight (tools/bench/sse_client.py says why not httpx).
     conns = [Connection(cfg.base_url, headers) for _ in range(limit)]
+    bar = tqdm(total=len(prompts), desc="bench serve", unit="req", disable=not progress)
     try:
         model = cfg.model
         if model is None:
@@ -182,6 +187,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
                 return await _one_request(conn, cfg, model, prompt)
             finally:
                 idle.put_nowait(conn)
+                bar.update(1)
 
         start = time.perf_counter()
         tasks = []
@@ -192,6 +198,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     finally:
+        bar.close()
         for conn in conns:
             conn.close()
     summary = summarize(cfg, list(results), duration)
@@ -238,6 +245,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--num-warmups", type=int, default=1, help="requests sent (and not counted) before the run")
     p.add_argument("--output-json", type=Path, help="write the summary here")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar of finished requests on stderr")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -261,7 +269,10 @@ def run(ns: argparse.Namespace) -> int:
                       output_len=ns.output_len, dataset=ns.dataset, token_id_range=tuple(ns.token_id_range),
                       seed=ns.seed, api_key=ns.api_key or os.environ.get("OSTINATO_API_KEY"),
                       timeout_s=ns.timeout, num_warmups=ns.num_warmups)
-    summary = asyncio.run(run_benchmark(cfg))
+    if not ns.disable_tqdm:
+        print(f"bench serve: {cfg.num_warmups} warm-up request(s), then {cfg.num_prompts} to {cfg.base_url}",
+              file=sys.stderr)
+    summary = asyncio.run(run_benchmark(cfg, progress=not ns.disable_tqdm))
     print(format_table(summary))
     if ns.output_json:
         ns.output_json.write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,145 @@
+"""Compiles the decode graphs' Triton kernels before their capture, several at a time.
+
+Why: on a machine whose Triton cache is empty, the capture loop compiles each batch size's new kernel
+specialisations (GEMV and few-rows tiles, split plans, sampling chunk plans, integer arguments equal to 1 or
+divisible by 16) one after the other, and a first start's capture took several times as long as a later one's.
+Which specialisations a size needs is known only by running its step (its constexprs come from host-side
+plans over the shapes), so every size's step runs once, eagerly, each in a thread of a pool. The device stays
+one thread's at a time: a thread runs its torch ops and launches holding a turn, gives the turn up when Triton
+is about to compile (Triton's compile hook) and takes it back once the kernel is built (the post-compile hook),
+before its launch. So launches stay in each step's program order and never overlap another step's, and only
+compiles run side by side (Triton's compiler spends most of its time in MLIR, LLVM and ptxas).
+
+Not used (the capture compiles as before) off CUDA, without Triton or its two hooks, and under tensor
+parallelism, whose steps hold collectives that every rank must issue in the same order. Any failure here is
+logged and left to the capture, which reports it with its own fallback policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Threads, so steps in flight at once: each holds its step's activations (a batch-256 step of an 8B model holds
+# 128 MiB of float32 logits) beyond what the KV plan charged for one step.
+DEFAULT_WORKERS = 4
+
+
+@dataclass(frozen=True)
+class CompileAheadReport:
+    steps: int  # the step functions run (one per capture size)
+    compiles: int  # Triton compilations they triggered
+    seconds: float
+    workers: int
+    error: str | None = None  # the first step failure, if any (the capture meets it again and reports it)
+
+    def summary(self) -> str:
+        line = (f"compiled {self.compiles} kernels ahead for {self.steps} graph sizes in {self.seconds:.2f} s "
+                f"({self.workers} threads)")
+        return line if self.error is None else f"{line}; a step failed, left to the capture: {self.error}"
+
+
+class DeviceTurns:
+    """Hands the device to one worker thread at a time; a worker gives up its turn while Triton compiles.
+    Threads that are not workers of this object pass through the hooks untouched."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.compiles = 0
+        self._count_lock = threading.Lock()
+
+    def _state(self) -> tuple[bool, bool]:
+        return getattr(self._local, "worker", False), getattr(self._local, "holding", False)
+
+    def run(self, step: Callable[[], Any]) -> None:
+        """Run step as a worker: holding the turn except while Triton compiles for it."""
+        self._local.worker = True
+        self._take()
+        try:
+            step()
+        finally:
+            if self._state()[1]:
+                self._give()
+            self._local.worker = False
+
+    def _take(self) -> None:
+        self._lock.acquire()
+        self._local.holding = True
+
+    def _give(self) -> None:
+        self._local.holding = False
+        self._lock.release()
+
+    def before_compile(self) -> None:
+        worker, holding = self._state()
+        if worker and holding:
+            with self._count_lock:
+                self.compiles += 1
+            self._give()
+
+    def after_compile(self) -> None:
+        worker, holding = self._state()
+        if worker and not holding:
+            self._take()
+
+
+def _triton_runtime_knobs():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
+def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[], None] = lambda: None,
+                  workers: int = DEFAULT_WORKERS, knobs: Any = None,
+                  synchronize: Callable[[], None] = lambda: None) -> CompileAheadReport | None:
+    """Run each of `steps` once in a pool of `workers` threads, device work one thread at a time, Triton's
+    compiles side by side (module docstring). prepare_thread runs first in each thread (the CUDA device and
+    grad mode are per thread); synchronize after all steps. knobs: Triton's runtime knobs (found when None).
+    Returns None where it does not apply (no Triton hooks, fewer than two steps): the capture compiles."""
+    knobs = knobs if knobs is not None else _triton_runtime_knobs()
+    hooks = ("jit_cache_hook", "jit_post_compile_hook")
+    if knobs is None or not all(hasattr(knobs, hook) for hook in hooks) or len(steps) < 2:
+        return None
+    turns = DeviceTurns()
+    previous_before, previous_after = knobs.jit_cache_hook, knobs.jit_post_compile_hook
+
+    def before(**kwargs):
+        result = previous_before(**kwargs) if previous_before is not None else None  # e.g. the CompileWatch
+        if not result:  # True would skip the compile: then there is nothing to wait for, keep the turn
+            turns.before_compile()
+        return result
+
+    def after(**kwargs):
+        turns.after_compile()
+        return previous_after(**kwargs) if previous_after is not None else None
+
+    def one(step):
+        prepare_thread()
+        turns.run(step)
+
+    t0 = time.perf_counter()
+    error = None
+    knobs.jit_cache_hook, knobs.jit_post_compile_hook = before, after
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(steps))), thread_name_prefix="compile") as pool:
+            for future in [pool.submit(one, step) for step in steps]:
+                exc = future.exception()
+                if exc is not None and error is None:
+                    error = f"{type(exc).__name__}: {exc}"[:300]
+        synchronize()
+    finally:
+        knobs.jit_cache_hook, knobs.jit_post_compile_hook = previous_before, previous_after
+    report = CompileAheadReport(len(steps), turns.compiles, time.perf_counter() - t0,
+                                max(1, min(workers, len(steps))), error)
+    logger.info(report.summary())
+    return report
