@@ -6,7 +6,7 @@ import copy
 import enum
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,19 @@ class SamplingParams:
         """Whether any logits processor is on (else the row skips them all)."""
         return self.penalized or bool(self.logit_bias) or self.min_p > 0.0 or self.min_tokens > 0 \
             or bool(self.bad_words)
+
+
+# What a model's generation_config.json may set as defaults, as vLLM reads it: its names -> SamplingParams'.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "repetition_penalty": "repetition_penalty", "min_p": "min_p",
+                            "max_new_tokens": "max_tokens"}
+
+
+def with_defaults(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> SamplingParams:
+    """The one place a request meets the model's defaults (EngineConfig.generation_defaults): `given` holds
+    only the fields the caller set, and every field it leaves out takes the model's default where the model
+    has one, else SamplingParams' own. An explicit value always wins, even one equal to the default."""
+    return SamplingParams(**{**defaults, **given})
 
 
 def _bias_key(item):

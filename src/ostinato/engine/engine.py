@@ -114,6 +114,11 @@ class LLMEngine:
         self.scheduler_config = config.scheduler
         self.served_model_name = config.served_model_name
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
+        self.generation_defaults = dict(config.generation_defaults)  # what unset request fields take
+        if self.generation_defaults:
+            logger.info("sampling defaults from %s: %s (a request's own values win; --generation-config vllm "
+                        "ignores the file)", config.generation_defaults_source,
+                        ", ".join(f"{k}={v}" for k, v in sorted(self.generation_defaults.items())))
         # A TensorParallelRunner with --tensor-parallel-size > 1.
         self.runner: Runner = make_runner(config.runner, config.parallel)
         # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
