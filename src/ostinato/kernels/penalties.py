@@ -37,8 +37,10 @@ def _penalties_kernel(logits_ptr, stride_l, rows_ptr, stride_r, counts_ptr, stri
     row = tl.program_id(0).to(tl.int64)
     r = rows_ptr + row * stride_r
     flags = tl.load(r + FLAGS)
-    pen = (flags & PENALTY_BIT) != 0
-    minp = (flags & MINP_BIT) != 0
+    # How far each pass reads: the vocabulary when the row has it on, nothing otherwise (every access masked).
+    pen_end = tl.where((flags & PENALTY_BIT) != 0, vocab, 0)
+    minp_end = tl.where((flags & MINP_BIT) != 0, vocab, 0)
+    read_end = tl.maximum(pen_end, minp_end)
     rep = tl.load(r + REP).to(tl.float32, bitcast=True)
     pres = tl.load(r + PRES).to(tl.float32, bitcast=True)
     freq = tl.load(r + FREQ).to(tl.float32, bitcast=True)
@@ -48,23 +50,21 @@ def _penalties_kernel(logits_ptr, stride_l, rows_ptr, stride_r, counts_ptr, stri
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)
     for k0 in range(0, vocab, BLOCK):
         offs = k0 + offs0
-        m = offs < vocab
-        x = tl.load(base + offs, mask=m & (pen | minp), other=float("-inf")).to(tl.float32)
-        c = tl.load(counts + offs, mask=m & pen, other=0)
+        x = tl.load(base + offs, mask=offs < read_end, other=float("-inf")).to(tl.float32)
+        c = tl.load(counts + offs, mask=offs < pen_end, other=0)
         n = (c & COUNT_MASK).to(tl.float32)
         y = tl.where(c != 0, tl.where(x > 0, x / rep, x * rep), x)
         y = y - freq * n - tl.where(n > 0, pres, 0.0)
-        tl.store(base + offs, y, mask=m & pen)
-        x = tl.where(pen, y, x)
-        run_max = tl.maximum(run_max, tl.where(m & minp, x, float("-inf")))
+        tl.store(base + offs, y, mask=offs < pen_end)
+        x = tl.where(offs < pen_end, y, x)
+        run_max = tl.maximum(run_max, tl.where(offs < minp_end, x, float("-inf")))
     t = tl.load(r + TEMP).to(tl.float32, bitcast=True)
     min_p = tl.load(r + MIN_P).to(tl.float32, bitcast=True)
     threshold = tl.max(run_max, 0) + t * tl.log(tl.maximum(min_p, 1e-30))
     for k0 in range(0, vocab, BLOCK):
         offs = k0 + offs0
-        m = offs < vocab
-        x = tl.load(base + offs, mask=m & minp, other=0.0).to(tl.float32)
-        tl.store(base + offs, tl.full([BLOCK], float("-inf"), tl.float32), mask=m & minp & (x < threshold))
+        x = tl.load(base + offs, mask=offs < minp_end, other=0.0).to(tl.float32)
+        tl.store(base + offs, tl.full([BLOCK], float("-inf"), tl.float32), mask=(offs < minp_end) & (x < threshold))
 
 
 def available_for(logits: torch.Tensor) -> bool:
