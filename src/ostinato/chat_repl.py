@@ -48,7 +48,7 @@ def register(sub) -> None:
 
 # What a chat samples with where neither the flags nor the model's generation_config.json say (vLLM's and
 # Ollama's kind of chat defaults). SmolLM2's GGUF sets none, and at these it answers without looping.
-CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 512, "repetition_penalty": 1.1}
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 512, "repetition_penalty": 1.2}
 _FLAGS = ("temperature", "top_p", "top_k", "max_tokens", "repetition_penalty")
 
 
