@@ -3,6 +3,9 @@
 Tokens are printed as the engine produces them; the conversation is kept between turns and rendered by the
 model's chat template each turn. `/exit` (or `/bye`) and Ctrl-D leave; Ctrl-C while a reply streams stops
 that reply (what was printed stays in the conversation) and the chat goes on; `/clear` forgets the history.
+A reply cut by --max-tokens ends with a ` [length]` marker. Sampling: the flags given, else the model's
+generation defaults (--generation-config), else CHAT_DEFAULTS; each chat has a fresh random seed unless
+--seed is given.
 
 Ctrl-C during a reply only sets a flag, read between engine steps: an exception thrown into the middle of a
 step could leave the scheduler and the runner disagreeing, so the reply is aborted cleanly at a step edge.
@@ -10,11 +13,13 @@ step could leave the scheduler and the runner disagreeing, so the reply is abort
 
 from __future__ import annotations
 
+import random
 import signal
 import sys
 from typing import TextIO
 
 from ostinato.errors import InvalidRequestError
+from ostinato.sampling_params import SamplingParams, with_defaults
 
 PROMPT = ">>> "
 EXIT_COMMANDS = ("/exit", "/bye", "/quit")
@@ -27,25 +32,44 @@ def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal (streams tokens, keeps the conversation)")
     add_engine_args(p)
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
-    p.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
-    # SmolLM2's model card suggests a low temperature; --temperature 0 is greedy.
-    p.add_argument("--temperature", type=float, default=0.2)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.set_defaults(func=run)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"longest reply, in tokens (default: the model's max_new_tokens, else "
+                        f"{CHAT_DEFAULTS['max_tokens']})")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"0 is greedy (default: the model's, else {CHAT_DEFAULTS['temperature']})")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"default: the model's, else {CHAT_DEFAULTS['top_p']}")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's, else off")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"default: the model's, else {CHAT_DEFAULTS['repetition_penalty']}")
+    # Unless --seed is given, each chat draws from a fresh random seed: two chats give different replies.
+    p.set_defaults(func=run, seed=None)
+
+
+# What a chat samples with where neither the flags nor the model's generation_config.json say (vLLM's and
+# Ollama's kind of chat defaults). SmolLM2's GGUF sets none, and at these it answers without looping.
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 512, "repetition_penalty": 1.2}
+_FLAGS = ("temperature", "top_p", "top_k", "max_tokens", "repetition_penalty")
+
+
+def chat_params(args, model_defaults) -> SamplingParams:
+    """The chat's SamplingParams: the flags given, else the model's defaults, else CHAT_DEFAULTS."""
+    given = {name: getattr(args, name) for name in _FLAGS if getattr(args, name) is not None}
+    return with_defaults(given, {**CHAT_DEFAULTS, **model_defaults})
 
 
 def run(args) -> int:
     from ostinato.cli_args import engine_args_from
     from ostinato.engine.engine import LLMEngine
-    from ostinato.sampling_params import SamplingParams
 
     try:
         import readline  # noqa: F401  line editing and history for input(), where the platform has it
     except ImportError:
         pass
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    if args.seed is None:
+        args.seed = random.SystemRandom().getrandbits(63)
     engine = LLMEngine(engine_args_from(args))
-    TerminalChat(engine, params, system=args.system).loop()
+    TerminalChat(engine, chat_params(args, engine.generation_defaults), system=args.system).loop()
     return 0
 
 
@@ -116,7 +140,8 @@ class TerminalChat:
                     self._write(text[len(printed):])
                     printed = text
                     if out.finished:
-                        self._write("\n")
+                        # A reply cut by the token limit says so, as a marker outside the reply's text.
+                        self._write(" [length]\n" if out.outputs[0].finish_reason == "length" else "\n")
                         return printed
         finally:
             signal.signal(signal.SIGINT, previous)

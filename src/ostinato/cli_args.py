@@ -73,6 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                    help="fixed KV block count instead of sizing from GPU memory")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for what a request leaves unset: auto (the model's "
+                        "generation_config.json), vllm (none: ostinato's own) or a folder holding one")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode and prefill step runs eager")
     g.add_argument("--cuda-graph-sizes", type=arg_type(read_cuda_graph_sizes), default=None,
                    help="batch sizes to capture, e.g. '1 2 4 8 16', or @FILE (as `ostinato advise` writes)")

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ostinato.config_readers import (  # noqa: F401 - re-exported: callers import the flag readers from here
+    read_generation_defaults,
     DEFAULT_PREFILL_GRAPH_MAX_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS, MIXED_STEPS, PDL_MODES, default_capture_sizes,
     plan_capture_sizes, plan_prefill_graph_tokens, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
 )
@@ -153,6 +154,10 @@ class EngineConfig:
     served_model_name: str
     enable_prefix_caching: bool
     async_scheduling: bool
+    # The model's sampling defaults (--generation-config): SamplingParams fields a request leaves unset take
+    # these (sampling_params.with_defaults); where they came from, for the start-up log.
+    generation_defaults: dict = field(default_factory=dict)
+    generation_defaults_source: str | None = None
 
     @property
     def model(self) -> ModelConfig:
@@ -217,6 +222,9 @@ class EngineArgs:
     # A request's tokens and logprobs never depend on what else runs, on padding or on the graph size: the
     # batch-invariant kernels (docs/ARCHITECTURE.md, "Batch-invariant mode"). Slower; off by default.
     batch_invariant: bool = False
+    # Sampling defaults for what a request leaves unset (vLLM's flag): auto (the model's generation_config.json),
+    # vllm (SamplingParams' own) or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -346,8 +354,10 @@ class EngineArgs:
             kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization),
             dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
             decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant)
+        defaults, source = read_generation_defaults(self.generation_config, model_dir)
         return EngineConfig(
             runner=runner, parallel=self.parallel_config(), model_source=self.model,
             tokenizer=self.tokenizer or model_dir,
             served_model_name=self.served_model_name or default_served_model_name(self.model),
-            enable_prefix_caching=self.enable_prefix_caching, async_scheduling=self.async_scheduling)
+            enable_prefix_caching=self.enable_prefix_caching, async_scheduling=self.async_scheduling,
+            generation_defaults=defaults, generation_defaults_source=str(source) if source else None)

@@ -12,7 +12,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from ostinato.errors import ConfigError
+from ostinato.errors import ConfigError, InvalidRequestError
+from ostinato.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
 logger = logging.getLogger("ostinato.config")
 
@@ -150,3 +151,30 @@ def read_cuda_graph_sizes(text: str) -> tuple[int, ...]:
     if not sizes or any(s < 1 for s in sizes):
         raise ConfigError(f"{source} must hold positive integers, got {list(sizes)}")
     return sizes
+
+
+def read_generation_defaults(source: str, model_dir: str | Path) -> tuple[dict, Path | None]:
+    """The sampling defaults --generation-config names, as vLLM reads them: "auto" the model folder's
+    generation_config.json (none when it has none), "vllm" none at all, else a folder holding one. Returns
+    (SamplingParams fields -> values, the file read or None); a bad file is a ConfigError naming it."""
+    if source == "vllm":
+        return {}, None
+    folder = Path(model_dir) if source == "auto" else Path(source)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source == "auto":
+            return {}, None
+        raise ConfigError(f"--generation-config {source}: {path} does not exist; name a folder holding a "
+                          "generation_config.json, or use auto (the model's) or vllm (none)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable JSON ({e}); fix it or pass --generation-config vllm") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} must hold a JSON object; fix it or pass --generation-config vllm")
+    defaults = {ours: cfg[hf] for hf, ours in GENERATION_CONFIG_FIELDS.items() if cfg.get(hf) is not None}
+    try:
+        SamplingParams(**defaults)
+    except InvalidRequestError as e:
+        raise ConfigError(f"{path}: {e}; fix it or pass --generation-config vllm") from None
+    return defaults, path

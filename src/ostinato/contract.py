@@ -23,6 +23,23 @@ from ostinato.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class LogitsSpec:
+    """A request's logits processors in token ids, as the engine resolved them from its SamplingParams
+    (runner/logits_processors.py applies them): the ids min_tokens bans (EOS and stop_token_ids), and
+    bad_words as token sequences."""
+
+    params: SamplingParams
+    min_tokens_ban: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the row needs the sequence's tokens when it joins: penalties count them, a bad word of
+        more than one token matches the output's last ones."""
+        return self.params.penalized or any(len(w) > 1 for w in self.bad_words)
+
+
+@dataclass(frozen=True)
 class ScheduledSeq:
     """A prefill chunk of one sequence in this step.
 
@@ -40,6 +57,10 @@ class ScheduledSeq:
     sampling_params: SamplingParams
     num_generated: int  # tokens generated before this step (the seeded noise's counter)
     samples: bool = True  # the last chunk: sample a token, join the decode batch
+    logits_spec: LogitsSpec | None = None  # the request's logits processors, None when it uses none
+    # Every token of the sequence (prompt, then its num_generated outputs), on a sampling chunk whose
+    # logits_spec needs_history only: what its penalties count.
+    history: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:

@@ -182,7 +182,8 @@ def _reply(seen: str) -> str:
 def test_terminal_chat_two_turns_then_interrupt(llm, cache_env):
     env = dict(os.environ, PYTHONPATH=str(SRC), OSTINATO_CACHE_DIR=cache_env, TERM="dumb")
     argv = ["-m", "ostinato", "--log-level", "WARNING", "chat", MODEL, "--device", "cpu", "--dtype", "float32",
-            "--temperature", "0", "--max-tokens", str(CHAT_TOKENS), "--max-model-len", "512", "--num-kv-blocks", "64"]
+            "--temperature", "0", "--repetition-penalty", "1", "--max-tokens", str(CHAT_TOKENS), "--max-model-len",
+            "512", "--num-kv-blocks", "64"]
     params = SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS)
     child = _Pty(argv, env)
     try:
@@ -193,8 +194,10 @@ def test_terminal_chat_two_turns_then_interrupt(llm, cache_env):
             reply = _reply(child.expect(r"\n>>> ", timeout=300))
             history.append({"role": "user", "content": question})
             # The conversation is kept: the reply is what LLM.chat gives for the whole history so far.
-            expected = llm.chat(history, params)[0].outputs[0].text
-            assert reply == expected.rstrip("\n")
+            out = llm.chat(history, params)[0].outputs[0]
+            expected = out.text
+            # A reply cut at --max-tokens ends with the marker, outside the reply's text.
+            assert reply == expected.rstrip("\n") + (" [length]" if out.finish_reason == "length" else "")
             history.append({"role": "assistant", "content": expected})
         assert "Paris" in history[1]["content"]
         # ... and that check has teeth: without the first turn, the second reply would differ.

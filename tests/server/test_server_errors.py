@@ -65,7 +65,16 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [1, 10**6]}, "prompt"),  # a token id outside the vocabulary
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),  # pydantic: 400, not 422
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": -3.0}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0.0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"seven": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 101.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 1.0}}, "logit_bias"),  # outside the vocabulary
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": [" "]}, "bad_words"),
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 9.0}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

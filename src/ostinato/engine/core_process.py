@@ -75,7 +75,8 @@ def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, c
     threading.Thread(target=_pump, args=(commands, inbox), name="ostinato-core-commands", daemon=True).start()
     # The engine's own tokenizer and configs, so the server formats with exactly what the engine uses.
     events.send(("ready", EngineInfo(args, engine.tokenizer, engine.model_config, engine.scheduler_config,
-                                     engine.served_model_name, engine.graph_status)))
+                                     engine.served_model_name, engine.graph_status,
+                                     engine.generation_defaults)))
     while True:
         # Block for a command only when idle; otherwise take what has arrived and step.
         while not inbox.empty() or not engine.has_unfinished():
@@ -128,6 +129,7 @@ class EngineInfo:
     scheduler_config: object
     served_model_name: str
     graph_status: str
+    generation_defaults: dict  # the model's sampling defaults (LLMEngine.generation_defaults)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ostinato.errors import InvalidRequestError, QueueFullError
 from ostinato.model.gguf_sources import resolve_model_dir
 from ostinato.model.hub import check_tokenizer_folder
 from ostinato.sampling_params import RequestOutputKind, SamplingParams
+from ostinato.engine.logits_spec import resolve_logits_spec
 from ostinato.engine.detokenizer import IncrementalDetokenizer, OutputText
 from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
 from ostinato.engine.request import Sequence, SequenceStatus
@@ -113,6 +114,11 @@ class LLMEngine:
         self.scheduler_config = config.scheduler
         self.served_model_name = config.served_model_name
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
+        self.generation_defaults = dict(config.generation_defaults)  # what unset request fields take
+        if self.generation_defaults:
+            logger.info("sampling defaults from %s: %s (a request's own values win; --generation-config vllm "
+                        "ignores the file)", config.generation_defaults_source,
+                        ", ".join(f"{k}={v}" for k, v in sorted(self.generation_defaults.items())))
         # A TensorParallelRunner with --tensor-parallel-size > 1.
         self.runner: Runner = make_runner(config.runner, config.parallel)
         # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
@@ -145,10 +151,13 @@ class LLMEngine:
                                  "retry later or raise --max-queued-requests")
         state = _RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        logits_spec = resolve_logits_spec(params, stop_ids, self.tokenizer, self.model_config.vocab_size)
         max_output = min(params.max_tokens, self.scheduler_config.max_model_len - len(prompt_ids))
         text_per_step = bool(params.stop) or params.output_kind is not RequestOutputKind.FINAL_ONLY
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), self._child_params(params, index))
+            child = self._child_params(params, index)
+            seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), child,
+                           logits_spec=replace(logits_spec, params=child) if logits_spec is not None else None)
             self.scheduler.add(seq)  # may raise QueueFullError / InvalidRequestError
             st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                               params.skip_special_tokens),

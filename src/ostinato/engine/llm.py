@@ -8,7 +8,7 @@ from typing import Any
 
 from ostinato.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from ostinato.errors import ConfigError, InvalidRequestError
-from ostinato.sampling_params import RequestOutputKind, SamplingParams
+from ostinato.sampling_params import RequestOutputKind, SamplingParams, with_defaults
 from ostinato.engine.chat_prompt import render_chat
 from ostinato.engine.engine import LLMEngine
 from ostinato.engine.outputs import RequestOutput
@@ -39,6 +39,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling_params: the model's defaults (--generation-config), as
+        in vLLM. A SamplingParams passed in is used as it is."""
+        return with_defaults({}, self.engine.generation_defaults)
+
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -54,7 +59,7 @@ class LLM:
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         params = [p if p.output_kind is RequestOutputKind.FINAL_ONLY

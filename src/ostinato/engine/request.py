@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ostinato.contract import ScheduledSeq, SchedulerOutput  # noqa: F401 (re-exported)
+from ostinato.contract import LogitsSpec, ScheduledSeq, SchedulerOutput  # noqa: F401 (re-exported)
 from ostinato.sampling_params import SamplingParams
 
 
@@ -58,6 +58,7 @@ class Sequence:
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    logits_spec: LogitsSpec | None = None  # its logits processors in token ids (None: it uses none)
 
     @property
     def num_tokens(self) -> int:

@@ -206,9 +206,12 @@ class Scheduler:
         token samples, and the sequence decodes from the next step on."""
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         samples = end == seq.num_tokens
+        spec = seq.logits_spec
+        history = tuple(seq.all_token_ids) if samples and spec is not None and spec.needs_history else ()
         chunk = ScheduledSeq(seq_id=seq.seq_id, token_ids=tuple(seq.token_ids_range(start, end)), start_pos=start,
                              block_table=tuple(seq.block_table), sampling_params=seq.sampling_params,
-                             num_generated=len(seq.output_token_ids), samples=samples)
+                             num_generated=len(seq.output_token_ids), samples=samples, logits_spec=spec,
+                             history=history)
         seq.num_computed_tokens = end
         if samples:  # every token is cached once the step runs, one token in flight
             seq.decoding = True

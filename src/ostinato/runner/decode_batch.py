@@ -31,10 +31,11 @@ import torch
 from ostinato.contract import DecodeRows, ScheduledSeq
 from ostinato.runner.graphs import StaticInput
 from ostinato.runner.inputs import kv_slots, to_device
+from ostinato.runner.logits_processors import LogitsProcessors, row_flags
 from ostinato.runner.sampler import row_key
 from ostinato.runner.sampling_state import (  # noqa: F401  (the row's columns, read from here too)
-    BLOCKS, CTR, KEY_HI, KEY_LO, POS, ROW_COLUMNS, TEMP, TOKEN, TOP_K, TOP_P, SamplingBatch, filtered_rows,
-    filters, read_settings, write_settings)
+    BLOCKS, CTR, FLAGS, KEY_HI, KEY_LO, POS, ROW_COLUMNS, SLOT, TEMP, TOKEN, TOP_K, TOP_P, SamplingBatch,
+    filtered_rows, filters, read_settings, write_settings)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,10 @@ def resolve_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> torc
 class DecodeBatch:
     """The running sequences' decode rows, on the host (pinned) and on the device."""
 
-    def __init__(self, layout: DecodeLayout, device: torch.device, engine_seed: int):
+    def __init__(self, layout: DecodeLayout, device: torch.device, engine_seed: int,
+                 processors: LogitsProcessors | None = None):
         self.layout = layout
+        self.processors = processors  # the rows' logits processors' tables (None: no row may use any)
         self.device = device
         self.engine_seed = engine_seed
         pin = device.type == "cuda" and torch.cuda.is_available()
@@ -156,7 +159,12 @@ class DecodeBatch:
         h[TOKEN] = self._placeholders[row] if first_token is None else first_token
         h[POS] = seq.context_len
         # The counter of the row's next draw: its first decode token (the prefill draw is seq.num_generated).
-        settings = write_settings(h, p, row_key(p.seed, self.engine_seed, seq.seq_id), seq.num_generated + 1)
+        flags, slot = row_flags(seq.logits_spec), 0
+        if flags:
+            assert self.processors is not None, "a decode batch without logits processors' tables"
+            slot = self.processors.join(seq.logits_spec, seq.history, seq.num_generated)
+        settings = write_settings(h, p, row_key(p.seed, self.engine_seed, seq.seq_id), seq.num_generated + 1,
+                                  flags, slot)
         table = seq.block_table
         h[BLOCKS:BLOCKS + len(table)] = table
         self._width_used = max(self._width_used, BLOCKS + len(table))
@@ -175,6 +183,8 @@ class DecodeBatch:
         h = self.np
         self._num_filtered -= bool(filters(h[hole, TOP_K], self.np_f[hole, TOP_P]))
         self._num_logprob_rows -= self._num_logprobs[hole] is not None
+        if h[hole, FLAGS]:
+            self.processors.leave(int(h[hole, SLOT]))
         if hole != last:
             h[hole] = h[last]
             self._num_blocks[hole] = self._num_blocks[last]
@@ -261,6 +271,8 @@ class DecodeBatch:
         a stale row there would be a live pad row writing K/V into a real block."""
         assert not len(self.rows), "reset() is for an idle engine"
         self.np[:] = self._pad_np
+        if self.processors is not None:
+            self.processors.reset()
         self._width_used = BLOCKS + 1
         if self.dev is not self.host:
             self.dev.copy_(self.host)

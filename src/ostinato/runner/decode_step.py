@@ -15,6 +15,7 @@ import torch
 from ostinato.kernels import unpack as unpack_kernel
 from ostinato.runner.decode_batch import BLOCKS, POS, TOKEN, DecodeBatch, DecodeLayout, resolve_placeholders
 from ostinato.runner.graphs import CudaGraphRunner, GraphBackend, default_compare
+from ostinato.runner.logits_processors import LogitsProcessors
 from ostinato.runner.sampler import sample_rows
 
 # logits_fn(input_ids, positions, slot_mapping, block_tables, context_lens) -> [B, vocab] logits
@@ -22,10 +23,13 @@ LogitsFn = Callable[..., torch.Tensor]
 
 
 class DecodeStep:
-    def __init__(self, logits_fn: LogitsFn, layout: DecodeLayout, device: torch.device, engine_seed: int):
+    def __init__(self, logits_fn: LogitsFn, layout: DecodeLayout, device: torch.device, engine_seed: int,
+                 vocab_size: int | None = None):
         self.logits_fn = logits_fn
         self.layout = layout
-        self.batch = DecodeBatch(layout, device, engine_seed)
+        # The rows' logits processors (penalties, logit_bias, ...); None without a vocabulary (no row uses any).
+        self.processors = LogitsProcessors(layout.rows, vocab_size, device) if vocab_size else None
+        self.batch = DecodeBatch(layout, device, engine_seed, self.processors)
         self.sampled = torch.zeros(layout.rows, dtype=torch.int64, device=device)  # written by every step
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
@@ -47,8 +51,13 @@ class DecodeStep:
     def sample(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
         """Draw the rows' tokens from logits [B, vocab] into sampled[:B]; rows: the packed decode rows [>= B,
         width] holding their settings. The decode graph and a mixed step (runner.py, _launch_mixed) both draw
-        through here (sample_rows, as prefill steps do)."""
-        sample_rows(logits, rows, self.sampled[: logits.shape[0]])
+        through here (sample_rows, as prefill steps do). The rows' logits processors run first, on the tokens
+        they feed (their last outputs, read before `sampled` is overwritten)."""
+        b = logits.shape[0]
+        if self.processors is not None:
+            fed = resolve_placeholders(rows[:b, TOKEN].long(), self.sampled)
+            self.processors.process_logits(logits, rows, fed)
+        sample_rows(logits, rows, self.sampled[:b])
 
     def graph_runner(self, sizes: tuple[int, ...], enforce_eager: bool, fallback: str, progress: bool,
                      backend: GraphBackend | None) -> CudaGraphRunner:

@@ -26,6 +26,7 @@ from ostinato.runner.compile_ahead import compile_ahead
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
 from ostinato.runner.decode_step import DecodeStep, compare_step
+from ostinato.runner.logits_processors import state_bytes
 from ostinato.runner.graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
 from ostinato.runner.inputs import build_prefill_inputs
 from ostinato.runner.memory import KVCachePlan, graph_memory_report, kv_block_bytes, plan_kv_cache
@@ -284,7 +285,10 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
             estimate = _estimate_or_zero(lambda: estimate_graph_bytes(spec, max(sizes), backend), gc_cfg)
             if gc_cfg.prefill_sizes:
                 prefill_estimate = _estimate_or_zero(lambda: _estimate_prefill_graph_bytes(spec, backend), gc_cfg)
-        plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation, estimate + prefill_estimate,
+        # The decode rows' logits-processor tables are allocated with the decode step, after the KV pool.
+        tables = state_bytes(decode_layout(spec, 0, sizes).rows, spec.model_config.vocab_size)
+        plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation + tables,
+                             estimate + prefill_estimate,
                              block_bytes, spec.block_size, max_len)
         num_blocks = plan.num_blocks
         lines.append(plan.summary())

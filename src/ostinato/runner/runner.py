@@ -168,7 +168,8 @@ class ModelRunner:
             self.model, rank_view(config.model, tp.world_size), config.scheduler, self.graph_config, self.device,
             self.dtype, self.block_size, self.weights_bytes, config.kv_pool.num_blocks,
             config.kv_pool.gpu_memory_utilization,
-            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, config.seed),
+            make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, config.seed,
+                                                config.model.vocab_size),
             agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
             compile_watch=self.compile_watch)
         setup = allocate_kv_and_graphs(self.kv_spec)
@@ -328,7 +329,9 @@ class ModelRunner:
         rows = [self.decode_batch.join(seq) for seq in seqs]  # appended: consecutive rows
         assert rows == list(range(rows[0], rows[0] + len(rows))), rows
         # Drawn from the settings the rows now hold: one state for a sequence's prefill and decode draws.
-        sampled = self.sampler(logits, self.decode_batch.joined_sampling(rows[0], len(rows)))
+        batch = self.decode_batch.joined_sampling(rows[0], len(rows))
+        self.decode_step.processors.process_logits(logits, batch.rows)  # their logit_bias, penalties, ...
+        sampled = self.sampler(logits, batch)
         self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
         return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
 

@@ -2,7 +2,8 @@
 
 A row's settings are written once, by `write_settings`, when its sequence joins the persistent decode batch
 (runner/decode_batch.py): temperature (float32 bits; 0 on greedy rows), the 64-bit key as two int32 halves,
-top-k and top-p (switched off unless the row samples with them), and the draw counter. Everything that samples
+top-k and top-p (switched off unless the row samples with them), the draw counter, and its logits
+processors' flags, slot and settings (runner/logits_processors.py). Everything that samples
 reads them back from such rows with `read_settings`: the decode graph from the device rows 0..n-1, a prefill
 step from the rows its sequences just joined at, and the sampling kernels (kernels/sampling.py) from the int32
 columns themselves (`ROW_COLUMNS`). No other copy of a request's settings exists below SamplingParams.
@@ -23,7 +24,12 @@ from ostinato.sampling_params import SamplingParams
 
 # Column layout of a decode row. POS and CTR are adjacent: one slice advances both. The settings are the
 # columns before BLOCKS (the block table).
-TOKEN, POS, CTR, TEMP, KEY_LO, KEY_HI, TOP_K, TOP_P, BLOCKS = range(9)
+# SLOT to MIN_P are the logits processors' (runner/logits_processors.py): the row's slot in their device
+# tables, which of them are on (FLAGS, 0 when none), and the penalties and min_p (float32 bits).
+TOKEN, POS, CTR, TEMP, KEY_LO, KEY_HI, TOP_K, TOP_P, SLOT, FLAGS, REP, PRES, FREQ, MIN_P, BLOCKS = range(15)
+# FLAGS bits: count penalties (repetition, presence, frequency), min_p, the sparse table (logit_bias,
+# min_tokens' bans, bad words), the row's last outputs (multi-token bad words).
+PENALTY, MINP, SPARSE, HISTORY = 1, 2, 4, 8
 ROW_COLUMNS = sampling_kernel.RowColumns(counter=CTR, temperature=TEMP, key_lo=KEY_LO, key_hi=KEY_HI)
 # top_k travels in an int32 column of the row.
 MAX_TOP_K = (1 << 31) - 1
@@ -80,14 +86,19 @@ def row_settings(p: SamplingParams) -> RowSettings:
                        float(p.top_p) if filtered else 1.0, filtered)
 
 
-def write_settings(row: np.ndarray, p: SamplingParams, key: int, counter: int) -> RowSettings:
+def write_settings(row: np.ndarray, p: SamplingParams, key: int, counter: int, flags: int = 0,
+                   slot: int = 0) -> RowSettings:
     """Write a request's settings, its 64-bit key and its draw counter into one int32 row (numpy: a few row
-    writes per step cost a microsecond each this way, ten as torch ops). Returns the settings written."""
+    writes per step cost a microsecond each this way, ten as torch ops). `flags` (logits_processors.row_flags)
+    and `slot` place its logits processors. Returns the settings written."""
     settings = row_settings(p)
     floats = row.view(np.float32)
     row[CTR] = counter
     floats[TEMP], row[TOP_K], floats[TOP_P] = settings.temperature, settings.top_k, settings.top_p
     row[KEY_LO], row[KEY_HI] = _int32(key & 0xFFFFFFFF), _int32(key >> 32)
+    row[SLOT], row[FLAGS] = slot, flags
+    floats[REP], floats[PRES], floats[FREQ], floats[MIN_P] = (p.repetition_penalty, p.presence_penalty,
+                                                              p.frequency_penalty, p.min_p)
     return settings
 
 

@@ -221,7 +221,7 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = serving.engine()
         serving.check_model(body.model)
-        params = _as_delta(body.to_sampling_params())
+        params = _as_delta(body.to_sampling_params(engine.generation_defaults))
         serving.check_limits(body, params.logprobs)
         prompt = await serving.prompt_ids(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -250,7 +250,7 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
         limits.check_prompt_chars(sum(len(m["content"]) for m in messages), max_len, param="messages")
         prompt = await serving.off_loop(_chat_prompt_ids, engine.tokenizer, messages)
         limits.check_prompt_tokens(len(prompt), max_len, param="messages")
-        params = _as_delta(body.to_sampling_params(len(prompt), max_len))
+        params = _as_delta(body.to_sampling_params(len(prompt), max_len, engine.generation_defaults))
         serving.check_limits(body, params.logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)

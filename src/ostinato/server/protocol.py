@@ -1,9 +1,10 @@
 """OpenAI-compatible request and response bodies (pydantic v2) for /v1/completions and /v1/chat/completions.
 
-Field names and meanings follow the OpenAI API; `top_k`, `ignore_eos` and `stop_token_ids` are vLLM's
-extensions. Unknown fields are ignored, as OpenAI clients send extra ones. OpenAI fields that ostinato does
-not implement (penalties, logit_bias, echo, best_of, tools) are accepted only at their no-op values, so a
-request never silently gets something other than what it asked for.
+Field names and meanings follow the OpenAI API; `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`,
+`min_p`, `min_tokens` and `bad_words` are vLLM's extensions. Unknown fields are ignored, as OpenAI clients send
+extra ones. OpenAI fields that ostinato does not implement (echo, best_of, tools) are accepted only at their
+no-op values, so a request never silently gets something other than what it asked for. A sampling field left
+out takes the model's default (--generation-config) where it has one.
 
 These models check shapes and types, and what the schema can state (no empty prompt, only text content parts,
 a role that is a name, a 64-bit seed); SamplingParams checks the values' ranges and holds the defaults (one
@@ -15,6 +16,7 @@ surrogate (`"\\ud800"` in JSON) is refused with the field named, before a tokeni
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
@@ -22,7 +24,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 
 from ostinato.engine.chat_prompt import ROLE_PATTERN, role_problem
 from ostinato.errors import InvalidRequestError
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import SamplingParams, with_defaults
 
 
 def _valid_unicode(text: str) -> str:
@@ -61,6 +63,11 @@ class StreamOptions(_Lenient):
     include_usage: StrictBool = False
 
 
+# The fields a request may leave unset to take the model's default (sampling_params.with_defaults).
+_DEFAULTED = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "min_p", "min_tokens")
+
+
 class _SamplingFields(_Lenient):
     """The fields both endpoints share, and their translation to SamplingParams."""
 
@@ -77,36 +84,42 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
-    # Accepted at their defaults only (see _reject_unsupported).
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    # OpenAI's form: token ids as JSON object keys (strings), biases in [-100, 100].
     logit_bias: dict[str, StrictFloat] | None = None
+    min_p: StrictFloat | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[Text] | None = None
 
-    def _reject_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidRequestError(f"{name} is not supported by ostinato; leave it at 0", param=name)
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported by ostinato; leave it out", param="logit_bias")
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                                          param="logit_bias") from None
+            out[token] = bias
+        return out
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; raises InvalidRequestError (HTTP 400) for bad values."""
-        self._reject_unsupported()
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: Mapping[str, Any]) -> SamplingParams:
+        """SamplingParams for this request; raises InvalidRequestError (HTTP 400) for bad values. A field the
+        client left out (or sent as null) takes the model's default (`defaults`, the engine's
+        generation_defaults) where it has one, else SamplingParams' own: with_defaults does the merge.
+        max_tokens None: the model's default, else SamplingParams'."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-        # Left out (or null), a setting takes SamplingParams' default: the defaults, like the ranges, live there.
-        given = {name: value for name, value in (("temperature", self.temperature), ("top_p", self.top_p),
-                                                 ("top_k", self.top_k)) if value is not None}
-        return SamplingParams(
-            **given,
-            max_tokens=max_tokens,
-            seed=self.seed,
-            stop=self.stop or (),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            n=self.n,
-        )
+        given = {name: getattr(self, name) for name in _DEFAULTED if getattr(self, name) is not None}
+        if self.logit_bias:
+            given["logit_bias"] = self._logit_bias()
+        if max_tokens is not None:
+            given["max_tokens"] = max_tokens
+        return with_defaults(dict(given, seed=self.seed, stop=self.stop or (),
+                                  stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                                  logprobs=logprobs, n=self.n, bad_words=tuple(self.bad_words or ())), defaults)
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -130,7 +143,7 @@ def _prompt_of_known_type(value: Any) -> str | list:
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: StrictInt | None = 16
+    max_tokens: StrictInt | None = None
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
@@ -157,14 +170,16 @@ class CompletionRequest(_SamplingFields):
             p = p[0]
         return p
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """max_tokens: the request's, else the model's default, else 16 (OpenAI's)."""
         if self.echo:
             raise InvalidRequestError("echo is not supported by ostinato; leave it false", param="echo")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported by ostinato; leave it out", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported; leave it out or equal to n", param="best_of")
-        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        defaults = {"max_tokens": 16, **(defaults or {})}
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(_Lenient):
@@ -212,14 +227,17 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """max_tokens defaults to the rest of the context window, as in vLLM."""
+    def to_sampling_params(self, prompt_len: int, max_model_len: int,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """max_completion_tokens (OpenAI's current name) or max_tokens; else the model's default capped by the
+        rest of the context window, else the rest of the window, as in vLLM."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, max_model_len - prompt_len)
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        room = max(1, max_model_len - prompt_len)
+        defaults = dict(defaults or {})
+        defaults["max_tokens"] = min(defaults.get("max_tokens", room), room)
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
