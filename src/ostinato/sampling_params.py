@@ -103,6 +103,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Not a sampling setting, but it travels with them to the block manager: mixed into the key of the
+    # request's first KV block, so only requests with the same salt share cached prefix blocks (vLLM's
+    # cache_salt). The server also puts the API key's namespace here.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -161,6 +165,8 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "stop strings must be non-empty strings",
     "stop_token_ids": lambda ids: None if all(_is_int(t) and t >= 0 for t in ids) else
     "stop_token_ids must be non-negative integers",
+    "cache_salt": lambda salt: None if salt is None or (isinstance(salt, str) and salt != "") else
+    f"cache_salt must be a non-empty string, got {salt!r}",
     "output_kind": lambda kind: None if isinstance(kind, RequestOutputKind) else
     f"output_kind must be a RequestOutputKind, got {kind!r}",
 }
