@@ -17,6 +17,7 @@ from ostinato.engine.async_engine import AsyncEngine
 from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
 from ostinato.server import app
 from ostinato.server.limits import add_limit_args, limits_from
+from ostinato.server.middleware import read_api_keys
 
 logger = logging.getLogger("ostinato.server.app")  # the server's start-up lines keep their logger's name
 
@@ -28,13 +29,31 @@ def register(subparsers) -> None:
     add_engine_args(p, max_queued_requests=SERVER_MAX_QUEUED_REQUESTS)
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("OSTINATO_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSTINATO_API_KEY)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat it for several keys "
+                        "(default: $OSTINATO_API_KEY)")
+    p.add_argument("--api-keys-file", metavar="PATH",
+                   help="more keys, one per line ('#' starts a comment line)")
+    p.add_argument("--shared-prefix-cache", action="store_true",
+                   help="let every API key share one prefix cache (default: each key has its own, so a client "
+                        "cannot learn what a holder of another key sent from cached_tokens or from timing)")
+    p.add_argument("--no-report-cached-tokens", dest="report_cached_tokens", action="store_false",
+                   help="leave usage.prompt_tokens_details.cached_tokens out of responses")
     add_limit_args(p)
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of in its own process "
                         "(slower: the engine and the HTTP work then share one GIL)")
     p.set_defaults(func=run)
+
+
+def api_keys_from(ns: argparse.Namespace) -> list[str]:
+    """The keys /v1/* accepts: every --api-key, then the keys file's; $OSTINATO_API_KEY when neither is given."""
+    keys = list(ns.api_key or ())
+    if ns.api_keys_file:
+        keys += read_api_keys(ns.api_keys_file)
+    if not keys and os.environ.get("OSTINATO_API_KEY"):
+        keys.append(os.environ["OSTINATO_API_KEY"])
+    return keys
 
 
 class HoldUntilReady(logging.Filter):
@@ -90,7 +109,8 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
         async_engine = AsyncEngine(lambda: engine_factory(args))
     else:
         async_engine = ProcessAsyncEngine(args, factory=engine_factory)
-    http_app = app.build_app(async_engine, api_key=ns.api_key, served_model_name=name, limits=limits)
+    http_app = app.build_app(async_engine, api_key=api_keys_from(ns), served_model_name=name, limits=limits,
+                             isolate_keys=not ns.shared_prefix_cache, report_cached_tokens=ns.report_cached_tokens)
     log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
     server = uvicorn.Server(uvicorn_config(http_app, limits, host=ns.host, port=ns.port, log_level=log_level))
     uvicorn_logger = logging.getLogger("uvicorn.error")  # the logger uvicorn announces the port on
