@@ -33,6 +33,7 @@ from ostinato.engine.core_process import ProcessAsyncEngine
 from ostinato.engine.chat_prompt import render_chat
 from ostinato.engine.outputs import RequestOutput, merge_deltas
 from ostinato.sampling_params import RequestOutputKind
+from ostinato.server.engine_view import EngineView
 from ostinato.server.errors import APIError, install_error_handlers
 from ostinato.server.limits import ServerLimits
 from ostinato.server.metrics import ServerMetrics
@@ -112,6 +113,7 @@ class _Serving:
                  report_cached_tokens: bool = True):
         self.async_engine, self.limits, self.name = async_engine, limits, served_model_name
         self.report_cached = report_cached_tokens
+        self.draining = False  # set from the shutdown signal on (serve_command): /health says 503 draining
         # Tokenizing and chat templating run here: never on the event loop, never on the engine thread.
         self.tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ostinato-tokenize")
 
@@ -120,8 +122,14 @@ class _Serving:
         return engine.engine.scheduler_config.max_model_len if engine.is_ready else None
 
     def engine(self):
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry (another instance will answer)",
+                           "service_unavailable")
         if self.async_engine.dead_cause is not None:
             raise EngineDeadError(f"the engine is not serving: {self.async_engine.dead_cause}")
+        stall = self.async_engine.stall_cause
+        if stall is not None:
+            raise APIError(503, f"the engine is not serving: {stall}; retry later", "service_unavailable")
         return self.async_engine.engine  # EngineNotReadyError while loading: 503
 
     def check_model(self, model: str | None) -> None:
@@ -176,8 +184,9 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
     app.openapi = _openapi_without_422(app)
     metrics = ServerMetrics(served_model_name)
     async_engine.observer = metrics
-    app.state.async_engine, app.state.metrics, app.state.limits = async_engine, metrics, limits
     serving = _Serving(async_engine, limits, served_model_name, report_cached_tokens)
+    app.state.async_engine, app.state.metrics, app.state.limits = async_engine, metrics, limits
+    app.state.serving = serving
     install_error_handlers(app)
     # Added last = outermost: the key is checked before a body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=lambda: limits.body_bytes(serving.model_len()),
@@ -192,16 +201,25 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
 
 def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) -> None:
     async_engine = serving.async_engine
+    view = EngineView(async_engine)  # /health and /metrics never wait on the core for more than a second
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if serving.draining:  # Connection: close, so a kept-alive probe reconnects (and is refused) next time
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Connection": "close"})
         if async_engine.dead_cause is not None:
             return JSONResponse({"status": "dead", "cause": async_engine.dead_cause}, status_code=503)
+        if async_engine.stall_cause is not None:
+            return JSONResponse({"status": "stalled", "cause": async_engine.stall_cause}, status_code=503)
         if not async_engine.is_ready:
             return JSONResponse({"status": "starting"}, status_code=503)
-        stats = await async_engine.get_stats()
-        body = {"status": "ok", "model": serving.name, "cuda_graphs": async_engine.engine.graph_status,
-                "cuda_graphs_enabled": stats.graphs_enabled, "captured_sizes": list(stats.captured_sizes)}
+        stats, fresh = await view.stats()
+        body = {"status": "ok", "model": serving.name, "cuda_graphs": async_engine.engine.graph_status}
+        if not fresh:  # the core did not answer in time (yet not for the stall bound): the last answer
+            body["engine_answered"] = False
+        if stats is None:
+            return JSONResponse(body)
+        body.update(cuda_graphs_enabled=stats.graphs_enabled, captured_sizes=list(stats.captured_sizes))
         if stats.ranks:  # tensor parallelism: every rank must be alive to serve
             body["ranks"] = list(stats.ranks)
             if not all(r["alive"] for r in stats.ranks):
@@ -215,7 +233,7 @@ def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         try:
-            stats = await async_engine.get_stats()
+            stats, _ = await view.stats()
         except (EngineNotReadyError, EngineDeadError):  # loading, or loading failed: the server's own only
             stats = None
         body, content_type = metrics.render(stats)
