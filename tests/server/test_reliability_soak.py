@@ -10,7 +10,8 @@ four failures a supervisor meets, each with a stream in flight.
   error event, exit 0.
 
 The four servers run at once (each scenario in its own thread), so the whole file takes about as long as the
-slowest one.
+slowest one. OSTINATO_SOAK=long runs the longer profile recorded in docs/RELIABILITY.md (more streams, longer
+bounds and a longer stop); `-s` prints each scenario's outcome.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the core process through /proc")
 SRC = Path(__file__).resolve().parents[2] / "src"
 STREAM = {"prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0.0, "ignore_eos": True, "stream": True}
+PROFILES = {  # streams in flight per scenario; the bounds (s); how long the drain scenario holds the core
+    "short": dict(streams=1, stall=1.0, kill=3.0, drain=20.0, drain_cut=1.0, hold=0.0),
+    "long": dict(streams=8, stall=5.0, kill=15.0, drain=60.0, drain_cut=5.0, hold=3.0),
+}
+P = PROFILES[os.environ.get("OSTINATO_SOAK", "short")]
 
 
 class Served:
@@ -130,31 +136,38 @@ def _timed_health(client) -> tuple[int | None, str, float]:
     return status, body, time.monotonic() - start
 
 
+def outcomes_of(streams: list[Stream], timeout: float) -> str:
+    """The streams' outcome if they all had the same one, else each one's."""
+    found = [s.outcome(timeout) for s in streams]
+    return found[0] if len(set(found)) == 1 else "; ".join(found)
+
+
 def scenario_kill(ckpt: Path) -> dict:
     srv = Served(ckpt)
     try:
-        stream = Stream(srv.url)
+        streams = [Stream(srv.url) for _ in range(P["streams"])]
         os.kill(srv.core, signal.SIGKILL)
         t0 = time.monotonic()
-        outcome = stream.outcome(30)
-        return {"stream": outcome, "code": srv.exit_code(30), "exit_s": time.monotonic() - t0}
+        outcome = outcomes_of(streams, 30)
+        return {"stream": outcome, "stream_s": time.monotonic() - t0, "code": srv.exit_code(30),
+                "exit_s": time.monotonic() - t0}
     finally:
         srv.kill()
 
 
 def scenario_stall(ckpt: Path) -> dict:
-    srv = Served(ckpt, "--engine-stall-timeout", "1", "--engine-kill-timeout", "3")
+    srv = Served(ckpt, "--engine-stall-timeout", str(P["stall"]), "--engine-kill-timeout", str(P["kill"]))
     try:
-        stream = Stream(srv.url)
+        streams = [Stream(srv.url) for _ in range(P["streams"])]
         os.kill(srv.core, signal.SIGSTOP)
         t0, probes = time.monotonic(), []
         with httpx.Client(base_url=srv.url) as client:
-            while srv.proc.poll() is None and time.monotonic() - t0 < 20:
+            while srv.proc.poll() is None and time.monotonic() - t0 < P["kill"] + 20:
                 status, body, took = _timed_health(client)
                 probes.append((time.monotonic() - t0, status, body, took))
                 time.sleep(0.1)
         stalled = [p[0] for p in probes if p[2] == "stalled"]
-        return {"stream": stream.outcome(30), "code": srv.exit_code(30), "exit_s": time.monotonic() - t0,
+        return {"stream": outcomes_of(streams, 30), "code": srv.exit_code(30), "exit_s": time.monotonic() - t0,
                 "slowest_probe_s": max(p[3] for p in probes if p[1] is not None),
                 "first_stalled_s": stalled[0] if stalled else None, "statuses": [p[1:3] for p in probes],
                 "log": "".join(srv.log)}
@@ -165,32 +178,36 @@ def scenario_stall(ckpt: Path) -> dict:
 def scenario_drain(ckpt: Path) -> dict:
     """SIGTERM mid-stream; the core is held (SIGSTOP) across the signal so the stream is surely in flight, and
     let go (SIGCONT) once /health has said draining."""
-    srv = Served(ckpt, "--shutdown-timeout", "20")
+    srv = Served(ckpt, "--shutdown-timeout", str(P["drain"]))
     try:
         with httpx.Client(base_url=srv.url) as client:
             assert client.get("/health", timeout=10).status_code == 200  # opens the kept-alive connection
-            stream = Stream(srv.url, max_tokens=8)  # short: it must finish within the drain
+            # Short streams: they must finish within the drain.
+            streams = [Stream(srv.url, max_tokens=8) for _ in range(P["streams"])]
             os.kill(srv.core, signal.SIGSTOP)
             os.kill(srv.proc.pid, signal.SIGTERM)
             t0 = time.monotonic()
             status, body, took = _timed_health(client)  # on the connection kept alive from before the signal
             refused = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+            time.sleep(P["hold"])
+            late = _timed_health(client)[:2]
         os.kill(srv.core, signal.SIGCONT)
-        outcome = stream.outcome(30)
-        return {"health": (status, body), "health_s": took, "new_request": refused.status_code,
-                "stream": outcome, "code": srv.exit_code(30), "exit_s": time.monotonic() - t0}
+        outcome = outcomes_of(streams, P["drain"] + 30)
+        return {"health": (status, body), "health_s": took, "late_health": late, "new_request": refused.status_code,
+                "stream": outcome, "stream_s": time.monotonic() - t0, "code": srv.exit_code(30),
+                "exit_s": time.monotonic() - t0}
     finally:
         srv.kill()
 
 
 def scenario_drain_timeout(ckpt: Path) -> dict:
-    srv = Served(ckpt, "--shutdown-timeout", "1")
+    srv = Served(ckpt, "--shutdown-timeout", str(P["drain_cut"]))
     try:
-        stream = Stream(srv.url)
-        os.kill(srv.core, signal.SIGSTOP)  # the stream cannot finish
+        streams = [Stream(srv.url) for _ in range(P["streams"])]
+        os.kill(srv.core, signal.SIGSTOP)  # the streams cannot finish
         os.kill(srv.proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
-        outcome = stream.outcome(30)
+        outcome = outcomes_of(streams, P["drain_cut"] + 30)
         stream_s = time.monotonic() - t0
         return {"stream": outcome, "stream_s": stream_s, "code": srv.exit_code(30), "exit_s": time.monotonic() - t0}
     finally:
@@ -204,7 +221,12 @@ def outcomes(tmp_path_factory):
                  "drain_timeout": scenario_drain_timeout}
     with ThreadPoolExecutor(len(scenarios)) as pool:
         futures = {name: pool.submit(fn, ckpt) for name, fn in scenarios.items()}
-        results = {name: f.result() for name, f in futures.items()}
+        results = {}
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except Exception as e:  # recorded, so each scenario's test fails on its own
+                results[name] = {"failed": f"{type(e).__name__}: {e}"}
     for name, result in results.items():
         print(name, {k: v for k, v in result.items() if k not in ("log", "statuses")})
     return results
@@ -218,16 +240,17 @@ def test_a_killed_core_fails_the_stream_and_exits_1(outcomes):
 def test_a_stopped_core_is_reported_stalled_then_killed(outcomes):
     r = outcomes["stall"]
     assert r["slowest_probe_s"] < 1.0, r["statuses"]  # /health answers whatever the core does
-    assert r["first_stalled_s"] is not None and 0.9 <= r["first_stalled_s"] < 3.0, r["statuses"]
+    assert r["first_stalled_s"] is not None and P["stall"] - 0.1 <= r["first_stalled_s"] < P["kill"], r["statuses"]
     assert (200, "ok") in r["statuses"][:3], r["statuses"]  # before the stall bound: the front's last view
     assert r["stream"] == "error event", r
-    assert r["code"] == 1 and r["exit_s"] < 10, r
+    assert r["code"] == 1 and P["kill"] <= r["exit_s"] < P["kill"] + 10, r
     assert "no progress" in r["log"] and "was killed" in r["log"], r["log"]
 
 
 def test_sigterm_drains_the_stream_and_exits_0(outcomes):
     r = outcomes["drain"]
     assert r["health"] == (503, "draining") and r["health_s"] < 1.0, r
+    assert r["late_health"] == (503, "draining"), r  # a new connection during the drain: the port is open
     assert r["new_request"] == 503, r
     assert r["stream"] == "finished", r
     assert r["code"] == 0, r
@@ -236,5 +259,5 @@ def test_sigterm_drains_the_stream_and_exits_0(outcomes):
 def test_sigterm_past_the_shutdown_timeout_ends_the_stream_with_an_error(outcomes):
     r = outcomes["drain_timeout"]
     assert r["stream"] == "error event", r
-    assert 1.0 <= r["stream_s"] < 8.0, r
+    assert P["drain_cut"] <= r["stream_s"] < P["drain_cut"] + 7.0, r
     assert r["code"] == 0, r
