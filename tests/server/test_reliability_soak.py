@@ -240,7 +240,8 @@ def test_a_killed_core_fails_the_stream_and_exits_1(outcomes):
 def test_a_stopped_core_is_reported_stalled_then_killed(outcomes):
     r = outcomes["stall"]
     assert r["slowest_probe_s"] < 1.0, r["statuses"]  # /health answers whatever the core does
-    assert r["first_stalled_s"] is not None and P["stall"] - 0.1 <= r["first_stalled_s"] < P["kill"], r["statuses"]
+    # Counted from the core's last message, which came at most a step before the stop.
+    assert r["first_stalled_s"] is not None and P["stall"] - 0.3 <= r["first_stalled_s"] < P["kill"], r["statuses"]
     assert (200, "ok") in r["statuses"][:3], r["statuses"]  # before the stall bound: the front's last view
     assert r["stream"] == "error event", r
     assert r["code"] == 1 and P["kill"] <= r["exit_s"] < P["kill"] + 10, r
