@@ -56,7 +56,7 @@ def register(subparsers) -> None:
                    help="kill an engine core that has made no progress for S seconds while work is pending, and "
                         "exit 1 as for a dead core (at least --engine-stall-timeout; 'none' turns it off; "
                         f"default: {DEFAULT_KILL_TIMEOUT_S:g})")
-    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+    p.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
                    help="on SIGTERM or Ctrl-C, let requests in flight finish for at most S seconds, then end the "
                         f"rest with an error event; /health says 503 draining meanwhile (default: "
                         f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
@@ -64,6 +64,13 @@ def register(subparsers) -> None:
                    help="run the engine on a thread of the server's process instead of in its own process "
                         "(slower: the engine and the HTTP work then share one GIL)")
     p.set_defaults(func=run)
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
 
 
 def _seconds_or_none(text: str) -> float | None:

@@ -36,7 +36,8 @@ from test_dead_core_exits import _core_pid  # noqa: E402
 
 from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the core process through /proc")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the core process through /proc")]
 SRC = Path(__file__).resolve().parents[2] / "src"
 STREAM = {"prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0.0, "ignore_eos": True, "stream": True}
 PROFILES = {  # streams in flight per scenario; the bounds (s); how long the drain scenario holds the core
