@@ -118,6 +118,10 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
+    # Not a sampling setting, but it travels with them to the block manager: mixed into the key of the
+    # request's first KV block, so only requests with the same salt share cached prefix blocks (vLLM's
+    # cache_salt). The server also puts the API key's namespace here.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -262,6 +266,8 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "min_p": _check_penalty("min_p", 0.0, 1.0),
     "min_tokens": lambda m: None if _is_int(m) and m >= 0 else f"min_tokens must be an integer >= 0, got {m!r}",
     "bad_words": _check_bad_words,
+    "cache_salt": lambda salt: None if salt is None or (isinstance(salt, str) and salt != "") else
+    f"cache_salt must be a non-empty string, got {salt!r}",
     "output_kind": lambda kind: None if isinstance(kind, RequestOutputKind) else
     f"output_kind must be a RequestOutputKind, got {kind!r}",
 }

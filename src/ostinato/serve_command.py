@@ -13,12 +13,21 @@ import os
 
 from ostinato.cli_args import add_engine_args, engine_args_from
 from ostinato.config import SERVER_MAX_QUEUED_REQUESTS, default_served_model_name
+from ostinato.errors import ConfigError
 from ostinato.engine.async_engine import AsyncEngine
 from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
 from ostinato.server import app
 from ostinato.server.limits import add_limit_args, limits_from
+from ostinato.server.middleware import read_api_keys
+from ostinato.server.shutdown import DrainingServer
 
 logger = logging.getLogger("ostinato.server.app")  # the server's start-up lines keep their logger's name
+
+
+DEFAULT_STALL_TIMEOUT_S = 60.0  # a step, or a compile in service, is far shorter; a hung core is not
+DEFAULT_KILL_TIMEOUT_S = 120.0
+# The drain, the engine's stop and uvicorn's last grace fit in Kubernetes' default 30 s before its SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 
 
 def register(subparsers) -> None:
@@ -28,13 +37,59 @@ def register(subparsers) -> None:
     add_engine_args(p, max_queued_requests=SERVER_MAX_QUEUED_REQUESTS)
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("OSTINATO_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSTINATO_API_KEY)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat it for several keys "
+                        "(default: $OSTINATO_API_KEY)")
+    p.add_argument("--api-keys-file", metavar="PATH",
+                   help="more keys, one per line ('#' starts a comment line)")
+    p.add_argument("--shared-prefix-cache", action="store_true",
+                   help="let every API key share one prefix cache (default: each key has its own, so a client "
+                        "cannot learn what a holder of another key sent from cached_tokens or from timing)")
+    p.add_argument("--no-report-cached-tokens", dest="report_cached_tokens", action="store_false",
+                   help="leave usage.prompt_tokens_details.cached_tokens out of responses")
     add_limit_args(p)
+    p.add_argument("--engine-stall-timeout", type=_seconds_or_none, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
+                   help="report the engine core 'stalled' (/health 503, new requests 503) once it has made no "
+                        f"progress for S seconds while work is pending; 'none' turns it off "
+                        f"(default: {DEFAULT_STALL_TIMEOUT_S:g})")
+    p.add_argument("--engine-kill-timeout", type=_seconds_or_none, default=DEFAULT_KILL_TIMEOUT_S, metavar="S",
+                   help="kill an engine core that has made no progress for S seconds while work is pending, and "
+                        "exit 1 as for a dead core (at least --engine-stall-timeout; 'none' turns it off; "
+                        f"default: {DEFAULT_KILL_TIMEOUT_S:g})")
+    p.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM or Ctrl-C, let requests in flight finish for at most S seconds, then end the "
+                        f"rest with an error event; /health says 503 draining meanwhile (default: "
+                        f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of in its own process "
                         "(slower: the engine and the HTTP work then share one GIL)")
     p.set_defaults(func=run)
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def _seconds_or_none(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds or 'none', got {text}")
+    return value
+
+
+def api_keys_from(ns: argparse.Namespace) -> list[str]:
+    """The keys /v1/* accepts: every --api-key, then the keys file's; $OSTINATO_API_KEY when neither is given."""
+    keys = list(ns.api_key or ())
+    if ns.api_keys_file:
+        keys += read_api_keys(ns.api_keys_file)
+    if not keys and os.environ.get("OSTINATO_API_KEY"):
+        keys.append(os.environ["OSTINATO_API_KEY"])
+    return keys
 
 
 class HoldUntilReady(logging.Filter):
@@ -64,7 +119,7 @@ async def _stop_when_the_engine_dies(async_engine, server, poll_s: float = 0.1) 
     Kubernetes) restarts it: a dead engine never comes back, and a server answering 503 forever is never
     restarted. In-flight streams have already been given their error event when dead_cause is set; uvicorn's
     shutdown lets them finish sending it."""
-    while async_engine.dead_cause is None:
+    while async_engine.dead_cause is None or server.draining:
         await asyncio.sleep(poll_s)
     logger.error("the engine is dead (%s); stopping the server so that it can be restarted",
                  async_engine.dead_cause)
@@ -89,10 +144,15 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
     if getattr(ns, "engine_thread", False):
         async_engine = AsyncEngine(lambda: engine_factory(args))
     else:
-        async_engine = ProcessAsyncEngine(args, factory=engine_factory)
-    http_app = app.build_app(async_engine, api_key=ns.api_key, served_model_name=name, limits=limits)
+        stall, kill = ns.engine_stall_timeout, ns.engine_kill_timeout
+        if stall is not None and kill is not None and kill < stall:
+            raise ConfigError(f"--engine-kill-timeout ({kill:g}) must be at least --engine-stall-timeout ({stall:g})")
+        async_engine = ProcessAsyncEngine(args, factory=engine_factory, stall_timeout=stall, kill_timeout=kill)
+    http_app = app.build_app(async_engine, api_key=api_keys_from(ns), served_model_name=name, limits=limits,
+                             isolate_keys=not ns.shared_prefix_cache, report_cached_tokens=ns.report_cached_tokens)
     log_level = _UVICORN_LOG_LEVELS.get(str(getattr(ns, "log_level", "INFO")).upper(), "info")
-    server = uvicorn.Server(uvicorn_config(http_app, limits, host=ns.host, port=ns.port, log_level=log_level))
+    server = DrainingServer(uvicorn_config(http_app, limits, host=ns.host, port=ns.port, log_level=log_level),
+                            http_app.state.serving, ns.shutdown_timeout)
     uvicorn_logger = logging.getLogger("uvicorn.error")  # the logger uvicorn announces the port on
     hold = HoldUntilReady()
     uvicorn_logger.addFilter(hold)
@@ -101,6 +161,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
         logger.info("loading %s; until it is ready /health answers 503", args.model)
         async_engine.start()
         serving = asyncio.create_task(server.serve())
+        drain = asyncio.create_task(server.drain(async_engine))
         ready = asyncio.create_task(async_engine.wait_ready())
         await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.exception() is not None:
@@ -111,6 +172,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
             return 1
         if not ready.done():  # stopped (SIGINT, SIGTERM) while loading
             await serving
+            drain.cancel()
             return 0
         hold.release(uvicorn_logger)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
@@ -119,6 +181,9 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
         engine_died = asyncio.create_task(_stop_when_the_engine_dies(async_engine, server))
         await serving
         engine_died.cancel()
+        drain.cancel()
+        if server.draining:  # an orderly stop, even where the drain ran out of time (logged)
+            return 0
         return 1 if engine_died.done() and not engine_died.cancelled() else 0
 
     try:

@@ -201,3 +201,31 @@ def test_ops_on_a_free_block_are_refused(op):
     bm = BlockManager(2, 2, enable_prefix_caching=True)
     with pytest.raises(RuntimeError, match="which is free"):
         bm.allocator.free(0) if op == "free" else bm.allocator.cache(0, b"k")
+
+
+def _computed(bm: BlockManager, seq: Sequence) -> None:
+    bm.admit(seq, bm.cached_prefix(seq), seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq, seq.num_tokens)
+
+
+@pytest.mark.parametrize("first, second", [(None, "b"), ("a", None), ("a", "b")])
+def test_a_request_with_another_cache_salt_finds_no_cached_block(first, second):
+    bm = BlockManager(16, 4, enable_prefix_caching=True, salt="m")
+    prompt = list(range(13))  # three full blocks before the last token's
+    _computed(bm, Sequence(0, "r0", prompt, SamplingParams(cache_salt=first)))
+    other = Sequence(1, "r1", prompt, SamplingParams(cache_salt=second))
+    assert bm.cached_prefix(other) == []
+    _computed(bm, other)
+    assert bm.prefix_hits == 0
+    again = Sequence(2, "r2", prompt, SamplingParams(cache_salt=second))
+    assert len(bm.cached_prefix(again)) == 3  # the same salt still shares
+
+
+def test_cache_salt_must_be_a_non_empty_string():
+    from ostinato.errors import InvalidRequestError
+
+    for bad in ("", 3):
+        with pytest.raises(InvalidRequestError, match="cache_salt") as e:
+            SamplingParams(cache_salt=bad)
+        assert e.value.param == "cache_salt"

@@ -544,4 +544,4 @@ def test_serve_flags_build_engine_args(monkeypatch):
     assert (args.model, args.max_num_seqs, args.cuda_graph_sizes) == ("/models/x", 8, (1, 2, 4))
     assert args.enforce_eager and args.cuda_graph_fallback == "eager" and args.dtype == "float32"
     assert args.block_size == EngineArgs(model="m").block_size  # flags not given keep EngineArgs' defaults
-    assert ns.api_key == "from-env" and ns.port == 9001 and ns.func is serve_command.run
+    assert serve_command.api_keys_from(ns) == ["from-env"] and ns.port == 9001 and ns.func is serve_command.run

@@ -106,6 +106,11 @@ class AsyncEngine:
         return self._dead_cause
 
     @property
+    def stall_cause(self) -> str | None:
+        """Always None: the stall watchdog watches the engine core process (core_link.py), not this thread."""
+        return None
+
+    @property
     def engine(self) -> "LLMEngine":
         """The wrapped engine, for read-only facts (tokenizer, configs, graph_status). Do not call step() on it."""
         if self._engine is None:

@@ -10,13 +10,18 @@ cache must cover positions [0, n) needs ceil(n / block_size) blocks, and token p
 
 Prefix caching. A *full* block whose K/V has been computed is keyed by a chained hash: the hash of the
 previous block's key, its own block_size token ids, and (for the first block) a salt naming everything else
-that changes K/V (the model and its dtype; the engine passes it in, opaque). Two sequences whose first k
+that changes K/V (the model and its dtype; the engine passes it in, opaque), and the request's own
+`cache_salt` if it has one. Two sequences whose first k
 blocks hold the same tokens therefore find the same k keys, and the second reads the first's blocks instead
 of recomputing them. A cached block is shared read-only: a sequence writes only positions past its cached
 prefix, and the prefix never covers the prompt's last token (its logits are needed, so it is always
 computed), so a shared block is never written. A cached block whose last holder frees it keeps its content
 and its key; it is evicted (its key dropped, the block reused) only when the pool needs a block and no
 never-cached free block is left, least recently used first.
+
+Isolation. Whether a prefix is cached shows in a request's `num_cached_tokens` and in its time to first token,
+so a client could learn whether another sent a given prompt. A salt in the first block's key changes every
+key after it: requests with different salts never share (or see) each other's blocks.
 """
 
 from __future__ import annotations
@@ -310,6 +315,11 @@ class BlockManager:
         keys, bs = seq.block_hashes, self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
-            keys.append(hash_block(keys[-1] if keys else None, seq.token_ids_range(i * bs, (i + 1) * bs),
-                                   self._salt))
+            tokens = seq.token_ids_range(i * bs, (i + 1) * bs)
+            keys.append(hash_block(keys[-1], tokens) if keys else hash_block(None, tokens, self._salt_of(seq)))
         return keys
+
+    def _salt_of(self, seq: Sequence) -> bytes:
+        """The first block's salt: the engine's, and the request's cache_salt after it when it has one."""
+        request_salt = seq.sampling_params.cache_salt
+        return self._salt if request_salt is None else self._salt + b"\x00request:" + request_salt.encode()

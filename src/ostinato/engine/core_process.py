@@ -17,6 +17,7 @@ Per step the core sends one message: the step's DELTA outputs (what the server a
 
 Failure: if a step raises, the core reports ("dead", cause) and exits; if the process dies outright the pipe
 closes. Either way the front marks itself dead: pending requests get EngineDeadError and /health says 503.
+A core that stalls is found by a watchdog (core_link.py), reported, then killed and treated as dead.
 An abort ends the stream at once in the front; the core frees the KV blocks when it reads the abort, before
 its next step.
 """
@@ -39,9 +40,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from ostinato.config import EngineArgs, ModelConfig
 from ostinato.errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from ostinato.sampling_params import SamplingParams
+from ostinato.engine.core_link import CommandSender, CoreWatchdog
 from ostinato.engine.core_logging import log_like_the_front, parent_logging
 from ostinato.engine.incident import report_step_failure
-from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, deliver
+from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, call_soon, deliver, settle
 from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
@@ -148,19 +150,16 @@ class ProcessAsyncEngine:
     dead_cause, engine, observer) over an engine core in its own process.
 
     `factory(args)` builds the engine in the core process; it must be picklable by name (a module-level
-    function), as `spawn` requires.
+    function), as `spawn` requires. `stall_timeout` / `kill_timeout`: the watchdog's bounds (None: off).
     """
 
     def __init__(self, args: EngineArgs, *, factory: Callable[[EngineArgs], "LLMEngine"] = build_engine,
-                 observer: StepObserver | None = None):
+                 observer: StepObserver | None = None, stall_timeout: float | None = None,
+                 kill_timeout: float | None = None):
         self.args = args
         self.observer = observer
         self._factory = factory
-        # _lock guards _requests and _calls and is never held while blocking; _send_lock orders writes to the
-        # command pipe. (A send may block while the pipe is full; the reader thread must still be able to drain
-        # the core's events meanwhile, or both processes would wait on each other.)
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _requests and _calls; never held while blocking
         self._requests: dict[str, _Pending] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
@@ -170,14 +169,16 @@ class ProcessAsyncEngine:
         self._stopping = False  # shutdown() was called: the core's exit is expected
         self._process = None
         self._reader: threading.Thread | None = None
-        self._commands = None
+        self._sender: CommandSender | None = None
+        self._watchdog = CoreWatchdog(stall_timeout, kill_timeout, ping=self._ping, kill=self._kill_stalled,
+                                      has_work=lambda: self._info is not None and bool(self._requests or self._calls))
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
         if self._process is not None:
             raise RuntimeError("ProcessAsyncEngine.start() was already called")
         ctx = multiprocessing.get_context("spawn")
-        commands_recv, self._commands = ctx.Pipe(duplex=False)
+        commands_recv, commands = ctx.Pipe(duplex=False)
         self._events, events_send = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=_core_main, name="ostinato-engine-core", daemon=True,
                                     args=(self._factory, self.args, commands_recv, events_send,
@@ -185,6 +186,8 @@ class ProcessAsyncEngine:
         self._process.start()
         commands_recv.close()  # the core's ends: the front must see EOF when the core dies
         events_send.close()
+        self._sender = CommandSender(commands)  # sends never block the event loop, even with the core stopped
+        self._watchdog.start()
         self._reader = threading.Thread(target=self._read, name="ostinato-engine-reader", daemon=True)
         self._reader.start()
 
@@ -198,9 +201,10 @@ class ProcessAsyncEngine:
         except (EngineDeadError, OSError):
             pass
         self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.terminate()
+        if self._process.is_alive():  # SIGKILL: a stopped process would not act on SIGTERM
+            self._process.kill()
             self._process.join(5)
+        self._watchdog.stop()
         self._die("the engine was shut down")
 
     async def wait_ready(self) -> None:
@@ -216,6 +220,10 @@ class ProcessAsyncEngine:
     @property
     def dead_cause(self) -> str | None:
         return self._dead_cause
+
+    @property
+    def stall_cause(self) -> str | None:  # silent past the stall bound with work pending
+        return None if self._dead_cause is not None else self._watchdog.stall_cause
 
     @property
     def engine(self) -> EngineInfo:
@@ -275,7 +283,7 @@ class ProcessAsyncEngine:
                     self.observer.on_request_aborted(request_id)
                 except Exception:
                     logger.exception("step observer failed")
-            _call_soon(pending.stream.loop, deliver, [(pending.stream, ENDED)])
+            call_soon(pending.stream.loop, deliver, [(pending.stream, ENDED)])
 
     async def get_stats(self) -> EngineStats:
         _ = self.engine  # raises unless the engine is serving
@@ -289,20 +297,27 @@ class ProcessAsyncEngine:
         return await asyncio.wrap_future(fut)
 
     def _send(self, message) -> None:
-        """Send a command to the core; EngineDeadError if it is gone (a request pending then fails by _die)."""
-        with self._send_lock:
-            if self._dead_cause is not None:
-                raise EngineDeadError(f"the engine is not serving: {self._dead_cause}")
-            try:
-                self._commands.send(message)
-            except OSError as e:  # the core's end is closed: it died; the reader reports why
-                raise EngineDeadError("the engine is not serving: the engine core process is gone") from e
+        """Queue a command; EngineDeadError if the core is known dead (else _die fails what it left pending)."""
+        if self._dead_cause is not None or self._sender.broken:
+            raise EngineDeadError(f"the engine is not serving: {self._dead_cause or 'the engine core is gone'}")
+        self._sender.send(message)
+
+    def _ping(self) -> None:  # the watchdog's question: a stats call whose answer only counts as progress
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = concurrent.futures.Future()
+        self._send(("stats", call_id))
+
+    def _kill_stalled(self, cause: str) -> None:
+        self._die(cause)  # first, so the cause is the stall, not the exit code the reader then sees
+        self._process.kill()
 
     # ---- the reader thread --------------------------------------------------------------------------------
     def _read(self) -> None:
         try:
             while True:
                 message = self._events.recv()
+                self._watchdog.progress()
                 kind = message[0]
                 if kind == "step":
                     self._on_step(message[1], message[2])
@@ -338,7 +353,7 @@ class ProcessAsyncEngine:
         if pending is None:
             return
         pending.prompt_token_ids = prompt_token_ids
-        if not _call_soon(pending.stream.loop, _settle, pending.accepted, error) and error is None:
+        if not call_soon(pending.stream.loop, settle, pending.accepted, error) and error is None:
             self.abort(request_id)  # its caller's loop is gone: free the blocks
 
     def _on_step(self, items: list, now: float) -> None:
@@ -362,7 +377,7 @@ class ProcessAsyncEngine:
                 except Exception:  # metrics must never take the engine down
                     logger.exception("step observer failed")
         for loop, batch in by_loop.items():
-            if not _call_soon(loop, deliver, batch):  # that loop is closed: nobody is listening
+            if not call_soon(loop, deliver, batch):  # that loop is closed: nobody is listening
                 for stream, _ in batch:
                     self.abort(stream.request_id)
 
@@ -380,21 +395,8 @@ class ProcessAsyncEngine:
             if p.accepted.done():
                 by_loop[p.stream.loop].append((p.stream, error))
             else:
-                _call_soon(p.stream.loop, _settle, p.accepted, error)
+                call_soon(p.stream.loop, settle, p.accepted, error)
         for loop, batch in by_loop.items():
-            _call_soon(loop, deliver, batch)
+            call_soon(loop, deliver, batch)
         self._ready.set()
 
-
-def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
-    if not fut.done():
-        fut.set_result(None) if error is None else fut.set_exception(error)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
-    """loop.call_soon_threadsafe(fn, *args); False if the loop is closed."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        return False
-    return True

@@ -106,3 +106,18 @@ def deliver(items: list) -> None:
     """Put each (stream, item) on its stream; runs on the streams' event loop."""
     for stream, item in items:
         stream._put(item)
+
+
+def settle(fut: asyncio.Future, error: BaseException | None) -> None:
+    """Resolve `fut` (on its loop): None, or `error` raised; nothing if it is already done (cancelled)."""
+    if not fut.done():
+        fut.set_result(None) if error is None else fut.set_exception(error)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """loop.call_soon_threadsafe(fn, *args); False if the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -32,6 +33,7 @@ from ostinato.engine.core_process import ProcessAsyncEngine
 from ostinato.engine.chat_prompt import render_chat
 from ostinato.engine.outputs import RequestOutput, merge_deltas
 from ostinato.sampling_params import RequestOutputKind
+from ostinato.server.engine_view import EngineView
 from ostinato.server.errors import APIError, install_error_handlers
 from ostinato.server.limits import ServerLimits
 from ostinato.server.metrics import ServerMetrics
@@ -47,9 +49,9 @@ TOKENIZER_THREADS = 4  # concurrent tokenizations; each is bounded by the prompt
 
 
 # ---- output formatting -------------------------------------------------------------------------------------
-def _usage(out: RequestOutput) -> UsageInfo:
+def _usage(out: RequestOutput, report_cached: bool) -> UsageInfo:
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return usage_of(len(out.prompt_token_ids), completion, out.num_cached_tokens)
+    return usage_of(len(out.prompt_token_ids), completion, out.num_cached_tokens if report_cached else None)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -107,8 +109,11 @@ def _openapi_without_422(app: FastAPI) -> Callable[[], dict]:
 class _Serving:
     """What every route of one app shares: the engine, the limits, the served name and the tokenizer pool."""
 
-    def __init__(self, async_engine: AsyncEngine | ProcessAsyncEngine, limits: ServerLimits, served_model_name: str):
+    def __init__(self, async_engine: AsyncEngine | ProcessAsyncEngine, limits: ServerLimits, served_model_name: str,
+                 report_cached_tokens: bool = True):
         self.async_engine, self.limits, self.name = async_engine, limits, served_model_name
+        self.report_cached = report_cached_tokens
+        self.draining = False  # set from the shutdown signal on (serve_command): /health says 503 draining
         # Tokenizing and chat templating run here: never on the event loop, never on the engine thread.
         self.tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ostinato-tokenize")
 
@@ -117,8 +122,14 @@ class _Serving:
         return engine.engine.scheduler_config.max_model_len if engine.is_ready else None
 
     def engine(self):
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry (another instance will answer)",
+                           "service_unavailable")
         if self.async_engine.dead_cause is not None:
             raise EngineDeadError(f"the engine is not serving: {self.async_engine.dead_cause}")
+        stall = self.async_engine.stall_cause
+        if stall is not None:
+            raise APIError(503, f"the engine is not serving: {stall}; retry later", "service_unavailable")
         return self.async_engine.engine  # EngineNotReadyError while loading: 503
 
     def check_model(self, model: str | None) -> None:
@@ -141,13 +152,26 @@ class _Serving:
         self.limits.check_prompt_tokens(len(prompt), max_len)
         return prompt
 
+    @staticmethod
+    def engine_params(params, cache_salt: str | None, request: Request):
+        """The request's SamplingParams as the engine gets them: DELTA outputs (O(new tokens) per step, merged
+        for a non-streamed answer), and a prefix-cache salt made of the API key's namespace and the body's
+        cache_salt, so that only requests with the same key and salt share cached blocks."""
+        namespace = request.scope.get("state", {}).get("cache_namespace")
+        salt = None if namespace is None and cache_salt is None else json.dumps([namespace, cache_salt])
+        return params.replace(output_kind=RequestOutputKind.DELTA, cache_salt=salt)
+
     def stream_response(self, events: AsyncIterator[str], stream: RequestStream) -> Response:
         return EngineStreamResponse(events, stream, self.limits.stream_send_timeout)
 
 
-def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | None = None, served_model_name: str,
-              max_body_bytes: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | Sequence[str] | None = None,
+              served_model_name: str, max_body_bytes: int | None = None, limits: ServerLimits | None = None,
+              isolate_keys: bool = True, report_cached_tokens: bool = True) -> FastAPI:
     """The FastAPI app serving `async_engine` (which may still be loading: /health says 503 until ready).
+
+    `api_key`: one key or several, any of which /v1/* accepts; each key is its own prefix-cache namespace
+    unless `isolate_keys` is False. `report_cached_tokens` False leaves usage.prompt_tokens_details out.
 
     `limits` bounds what one request may ask (default: ServerLimits()); `max_body_bytes`, if given, overrides
     its body cap. Installs a ServerMetrics as the engine's step observer; its registry is
@@ -160,14 +184,16 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
     app.openapi = _openapi_without_422(app)
     metrics = ServerMetrics(served_model_name)
     async_engine.observer = metrics
+    serving = _Serving(async_engine, limits, served_model_name, report_cached_tokens)
     app.state.async_engine, app.state.metrics, app.state.limits = async_engine, metrics, limits
-    serving = _Serving(async_engine, limits, served_model_name)
+    app.state.serving = serving
     install_error_handlers(app)
     # Added last = outermost: the key is checked before a body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=lambda: limits.body_bytes(serving.model_len()),
                        timeout=limits.body_timeout)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, isolate=isolate_keys)
     _add_status_routes(app, serving, metrics)
     _add_completion_routes(app, serving)
     return app
@@ -175,17 +201,26 @@ def build_app(async_engine: AsyncEngine | ProcessAsyncEngine, *, api_key: str | 
 
 def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) -> None:
     async_engine = serving.async_engine
+    view = EngineView(async_engine)  # /health and /metrics never wait on the core for more than a second
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if serving.draining:  # Connection: close, so a kept-alive probe reconnects (and is refused) next time
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Connection": "close"})
         if async_engine.dead_cause is not None:
             return JSONResponse({"status": "dead", "cause": async_engine.dead_cause}, status_code=503)
+        if async_engine.stall_cause is not None:
+            return JSONResponse({"status": "stalled", "cause": async_engine.stall_cause}, status_code=503)
         if not async_engine.is_ready:
             return JSONResponse({"status": "starting"}, status_code=503)
-        stats = await async_engine.get_stats()
-        body = {"status": "ok", "model": serving.name, "cuda_graphs": async_engine.engine.graph_status,
-                "cuda_graphs_enabled": stats.graphs_enabled, "captured_sizes": list(stats.captured_sizes),
-                "batch_invariant": stats.batch_invariant}
+        stats, fresh = await view.stats()
+        body = {"status": "ok", "model": serving.name, "cuda_graphs": async_engine.engine.graph_status}
+        if not fresh:  # the core did not answer in time (yet not for the stall bound): the last answer
+            body["engine_answered"] = False
+        if stats is None:
+            return JSONResponse(body)
+        body.update(cuda_graphs_enabled=stats.graphs_enabled, captured_sizes=list(stats.captured_sizes),
+                    batch_invariant=stats.batch_invariant)
         if stats.ranks:  # tensor parallelism: every rank must be alive to serve
             body["ranks"] = list(stats.ranks)
             if not all(r["alive"] for r in stats.ranks):
@@ -199,7 +234,7 @@ def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         try:
-            stats = await async_engine.get_stats()
+            stats, _ = await view.stats()
         except (EngineNotReadyError, EngineDeadError):  # loading, or loading failed: the server's own only
             stats = None
         body, content_type = metrics.render(stats)
@@ -221,7 +256,7 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = serving.engine()
         serving.check_model(body.model)
-        params = _as_delta(body.to_sampling_params(engine.generation_defaults))
+        params = serving.engine_params(body.to_sampling_params(engine.generation_defaults), body.cache_salt, request)
         serving.check_limits(body, params.logprobs)
         prompt = await serving.prompt_ids(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -229,7 +264,8 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
         fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
             return serving.stream_response(completion_events(stream, request_id, name, fmt, want_logprobs,
-                                                              body.include_usage_chunk), stream)
+                                                              body.include_usage_chunk, serving.report_cached),
+                                           stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -238,7 +274,7 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
             lp = fmt.completion_logprobs(c, ChoiceCursor()) if want_logprobs else None
             choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason))
         return JSONResponse(CompletionResponse(id=request_id, model=name, choices=choices,
-                                               usage=_usage(final)).model_dump())
+                                               usage=_usage(final, serving.report_cached)).model_dump())
 
     @app.post("/v1/chat/completions", response_model=None,
               responses={**_ERROR_RESPONSES, **streaming_responses(ChatCompletionResponse, ChatCompletionChunk)})
@@ -250,14 +286,15 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
         limits.check_prompt_chars(sum(len(m["content"]) for m in messages), max_len, param="messages")
         prompt = await serving.off_loop(_chat_prompt_ids, engine.tokenizer, messages)
         limits.check_prompt_tokens(len(prompt), max_len, param="messages")
-        params = _as_delta(body.to_sampling_params(len(prompt), max_len, engine.generation_defaults))
+        params = serving.engine_params(body.to_sampling_params(len(prompt), max_len, engine.generation_defaults),
+                                       body.cache_salt, request)
         serving.check_limits(body, params.logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return serving.stream_response(chat_events(stream, request_id, name, fmt, want_logprobs,
-                                                        params.n, body.include_usage_chunk), stream)
+            return serving.stream_response(chat_events(stream, request_id, name, fmt, want_logprobs, params.n,
+                                                        body.include_usage_chunk, serving.report_cached), stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)
@@ -265,12 +302,7 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
                               logprobs=fmt.chat_logprobs(c) if want_logprobs else None,
                               finish_reason=c.finish_reason) for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(id=request_id, model=name, choices=choices,
-                                                   usage=_usage(final)).model_dump())
-
-
-def _as_delta(params):
-    """The server streams (and merges non-streamed answers from) DELTA outputs: O(new tokens) per step."""
-    return params.replace(output_kind=RequestOutputKind.DELTA)
+                                                   usage=_usage(final, serving.report_cached)).model_dump())
 
 
 def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -3,33 +3,67 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ostinato.errors import ConfigError
 from ostinato.server.errors import error_response
 
 OPEN_PATHS = ("/health", "/metrics", "/version")  # never behind the API key (probes and scrapers)
 
 
-class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every path but /health, /metrics and /version."""
+def read_api_keys(path: str | Path) -> list[str]:
+    """The keys of an --api-keys-file: one per line; blank lines and lines starting with '#' are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"--api-keys-file {path}: cannot read it ({e.strerror})") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ConfigError(f"--api-keys-file {path} holds no key; write one key per line")
+    return keys
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self._key = app, api_key.encode()
+
+def key_namespace(key: str) -> str:
+    """A key's prefix-cache namespace: a digest, so the key itself never travels to the engine."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>`, with one of `api_keys`, on every path but /health, /metrics and
+    /version. With `isolate` (the default) the request's scope["state"]["cache_namespace"] names its key, so
+    each key gets its own prefix cache (a client cannot learn through cached_tokens or timing what a holder
+    of another key sent); without it every key shares one."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], isolate: bool = True):
+        if not api_keys or not all(api_keys):
+            raise ConfigError("every API key must be a non-empty string")
+        self.app, self._isolate = app, isolate
+        self._keys = [(key.encode(), key_namespace(key)) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        # compare_digest: the time taken must not tell an attacker how much of the key was right.
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the "
-                                      "key the server was started with (--api-key)", "authentication_error")
+        token, namespace = token.strip(), None
+        # compare_digest against every key, without stopping at a match: the time taken must tell an attacker
+        # neither how much of a key was right nor which key matched.
+        for key, key_ns in self._keys:
+            if hmac.compare_digest(token, key):
+                namespace = key_ns
+        if scheme.lower() != b"bearer" or namespace is None:
+            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with a "
+                                      "key the server was started with (--api-key, --api-keys-file)",
+                                      "authentication_error")
             return await response(scope, receive, send)
+        if self._isolate:
+            scope.setdefault("state", {})["cache_namespace"] = namespace
         await self.app(scope, receive, send)
 
 

@@ -84,6 +84,8 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
+    # vLLM's per-request prefix-cache isolation: only requests with the same salt (and API key) share blocks.
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=1024)] | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None

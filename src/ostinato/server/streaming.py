@@ -72,9 +72,11 @@ class Formatter:
         return ChatLogprobs(content=content)
 
 
-def usage_of(prompt: int, completion: int, cached: int) -> UsageInfo:
+def usage_of(prompt: int, completion: int, cached: int | None) -> UsageInfo:
+    """The usage; cached None leaves prompt_tokens_details out (--no-report-cached-tokens)."""
+    details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=details)
 
 
 def sse(payload: BaseModel) -> str:
@@ -120,7 +122,7 @@ def _chat_choice(fmt: Formatter, want_logprobs: bool) -> Callable[[CompletionOut
 
 
 async def choice_events(stream: AsyncIterator, writer: ChunkWriter, make_choice, make_chunk, include_usage: bool,
-                        opening: tuple[str, ...] = ()) -> AsyncIterator[str]:
+                        opening: tuple[str, ...] = (), report_cached: bool = True) -> AsyncIterator[str]:
     """The SSE body shared by completions and chat: `opening` events, then for every (merged) DELTA output one
     chunk per completion that advanced, written together; then the usage chunk when asked for, then [DONE].
     make_choice(completion, cursor) writes a choice's JSON; make_chunk(choices, usage) the usage chunk."""
@@ -148,21 +150,21 @@ async def choice_events(stream: AsyncIterator, writer: ChunkWriter, make_choice,
         yield stream_error(e)
     if include_usage and cursors:
         completion = sum(c.num_tokens for c in cursors.values())
-        yield sse(make_chunk([], usage_of(prompt_len, completion, cached)))
+        yield sse(make_chunk([], usage_of(prompt_len, completion, cached if report_cached else None)))
     yield "data: [DONE]\n\n"
 
 
 def completion_events(stream: AsyncIterator, request_id: str, model: str, fmt: Formatter, want_logprobs: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, report_cached: bool = True) -> AsyncIterator[str]:
     def chunk(choices, usage):
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     return choice_events(stream, ChunkWriter(chunk([], None)), _completion_choice(fmt, want_logprobs), chunk,
-                         include_usage)
+                         include_usage, report_cached=report_cached)
 
 
 def chat_events(stream: AsyncIterator, request_id: str, model: str, fmt: Formatter, want_logprobs: bool, n: int,
-                include_usage: bool) -> AsyncIterator[str]:
+                include_usage: bool, report_cached: bool = True) -> AsyncIterator[str]:
     def chunk(choices, usage):
         return ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage)
 
@@ -170,7 +172,7 @@ def chat_events(stream: AsyncIterator, request_id: str, model: str, fmt: Formatt
     opening = tuple(sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None))
                     for i in range(n))
     return choice_events(stream, ChunkWriter(chunk([], None)), _chat_choice(fmt, want_logprobs), chunk,
-                         include_usage, opening)
+                         include_usage, opening, report_cached)
 
 
 class EngineStreamResponse(StreamingResponse):

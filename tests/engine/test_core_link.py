@@ -1,0 +1,106 @@
+"""The front's link to the engine core, without a core: the watchdog's stall and kill bounds on a fake clock of
+progress, and a command sender that never blocks its caller on a pipe nobody reads."""
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from ostinato.engine.core_link import CommandSender, CoreWatchdog
+
+
+class Core:
+    """What the watchdog watches: whether work is pending, its pings and the kill."""
+
+    def __init__(self):
+        self.work = False
+        self.pings = 0
+        self.killed: list[str] = []
+        self.kill_event = threading.Event()
+
+    def ping(self):
+        self.pings += 1
+
+    def kill(self, cause):
+        self.killed.append(cause)
+        self.kill_event.set()
+
+
+def watchdog(core, stall=0.3, kill=0.8, **kw):
+    dog = CoreWatchdog(stall, kill, has_work=lambda: core.work, ping=core.ping, kill=core.kill,
+                       interval=0.02, **kw)
+    dog.start()
+    return dog
+
+
+def test_an_idle_core_is_never_stalled():
+    core = Core()
+    dog = watchdog(core)
+    try:
+        time.sleep(1.0)  # past both bounds, with nothing pending
+        assert dog.stall_cause is None and core.killed == [] and core.pings == 0
+        core.work = True  # work arrives after a long idle time: the silence counts from now
+        assert dog.stall_cause is None
+    finally:
+        dog.stop()
+
+
+def test_a_silent_core_with_work_is_stalled_then_killed_once():
+    core = Core()
+    dog = watchdog(core, ping_after=0.1)
+    try:
+        time.sleep(0.1)
+        core.work = True
+        start = time.monotonic()
+        while dog.stall_cause is None:
+            assert time.monotonic() - start < 2, "never reported stalled"
+            time.sleep(0.01)
+        assert time.monotonic() - start >= 0.25 and "no progress" in dog.stall_cause
+        assert core.kill_event.wait(3)
+        assert time.monotonic() - start >= 0.75
+        time.sleep(0.2)
+        assert len(core.killed) == 1 and "was killed" in core.killed[0]
+        assert core.pings >= 2  # it asked the silent core, about every ping_after
+    finally:
+        dog.stop()
+
+
+def test_progress_keeps_a_busy_core_alive():
+    core = Core()
+    dog = watchdog(core)
+    try:
+        core.work = True
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            dog.progress()
+            assert dog.stall_cause is None
+            time.sleep(0.05)
+        assert core.killed == []
+    finally:
+        dog.stop()
+
+
+def test_the_kill_bound_is_at_least_the_stall_bound():
+    with pytest.raises(ValueError, match="at least"):
+        CoreWatchdog(5, 1, has_work=lambda: True, ping=lambda: None, kill=lambda cause: None)
+
+
+def test_send_never_blocks_on_a_pipe_nobody_reads():
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    sender = CommandSender(writer)
+
+    def send_all():  # about 2 MB: far past what the pipe buffers
+        for i in range(200):
+            sender.send(("add", i, b"x" * 10_000))
+
+    caller = threading.Thread(target=send_all, daemon=True)
+    caller.start()
+    caller.join(2)
+    blocked = caller.is_alive()
+    received = [reader.recv()[1] for _ in range(200)]  # (also lets a blocked caller finish)
+    assert not blocked, "send blocked on the full pipe"
+    assert received == list(range(200))  # every message, in order
+    sender.close(5)
+    reader.close()
