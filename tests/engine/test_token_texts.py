@@ -25,19 +25,22 @@ def llm(tmp_path_factory):
 def test_the_table_holds_each_tokens_own_text_or_none_for_part_of_a_character(llm):
     tok = llm.engine.tokenizer
     for skip in (True, False):
-        table = token_texts(tok, skip, vocab_size=len(tok) + 3)
-        assert len(table) == len(tok) + 3 and table[-3:] == [None] * 3
+        table = token_texts(tok, skip)
+        ids = range(len(tok) + 3)
+        texts = [table[i] for i in ids]  # filled as met
+        assert len(table) == len(ids) and texts[-3:] == [None] * 3  # past the vocabulary: the detokenizer's
         alone = [tok.backend_tokenizer.decode([i], skip_special_tokens=skip) for i in range(len(tok))]
-        assert table[:len(tok)] == [None if FFFD in t else t for t in alone]
-        assert 0 < table.count(None) - 3 < len(tok) // 2  # the tiny BPE's lone high bytes
-    assert token_texts(tok, True, 10)[tok.eos_token_id] == ""  # a skipped special token adds no text
+        assert texts[:len(tok)] == [None if FFFD in t else t for t in alone]
+        assert 0 < texts.count(None) - 3 < len(tok) // 2  # the tiny BPE's lone high bytes
+    assert token_texts(tok, True)[tok.eos_token_id] == ""  # a skipped special token adds no text
+    assert token_texts(tok, False)[tok.eos_token_id] == tok.eos_token
 
 
 def test_a_decoder_that_is_not_byte_level_gets_no_table():
     vocab = {"<unk>": 0, "▁a": 1, "b": 2}
     sentencepiece = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     sentencepiece.decoder = decoders.Metaspace()
-    assert token_texts(sentencepiece, True, 3) is None
+    assert token_texts(sentencepiece, True) is None
 
 
 def test_delta_and_final_only_runs_of_the_same_requests_give_the_same_texts(llm, monkeypatch):

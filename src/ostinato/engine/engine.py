@@ -50,7 +50,7 @@ class _SeqState:
     logprobs: list[TokenLogprob] | None = None
     # Each token's own text (engine/token_texts.py), for a streamed sequence without stop strings or logprobs
     # and a byte-level tokenizer; used while on_table, i.e. while its text so far ends on a whole character.
-    texts: list[str | None] | None = None
+    texts: dict[int, str | None] | None = None
     on_table: bool = False
     finish_reason: str | None = None
     sent_tokens: int = 0  # DELTA: output tokens (and logprobs) already in an output
@@ -119,7 +119,7 @@ class LLMEngine:
         self.scheduler_config = config.scheduler
         self.served_model_name = config.served_model_name
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        self._token_texts = TokenTextCache(self.tokenizer, self.model_config.vocab_size)
+        self._token_texts = TokenTextCache(self.tokenizer)
         # A TensorParallelRunner with --tensor-parallel-size > 1.
         self.runner: Runner = make_runner(config.runner, config.parallel)
         # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
