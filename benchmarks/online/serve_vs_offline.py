@@ -1,5 +1,6 @@
 """Server vs offline on the same work: output tokens/s of `LLM.generate` and of `ostinato serve` under
-`ostinato bench serve`, and their ratio (the goal: the server within 15% of offline).
+`ostinato bench serve`, then under the independent client benchmarks/online/aiohttp_client.py, and their ratios
+(the goal: the server within 5% of offline).
 
 Both runs use the same prompts (bench serve's random token ids), greedy, ignore_eos, exactly --output-len
 tokens each, and the same engine flags (everything after `--`). Each runs in its own process, one after the
@@ -98,7 +99,7 @@ def _child_serve(ns, engine_argv: list[str]) -> None:
 
     from ostinato.cli import build_parser
     from ostinato.engine.core_process import build_engine
-    from ostinato.server import app
+    from ostinato import serve_command
     from ostinato.tools.bench import noop_forward
 
     logging.basicConfig(level="WARNING")
@@ -115,8 +116,8 @@ def _child_serve(ns, engine_argv: list[str]) -> None:
 
         profile = cProfile.Profile()
     try:
-        sys.exit(profile.runcall(app.run, serve_ns, engine_factory=factory) if profile
-                 else app.run(serve_ns, engine_factory=factory))
+        sys.exit(profile.runcall(serve_command.run, serve_ns, engine_factory=factory) if profile
+                 else serve_command.run(serve_ns, engine_factory=factory))
     except KeyboardInterrupt:  # how main() stops this child (uvicorn re-raises the SIGINT once it has shut down)
         sys.exit(0)
     finally:
@@ -189,6 +190,10 @@ def main() -> int:
                    help="cProfile the server's event loop (DIR/front.prof), its engine core (DIR/core.prof) and "
                         "the load generator (DIR/client.prof), and print where each spends its time")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--no-independent-client", dest="independent_client", action="store_false",
+                   help="skip the second load run, by benchmarks/online/aiohttp_client.py, on the same server")
+    p.add_argument("--summary-json", metavar="PATH",
+                   help="write offline, bench serve and the independent client's figures here as one JSON object")
     p.add_argument("--child", choices=["offline", "serve"], help=argparse.SUPPRESS)
     ns = p.parse_args(own)
     if ns.child == "offline":
@@ -230,6 +235,7 @@ def main() -> int:
         steps = _decode_steps(ns.port) - steps_before
         cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
                      for pid in pids]
+        independent = _independent_client(ns) if ns.independent_client else None
     finally:
         # uvicorn re-raises the signal once it has shut down: SIGINT's KeyboardInterrupt lets the server child's
         # `finally` blocks run (they stop the engine core and write the profiles); SIGTERM would end it there.
@@ -250,10 +256,29 @@ def main() -> int:
     ratio = summary["output_throughput"] / offline["output_throughput"]
     print(f"\nLLM.generate {offline['output_throughput']:.0f} tok/s | server {summary['output_throughput']:.0f} "
           f"tok/s (median ITL {summary['itl_ms']['median']:.2f} ms) | server/offline = {ratio:.2f} "
-          f"(goal >= 0.85)")
+          f"(goal >= 0.95)")
+    if independent is not None:
+        print(f"independent client (aiohttp): {independent['output_throughput']:.0f} tok/s, "
+              f"{independent['output_tokens']} tokens in {independent['chunks']} chunks, ITL median "
+              f"{independent['itl_ms']['median']:.2f} ms, p99 {independent['itl_ms']['p99']:.2f} ms | "
+              f"server/offline = {independent['output_throughput'] / offline['output_throughput']:.2f}")
+    if ns.summary_json:
+        with open(ns.summary_json, "w") as f:
+            json.dump({"offline": offline, "bench_serve": summary, "independent": independent}, f)
     if ns.profile:
         _print_profiles(ns.profile)
-    return 0 if summary["failed"] == 0 else 1
+    failed = summary["failed"] + (independent["failed"] if independent is not None else 0)
+    return 0 if failed == 0 else 1
+
+
+def _independent_client(ns) -> dict:
+    """The same work again, loaded by benchmarks/online/aiohttp_client.py (no ostinato code) in its own process."""
+    client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aiohttp_client.py")
+    res = subprocess.run([sys.executable, client, "--base-url", f"http://127.0.0.1:{ns.port}", "--json",
+                          "--num-prompts", str(ns.num_prompts), "--input-len", str(ns.input_len),
+                          "--output-len", str(ns.output_len), "--max-concurrency", str(ns.max_concurrency)],
+                         stdout=subprocess.PIPE, text=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def _print_profiles(folder: str, top: int = 25) -> None:

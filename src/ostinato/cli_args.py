@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                    help=f"tokens per step, decode rows and prefill chunks together (default max("
                         f"{OFFLINE_MAX_NUM_BATCHED_TOKENS if offline else DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
                         "--max-num-seqs)): a longer prompt is prefilled in chunks while running sequences decode")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
+                   help="most prompt tokens a step that also decodes running sequences carries, so a stream's "
+                        "next token waits behind at most N prompt tokens (default: what the step budget leaves; "
+                        "a step with nothing to decode always fills the budget)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-kv-blocks", type=int, default=None,

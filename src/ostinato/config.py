@@ -77,11 +77,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_queued_requests: int | None = None
+    # Prompt tokens a step that also decodes may carry (None: what the budget leaves). A running stream then
+    # waits behind at most this many prompt tokens, while a step with nothing to decode still prefills the
+    # whole budget (docs/PERFORMANCE.md, "Why these defaults").
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         # Checked here, once, for configs from EngineArgs and configs built by hand alike.
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 1:
+            raise ConfigError(f"--max-prefill-tokens-while-decoding must be >= 1 (or unset: the step budget), "
+                              f"got {cap}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every decode row runs every step and counts against the budget; a prompt is prefilled in chunks of
             # what is left, so any budget >= max_num_seqs serves every prompt.
@@ -199,6 +207,7 @@ class EngineArgs:
     skip_graph_check: bool = False
     served_model_name: str | None = None
     max_queued_requests: int | None = None
+    max_prefill_tokens_while_decoding: int | None = None  # SchedulerConfig's
     tokenizer: str | None = None
     revision: str | None = None  # branch, tag or commit of a hub id (ORG/NAME); None: the repository's main
     # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
@@ -310,6 +319,7 @@ class EngineArgs:
             max_num_batched_tokens=self._max_num_batched_tokens(),
             max_model_len=max_len,
             max_queued_requests=self.max_queued_requests,
+            max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
         )
 
     def _max_num_batched_tokens(self) -> int:

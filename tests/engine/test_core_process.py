@@ -30,20 +30,20 @@ from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
 def _slow_engine(args: EngineArgs) -> LLMEngine:
     """A real engine whose steps take 20 ms at least, so a request is still running when a test acts on it."""
     engine = build_engine(args)
-    step = engine.step
+    step = engine.step_records  # what the core process runs each step
 
     def slow_step():
         time.sleep(0.02)
         return step()
 
-    engine.step = slow_step
+    engine.step_records = slow_step
     return engine
 
 
 def _failing_engine(args: EngineArgs) -> LLMEngine:
     """A real engine whose fifth step raises."""
     engine = build_engine(args)
-    step, count = engine.step, [0]
+    step, count = engine.step_records, [0]
 
     def failing_step():
         count[0] += 1
@@ -51,7 +51,7 @@ def _failing_engine(args: EngineArgs) -> LLMEngine:
             raise RuntimeError("injected step failure")
         return step()
 
-    engine.step = failing_step
+    engine.step_records = failing_step
     return engine
 
 
@@ -204,15 +204,15 @@ def test_each_step_is_one_message_carrying_every_request_it_advanced(args):
 
     def counting_engine(engine_args):
         engine = build_engine(engine_args)
-        step = engine.step
+        step = engine.step_records
 
         def counted():
-            outputs = step()
-            if outputs:
-                steps_with_outputs.append(sorted(o.request_id for o in outputs))
-            return outputs
+            records = step()
+            if records:
+                steps_with_outputs.append(sorted(r[0] for r in records))
+            return records
 
-        engine.step = counted
+        engine.step_records = counted
         return engine
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,

@@ -9,7 +9,7 @@ import pytest
 
 from ostinato import LLM, RequestOutputKind, SamplingParams
 from ostinato.engine import detokenizer as detok_mod
-from ostinato.engine import engine as engine_mod
+from ostinato.engine import step_outputs as step_outputs_mod
 from ostinato.engine.detokenizer import OutputText
 from ostinato.engine.outputs import merge_deltas
 from ostinato.tools.checkpoint import make_checkpoint
@@ -128,11 +128,11 @@ def test_what_a_step_builds_does_not_grow_with_the_output(llm, monkeypatch):
     """Counts the work, not the time: per step, a DELTA request gets one token, its text and logprob; no
     whole-output text is joined and no whole completion built until the request finishes."""
     joins, wholes = [], []
-    real_text, real_whole = OutputText.text, engine_mod.LLMEngine._whole
+    real_text, real_whole = OutputText.text, step_outputs_mod.whole_completion
     monkeypatch.setattr(OutputText, "text", property(lambda self: joins.append(1) or real_text.fget(self)))
     monkeypatch.setattr(detok_mod.IncrementalDetokenizer, "text",
                         property(lambda self: joins.append(1) or "".join(self._pieces)))
-    monkeypatch.setattr(engine_mod.LLMEngine, "_whole", staticmethod(lambda st: wholes.append(1) or real_whole(st)))
+    monkeypatch.setattr(step_outputs_mod, "whole_completion", lambda st: wholes.append(1) or real_whole(st))
     n_tokens = 300
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True, logprobs=2, stop=["zzzz"],
                             output_kind=DELTA)

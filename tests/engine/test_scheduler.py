@@ -660,3 +660,20 @@ def test_overlap_a_step_that_crosses_a_block_boundary_with_a_token_in_flight():
     seq = s.get(0)
     assert out.kind == "decode" and out.new_blocks == ((0, seq.block_table[1]),) and len(seq.block_table) == 2
     assert seq.num_inflight == 2 and seq.num_computed_tokens == 5
+
+
+def test_a_step_that_decodes_carries_at_most_the_prefill_cap_and_one_that_does_not_fills_the_budget():
+    sched = Scheduler(SchedulerConfig(4, 16, 32, max_prefill_tokens_while_decoding=3),
+                      CacheConfig(block_size=4, num_blocks=64))
+    sched.add(make_seq(0, 10))
+    sched.add(make_seq(1, 9))
+    out = step(sched)  # nothing decodes yet: the whole budget, 10 + the first 6 of the next prompt
+    assert out.kind == "prefill" and [(s.seq_id, len(s.token_ids)) for s in out.seqs] == [(0, 10), (1, 6)]
+    out = step(sched)  # 0 decodes: the chunk beside it is capped at 3 tokens (the budget left 15)
+    assert out.kind == "mixed" and out.num_decode == 1 and [(s.seq_id, len(s.token_ids)) for s in out.seqs] == [(1, 3)]
+    assert out.seqs[0].samples  # 6 + 3 = 9: that prompt is done
+    sched.add(make_seq(2, 8))
+    out = step(sched)
+    assert out.num_decode == 2 and [(s.seq_id, len(s.token_ids)) for s in out.seqs] == [(2, 3)]
+    with pytest.raises(ConfigError, match="--max-prefill-tokens-while-decoding must be >= 1"):
+        SchedulerConfig(4, 16, 32, max_prefill_tokens_while_decoding=0)

@@ -44,7 +44,7 @@ from ostinato.engine.core_link import CommandSender, CoreWatchdog
 from ostinato.engine.core_logging import log_like_the_front, parent_logging
 from ostinato.engine.incident import report_step_failure
 from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, call_soon, deliver, settle
-from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from ostinato.engine.outputs import EngineStats, RequestOutput, output_from_record
 
 if TYPE_CHECKING:
     from ostinato.engine.engine import LLMEngine
@@ -99,15 +99,12 @@ def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, c
             elif kind == "stats":
                 events.send(("stats", message[1], engine.stats()))
         try:
-            outputs = engine.step()
+            records = engine.step_records()
         except BaseException:
             events.send(("dead", report_step_failure(logger, "engine step failed")))
             return
-        if outputs:
-            # Plain tuples pickle several times faster than dataclasses; the prompt went out once, with "added".
-            events.send(("step", [(o.request_id, [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
-                                                  for c in o.outputs], o.finished, o.first_token_time,
-                                   o.finished_time, o.num_cached_tokens) for o in outputs], time.monotonic()))
+        if records:  # plain tuples (engine/step_outputs.py); the prompt went out once, with "added"
+            events.send(("step", records, time.monotonic()))
 
 
 def _pump(commands, inbox: queue.SimpleQueue) -> None:
@@ -359,16 +356,15 @@ class ProcessAsyncEngine:
     def _on_step(self, items: list, now: float) -> None:
         outputs, by_loop = [], defaultdict(list)
         with self._lock:
-            for request_id, comps, finished, first_token_time, finished_time, num_cached in items:
+            for record in items:
+                request_id = record[0]
                 pending = self._requests.get(request_id)
                 if pending is None:  # aborted in the front while the core was stepping
                     continue
-                out = RequestOutput(request_id, pending.prompt, pending.prompt_token_ids,
-                                    [CompletionOutput(*c) for c in comps], finished, pending.arrival_time,
-                                    first_token_time, finished_time, num_cached)
+                out = output_from_record(record, pending.prompt, pending.prompt_token_ids, pending.arrival_time)
                 outputs.append(out)
                 by_loop[pending.stream.loop].append((pending.stream, out))
-                if finished:
+                if out.finished:
                     del self._requests[request_id]
             # Under the lock, so an abort either comes before (its request is skipped above) or after.
             if self.observer is not None:

@@ -61,7 +61,8 @@ class IncrementalDetokenizer:
         # The Rust tokenizer behind a fast HF tokenizer; None for slow (pure Python) tokenizers.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         # Context tokens, then every output token: what the offsets fallback decodes windows of.
-        self._ids: list[int] = list(self._prompt_context(prompt_token_ids))
+        context, self._at_boundary = self._prompt_context(prompt_token_ids)
+        self._ids: list[int] = list(context)
         self._num_context = len(self._ids)
         # The DecodeStream is made and primed at the first append: decode_all() never needs one.
         self._stream = None
@@ -71,6 +72,12 @@ class IncrementalDetokenizer:
         # Window start for the offsets fallback: a few tokens before _read_offset.
         self._prefix_offset = max(0, self._read_offset - _OFFSET_CONTEXT)
 
+    @property
+    def at_boundary(self) -> bool:
+        """True when no token is held back: the context decodes to whole characters, or the last append
+        released text (a byte-level decoder then gives the next token the same text with or without them)."""
+        return self._at_boundary
+
     def _decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
@@ -78,13 +85,14 @@ class IncrementalDetokenizer:
             list(ids), skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> Sequence[int]:
-        """The shortest prompt suffix (4..23 tokens) that decodes to whole characters."""
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> tuple[Sequence[int], bool]:
+        """The shortest prompt suffix (4..23 tokens) that decodes to whole characters, and whether one did."""
         prompt = list(prompt_token_ids)
         for n in range(_MIN_PROMPT_CONTEXT, min(len(prompt), _MAX_PROMPT_CONTEXT - 1) + 1):
             if REPLACEMENT_CHAR not in self._decode(prompt[-n:]):
-                return prompt[-n:]
-        return prompt[-_MIN_PROMPT_CONTEXT:]
+                return prompt[-n:], True
+        context = prompt[-_MIN_PROMPT_CONTEXT:]  # a longer prompt's 4-token suffix was decoded above, unclean
+        return context, len(prompt) < _MIN_PROMPT_CONTEXT and REPLACEMENT_CHAR not in self._decode(context)
 
     def append(self, token_id: int) -> str:
         """Add one generated token; return the text it completed (possibly "")."""
@@ -92,6 +100,7 @@ class IncrementalDetokenizer:
             self._start_stream()
         self._ids.append(token_id)
         new_text = self._stream_step(token_id) if self._stream is not None else self._offsets_step()
+        self._at_boundary = bool(new_text)
         if new_text:
             self._pieces.append(new_text)
             return new_text

@@ -22,9 +22,11 @@ from ostinato.model.hub import check_tokenizer_folder
 from ostinato.sampling_params import RequestOutputKind, SamplingParams
 from ostinato.engine.logits_spec import resolve_logits_spec
 from ostinato.engine.detokenizer import IncrementalDetokenizer, OutputText
-from ostinato.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
+from ostinato.engine.outputs import EngineStats, OutputRecord, RequestOutput, TokenLogprob, output_from_record
 from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.step_outputs import request_record
+from ostinato.engine.token_texts import TokenTextCache
 
 if TYPE_CHECKING:
     from ostinato.runner.protocol import Runner
@@ -47,6 +49,10 @@ class _SeqState:
     # when the sequence finishes, and a step only records its token.
     text_per_step: bool
     logprobs: list[TokenLogprob] | None = None
+    # Each token's own text (engine/token_texts.py), for a streamed sequence without stop strings or logprobs
+    # and a byte-level tokenizer; used while on_table, i.e. while its text so far ends on a whole character.
+    texts: dict[int, str | None] | None = None
+    on_table: bool = False
     finish_reason: str | None = None
     sent_tokens: int = 0  # DELTA: output tokens (and logprobs) already in an output
     sent_pieces: int = 0  # DELTA: pieces of text.pieces already in an output
@@ -119,6 +125,7 @@ class LLMEngine:
             logger.info("sampling defaults from %s: %s (a request's own values win; --generation-config vllm "
                         "ignores the file)", config.generation_defaults_source,
                         ", ".join(f"{k}={v}" for k, v in sorted(self.generation_defaults.items())))
+        self._token_texts = TokenTextCache(self.tokenizer)
         # A TensorParallelRunner with --tensor-parallel-size > 1.
         self.runner: Runner = make_runner(config.runner, config.parallel)
         # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
@@ -154,6 +161,8 @@ class LLMEngine:
         logits_spec = resolve_logits_spec(params, stop_ids, self.tokenizer, self.model_config.vocab_size)
         max_output = min(params.max_tokens, self.scheduler_config.max_model_len - len(prompt_ids))
         text_per_step = bool(params.stop) or params.output_kind is not RequestOutputKind.FINAL_ONLY
+        texts = (self._token_texts.get(params.skip_special_tokens)
+                 if text_per_step and not params.stop and params.logprobs is None else None)
         for index in range(params.n):
             child = self._child_params(params, index)
             seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), child,
@@ -162,7 +171,8 @@ class LLMEngine:
             st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                               params.skip_special_tokens),
                            OutputText(params.stop, params.include_stop_str_in_output), stop_ids, max_output,
-                           text_per_step, logprobs=[] if params.logprobs is not None else None)
+                           text_per_step, logprobs=[] if params.logprobs is not None else None, texts=texts)
+            st.on_table = texts is not None and st.detok.at_boundary
             state.seqs.append(st)
             state.num_unfinished += 1
             self._seq_owner[seq.seq_id] = (state, st)
@@ -236,6 +246,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step. With async_scheduling a decode step is launched and the tokens of the decode
         step before it are read and returned instead: the CPU prepares step n+1 while the GPU runs step n."""
+        outputs = []
+        for state in self._step():
+            record = request_record(state)
+            if record is not None:
+                outputs.append(output_from_record(record, state.prompt, state.prompt_token_ids,
+                                                  state.arrival_time))
+        return outputs
+
+    def step_records(self) -> list[OutputRecord]:
+        """step(), with each output as the plain tuple the server's engine core sends (engine/step_outputs.py):
+        a streamed request's output every step is where a large batch's host time goes."""
+        return [r for r in map(request_record, self._step()) if r is not None]
+
+    def _step(self) -> list[_RequestState]:
+        """One scheduler step; the requests that may have an output from it."""
         out = self.scheduler.schedule()
         if out.is_empty and not out.left and self._inflight is None:
             return []
@@ -252,17 +277,13 @@ class LLMEngine:
             result = p.result()  # waits for that step's tokens
             self.scheduler.update(result.seq_ids, result.token_ids)
             self._take_tokens(result, now, touched)
-        outputs = []
         for state in touched.values():
             if state.finished:
                 state.finished_time = now
                 self._requests.pop(state.request_id, None)
                 for st in state.seqs:
                     self._seq_owner.pop(st.seq.seq_id, None)
-            output = self._make_output(state)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return list(touched.values())
 
     def _take_tokens(self, result: StepResult, now: float, touched: dict[str, _RequestState]) -> None:
         """Take one step's sampled tokens. The loop runs once per running sequence per step, so what a
@@ -280,7 +301,15 @@ class LLMEngine:
                 # and not again when a preempted sequence is recomputed; num_preemptions counts those).
                 state.first_token_time = now
                 self._prompt_tokens_total += len(state.prompt_token_ids)
-            if st.text_per_step or st.logprobs is not None:
+            if st.on_table and (text := st.texts[token_id]) is not None:  # a streamed token's text, looked up
+                if text:
+                    st.text.pieces.append(text)
+                if token_id in st.stop_ids:
+                    self._finish(state, st, "stop")
+                elif len(st.seq.output_token_ids) >= st.max_output:
+                    self._finish(state, st, "length")
+                touched[state.request_id] = state
+            elif st.text_per_step or st.logprobs is not None:
                 self._process_token(state, st, tok)
                 touched[state.request_id] = state
             elif token_id in st.stop_ids:
@@ -297,12 +326,18 @@ class LLMEngine:
         if st.logprobs is not None:
             top = (tok.top or [])[: st.seq.sampling_params.logprobs]
             st.logprobs.append(TokenLogprob(tok.token_id, tok.logprob, top))
+        if st.on_table:  # part of a character: the detokenizer holds it, with the tokens before as context
+            st.on_table = False
+            n = st.seq.num_tokens
+            st.detok = IncrementalDetokenizer(self.tokenizer, st.seq.token_ids_range(max(0, n - 25), n - 1),
+                                              st.seq.sampling_params.skip_special_tokens)
         if st.text_per_step and st.text.append(st.detok.append(tok.token_id)):
             self._finish(state, st, "stop")  # a stop string
         elif tok.token_id in st.stop_ids:
             self._finish(state, st, "stop")
         elif len(st.seq.output_token_ids) >= st.max_output:
             self._finish(state, st, "length")
+        st.on_table = st.texts is not None and st.detok.at_boundary
 
     def _finish(self, state: _RequestState, st: _SeqState, reason: str) -> None:
         st.finish_reason = reason
@@ -312,42 +347,6 @@ class LLMEngine:
         st.text.finish()
         status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
         self.scheduler.finish(st.seq.seq_id, status)
-
-    def _make_output(self, state: _RequestState) -> RequestOutput | None:
-        """The request's output for this step, as its output_kind asks; None when there is nothing to send."""
-        kind = state.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not state.finished:
-            return None
-        if kind is RequestOutputKind.DELTA:
-            if len(state.seqs) == 1:
-                delta = self._delta(state.seqs[0])
-                comps = [] if delta is None else [delta]
-            else:
-                comps = [c for c in map(self._delta, state.seqs) if c is not None]
-        else:
-            comps = [self._whole(st) for st in state.seqs]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, state.finished,
-                             state.arrival_time, state.first_token_time, state.finished_time,
-                             state.seqs[0].seq.num_cached_tokens or 0)
-
-    @staticmethod
-    def _whole(st: _SeqState) -> CompletionOutput:
-        """Everything so far: O(length), so built every step only for CUMULATIVE requests."""
-        return CompletionOutput(st.index, st.text.text, list(st.seq.output_token_ids), st.finish_reason,
-                                list(st.logprobs) if st.logprobs is not None else None)
-
-    @staticmethod
-    def _delta(st: _SeqState) -> CompletionOutput | None:
-        """What is new since this sequence's last delta (O(new tokens)); None if nothing is."""
-        tokens, pieces = st.seq.output_token_ids, st.text.pieces
-        if st.sent_tokens == len(tokens) and (st.finish_reason is None or st.sent_finish):
-            return None
-        out = CompletionOutput(st.index, "".join(pieces[st.sent_pieces:]), tokens[st.sent_tokens:],
-                               st.finish_reason,
-                               st.logprobs[st.sent_tokens:] if st.logprobs is not None else None)
-        st.sent_tokens, st.sent_pieces = len(tokens), len(pieces)
-        st.sent_finish = st.finish_reason is not None
-        return out
 
     # ---- introspection -----------------------------------------------------------------------------
     @property

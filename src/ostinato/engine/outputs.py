@@ -46,6 +46,21 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+# A step's output of one request as the engine core sends it (engine/step_outputs.py builds them):
+# (request_id, [(index, text, token_ids, finish_reason, logprobs) per completion], finished, first_token_time,
+#  finished_time, num_cached_tokens). The prompt, its ids and the arrival time are known to the receiver.
+CompletionRecord = tuple[int, str, list[int], "str | None", "list[TokenLogprob] | None"]
+OutputRecord = tuple[str, list[CompletionRecord], bool, "float | None", "float | None", int]
+
+
+def output_from_record(record: OutputRecord, prompt: str | None, prompt_token_ids: list[int],
+                       arrival_time: float) -> RequestOutput:
+    """The RequestOutput a record stands for, given what the record leaves out."""
+    request_id, comps, finished, first_token_time, finished_time, num_cached = record
+    return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*c) for c in comps], finished,
+                         arrival_time, first_token_time, finished_time, num_cached)
+
+
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
     """Join consecutive DELTA outputs of one request into one output, in O(their total size).
 

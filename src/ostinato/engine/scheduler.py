@@ -13,7 +13,8 @@ Policy, one `schedule()` call at a time, within a budget of max_num_batched_toke
    cache, and it goes back to the FRONT of the waiting queue, keeping its generated tokens). If that sequence
    is the one asking, it leaves this step instead. The oldest running sequence therefore always makes
    progress: alone, it fits (checked at start-up: num_blocks * block_size >= max_model_len).
-2. Then prefill chunks with what is left of the budget (decode rows count one token each): first the
+2. Then prefill chunks with what is left of the budget (decode rows count one token each; in a step with
+   decode rows, at most max_prefill_tokens_while_decoding prompt tokens where that is set): first the
    running sequence still being prefilled (at most one: the newest), as far as the budget and the free
    blocks allow (with no free block at all it waits; the decodes' preemptions above free blocks); then new
    admissions from the head of the waiting queue, in arrival order, while seats
@@ -143,6 +144,9 @@ class Scheduler:
         preempted: list[int] = []
         num_decode, new_blocks = self._schedule_decode(preempted)
         budget = self.config.max_num_batched_tokens - num_decode
+        cap = self.config.max_prefill_tokens_while_decoding
+        if num_decode and cap is not None:
+            budget = min(budget, cap)
         chunks = self._continue_prefills(budget)
         budget -= sum(len(c.token_ids) for c in chunks)
         chunks += self._admit(budget, preempted)

@@ -8,9 +8,10 @@ so the figure measures the engine's own overhead.
 For each batch B and context C: B requests with prompts of C tokens (ignore_eos) are prefilled, then
 `--steps` decode steps are timed one by one with time.perf_counter (the median step counts). "engine" is a
 whole LLMEngine.step(); "core" is its scheduling and runner part (the Scheduler's and ModelRunner's calls),
-without the per-token output work (detokenization, stop checks, RequestOutput). The requests' outputs are of
+without the per-token output work (detokenization, stop checks, the outputs). The requests' outputs are of
 each `--output-kinds`: final_only is what LLM.generate asks for (one output per request, when it finishes),
-delta what the server streams (each step's new tokens and text). Each point is the median of `--repeats`
+timed as LLMEngine.step(); delta what the server streams (each step's new tokens and text), timed as the
+server's engine core runs a step: LLMEngine.step_records() and pickling the step's one message. Each point is the median of `--repeats`
 runs: the machine may be shared.
 """
 
@@ -119,17 +120,29 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
     timers = [_Timer(owner, name) for owner, name in (
         (engine.scheduler, "schedule"), (engine.scheduler, "update"), (runner, "launch"),
         (runner, "execute"), (PendingStep, "result"))]
+    step = _server_core_step(engine) if output_kind is RequestOutputKind.DELTA else engine.step
     engine_s, core_s = [], []
     for _ in range(steps):  # per-step medians: a shared machine's hiccups do not move them
         core_before = sum(t.seconds for t in timers)
         t0 = time.perf_counter()
-        engine.step()
+        step()
         engine_s.append(time.perf_counter() - t0)
         core_s.append(sum(t.seconds for t in timers) - core_before)
     for t in timers:
         t.restore()
     total, core = statistics.median(engine_s) * steps, statistics.median(core_s) * steps
     return {"batch": batch, "context": context, "engine_us": total / steps * 1e6, "core_us": core / steps * 1e6}
+
+
+def _server_core_step(engine):
+    """What the server's engine core does per step (engine/core_process.py): the step, as records, pickled into
+    the one message it sends (all but the pipe's write)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    def step() -> bytes:
+        return ForkingPickler.dumps(("step", engine.step_records(), time.monotonic()))
+
+    return step
 
 
 def run(args) -> int:
