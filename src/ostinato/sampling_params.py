@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ostinato.errors import InvalidRequestError
+from ostinato.structured_outputs import StructuredOutputs, from_request
 
 # Temperatures below this are greedy: dividing logits by ~0 overflows float32. The one greedy rule: the
 # sampler (host and device) and SamplingParams.greedy all compare against it. vLLM uses the same cut-off.
@@ -103,6 +104,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A JSON schema, regex, choice or grammar the output must follow (a dict in vLLM's shape is accepted).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -116,6 +119,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            object.__setattr__(self, "structured_outputs", from_request(self.structured_outputs))
 
     def _validate(self, names) -> None:
         """Check the named fields (in _CHECKS order: the first bad one is reported)."""
