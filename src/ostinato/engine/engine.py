@@ -118,13 +118,12 @@ class LLMEngine:
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} of {limit}); "
                                  "retry later or raise --max-queued-requests")
         state = _RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
-        compiled = None
-        if params.structured_outputs is not None:  # held outside the scheduler while its grammar compiles
-            compiled = self.constrained.submit(request_id, params.structured_outputs, params.n)
-            if compiled is None:
-                self._requests[request_id] = state
-                return prompt_ids
-        self._queue(state, compiled)
+        spec = params.structured_outputs
+        compiled = None if spec is None else self.constrained.submit(request_id, spec, params.n)
+        if spec is None or compiled is not None:
+            self._queue(state, compiled)
+        else:  # held outside the scheduler while its grammar compiles (ConstrainedRequests.take_ready)
+            self._requests[request_id] = state
         return prompt_ids
 
     def _queue(self, state: _RequestState, compiled) -> None:
@@ -151,18 +150,15 @@ class LLMEngine:
         """Queue the held requests whose grammar compiled; those whose compile failed end without tokens."""
         ended = []
         for request_id, compiled in self.constrained.take_ready():
-            state = self._requests.get(request_id)
-            if state is None:
-                continue  # aborted meanwhile
-            if not isinstance(compiled, InvalidRequestError):
+            state = self._requests.get(request_id)  # None: aborted meanwhile
+            if state is not None and not isinstance(compiled, InvalidRequestError):
                 self._queue(state, compiled)
-                continue
-            logger.warning("request %s ends unserved: %s", request_id, compiled)
-            del self._requests[request_id]
-            state.finished_time = time.monotonic()
-            ended.append(RequestOutput(request_id, state.prompt, state.prompt_token_ids,
-                                       [CompletionOutput(i, "", [], "abort", None) for i in range(state.params.n)],
-                                       True, state.arrival_time, None, state.finished_time, 0))
+            elif state is not None:
+                logger.warning("request %s ends unserved: %s", request_id, compiled)
+                del self._requests[request_id]
+                ended.append(RequestOutput(request_id, state.prompt, state.prompt_token_ids, [
+                    CompletionOutput(i, "", [], "abort", None) for i in range(state.params.n)], True,
+                    state.arrival_time, None, time.monotonic(), 0))
         return ended
 
     @staticmethod
@@ -267,12 +263,10 @@ class LLMEngine:
 
     def _settle(self, pending, now: float) -> None:
         """Take a launched step's tokens (once: the grammar masks may have made the in-flight step's taken early)."""
-        if pending is self._settled:
-            return
-        self._settled = pending
-        result = pending.result()  # waits for that step's tokens
-        self.scheduler.update(result.seq_ids, result.token_ids)
-        self._take_tokens(result, now, self._touched)
+        if pending is not self._settled:
+            self._settled, result = pending, pending.result()  # waits for that step's tokens
+            self.scheduler.update(result.seq_ids, result.token_ids)
+            self._take_tokens(result, now, self._touched)
 
     def _grammar_masks(self, seq_ids: list[int]):
         """The runner's call, while a step's forward runs: the next-token bitmasks of its constrained rows. They
