@@ -100,3 +100,18 @@ def test_tool_choice_constraints_and_results():
     assert e.value.param == "tool_choice"
     with pytest.raises(InvalidRequestError, match="needs a non-empty 'name'"):
         ToolRequest.of([{"type": "function", "function": {}}], "auto", None)
+
+
+def test_logprobs_a_mask_ruled_out_stay_valid_json():
+    from ostinato.engine.outputs import CompletionOutput, TokenLogprob
+    from ostinato.server.streaming import ChoiceCursor, Formatter
+
+    class Tok:
+        def decode(self, ids):
+            return f"t{ids[0]}"
+
+    c = CompletionOutput(0, "t1", [1], "stop", [TokenLogprob(1, 0.0, [(1, 0.0), (2, float("-inf"))])])
+    fmt = Formatter(Tok())
+    assert json.loads(json.dumps(fmt.chat_logprobs(c).model_dump(), allow_nan=False))
+    lp = fmt.completion_logprobs(c, ChoiceCursor())
+    assert lp.top_logprobs == [{"t1": 0.0, "t2": -9999.0}]
