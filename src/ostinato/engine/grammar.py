@@ -83,8 +83,10 @@ class GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 xgr = import_xgrammar()
+                # No stop ids given (the server's front, which only checks that a grammar compiles): xgrammar
+                # finds the tokenizer's own.
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
+                                                          stop_token_ids=self.stop_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
