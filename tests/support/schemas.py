@@ -28,8 +28,10 @@ def _leaf(rng: random.Random) -> dict:
 
 
 def _object(rng: random.Random, depth: int) -> dict:
-    names = rng.sample(["id", "name", "color", "size", "ok", "tags", "pos", "info", "count"], rng.randint(1, 3))
-    props = {n: (_object(rng, depth + 1) if depth < 2 and rng.random() < 0.25 else _leaf(rng)) for n in names}
+    # Nested objects hold at most two fields and nest once: an answer stays within a few dozen tokens.
+    names = rng.sample(["id", "name", "color", "size", "ok", "tags", "pos", "info", "count"],
+                       rng.randint(1, 3 if depth == 0 else 2))
+    props = {n: (_object(rng, depth + 1) if depth == 0 and rng.random() < 0.3 else _leaf(rng)) for n in names}
     required = [n for n in names if rng.random() < 0.8] or names[:1]
     return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
 
