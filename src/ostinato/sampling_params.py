@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ostinato.errors import InvalidRequestError
+from ostinato.structured_outputs import StructuredOutputs, from_request
 
 # Temperatures below this are greedy: dividing logits by ~0 overflows float32. The one greedy rule: the
 # sampler (host and device) and SamplingParams.greedy all compare against it. vLLM uses the same cut-off.
@@ -122,6 +123,8 @@ class SamplingParams:
     # request's first KV block, so only requests with the same salt share cached prefix blocks (vLLM's
     # cache_salt). The server also puts the API key's namespace here.
     cache_salt: str | None = None
+    # A JSON schema, regex, choice or grammar the output must follow (a dict in vLLM's shape is accepted).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -143,6 +146,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items(), key=_bias_key)))
         elif self.logit_bias is None:
             object.__setattr__(self, "logit_bias", ())
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            object.__setattr__(self, "structured_outputs", from_request(self.structured_outputs))
 
     def _validate(self, names) -> None:
         """Check the named fields (in _CHECKS order: the first bad one is reported)."""

@@ -1,8 +1,7 @@
 """LLMEngine: the step-wise engine the offline API and the server share.
 
 add_request() validates at the edge and queues; step() runs one scheduler step through the model runner and
-returns what changed; abort() frees a request's blocks at once. Not thread-safe: drive it from one thread
-(engine/async_engine.py does that for the server).
+returns what changed; abort() frees a request's blocks at once. Not thread-safe: drive it from one thread.
 """
 
 from __future__ import annotations
@@ -14,13 +13,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ostinato.config import EngineArgs, EngineConfig, ModelConfig
+from ostinato.config import EngineArgs, EngineConfig
 from ostinato.contract import StepResult
 from ostinato.errors import InvalidRequestError, QueueFullError
-from ostinato.model.gguf_sources import resolve_model_dir
-from ostinato.model.hub import check_tokenizer_folder
 from ostinato.sampling_params import RequestOutputKind, SamplingParams
 from ostinato.engine.logits_spec import resolve_logits_spec
+from ostinato.engine.grammar import ConstrainedRequests
+from ostinato.engine.model_files import eos_token_ids, load_tokenizer, resolve_engine_config  # noqa: F401
 from ostinato.engine.detokenizer import IncrementalDetokenizer, OutputText
 from ostinato.engine.outputs import EngineStats, OutputRecord, RequestOutput, TokenLogprob, output_from_record
 from ostinato.engine.request import Sequence, SequenceStatus
@@ -36,8 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _SeqState:
-    """Engine-side bookkeeping of one sequence: its text and logprobs, and how much of them the request's
-    DELTA outputs have handed out already."""
+    """One sequence's bookkeeping: its text and logprobs, and how much of them DELTA outputs handed out."""
 
     seq: Sequence
     index: int
@@ -48,6 +46,7 @@ class _SeqState:
     # Its text is needed before it finishes (a stream, or stop strings to look for); else it is decoded once,
     # when the sequence finishes, and a step only records its token.
     text_per_step: bool
+    constrained: bool = False  # its tokens follow a grammar (ConstrainedRequests.rows holds its matcher)
     logprobs: list[TokenLogprob] | None = None
     # Each token's own text (engine/token_texts.py), for a streamed sequence without stop strings or logprobs
     # and a byte-level tokenizer; used while on_table, i.e. while its text so far ends on a whole character.
@@ -76,37 +75,6 @@ class _RequestState:
         return self.num_unfinished == 0
 
 
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    check_tokenizer_folder(path)  # a folder without one: a CheckpointError naming the files, not a traceback
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def eos_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer) -> frozenset[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer: any of them ends a sequence."""
-    ids = set(model_config.eos_token_ids)
-    gen_cfg = Path(model_dir) / "generation_config.json"
-    if gen_cfg.is_file():
-        import json
-
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-def resolve_engine_config(args: EngineArgs) -> EngineConfig:
-    """args.resolve() on what only the layers below know: the HF folder args.model names (a GGUF file or short
-    name, e.g. smollm2-135m, is dequantized into a cached folder) and the device --device auto picks."""
-    from ostinato.runner.runner import pick_device  # torch lives below this line of the dependency graph
-
-    model_dir = resolve_model_dir(args.model, args.revision)
-    return args.resolve(model_dir, pick_device(args.device).type)
-
-
 class LLMEngine:
     def __init__(self, config: EngineArgs | EngineConfig):
         from ostinato.runner.tp_executor import make_runner
@@ -126,7 +94,6 @@ class LLMEngine:
                         "ignores the file)", config.generation_defaults_source,
                         ", ".join(f"{k}={v}" for k, v in sorted(self.generation_defaults.items())))
         self._token_texts = TokenTextCache(self.tokenizer)
-        # A TensorParallelRunner with --tensor-parallel-size > 1.
         self.runner: Runner = make_runner(config.runner, config.parallel)
         # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
         cache_config = replace(self.runner.cache_config, enable_prefix_caching=config.enable_prefix_caching,
@@ -138,8 +105,11 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._inflight = None  # the launched decode step whose tokens are not read yet (async_scheduling)
+        self._settled = None  # the in-flight step once its tokens were taken early (to fill grammar masks)
+        self._touched: dict[str, _RequestState] = {}  # requests that may have an output this step
+        self.constrained = ConstrainedRequests(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
+                                               config.parallel.tensor_parallel_size)
 
-    # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> list[int]:
         """Validate and queue a request; returns the prompt's token ids."""
@@ -152,11 +122,22 @@ class LLMEngine:
         if limit is not None and params.n > limit:  # no retry could ever queue it: 400, not 429
             raise InvalidRequestError(f"n ({params.n}) exceeds the waiting queue's bound --max-queued-requests "
                                       f"{limit}, so the request could never be queued whole: lower n", param="n")
-        if limit is not None and self.scheduler.num_waiting + params.n > limit:
+        if limit is not None and self.scheduler.num_waiting + self.constrained.num_held_seqs + params.n > limit:
             # Checked up front so that a request with n > 1 is queued whole or not at all.
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} of {limit}); "
                                  "retry later or raise --max-queued-requests")
         state = _RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
+        spec = params.structured_outputs
+        compiled = None if spec is None else self.constrained.submit(request_id, spec, params.n)
+        if spec is None or compiled is not None:
+            self._queue(state, compiled)
+        else:  # held outside the scheduler while its grammar compiles (ConstrainedRequests.take_ready)
+            self._requests[request_id] = state
+        return prompt_ids
+
+    def _queue(self, state: _RequestState, compiled) -> None:
+        """A validated request's sequences into the scheduler (with their grammar's matchers when constrained)."""
+        request_id, params, prompt_ids = state.request_id, state.params, state.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         logits_spec = resolve_logits_spec(params, stop_ids, self.tokenizer, self.model_config.vocab_size)
         max_output = min(params.max_tokens, self.scheduler_config.max_model_len - len(prompt_ids))
@@ -171,13 +152,29 @@ class LLMEngine:
             st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                               params.skip_special_tokens),
                            OutputText(params.stop, params.include_stop_str_in_output), stop_ids, max_output,
-                           text_per_step, logprobs=[] if params.logprobs is not None else None, texts=texts)
+                           text_per_step, compiled is not None,
+                           logprobs=[] if params.logprobs is not None else None, texts=texts)
             st.on_table = texts is not None and st.detok.at_boundary
+            if compiled is not None:
+                self.constrained.rows.add(seq.seq_id, compiled)
             state.seqs.append(st)
             state.num_unfinished += 1
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
-        return prompt_ids
+
+    def _admit_compiled(self) -> list[tuple[_RequestState, OutputRecord]]:
+        """Queue the held requests whose grammar compiled; those whose compile failed end without tokens."""
+        ended = []
+        for request_id, compiled in self.constrained.take_ready():
+            state = self._requests.get(request_id)  # None: aborted meanwhile
+            if state is not None and not isinstance(compiled, InvalidRequestError):
+                self._queue(state, compiled)
+            elif state is not None:
+                logger.warning("request %s ends unserved: %s", request_id, compiled)
+                del self._requests[request_id]
+                comps = [(i, "", [], "abort", None) for i in range(state.params.n)]
+                ended.append((state, (request_id, comps, True, None, time.monotonic(), 0)))
+        return ended
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -231,9 +228,11 @@ class LLMEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        self.constrained.drop(request_id)
         for st in state.seqs:
             self.scheduler.abort(st.seq.seq_id)
             self._seq_owner.pop(st.seq.seq_id, None)
+            self.constrained.rows.remove(st.seq.seq_id)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker ranks, if any (also done at interpreter exit)."""
@@ -246,25 +245,27 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step. With async_scheduling a decode step is launched and the tokens of the decode
         step before it are read and returned instead: the CPU prepares step n+1 while the GPU runs step n."""
-        outputs = []
-        for state in self._step():
-            record = request_record(state)
-            if record is not None:
-                outputs.append(output_from_record(record, state.prompt, state.prompt_token_ids,
-                                                  state.arrival_time))
-        return outputs
+        early, states = self._step()
+        done = early + [(s, r) for s in states if (r := request_record(s)) is not None]
+        return [output_from_record(r, s.prompt, s.prompt_token_ids, s.arrival_time) for s, r in done]
 
     def step_records(self) -> list[OutputRecord]:
-        """step(), with each output as the plain tuple the server's engine core sends (engine/step_outputs.py):
-        a streamed request's output every step is where a large batch's host time goes."""
-        return [r for r in map(request_record, self._step()) if r is not None]
+        """step(), each output as the plain tuple the server's core sends (engine/step_outputs.py)."""
+        early, states = self._step()
+        return [r for _, r in early] + [r for r in map(request_record, states) if r is not None]
 
-    def _step(self) -> list[_RequestState]:
-        """One scheduler step; the requests that may have an output from it."""
+    def _step(self) -> tuple[list[tuple[_RequestState, OutputRecord]], list[_RequestState]]:
+        """One scheduler step: held requests that ended unserved (with their records), and those it touched."""
+        early = self._admit_compiled() if self.constrained.num_held_seqs else []
         out = self.scheduler.schedule()
         if out.is_empty and not out.left and self._inflight is None:
-            return []
-        pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
+            self.constrained.wait_for_held(0.005)  # nothing else to run: no busy loop while grammars compile
+            return early, []
+        self._touched = touched = {}
+        if self.constrained.rows:  # the runner asks for the constrained rows' masks once the forward runs
+            pending = self.runner.launch(out, self._grammar_masks)
+        else:
+            pending = self.runner.launch(out)  # an idle step only drops the rows of sequences that left
         if out.num_decode and self.config.async_scheduling:  # a mixed step's chunks' tokens wait with the rows'
             ready = [self._inflight] if self._inflight is not None else []
             self._inflight = pending
@@ -272,18 +273,29 @@ class LLMEngine:
             ready = [p for p in (self._inflight, pending) if p is not None]
             self._inflight = None
         now = time.monotonic()
-        touched: dict[str, _RequestState] = {}  # requests that may have an output this step
         for p in ready:
-            result = p.result()  # waits for that step's tokens
-            self.scheduler.update(result.seq_ids, result.token_ids)
-            self._take_tokens(result, now, touched)
+            self._settle(p, now)
         for state in touched.values():
             if state.finished:
                 state.finished_time = now
                 self._requests.pop(state.request_id, None)
                 for st in state.seqs:
                     self._seq_owner.pop(st.seq.seq_id, None)
-        return list(touched.values())
+        return early, list(touched.values())
+
+    def _settle(self, pending, now: float) -> None:
+        """Take a launched step's tokens, once (the grammar masks may have taken the in-flight step's early)."""
+        if pending is not self._settled:
+            self._settled, result = pending, pending.result()  # waits for that step's tokens
+            self.scheduler.update(result.seq_ids, result.token_ids)
+            self._take_tokens(result, now, self._touched)
+
+    def _grammar_masks(self, seq_ids: list[int]):
+        """The runner's call, while a step's forward runs: the next-token bitmasks of its constrained rows. They
+        wait for the in-flight step's tokens (the matchers must have accepted them), taken here."""
+        if self._inflight is not None:
+            self._settle(self._inflight, time.monotonic())
+        return self.constrained.rows.fill(seq_ids)
 
     def _take_tokens(self, result: StepResult, now: float, touched: dict[str, _RequestState]) -> None:
         """Take one step's sampled tokens. The loop runs once per running sequence per step, so what a
@@ -301,18 +313,19 @@ class LLMEngine:
                 # and not again when a preempted sequence is recomputed; num_preemptions counts those).
                 state.first_token_time = now
                 self._prompt_tokens_total += len(state.prompt_token_ids)
+            ended = st.constrained and self._grammar_ends(seq_id, token_id)  # complete, or refused the token
             if st.on_table and (text := st.texts[token_id]) is not None:  # a streamed token's text, looked up
                 if text:
                     st.text.pieces.append(text)
-                if token_id in st.stop_ids:
+                if ended or token_id in st.stop_ids:
                     self._finish(state, st, "stop")
                 elif len(st.seq.output_token_ids) >= st.max_output:
                     self._finish(state, st, "length")
                 touched[state.request_id] = state
             elif st.text_per_step or st.logprobs is not None:
-                self._process_token(state, st, tok)
+                self._process_token(state, st, tok, ended)
                 touched[state.request_id] = state
-            elif token_id in st.stop_ids:
+            elif ended or token_id in st.stop_ids:
                 self._finish(state, st, "stop")
                 touched[state.request_id] = state
             elif len(st.seq.output_token_ids) >= st.max_output:
@@ -320,7 +333,7 @@ class LLMEngine:
                 touched[state.request_id] = state
         self._generation_tokens_total += taken
 
-    def _process_token(self, state: _RequestState, st: _SeqState, tok) -> None:
+    def _process_token(self, state: _RequestState, st: _SeqState, tok, ended: bool = False) -> None:
         """Take one sampled token: detokenize it, look for stop strings, decide whether the sequence ends.
         O(1) in the sequence's length."""
         if st.logprobs is not None:
@@ -333,13 +346,24 @@ class LLMEngine:
                                               st.seq.sampling_params.skip_special_tokens)
         if st.text_per_step and st.text.append(st.detok.append(tok.token_id)):
             self._finish(state, st, "stop")  # a stop string
-        elif tok.token_id in st.stop_ids:
+        elif ended or tok.token_id in st.stop_ids:
             self._finish(state, st, "stop")
         elif len(st.seq.output_token_ids) >= st.max_output:
             self._finish(state, st, "length")
         st.on_table = st.texts is not None and st.detok.at_boundary
 
+    def _grammar_ends(self, seq_id: int, token_id: int) -> bool:
+        """Advance the sequence's matcher; True when the sequence ends on this token: the grammar ended (the mask
+        allows a stop token only once the output is complete) or refused the token (which it never should)."""
+        rows = self.constrained.rows
+        if rows.accept(seq_id, token_id):
+            return rows.terminated(seq_id)
+        logger.warning("sequence %d: the grammar refused token %d; the sequence stops", seq_id, token_id)
+        return True
+
     def _finish(self, state: _RequestState, st: _SeqState, reason: str) -> None:
+        if st.constrained:
+            self.constrained.rows.remove(st.seq.seq_id)
         st.finish_reason = reason
         state.num_unfinished -= 1
         if not st.text_per_step:  # its text, decoded once
@@ -348,7 +372,6 @@ class LLMEngine:
         status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
         self.scheduler.finish(st.seq.seq_id, status)
 
-    # ---- introspection -----------------------------------------------------------------------------
     @property
     def graph_status(self) -> str:
         return self.runner.graph_status
@@ -358,28 +381,17 @@ class LLMEngine:
         pg = self.runner.prefill_graph_stats()
         bm = self.scheduler.block_manager
         return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_blocks_total=self.runner.cache_config.num_blocks,
-            kv_blocks_free=bm.num_free_blocks,
-            kv_usage=bm.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
-            decode_steps_graph=g.graph_steps,
-            decode_steps_eager=g.eager_steps,
-            padded_rows=g.padded_rows,
-            replays_by_size=dict(g.replays_by_size),
-            captured_sizes=tuple(self.runner.captured_sizes),
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.runner.cache_config.num_blocks, kv_blocks_free=bm.num_free_blocks,
+            kv_usage=bm.usage, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
+            decode_steps_graph=g.graph_steps, decode_steps_eager=g.eager_steps, padded_rows=g.padded_rows,
+            replays_by_size=dict(g.replays_by_size), captured_sizes=tuple(self.runner.captured_sizes),
             graph_memory_bytes=self.runner.graph_memory_bytes,
-            graph_capture_seconds=self.runner.graph_capture_seconds,
-            graphs_enabled=self.runner.graphs_enabled,
-            graph_disabled_cause=self.runner.graph_disabled_cause,
-            decode_batch_sizes=dict(g.steps_by_batch),
-            max_num_seqs=self.scheduler_config.max_num_seqs,
-            ranks=tuple(self.runner.rank_health()),
-            prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits,
+            graph_capture_seconds=self.runner.graph_capture_seconds, graphs_enabled=self.runner.graphs_enabled,
+            graph_disabled_cause=self.runner.graph_disabled_cause, decode_batch_sizes=dict(g.steps_by_batch),
+            max_num_seqs=self.scheduler_config.max_num_seqs, ranks=tuple(self.runner.rank_health()),
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             kernel_compiles_in_service=self.runner.compile_watch.compiles_in_service,
             prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
             prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,

@@ -67,6 +67,8 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one "
                                       "SamplingParams or one per prompt", param="sampling_params")
+        for p in {p.structured_outputs for p in params} - {None}:
+            self.engine.constrained.check(p)  # compiled here (bounded), so a bad schema raises before any is queued
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

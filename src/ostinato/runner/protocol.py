@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ostinato.runner.graphs import GraphStats
     from ostinato.runner.pending import PendingStep
     from ostinato.runner.prefill_graphs import PrefillGraphStats
+    from ostinato.runner.structured import GrammarMasks
 
 
 @runtime_checkable
@@ -23,8 +24,10 @@ class Runner(Protocol):
     dtype: Any  # the torch dtype the model runs in
     compile_watch: CompileWatch
 
-    def launch(self, out: SchedulerOutput) -> PendingStep:
-        """Run a step without waiting for its tokens (PendingStep.result() reads them)."""
+    def launch(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> PendingStep:
+        """Run a step without waiting for its tokens (PendingStep.result() reads them). `masks` gives the
+        constrained rows' grammar bitmasks (runner/structured.py); the engine passes it only when some running
+        sequence is constrained."""
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run a step and wait for its tokens."""

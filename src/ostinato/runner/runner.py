@@ -51,6 +51,7 @@ from ostinato.runner.inputs import build_prefill_inputs, decode_metadata, to_dev
 from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
 from ostinato.runner.sampler import Sampler, finish_sampling
+from ostinato.runner.structured import GrammarMasks, constrain_decode, mask_logits
 from ostinato.runner.warmup import warm_up_prefill
 
 if TYPE_CHECKING:  # imported where used: the Triton modules load only for the Triton backend
@@ -276,11 +277,12 @@ class ModelRunner:
         return self.launch(out).result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingStep:
+    def launch(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> PendingStep:
         """Run a step (launched, not waited for: its tokens are read by PendingStep.result(), which may come
         after the next step was launched, i.e. overlapped scheduling). A mixed step runs as one prefill-graph
         replay when it fits one (design (b)), else as the decode replay and then the chunks (design (a)); see
-        the module docstring."""
+        the module docstring. `masks`: the grammar masks of the constrained rows (runner/structured.py), asked
+        for once the forward is launched; None when no running sequence is constrained."""
         batch = self.decode_batch
         batch.apply(out.left, out.new_blocks)
         n = len(batch)
@@ -289,20 +291,20 @@ class ModelRunner:
         if size is not None:
             if _profiling():  # a step of its own kind: `verify` counts the launches of decode steps
                 with torch.profiler.record_function(f"ostinato.mixed_step[{n}]"):
-                    return self._launch_mixed(out, n, size)
-            return self._launch_mixed(out, n, size)
+                    return self._launch_mixed(out, n, size, masks)
+            return self._launch_mixed(out, n, size, masks)
         pending = PendingStep(StepResult([], [], []))
         if n and _profiling():  # only then: the annotation costs a few microseconds per step
             with torch.profiler.record_function(f"ostinato.decode_step[{n}]"):
-                pending = self._launch_decode(n)
+                pending = self._launch_decode(n, masks)
                 pending.result()  # inside the annotation: verify counts this step's launches
         elif n:
-            pending = self._launch_decode(n)
+            pending = self._launch_decode(n, masks)
         if out.seqs:  # after the replay: sequences that finish their prefill join rows past the n decoded
-            pending.then(self._prefill(out))
+            pending.then(self._prefill(out, masks))
         return pending
 
-    def _prefill(self, out: SchedulerOutput) -> ChunkSamples | None:
+    def _prefill(self, out: SchedulerOutput, masks: GrammarMasks | None) -> ChunkSamples | None:
         """The step's prefill chunks in one forward: a graph replay when they fit a captured token count
         (runner/prefill_graphs.py), else eager (counted). None when no chunk samples."""
         replayed = self.prefill_graphs.run(out)
@@ -316,9 +318,10 @@ class ModelRunner:
             return None
         last_token_indices = inp.last_token_indices if replayed is None else \
             to_device(last_rows, torch.int64, self.device)
-        return self._sample_chunks(seqs, self.model.compute_logits(hidden[last_token_indices]))
+        return self._sample_chunks(seqs, self.model.compute_logits(hidden[last_token_indices]), masks)
 
-    def _sample_chunks(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> ChunkSamples:
+    def _sample_chunks(self, seqs: list[ScheduledSeq], logits: torch.Tensor, masks: GrammarMasks | None
+                       ) -> ChunkSamples:
         """Sample the chunks that end their prompt (logits [len(seqs), vocab]); they join the decode batch.
 
         No host sync here: the sampled tokens go to the host like the decode rows' (read by
@@ -328,6 +331,8 @@ class ModelRunner:
         chunks: `bench chunked`), one whole gap for every running stream."""
         rows = [self.decode_batch.join(seq) for seq in seqs]  # appended: consecutive rows
         assert rows == list(range(rows[0], rows[0] + len(rows))), rows
+        if masks is not None:  # a constrained sequence's first token follows its grammar too
+            mask_logits(logits, [s.seq_id for s in seqs], masks)
         # Drawn from the settings the rows now hold: one state for a sequence's prefill and decode draws.
         batch = self.decode_batch.joined_sampling(rows[0], len(rows))
         self.decode_step.processors.process_logits(logits, batch.rows)  # their logit_bias, penalties, ...
@@ -335,7 +340,7 @@ class ModelRunner:
         self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
         return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
 
-    def _launch_mixed(self, out: SchedulerOutput, n: int, size: int) -> PendingStep:
+    def _launch_mixed(self, out: SchedulerOutput, n: int, size: int, masks: GrammarMasks | None) -> PendingStep:
         """Design (b): the n decode rows ride first in the chunks' prefill-graph replay, so a mixed step reads
         the weights once. The rows keep their contract: their input tokens are the rows' own (placeholders
         resolved in the graph), the decode kernel attends them, and their tokens are drawn by the decode
@@ -348,22 +353,25 @@ class ModelRunner:
         index = to_device(list(range(n)) + last_rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[index])  # [n + len(seqs), vocab]
         step.sample(logits[:n], rows)
-        pending = self._decode_tokens(n, rows, logits[:n])
+        pending = self._decode_tokens(n, rows, logits[:n], masks)
         if seqs:
-            pending.then(self._sample_chunks(seqs, logits[n:]))
+            pending.then(self._sample_chunks(seqs, logits[n:], masks))
         return pending
 
-    def _launch_decode(self, n: int) -> PendingStep:
+    def _launch_decode(self, n: int, masks: GrammarMasks | None) -> PendingStep:
         size = self.graphs.graph_size(n) or n
         rows = self.decode_batch.copy_to_device(size)  # the step's one host-to-device copy
         logits = self.graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
-        return self._decode_tokens(n, rows, logits)
+        return self._decode_tokens(n, rows, logits, masks)
 
-    def _decode_tokens(self, n: int, rows: torch.Tensor, logits: torch.Tensor) -> PendingStep:
+    def _decode_tokens(self, n: int, rows: torch.Tensor, logits: torch.Tensor, masks: GrammarMasks | None
+                       ) -> PendingStep:
         """The decode rows' tokens are in step.sampled[:n] (logits [n, vocab]): advance the rows, finish the
         sampling where asked, and start the tokens' way to the host."""
         batch, step = self.decode_batch, self.decode_step
         seq_ids = list(batch.rows.seq_ids)
+        if masks is not None:  # constrained rows: masked and drawn again, eagerly after the replay
+            constrain_decode(logits, rows, step.sampled[:n], seq_ids, masks)
         batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
         if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
             # A clone, not a view: the next step's replay overwrites step.sampled before these are read.

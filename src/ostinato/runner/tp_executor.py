@@ -213,7 +213,10 @@ class TensorParallelRunner:
         return _Busy()
 
     # ---- what the engine calls -----------------------------------------------------------------------
-    def launch(self, out):
+    def launch(self, out, masks=None):
+        # Every rank samples the same tokens from the same logits: a grammar mask on rank 0 alone would break
+        # that, so the engine refuses constrained requests under tensor parallelism (engine/grammar.py).
+        assert masks is None, "structured outputs are not supported with tensor parallelism"
         with self._guard():
             self.channel.send(("step", out))
             return _GuardedStep(self.runner.launch(out), self)

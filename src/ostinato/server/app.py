@@ -32,6 +32,7 @@ from ostinato.engine.async_engine import AsyncEngine, EngineDeadError, EngineNot
 from ostinato.engine.core_process import ProcessAsyncEngine
 from ostinato.engine.chat_prompt import render_chat
 from ostinato.engine.outputs import RequestOutput, merge_deltas
+from ostinato.errors import InvalidRequestError
 from ostinato.sampling_params import RequestOutputKind
 from ostinato.server.engine_view import EngineView
 from ostinato.server.errors import APIError, install_error_handlers
@@ -42,10 +43,13 @@ from ostinato.server.protocol import (AssistantMessage, ChatChoice, ChatCompleti
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList,
                        UsageInfo, ChatCompletionChunk, streaming_responses)
 from ostinato.server.streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events, usage_of
+from ostinato.server.tool_calls import ToolRequest, template_messages
+from ostinato.server.tool_stream import tool_chat_events
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_THREADS = 4  # concurrent tokenizations; each is bounded by the prompt character cap
+GRAMMAR_CHECK_TIMEOUT_S = 10.0  # a response_format / structured_outputs grammar that compiles slower is refused
 
 
 # ---- output formatting -------------------------------------------------------------------------------------
@@ -116,6 +120,7 @@ class _Serving:
         self.draining = False  # set from the shutdown signal on (serve_command): /health says 503 draining
         # Tokenizing and chat templating run here: never on the event loop, never on the engine thread.
         self.tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ostinato-tokenize")
+        self._grammars = None  # the front's grammar compiler, when the engine core runs in another process
 
     def model_len(self) -> int | None:
         engine = self.async_engine
@@ -160,6 +165,22 @@ class _Serving:
         namespace = request.scope.get("state", {}).get("cache_namespace")
         salt = None if namespace is None and cache_salt is None else json.dumps([namespace, cache_salt])
         return params.replace(output_kind=RequestOutputKind.DELTA, cache_salt=salt)
+
+    async def check_constraint(self, engine, params) -> None:
+        """Compile the request's grammar (bounded, in a pool: never on the event loop or the engine thread), so
+        that a schema or regex that does not compile is a 400 naming its field before the request is queued."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        grammars = getattr(engine, "constrained", None)  # the engine's own (and its cache), in this process
+        if grammars is None:
+            if self._grammars is None:
+                from ostinato.engine.grammar import ConstrainedRequests
+
+                self._grammars = ConstrainedRequests(engine.tokenizer, engine.model_config.vocab_size, (),
+                                                     engine.args.tensor_parallel_size)
+            grammars = self._grammars
+        await self.off_loop(grammars.check, spec, GRAMMAR_CHECK_TIMEOUT_S)
 
     def stream_response(self, events: AsyncIterator[str], stream: RequestStream) -> Response:
         return EngineStreamResponse(events, stream, self.limits.stream_send_timeout)
@@ -258,6 +279,7 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
         serving.check_model(body.model)
         params = serving.engine_params(body.to_sampling_params(engine.generation_defaults), body.cache_salt, request)
         serving.check_limits(body, params.logprobs)
+        await serving.check_constraint(engine, params)
         prompt = await serving.prompt_ids(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
@@ -281,32 +303,54 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = serving.engine()
         serving.check_model(body.model)
-        messages = body.template_messages()
+        template = getattr(engine.tokenizer, "chat_template", None)
+        tools = ToolRequest.of(body.tools, body.tool_choice, template)
+        messages = template_messages(body.messages, tools, template)
         max_len = engine.scheduler_config.max_model_len
         limits.check_prompt_chars(sum(len(m["content"]) for m in messages), max_len, param="messages")
-        prompt = await serving.off_loop(_chat_prompt_ids, engine.tokenizer, messages)
+        prompt = await serving.off_loop(_chat_prompt_ids, engine.tokenizer, messages,
+                                        tools.template_kwargs(template) if tools else None)
         limits.check_prompt_tokens(len(prompt), max_len, param="messages")
         params = serving.engine_params(body.to_sampling_params(len(prompt), max_len, engine.generation_defaults),
                                        body.cache_salt, request)
+        if tools is not None and tools.constraint() is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError("tool_choice 'required' or a named function constrains the output "
+                                          "itself: leave out response_format / structured_outputs",
+                                          param="tool_choice")
+            params = params.replace(structured_outputs=tools.constraint())
         serving.check_limits(body, params.logprobs)
+        await serving.check_constraint(engine, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            return serving.stream_response(chat_events(stream, request_id, name, fmt, want_logprobs, params.n,
-                                                        body.include_usage_chunk, serving.report_cached), stream)
+            events = (tool_chat_events(stream, request_id, name, tools, params.n, body.include_usage_chunk)
+                      if tools is not None else
+                      chat_events(stream, request_id, name, fmt, want_logprobs, params.n, body.include_usage_chunk,
+                                  serving.report_cached))
+            return serving.stream_response(events, stream)
         final = await _final_output(request, stream)
         if final is None:
             return Response(status_code=499)
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=fmt.chat_logprobs(c) if want_logprobs else None,
-                              finish_reason=c.finish_reason) for c in final.outputs]
+        choices = [_chat_choice(c, tools, fmt.chat_logprobs(c) if want_logprobs else None) for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(id=request_id, model=name, choices=choices,
                                                    usage=_usage(final, serving.report_cached)).model_dump())
 
 
-def _chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The chat rendered by the model's template (with the assistant turn opened), as token ids. Runs in the
-    tokenizer pool: HF fast tokenizers mutate no state for encode/decode at fixed settings, so this is safe
-    beside the engine thread's decoding."""
-    return render_chat(tokenizer, messages)[1]
+def _chat_choice(c, tools: ToolRequest | None, logprobs) -> ChatChoice:
+    """One choice of a chat answer: its text, or the tool calls in it (finish_reason "tool_calls")."""
+    if tools is None:
+        return ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
+                          finish_reason=c.finish_reason)
+    content, calls = tools.tool_calls(c.text)
+    return ChatChoice(index=c.index, logprobs=logprobs,
+                      message=AssistantMessage(content=content, tool_calls=[t.to_openai() for t in calls] or None),
+                      finish_reason="tool_calls" if calls else c.finish_reason)
+
+
+def _chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The chat rendered by the model's template (with the assistant turn opened; `tools` among the template's
+    arguments when it uses them), as token ids. Runs in the tokenizer pool: HF fast tokenizers mutate no state
+    for encode/decode at fixed settings, so this is safe beside the engine thread's decoding."""
+    return render_chat(tokenizer, messages, chat_template_kwargs=template_kwargs)[1]

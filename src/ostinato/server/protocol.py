@@ -2,7 +2,7 @@
 
 Field names and meanings follow the OpenAI API; `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`,
 `min_p`, `min_tokens` and `bad_words` are vLLM's extensions. Unknown fields are ignored, as OpenAI clients send
-extra ones. OpenAI fields that ostinato does not implement (echo, best_of, tools) are accepted only at their
+extra ones. OpenAI fields that ostinato does not implement (echo, best_of) are accepted only at their
 no-op values, so a request never silently gets something other than what it asked for. A sampling field left
 out takes the model's default (--generation-config) where it has one.
 
@@ -25,6 +25,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 from ostinato.engine.chat_prompt import ROLE_PATTERN, role_problem
 from ostinato.errors import InvalidRequestError
 from ostinato.sampling_params import SamplingParams, with_defaults
+from ostinato.sampling_params import SamplingParams
+from ostinato.structured_outputs import StructuredOutputs, from_request, from_response_format
 
 
 def _valid_unicode(text: str) -> str:
@@ -94,6 +96,17 @@ class _SamplingFields(_Lenient):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     bad_words: list[Text] | None = None
+    # OpenAI's response_format, and vLLM's structured_outputs (json, regex, choice, grammar).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The output constraint asked for, checked as far as it can be without compiling (a 400 naming it)."""
+        fmt, so = from_response_format(self.response_format), from_request(self.structured_outputs)
+        if fmt is not None and so is not None:
+            raise InvalidRequestError("send response_format or structured_outputs, not both",
+                                      param="structured_outputs")
+        return fmt or so
 
     def _logit_bias(self) -> dict[int, float]:
         out = {}
@@ -121,7 +134,8 @@ class _SamplingFields(_Lenient):
             given["max_tokens"] = max_tokens
         return with_defaults(dict(given, seed=self.seed, stop=self.stop or (),
                                   stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                                  logprobs=logprobs, n=self.n, bad_words=tuple(self.bad_words or ())), defaults)
+                                  logprobs=logprobs, n=self.n, bad_words=tuple(self.bad_words or ()),
+                                  structured_outputs=self.constraint()), defaults)
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -194,6 +208,8 @@ class ChatMessage(_Lenient):
     # A string, or OpenAI content parts; only {"type": "text"} parts are supported.
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a "tool" turn: the call it answers
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -220,14 +236,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-
-    def template_messages(self) -> list[dict[str, str]]:
-        if self.tools:
-            raise InvalidRequestError("tools are not supported by ostinato; leave them out", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def to_sampling_params(self, prompt_len: int, max_model_len: int,
                            defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -300,6 +310,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -323,9 +334,15 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
+class ToolCallsDelta(DeltaMessage):
+    """A streamed chunk's delta that carries tool calls (each with its index, as OpenAI streams them)."""
+
+    tool_calls: list[dict[str, Any]] | None = None
+
+
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: DeltaMessage
+    delta: DeltaMessage | ToolCallsDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

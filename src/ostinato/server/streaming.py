@@ -56,8 +56,8 @@ class Formatter:
         for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
             lp.tokens.append(text)
-            lp.token_logprobs.append(entry.logprob)
-            lp.top_logprobs.append({self.token_str(t): v for t, v in entry.top})
+            lp.token_logprobs.append(_finite(entry.logprob))
+            lp.top_logprobs.append({self.token_str(t): _finite(v) for t, v in entry.top})
             lp.text_offset.append(cursor.text_offset)
             cursor.text_offset += len(text)
         return lp
@@ -66,10 +66,19 @@ class Formatter:
         content = []
         for entry in c.logprobs or []:
             text = self.token_str(entry.token_id)
-            top = [TopLogprob(token=(s := self.token_str(t)), logprob=v, bytes=list(s.encode())) for t, v in entry.top]
-            content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
+            top = [TopLogprob(token=(s := self.token_str(t)), logprob=_finite(v), bytes=list(s.encode()))
+                   for t, v in entry.top]
+            content.append(ChatTokenLogprob(token=text, logprob=_finite(entry.logprob), bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+# A token a grammar mask ruled out has logprob -inf, which JSON cannot carry; OpenAI and vLLM send -9999.0.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 def usage_of(prompt: int, completion: int, cached: int | None) -> UsageInfo:

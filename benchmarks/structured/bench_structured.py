@@ -1,0 +1,105 @@
+"""Structured outputs' cost: the decode step with every row JSON-schema constrained against none, at several
+batch sizes, through the real engine loop (mask filling on the CPU, its copy, the eager masking and re-draw after
+the replay all count), and the grammar compile time of the 50 generated test schemas, first and cached.
+
+    PYTHONPATH=src python3 benchmarks/structured/bench_structured.py --model CK --batch-sizes 1,16,64 \
+        --output-json structured.json
+
+CK is a random-weight checkpoint (benchmarks/README.md) or `smollm2-135m`: the grammar forces the format whatever
+the weights, and the step's speed does not depend on them.
+
+The constrained rows follow a schema that forces a long answer (an array of at least 400 bounded integers), so
+that every row decodes for the whole measured window; the unconstrained rows ignore EOS for the same reason. A
+step's time is the wall time of LLMEngine.step() over the steps where every row decodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+LONG = {"type": "object", "properties": {"values": {"type": "array", "minItems": 400, "items": {
+    "type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["values"], "additionalProperties": False}
+
+
+def step_times(engine, batch: int, constrained: bool, tokens: int, skip: int) -> list[float]:
+    from ostinato.sampling_params import SamplingParams
+    from ostinato.structured_outputs import StructuredOutputs
+
+    spec = StructuredOutputs(json=LONG) if constrained else None
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, structured_outputs=spec)
+    if spec is not None:
+        engine.constrained.check(spec)  # compiled before timing: the compile is measured apart
+    for i in range(batch):
+        engine.add_request(f"{'c' if constrained else 'u'}{batch}-{i}", "Write the numbers as JSON:", params)
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times[skip:tokens - 4]  # past the prefills, before rows start to finish
+
+
+def compile_times(engine, count: int) -> dict:
+    from support.schemas import generated_schemas
+
+    from ostinato.engine.grammar import ConstrainedRequests
+    from ostinato.structured_outputs import StructuredOutputs
+
+    fresh = ConstrainedRequests(engine.tokenizer, engine.model_config.vocab_size, engine.eos_ids)
+    specs = [StructuredOutputs(json=s) for s in generated_schemas(count)]
+    t0 = time.perf_counter()
+    fresh.check(specs[0])  # the first pays for the tokenizer's vocabulary too
+    first_incl_tokenizer = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in specs[1:]:
+        fresh.check(s)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in specs:
+        fresh.check(s)
+    cached = time.perf_counter() - t0
+    return {"schemas": count, "first_schema_with_tokenizer_info_s": first_incl_tokenizer,
+            "first_compile_mean_ms": 1e3 * first / (count - 1), "cached_mean_ms": 1e3 * cached / count}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=160, help="tokens each row generates")
+    ap.add_argument("--skip", type=int, default=16, help="first steps left out (prefills, warm-up)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    from ostinato.config import EngineArgs
+    from ostinato.engine.engine import LLMEngine
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engine = LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, max_num_seqs=max(64, max(sizes)),
+                                  max_model_len=1024))
+    result = {"model": args.model, "compile": compile_times(engine, 50), "decode": []}
+    for batch in sizes:
+        row = {"batch": batch}
+        for constrained in (False, True):
+            times = step_times(engine, batch, constrained, args.tokens, args.skip)
+            row["constrained_ms" if constrained else "unconstrained_ms"] = 1e3 * statistics.median(times)
+        row["ratio"] = row["constrained_ms"] / row["unconstrained_ms"]
+        result["decode"].append(row)
+        print(json.dumps(row), flush=True)
+    stats = engine.stats()
+    result["decode_steps_graph"], result["decode_steps_eager"] = stats.decode_steps_graph, stats.decode_steps_eager
+    print(json.dumps(result["compile"]))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
