@@ -260,8 +260,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
     max_len = spec.scheduler_config.max_model_len
-    lines = []
-    plan = None
+    lines, plan = [], None
     sizes = gc_cfg.capture_sizes
     mode = {} if spec.capture_error_mode == "global" else {"capture_error_mode": spec.capture_error_mode}
     backend = CudaGraphBackend(spec.device, compile_watch=spec.compile_watch, **mode) \
@@ -288,8 +287,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         # The decode rows' logits-processor tables are allocated with the decode step, after the KV pool.
         tables = state_bytes(decode_layout(spec, 0, sizes).rows, spec.model_config.vocab_size)
         plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation + tables,
-                             estimate + prefill_estimate,
-                             block_bytes, spec.block_size, max_len)
+                             estimate + prefill_estimate, block_bytes, spec.block_size, max_len)
         num_blocks = plan.num_blocks
         lines.append(plan.summary())
         lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
