@@ -27,7 +27,7 @@ KERNEL_CLASSES = (
     ("norms", ("_rms_norm_kernel",)),
     ("q/k norm + rope", ("_qk_norm_rope_kernel",)),
     ("silu * up", ("_silu_and_mul_kernel",)),
-    ("sampling", ("_sample_chunk_kernel", "_sample_pick_kernel")),
+    ("sampling", ("_sample_chunk_kernel", "_sample_pick_kernel", "_penalties_kernel")),
 )
 OTHER = "other (embedding, row unpacking, copies)"
 
