@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,53 +26,12 @@ from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
 from ostinato.engine.step_outputs import request_record
 from ostinato.engine.token_texts import TokenTextCache
+from ostinato.engine.request_state import RequestState, SeqState
 
 if TYPE_CHECKING:
     from ostinato.runner.protocol import Runner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _SeqState:
-    """One sequence's bookkeeping: its text and logprobs, and how much of them DELTA outputs handed out."""
-
-    seq: Sequence
-    index: int
-    detok: IncrementalDetokenizer
-    text: OutputText  # released text, cut at a stop string once one is found
-    stop_ids: frozenset[int]  # token ids that end it: EOS (unless ignore_eos) and stop_token_ids
-    max_output: int  # output tokens at which it ends ("length"): max_tokens, or what max_model_len leaves
-    # Its text is needed before it finishes (a stream, or stop strings to look for); else it is decoded once,
-    # when the sequence finishes, and a step only records its token.
-    text_per_step: bool
-    constrained: bool = False  # its tokens follow a grammar (ConstrainedRequests.rows holds its matcher)
-    logprobs: list[TokenLogprob] | None = None
-    # Each token's own text (engine/token_texts.py), for a streamed sequence without stop strings or logprobs
-    # and a byte-level tokenizer; used while on_table, i.e. while its text so far ends on a whole character.
-    texts: dict[int, str | None] | None = None
-    on_table: bool = False
-    finish_reason: str | None = None
-    sent_tokens: int = 0  # DELTA: output tokens (and logprobs) already in an output
-    sent_pieces: int = 0  # DELTA: pieces of text.pieces already in an output
-    sent_finish: bool = False  # DELTA: the finish reason went out
-
-
-@dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    seqs: list[_SeqState] = field(default_factory=list)
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_unfinished: int = 0  # sequences without a finish reason (LLMEngine._finish counts them down)
-
-    @property
-    def finished(self) -> bool:
-        return self.num_unfinished == 0
 
 
 class LLMEngine:
@@ -99,14 +58,14 @@ class LLMEngine:
         cache_config = replace(self.runner.cache_config, enable_prefix_caching=config.enable_prefix_caching,
                                prefix_cache_salt=f"{self.model_dir}|{self.runner.dtype}")
         self.scheduler = Scheduler(self.scheduler_config, cache_config)
-        self._requests: dict[str, _RequestState] = {}
-        self._seq_owner: dict[int, tuple[_RequestState, _SeqState]] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._seq_owner: dict[int, tuple[RequestState, SeqState]] = {}
         self._seq_ids = itertools.count()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._inflight = None  # the launched decode step whose tokens are not read yet (async_scheduling)
         self._settled = None  # the in-flight step once its tokens were taken early (to fill grammar masks)
-        self._touched: dict[str, _RequestState] = {}  # requests that may have an output this step
+        self._touched: dict[str, RequestState] = {}  # requests that may have an output this step
         self.constrained = ConstrainedRequests(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
                                                config.parallel.tensor_parallel_size)
 
@@ -126,7 +85,7 @@ class LLMEngine:
             # Checked up front so that a request with n > 1 is queued whole or not at all.
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} of {limit}); "
                                  "retry later or raise --max-queued-requests")
-        state = _RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
+        state = RequestState(request_id, prompt_text, prompt_ids, params, arrival_time or time.monotonic())
         spec = params.structured_outputs
         compiled = None if spec is None else self.constrained.submit(request_id, spec, params.n)
         if spec is None or compiled is not None:
@@ -135,7 +94,7 @@ class LLMEngine:
             self._requests[request_id] = state
         return prompt_ids
 
-    def _queue(self, state: _RequestState, compiled) -> None:
+    def _queue(self, state: RequestState, compiled) -> None:
         """A validated request's sequences into the scheduler (with their grammar's matchers when constrained)."""
         request_id, params, prompt_ids = state.request_id, state.params, state.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -149,7 +108,7 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), child,
                            logits_spec=replace(logits_spec, params=child) if logits_spec is not None else None)
             self.scheduler.add(seq)  # may raise QueueFullError / InvalidRequestError
-            st = _SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
+            st = SeqState(seq, index, IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                               params.skip_special_tokens),
                            OutputText(params.stop, params.include_stop_str_in_output), stop_ids, max_output,
                            text_per_step, compiled is not None,
@@ -162,7 +121,7 @@ class LLMEngine:
             self._seq_owner[seq.seq_id] = (state, st)
         self._requests[request_id] = state
 
-    def _admit_compiled(self) -> list[tuple[_RequestState, OutputRecord]]:
+    def _admit_compiled(self) -> list[tuple[RequestState, OutputRecord]]:
         """Queue the held requests whose grammar compiled; those whose compile failed end without tokens."""
         ended = []
         for request_id, compiled in self.constrained.take_ready():
@@ -254,7 +213,7 @@ class LLMEngine:
         early, states = self._step()
         return [r for _, r in early] + [r for r in map(request_record, states) if r is not None]
 
-    def _step(self) -> tuple[list[tuple[_RequestState, OutputRecord]], list[_RequestState]]:
+    def _step(self) -> tuple[list[tuple[RequestState, OutputRecord]], list[RequestState]]:
         """One scheduler step: held requests that ended unserved (with their records), and those it touched."""
         early = self._admit_compiled() if self.constrained.num_held_seqs else []
         out = self.scheduler.schedule()
@@ -297,7 +256,7 @@ class LLMEngine:
             self._settle(self._inflight, time.monotonic())
         return self.constrained.rows.fill(seq_ids)
 
-    def _take_tokens(self, result: StepResult, now: float, touched: dict[str, _RequestState]) -> None:
+    def _take_tokens(self, result: StepResult, now: float, touched: dict[str, RequestState]) -> None:
         """Take one step's sampled tokens. The loop runs once per running sequence per step, so what a
         sequence needs no text for until it ends (LLM.generate's FINAL_ONLY requests without stop strings or
         logprobs) costs two checks here: a stop token, or its length."""
@@ -333,7 +292,7 @@ class LLMEngine:
                 touched[state.request_id] = state
         self._generation_tokens_total += taken
 
-    def _process_token(self, state: _RequestState, st: _SeqState, tok, ended: bool = False) -> None:
+    def _process_token(self, state: RequestState, st: SeqState, tok, ended: bool = False) -> None:
         """Take one sampled token: detokenize it, look for stop strings, decide whether the sequence ends.
         O(1) in the sequence's length."""
         if st.logprobs is not None:
@@ -361,7 +320,7 @@ class LLMEngine:
         logger.warning("sequence %d: the grammar refused token %d; the sequence stops", seq_id, token_id)
         return True
 
-    def _finish(self, state: _RequestState, st: _SeqState, reason: str) -> None:
+    def _finish(self, state: RequestState, st: SeqState, reason: str) -> None:
         if st.constrained:
             self.constrained.rows.remove(st.seq.seq_id)
         st.finish_reason = reason
