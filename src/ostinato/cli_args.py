@@ -93,6 +93,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                    help="programmatic dependent launch of the Triton kernels (Hopper and newer): each may start "
                         "while the one before it finishes; auto uses it where the GPU and triton support it, on "
                         "fails start-up where they do not")
+    g.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: quantize a 16/32-bit checkpoint's projections to FP8 E4M3 at load, per output channel "
+                        "(half the bytes a decode step reads; embeddings and lm_head stay as stored). FP8 "
+                        "checkpoints (compressed-tensors, block-scaled) run as FP8 without it")
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
     if not offline:
