@@ -191,8 +191,9 @@ class Fp8Linear(QuantizedLinear):
             return fp8_gemv(x.contiguous(), self.weight, self.weight_scale, self.bias, path, self.block, pdl)
         if path == "scaled_mm":
             xq, x_scale = quantize_per_token(x)
-            return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
-                                    bias=self.bias, out_dtype=x.dtype)
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
+                                   out_dtype=x.dtype)
+            return out + self.bias if self.bias is not None else out  # not every cuBLAS row-wise kernel takes one
         return F.linear(x, self.dequantize().to(x.dtype), self.bias)
 
     def dequantize(self) -> torch.Tensor:
