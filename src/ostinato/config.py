@@ -22,7 +22,7 @@ from ostinato.config_readers import (  # noqa: F401 - re-exported: callers impor
 )
 from ostinato.errors import ConfigError
 from ostinato.model_config import (  # noqa: F401 - re-exported
-    QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization,
+    QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization, quantization_label,
 )
 
 if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the kernels

@@ -34,6 +34,14 @@ class WeightQuantization:
     config_json: str = "{}"
 
 
+def quantization_label(quant: WeightQuantization | None) -> str:
+    """The weights' scheme in one word, as /v1/models and /metrics report it: none, fp8-compressed-tensors,
+    fp8-block (a block-scaled checkpoint) or fp8-at-load (--quantization fp8)."""
+    if quant is None:
+        return "none"
+    return {"compressed-tensors": "fp8-compressed-tensors", "fp8": "fp8-block"}.get(quant.method, quant.method)
+
+
 def read_quantization(cfg: dict[str, Any]) -> WeightQuantization | None:
     """config.json's quantization_config -> WeightQuantization, or None for a dense checkpoint. Raises
     CheckpointError naming a quantization method ostinato does not load (GPTQ, AWQ, bitsandbytes, ...)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ostinato.config import EngineArgs, EngineConfig, ModelConfig
+from ostinato.config import EngineArgs, EngineConfig, ModelConfig, quantization_label
 from ostinato.contract import StepResult
 from ostinato.errors import InvalidRequestError, QueueFullError
 from ostinato.model.gguf_sources import resolve_model_dir
@@ -376,4 +376,6 @@ class LLMEngine:
             prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
             prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,
             prefill_graph_memory_bytes=self.runner.prefill_graph_memory_bytes, decode_steps_mixed=pg.mixed_steps,
+            weights_bytes=getattr(self.runner, "weights_bytes", 0),
+            quantization=quantization_label(self.model_config.quantization),
         )

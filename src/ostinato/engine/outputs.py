@@ -116,3 +116,6 @@ class EngineStats:
     # Mixed steps whose decode rows rode in the chunks' prefill-graph replay (--mixed-step one-replay): decode
     # steps too, counted here and not in decode_steps_graph / decode_steps_eager.
     decode_steps_mixed: int = 0
+    # The weights as loaded: bytes on the device (one rank's) and their scheme (config.quantization_label).
+    weights_bytes: int = 0
+    quantization: str = "none"
