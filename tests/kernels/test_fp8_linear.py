@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ostinato.kernels.fp8_linear import (FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX, Fp8Linear, Fp8Tiles,  # noqa: E402
-                                         choose_fp8_path, dequantize_fp8, fp8_gemv, quantize_rows)
+                                         choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma, quantize_rows)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -58,6 +58,26 @@ def test_fp8_gemv_matches_float64_reference(m, n, k, tiles, block, bias, dtype):
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+# The tensor-core kernel: rows and columns past one tile and ragged; block scales whose blocks hold 1 and 2 tiles.
+@pytest.mark.parametrize("m,n,k,block,bias", [
+    (37, 40, 72, None, True),
+    (20, 48, 64, (16, 32), False),
+    (17, 33, 50, (32, 16), True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_mma_matches_float64_reference(m, n, k, block, bias, dtype):
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, scale = _random_fp8(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    out = fp8_mma(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None if b is None else b.to(DEVICE), block,
+                  tile=(16, 16, 16))
+    ref = _reference(x, w, scale, block, b)
+    # fp32 inputs may run as tf32 on the tensor cores; bf16: the weight widened to bf16 after its block scale
+    tol = 2e-3 if dtype == torch.float32 and DEVICE == "cuda" else (1e-5 if dtype == torch.float32 else 8e-3)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 def test_block_dequantize_scales_each_block_by_its_own_factor():
     w = torch.ones(5, 7).to(FP8_DTYPE)
     scale = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # blocks 2 x 4: rows 0-1, 2-3, 4; cols 0-3, 4-6
@@ -81,7 +101,7 @@ def test_path_rule():
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True), Fp8Tiles)
     assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)
     assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == "scaled_mm"
-    assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == "dequantize"  # block scales above the GEMV
+    assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == "mma"  # block scales above the GEMV
     assert choose_fp8_path(64, 4096, 4100, False, cuda=True) == "dequantize"  # _scaled_mm needs K % 16 == 0
     assert choose_fp8_path(64, 4096, 4096, False, cuda=True, bf16=False) == "dequantize"
     assert choose_fp8_path(1, 4096, 4096, False, cuda=False) == "dequantize"

@@ -14,7 +14,8 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
                 accumulation), launched with PDL as the bf16 GEMV (kernels/gemv.py)
     scaled_mm   more rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
                 activations quantized per token, each row with its own scale
-    dequantize  everything else (CPU, block scales above the GEMV's rows, shapes _scaled_mm refuses): the
+    mma         more rows, block scales, on CUDA: a Triton tensor-core kernel, W8A16
+    dequantize  everything else (CPU, fp32 activations, shapes _scaled_mm refuses): the
                 weight dequantized to the activation dtype for this call only, then a dense matmul. It keeps
                 no dense copy, so memory stays the FP8 bytes; it is the reference path on CPU.
 """
@@ -81,6 +82,67 @@ def _fp8_gemv_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+@_jit
+def _fp8_mma_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """W8A16 on the tensor cores, for more rows than the GEMV takes: a [BLOCK_M, BLOCK_N] output tile, each fp8
+    weight tile widened to the activation dtype in registers (scaled first with block scales: BLOCK_N and
+    BLOCK_K divide the scale block, so one scale covers the tile) and multiplied by tl.dot in fp32."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + ks[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if BLOCK_SCALES:
+            w = w * tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK)
+        if DOT_F32:  # the interpreter (CPU tests) multiplies bf16 tiles wrongly: widen both, same values
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+MMA_TILE = (64, 128, 128)  # BLOCK_M, BLOCK_N, BLOCK_K: BLOCK_N and BLOCK_K divide the 128 x 128 scale blocks
+
+
+def fp8_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+            block: tuple[int, int] | None = None, tile: tuple[int, int, int] = MMA_TILE) -> torch.Tensor:
+    """fp8_gemv's contract for many rows, on the tensor cores (x bf16 or fp16; with `block`, the tile's
+    BLOCK_N and BLOCK_K must divide the scale block)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    bm, bn, bk = tile
+    assert x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous() and scale.is_contiguous()
+    assert block is None or (block[0] % bn == 0 and block[1] % bk == 0)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    sbn, sbk = block if block is not None else (1, 1)
+    _fp8_mma_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), weight.stride(0),
+        scale.stride(0) if block is not None else 1, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, BLOCK_SCALES=block is not None, SCALE_BN=sbn, SCALE_BK=sbk,
+        DOT_F32=type(_fp8_mma_kernel).__name__ == "InterpretedFunction", num_warps=4,
+    )
+    return out
+
+
 @dataclass(frozen=True)
 class Fp8Tiles:
     """block_n outputs by block_k inputs per K step of the FP8 GEMV."""
@@ -105,7 +167,9 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     - more rows, per-row scales, bf16 activations, on CUDA, n and k multiples of 16 (what _scaled_mm's
       row-wise scaling accepts): _scaled_mm,
       compute-bound there, where FP8 tensor cores do twice bf16's math.
-    - else the weight dequantized for the call (block scales at large batches, CPU)."""
+    - block scales at more rows, on CUDA: the Triton tensor-core kernel (fp8_mma), which reads one byte a
+      weight and widens it in registers (_scaled_mm's row-wise scaling cannot express 128 x 128 blocks).
+    - else the weight dequantized for the call (CPU, fp32 activations on CUDA)."""
     if not cuda:
         return "dequantize"
     if m <= FP8_GEMV_MAX_ROWS:
@@ -117,6 +181,8 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
         return Fp8Tiles(block_n, block_k)
     if not block_scales and bf16 and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
+    if block_scales and bf16:
+        return "mma"
     return "dequantize"
 
 
@@ -189,6 +255,8 @@ class Fp8Linear(QuantizedLinear):
         path = choose_fp8_path(m, self.out_features, k, self.block is not None, cuda, x.dtype == torch.bfloat16)
         if isinstance(path, Fp8Tiles):
             return fp8_gemv(x.contiguous(), self.weight, self.weight_scale, self.bias, path, self.block, pdl)
+        if path == "mma":
+            return fp8_mma(x.contiguous(), self.weight, self.weight_scale, self.bias, self.block)
         if path == "scaled_mm":
             xq, x_scale = quantize_per_token(x)
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],

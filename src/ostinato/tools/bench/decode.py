@@ -255,6 +255,7 @@ def run(args) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
+                       "quantization": quantization_label(mc.quantization), "weights_read_bytes": weights,
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
     if args.plot:
