@@ -143,3 +143,31 @@ def test_fp8_with_tensor_parallelism_is_refused(tmp_path):
         EngineArgs(str(path), quantization="fp8", tensor_parallel_size=2).resolve(device="cpu")
     with pytest.raises(ConfigError, match="--quantization must be fp8"):
         EngineArgs(str(path), quantization="int4")
+
+
+def test_per_tensor_scales_of_a_fused_qkv_stay_each_parts_own(tmp_path):
+    """compressed-tensors' per-tensor strategy: one scale for each of q, k and v, different ones, so the fused
+    qkv_proj holds them as rows. Greedy tokens equal HF's on the dequantized copy."""
+    from safetensors.torch import load_file, save_file
+
+    from ostinato.kernels.fp8_linear import FP8_MAX
+    from ostinato.tools.checkpoint_fp8 import is_projection_weight
+
+    dense = make_checkpoint(tmp_path / "dense", shape="tiny", seed=4)
+    path = _with_quantization_config(dense, tmp_path / "pt", {**STATIC, "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}})
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if is_projection_weight(n)]:
+        w = tensors[name]
+        scale = w.abs().amax() / FP8_MAX
+        tensors[name] = (w / scale).to(FP8_DTYPE)
+        tensors[name + "_scale"] = scale.reshape(1)
+    save_file(tensors, str(path / "model.safetensors"))
+    model = load_model(path, ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), TorchRefBackend(),
+                       progress=False)
+    scales = model.model.layers[0].self_attn.qkv_proj.weight_scale  # q 64 rows, k 32, v 32
+    parts = [scales[:64], scales[64:96], scales[96:]]
+    assert all(torch.equal(p, p[:1].expand_as(p)) for p in parts) and len({p[0].item() for p in parts}) == 3
+    llm = _llm(path)
+    prompts = _prompts(llm.engine.model_config.vocab_size)[:4]
+    assert _greedy(llm, prompts) == _hf_greedy(dequantized_copy(path, tmp_path / "ref"), prompts, MAX_TOKENS)
