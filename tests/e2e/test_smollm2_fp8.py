@@ -59,4 +59,4 @@ def test_fp8_perplexity_and_greedy_agreement_with_dense(report, monkeypatch):  #
     assert ppl["dense"] < 30, "the dense model should read English far better than chance"
     assert ppl["fp8"] != ppl["dense"], "quantization changed nothing: the FP8 path did not run"
     assert abs(ppl["fp8"] / ppl["dense"] - 1) < 0.02
-    assert same > 0.8  # 84.7% measured: SmolLM2-135M's next tokens are often near ties
+    assert same > 0.8  # SmolLM2-135M's next tokens are often near ties (about 85% agree)
