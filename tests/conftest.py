@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
 # Test modules skip themselves when these are missing (the GPU machine has no server stack), which in CI would
 # turn a broken install into a few SKIPPED lines and drop dozens of tests. With CI set, a missing or broken one
 # stops the run instead.
-CI_REQUIRED_MODULES = ("triton", "fastapi", "uvicorn", "openai", "httpx", "hypothesis", "importlinter")
+CI_REQUIRED_MODULES = ("triton", "fastapi", "uvicorn", "openai", "httpx", "hypothesis", "importlinter",
+                       "compressed_tensors")
 
 
 def pytest_configure(config):

@@ -104,6 +104,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                    help="every kernel reduces a request's rows in an order set by that request alone: its tokens "
                         "and logprobs are the same whatever runs beside it, padding and chunking (slower; "
                         "unquantized checkpoints, one GPU)")
+    g.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: quantize a 16/32-bit checkpoint's projections to FP8 E4M3 at load, per output channel "
+                        "(half the bytes a decode step reads; embeddings and lm_head stay as stored). FP8 "
+                        "checkpoints (compressed-tensors, block-scaled) run as FP8 without it")
     g.add_argument("--skip-graph-check", action="store_true",
                    help="skip the start-up replay-vs-eager check of every captured graph")
     if not offline:

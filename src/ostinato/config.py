@@ -22,7 +22,9 @@ from ostinato.config_readers import (  # noqa: F401 - re-exported: callers impor
     plan_capture_sizes, plan_prefill_graph_tokens, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
 )
 from ostinato.errors import ConfigError
-from ostinato.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: F401 - re-exported
+from ostinato.model_config import (  # noqa: F401 - re-exported
+    QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization, quantization_label,
+)
 
 if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the kernels
     from ostinato.kernels.decode_plan import DecodeTuning
@@ -42,6 +44,9 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 # under a full KV cache. TGI bounds a public server the same way (--max-concurrent-requests, 128).
 SERVER_MAX_QUEUED_REQUESTS = 256
 
+
+# --quantization values (None: the checkpoint's weights as stored).
+QUANTIZATION_MODES = (None, "fp8")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
@@ -234,6 +239,9 @@ class EngineArgs:
     # Sampling defaults for what a request leaves unset (vLLM's flag): auto (the model's generation_config.json),
     # vllm (SamplingParams' own) or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # "fp8": quantize a 16/32-bit checkpoint's projections to FP8 E4M3 at load, per output channel (embeddings and
+    # lm_head stay as stored). An FP8 checkpoint (config.json's quantization_config) runs as stored either way.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -274,6 +282,8 @@ class EngineArgs:
             (self.pdl in PDL_MODES, f"--pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}"),
             (self.decode_tuning is None or (is_dataclass(self.decode_tuning) and hasattr(self.decode_tuning, "pdl")),
              f"decode_tuning must be an ostinato.kernels.decode_plan.DecodeTuning, got {self.decode_tuning!r}"),
+            (self.quantization in QUANTIZATION_MODES,
+             f"--quantization must be fp8 (or left out), got {self.quantization!r}"),
             (self.prefill_graph_max_seqs >= 1,
              f"--prefill-graph-max-seqs must be >= 1, got {self.prefill_graph_max_seqs}"),
             (self.max_model_len is None or self.max_model_len >= 1,
@@ -325,6 +335,16 @@ class EngineArgs:
     def _max_num_batched_tokens(self) -> int:
         return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
+    def quantized(self, model: ModelConfig) -> ModelConfig:
+        """The checkpoint's ModelConfig with --quantization applied: a dense checkpoint marked to be quantized
+        at load; an FP8 checkpoint as it is (already FP8). Raises ConfigError where FP8 cannot run as asked."""
+        if self.quantization == "fp8" and model.quantization is None:
+            model = replace(model, quantization=WeightQuantization("fp8-at-load"))
+        if model.quantization is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("FP8 weights with --tensor-parallel-size > 1 are not supported yet; run on one GPU "
+                              "(an 8B model in FP8 fits one H200) or leave out --quantization")
+        return model
+
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size)
 
@@ -346,7 +366,7 @@ class EngineArgs:
         device = device or self.device
         if device not in ("cuda", "cpu"):
             raise ConfigError(f"EngineArgs.resolve needs the device --device {self.device} stands for: cuda or cpu")
-        model = ModelConfig.from_dir(model_dir)
+        model = self.quantized(ModelConfig.from_dir(model_dir))
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"

@@ -20,6 +20,41 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+# quantization_config's quant_method values the loader reads (model/fp8_weights.py parses the rest of the
+# dict; "fp8-at-load" is `--quantization fp8` on a dense checkpoint, never written in a config.json).
+QUANT_METHODS = ("compressed-tensors", "fp8")
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """How the checkpoint's projection weights are quantized: config.json's quantization_config, kept as
+    JSON text (hashable, torch-free) for the model layer to parse."""
+
+    method: str  # compressed-tensors | fp8 | fp8-at-load
+    config_json: str = "{}"
+
+
+def quantization_label(quant: WeightQuantization | None) -> str:
+    """The weights' scheme in one word, as /v1/models and /metrics report it: none, fp8-compressed-tensors,
+    fp8-block (a block-scaled checkpoint) or fp8-at-load (--quantization fp8)."""
+    if quant is None:
+        return "none"
+    return {"compressed-tensors": "fp8-compressed-tensors", "fp8": "fp8-block"}.get(quant.method, quant.method)
+
+
+def read_quantization(cfg: dict[str, Any]) -> WeightQuantization | None:
+    """config.json's quantization_config -> WeightQuantization, or None for a dense checkpoint. Raises
+    CheckpointError naming a quantization method ostinato does not load (GPTQ, AWQ, bitsandbytes, ...)."""
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in QUANT_METHODS:
+        raise CheckpointError(f"config.json's quantization_config has quant_method {method!r}, which ostinato does "
+                              f"not load; supported: {', '.join(QUANT_METHODS)} (FP8 weights)")
+    return WeightQuantization(method, json.dumps(qc, sort_keys=True))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the decoder needs, read from an HF `config.json`."""
@@ -46,6 +81,7 @@ class ModelConfig:
     # Sliding-window attention (some Mistral checkpoints) is not implemented: attention is full, so such a
     # model is exact only up to this many tokens and max_model_len is capped there.
     sliding_window: int | None = None
+    quantization: WeightQuantization | None = None  # None: dense weights in checkpoint_dtype
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -101,6 +137,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 sliding_window=(int(cfg["sliding_window"]) if cfg.get("sliding_window")
                                 and cfg.get("use_sliding_window", True) else None),
+                quantization=read_quantization(cfg),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from None

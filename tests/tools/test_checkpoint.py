@@ -242,3 +242,37 @@ def test_cli_writes_sharded_checkpoint_and_reports_it(tmp_path, capsys):
         _cli(["make-checkpoint", "x", "--max-shard-size", "lots"])
     with pytest.raises(SystemExit):
         _cli(["make-checkpoint", "x", "--shape", "huge"])
+
+
+@pytest.mark.parametrize("layout,scale_suffix", [("block", "weight_scale_inv"), ("compressed-tensors", "weight_scale")])
+def test_cli_writes_sharded_fp8_checkpoints_whose_index_names_the_scales(tmp_path, capsys, layout, scale_suffix):
+    pytest.importorskip("compressed_tensors")
+    from ostinato.attention.torch_ref import TorchRefBackend
+    from ostinato.kernels.fp8_linear import Fp8Linear
+    from ostinato.model.loader import load_model
+
+    out = tmp_path / layout
+    args = _cli(["make-checkpoint", str(out), "--shape", "tiny-128", "--sharded", "--quiet", "--quantization", "fp8",
+                 "--fp8-layout", layout])
+    assert args.func(args) == 0 and f"(projections fp8, {layout})" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == ("fp8" if layout == "block" else "compressed-tensors")
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.down_proj."
+    assert weight_map[name + "weight"] == weight_map[name + scale_suffix]  # the scale sits in its weight's shard
+    assert len(set(weight_map.values())) > 1 and "model.embed_tokens." + scale_suffix not in weight_map
+    tensors = {}
+    for shard in set(weight_map.values()):
+        tensors.update(load_file(str(out / shard)))
+    assert tensors[name + "weight"].dtype == torch.float8_e4m3fn and tensors["lm_head.weight"].dtype == torch.float32
+    model = load_model(out, ModelConfig.from_dir(out), torch.float32, torch.device("cpu"), TorchRefBackend(),
+                       progress=False)
+    assert isinstance(model.model.layers[1].mlp.down_proj, Fp8Linear)
+
+
+def test_fp8_layout_needs_quantization(tmp_path):
+    args = _cli(["make-checkpoint", str(tmp_path / "m"), "--fp8-layout", "block", "--quiet"])
+    with pytest.raises(ConfigError, match="--fp8-layout needs --quantization fp8"):
+        args.func(args)
+    with pytest.raises(ConfigError, match="unknown FP8 layout"):
+        ck.make_checkpoint(tmp_path / "n", fp8_layout="int4")

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ostinato.config import EngineArgs, EngineConfig
+from ostinato.config import EngineArgs, EngineConfig, quantization_label
 from ostinato.contract import StepResult
 from ostinato.errors import InvalidRequestError, QueueFullError
 from ostinato.sampling_params import RequestOutputKind, SamplingParams
@@ -356,4 +356,6 @@ class LLMEngine:
             prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,
             prefill_graph_memory_bytes=self.runner.prefill_graph_memory_bytes, decode_steps_mixed=pg.mixed_steps,
             batch_invariant=self.config.runner.batch_invariant,
+            weights_bytes=getattr(self.runner, "weights_bytes", 0),
+            quantization=quantization_label(self.model_config.quantization),
         )

@@ -133,3 +133,6 @@ class EngineStats:
     decode_steps_mixed: int = 0
     # --batch-invariant: the kernels reduce each row in an order that row alone sets (/health and /metrics show it).
     batch_invariant: bool = False
+    # The weights as loaded: bytes on the device (one rank's) and their scheme (config.quantization_label).
+    weights_bytes: int = 0
+    quantization: str = "none"

@@ -21,7 +21,9 @@ from tqdm import tqdm
 from ostinato.attention.base import AttentionBackend
 from ostinato.config import ModelConfig
 from ostinato.errors import CheckpointError, ConfigError
+from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
+from ostinato.model.fp8_weights import SCALE_LEAVES, Fp8Scheme, expected_fp8_names, fp8_scheme, place_fp8_tensor, swap_projections
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of, placements
 
 logger = logging.getLogger(__name__)
@@ -81,15 +83,18 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
 
-def _expected_checkpoint_names(model: DecoderForCausalLM) -> set[str]:
-    """The HF tensor names the model needs (fused parameters expand into their HF parts)."""
+def _expected_checkpoint_names(model: DecoderForCausalLM, fp8_modules: dict[str, QuantizedLinear]) -> set[str]:
+    """The HF tensor names the model needs (fused parameters expand into their HF parts; an FP8 projection's
+    weight and scales by their canonical names, model/fp8_weights.py)."""
     by_fused: dict[str, list[str]] = defaultdict(list)
     for proj, (fused, _, _) in fused_shards(model.config).items():
         by_fused[fused].append(proj)
-    names = set()
+    names = expected_fp8_names(fp8_modules)
     for name, _ in model.named_parameters():  # a tied lm_head is deduplicated away here
         module_path, _, leaf = name.rpartition(".")
         parent, _, module = module_path.rpartition(".")
+        if module_path in fp8_modules and leaf != "bias":
+            continue
         if module in by_fused:
             names.update(f"{parent}.{proj}.{leaf}" for proj in by_fused[module])
         else:
@@ -99,13 +104,15 @@ def _expected_checkpoint_names(model: DecoderForCausalLM) -> set[str]:
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Give every meta parameter uninitialised storage on `device`, keeping shared (tied) ones shared.
-    (`Module.to_empty` would untie them.)"""
+    (`Module.to_empty` would untie them.) A quantized projection keeps its weight's and scales' own dtypes;
+    its bias, like every other parameter, takes the model's."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in new:
-                new[id(param)] = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype),
-                                              requires_grad=False)
+                keep = isinstance(module, QuantizedLinear) and name != "bias"
+                new[id(param)] = nn.Parameter(torch.empty(param.shape, device=device,
+                                                          dtype=param.dtype if keep else dtype), requires_grad=False)
             setattr(module, name, new[id(param)])
 
 
@@ -128,6 +135,9 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
     if "lm_head.weight" not in files and not model.tied:
         logger.info("%s has no lm_head.weight: tying the output projection to embed_tokens", model_dir)
         model.tie_weights()
+    scheme = fp8_scheme(model_config.quantization) if model_config.quantization is not None else None
+    fp8_modules = swap_projections(model, scheme, set(files)) if scheme is not None else {}
+    model.quantization_name = scheme.name if scheme is not None else None
     _materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)
     with torch.no_grad():  # the last rank's vocabulary padding rows are never loaded: keep them zero
@@ -152,6 +162,12 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
                     if hf_name.endswith(IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and model.tied):
                         continue  # a tied checkpoint may still store a copy of lm_head
                     place = placement_of(hf_name, table, tp)
+                    module_path, _, leaf = place.param.rpartition(".")
+                    if module_path in fp8_modules and leaf in ("weight", *SCALE_LEAVES):
+                        tensor = f.get_tensor(hf_name) if leaf in SCALE_LEAVES else place.read(f, hf_name)
+                        loaded.update(place_fp8_tensor(fp8_modules[module_path], scheme, leaf, tensor, place,
+                                                       hf_name))
+                        continue
                     if place.param not in params:
                         unexpected.append(hf_name)
                         continue
@@ -172,10 +188,19 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
             f"{model_dir}: {len(unexpected)} checkpoint tensor(s) have no place in the {model_config.family} "
             f"decoder built from config.json, e.g. {', '.join(sorted(unexpected)[:5])}; the checkpoint uses "
             "features ostinato does not implement or config.json does not match the weights")
-    missing = sorted(_expected_checkpoint_names(model) - loaded)
+    missing = sorted(_expected_checkpoint_names(model, fp8_modules) - loaded)
     if missing:
         raise CheckpointError(
             f"{model_dir}: {len(missing)} tensor(s) the model needs are not in the checkpoint, e.g. "
             f"{', '.join(missing[:5])}; the checkpoint is incomplete or config.json does not match it")
     logger.info("loaded %d tensors (%.2f GiB) from %s", len(loaded), weights_nbytes(model) / 2**30, model_dir)
+    if scheme is not None:
+        logger.info("weights: %s in %d projections, %.2f GiB of the %.2f GiB (embeddings and lm_head as stored)",
+                    scheme.name, len(fp8_modules), sum(m.weight_bytes() for m in fp8_modules.values()) / 2**30,
+                    weights_nbytes(model) / 2**30)
     return model.eval()
+
+
+def quantization_name(model: nn.Module) -> str | None:
+    """The FP8 scheme of a loaded model, or None for dense weights: what /v1/models and /metrics report."""
+    return getattr(model, "quantization_name", None)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ostinato.attention.base import AttentionBackend
-from ostinato.config import CacheConfig, GraphConfig, RunnerConfig
+from ostinato.config import CacheConfig, GraphConfig, RunnerConfig, quantization_label
 from ostinato.contract import ScheduledSeq, SchedulerOutput, StepResult
 from ostinato.errors import ConfigError
 from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
@@ -159,8 +159,9 @@ class ModelRunner:
                                 progress=self.tp.rank == 0, tp=self.tp)
         self.load_seconds = time.perf_counter() - t0
         self.weights_bytes = weights_nbytes(self.model)
-        logger.info("loaded %s (%.2f GiB, %s) in %.1f s", self.config.model_dir, self.weights_bytes / 2**30,
-                    self.dtype, self.load_seconds)
+        logger.info("loaded %s (%.2f GiB, %s, weights %s) in %.1f s", self.config.model_dir,
+                    self.weights_bytes / 2**30, self.dtype, quantization_label(self.model_config.quantization),
+                    self.load_seconds)
 
     def _allocate_kv_and_graphs(self, agree_num_blocks: Callable[[int], int] | None) -> None:
         """Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs."""

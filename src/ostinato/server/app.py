@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ostinato import __version__
+from ostinato.config import quantization_label
 from ostinato.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError, RequestStream
 from ostinato.engine.core_process import ProcessAsyncEngine
 from ostinato.engine.chat_prompt import render_chat
@@ -266,7 +267,8 @@ def _add_status_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) 
         engine = serving.engine()
         # root is the served name, never the model's folder: a client has no business knowing server paths.
         return ModelList(data=[ModelCard(id=serving.name, root=serving.name,
-                                         max_model_len=engine.scheduler_config.max_model_len)])
+                                         max_model_len=engine.scheduler_config.max_model_len,
+                                         quantization=quantization_label(engine.model_config.quantization))])
 
 
 def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:

@@ -100,6 +100,11 @@ class _EngineStatsCollector(Collector):
                     max(s.captured_sizes, default=0))
         yield gauge("cuda_graph_memory_bytes", "Device memory held by the CUDA-graph pool.", s.graph_memory_bytes)
         yield gauge("cuda_graph_capture_seconds", "Time spent capturing graphs at start-up.", s.graph_capture_seconds)
+        weights = GaugeMetricFamily(PREFIX + "model_weights_bytes", "Device bytes of the loaded weights (one rank's), "
+                                    "labelled with their quantization scheme (none, fp8-...).",
+                                    labels=["model_name", "quantization"])
+        weights.add_metric([name, s.quantization], s.weights_bytes)
+        yield weights
         yield gauge("cuda_graphs_enabled", "1 when decode steps run as CUDA-graph replays.", int(s.graphs_enabled))
         yield gauge("batch_invariant", "1 when the engine runs batch invariant (--batch-invariant): a request's "
                     "tokens do not depend on its batch.", int(s.batch_invariant))

@@ -363,6 +363,7 @@ class ModelCard(BaseModel):
     owned_by: str = "ostinato"
     root: str | None = None
     max_model_len: int | None = None  # as vLLM's model card reports it
+    quantization: str = "none"  # the weights' scheme (config.quantization_label): none, fp8-compressed-tensors, ...
 
 
 class ModelList(BaseModel):

@@ -26,6 +26,7 @@ from ostinato.tools.checkpoint_tokenizer import (  # noqa: F401 (re-exported: th
     BEGIN_OF_TEXT, END_OF_TEXT, IM_END, IM_START, SPECIAL_TOKENS, TINY_VOCAB_SIZE, build_tokenizer, eos_token_ids,
     write_tokenizer,
 )
+from ostinato.tools.checkpoint_fp8 import FP8_LAYOUTS, quantization_config, to_fp8_layout
 from ostinato.tools.checkpoint_weights import remove_old_weights, write_weights
 
 FAMILIES = {
@@ -81,6 +82,9 @@ SHAPES: dict[str, Shape] = {
     "tiny-tied": Shape(**{**_TINY, "tie_word_embeddings": True}),
     # Tensor-parallel corner cases at test size: one KV head (replicated on every rank), a vocabulary no
     # rank count above 1 divides (the last rank's rows are padding) and a tied lm_head (split like the table).
+    # Block-scaled FP8 at test size: q (256 rows), k, v (128 each) and gate, up (256 each) start and end on
+    # 128-row blocks, as the fused projections need (model/fp8_weights.py).
+    "tiny-128": Shape(**{**_TINY, "hidden_size": 128, "head_dim": 64, "intermediate_size": 256, "init_std": 0.14}),
     "tiny-mqa": Shape(**{**_TINY, "num_kv_heads": 1, "vocab_size": 509, "tie_word_embeddings": True}),
     # Llama 3's vocabulary at test size: the sampling kernels' chunk plans depend on the vocabulary
     # (tests/runner/test_compile_watch.py).
@@ -221,15 +225,22 @@ def parameter_count(shape: str = "tiny", family: str | None = None) -> int:
 
 
 def make_checkpoint(out_dir: str | Path, shape: str = "tiny", family: str | None = None, seed: int = 0,
-                    dtype: str = "float32", max_shard_size: int | None = None, progress: bool = False) -> Path:
+                    dtype: str = "float32", max_shard_size: int | None = None, progress: bool = False,
+                    fp8_layout: str | None = None) -> Path:
     """Write a random-weight HF checkpoint folder of `shape` as `family` into `out_dir`; returns its path.
 
+    `fp8_layout` (compressed-tensors | block): the projections quantized to FP8 and stored in that layout
+    (tools/checkpoint_fp8.py), the same random draws as the dense checkpoint's before quantization.
     `family=None` uses the shape's own family. `max_shard_size` (bytes) splits the weights into shards with
     model.safetensors.index.json (default 4 GB: tiny shapes get one model.safetensors). The same seed
     gives the same weights whatever the shard layout. Raises ConfigError for unknown names or sizes.
     """
     spec, family = _resolve(shape, family)
     config = hf_config_dict(shape, family, dtype)
+    if fp8_layout is not None and fp8_layout not in FP8_LAYOUTS:
+        raise ConfigError(f"unknown FP8 layout {fp8_layout!r}; choose one of {', '.join(FP8_LAYOUTS)}")
+    if fp8_layout is not None:
+        config["quantization_config"] = quantization_config(fp8_layout)
     if max_shard_size is not None and max_shard_size <= 0:
         raise ConfigError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
     out = Path(out_dir)
@@ -240,7 +251,9 @@ def make_checkpoint(out_dir: str | Path, shape: str = "tiny", family: str | None
 
     GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=eos_token_ids()).save_pretrained(out)
     write_tokenizer(out, spec.vocab_size, family, spec.max_position_embeddings)
-    write_weights(out, weight_shapes(config), dtype, seed, spec, max_shard_size or DEFAULT_MAX_SHARD_SIZE, progress)
+    transform = (lambda tensors: to_fp8_layout(tensors, fp8_layout)) if fp8_layout is not None else None
+    write_weights(out, weight_shapes(config), dtype, seed, spec, max_shard_size or DEFAULT_MAX_SHARD_SIZE, progress,
+                  transform)
     return out
 
 
@@ -265,6 +278,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="largest shard, in bytes or with a unit (500MB, 2GB); default 4GB")
     shards.add_argument("--sharded", action="store_true",
                         help="split even a small checkpoint into several shards (tests the sharded layout)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="store the projection weights as FP8 E4M3 (embeddings, norms and lm_head stay in "
+                             "--dtype)")
+    parser.add_argument("--fp8-layout", choices=list(FP8_LAYOUTS), default=None,
+                        help="with --quantization fp8: compressed-tensors (per-channel weight_scale, the default) "
+                             "or block (128x128 weight_scale_inv, quant_method 'fp8')")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
     return parser
@@ -287,13 +306,17 @@ def run(args: argparse.Namespace) -> int:
     if args.sharded:
         total = parameter_count(args.shape, args.family) * (4 if args.dtype == "float32" else 2)
         max_shard_size = max(1, total // 4)
+    if args.fp8_layout is not None and args.quantization is None:
+        raise ConfigError("--fp8-layout needs --quantization fp8")
+    layout = (args.fp8_layout or FP8_LAYOUTS[0]) if args.quantization == "fp8" else None
     out = make_checkpoint(args.out_dir, shape=args.shape, family=args.family, seed=args.seed, dtype=args.dtype,
-                          max_shard_size=max_shard_size, progress=not args.quiet)
+                          max_shard_size=max_shard_size, progress=not args.quiet, fp8_layout=layout)
     config = json.loads((out / "config.json").read_text())
     files = sorted(out.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     size_text = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.2f} MB"
     print(f"wrote {args.shape} ({config['architectures'][0]}, seed {args.seed}): "
-          f"{parameter_count(args.shape, args.family):,} parameters, {size_text} {args.dtype} "
+          f"{parameter_count(args.shape, args.family):,} parameters, {size_text} {args.dtype}"
+          f"{f' (projections fp8, {layout})' if layout else ''} "
           f"in {len(files)} file{'s' if len(files) > 1 else ''} -> {out}")
     return 0

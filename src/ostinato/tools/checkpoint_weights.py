@@ -75,9 +75,11 @@ def remove_old_weights(out: Path) -> None:
 
 
 def write_weights(out: Path, shapes: dict[str, tuple[int, ...]], dtype_name: str, seed: int, spec: Shape,
-                  max_shard_size: int, progress: bool) -> int:
+                  max_shard_size: int, progress: bool, transform=None) -> int:
     """Write the safetensors files of the named tensors (`shapes`: tools/checkpoint.py's weight_shapes) shard by
-    shard (memory stays at one shard); returns bytes written."""
+    shard (memory stays at one shard); returns bytes written (as planned, in the drawn dtype). transform: maps a
+    shard's drawn tensors to the tensors to store (tools/checkpoint_fp8.py's FP8 layouts; the names it adds go
+    into that shard's index entries)."""
     import torch
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
@@ -94,16 +96,20 @@ def write_weights(out: Path, shapes: dict[str, tuple[int, ...]], dtype_name: str
     use_pool = threads > 1 and total >= _POOL_MIN_BYTES
     # delay: quick (tiny) writes print no bar at all. tqdm.update is thread-safe.
     bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, delay=1.0)
+    weight_map = dict(plan.tensor_to_filename)
     with ThreadPoolExecutor(threads) if use_pool else contextlib.nullcontext() as pool:
         n_shards = len(plan.filename_to_tensors)
         for i, (filename, names) in enumerate(plan.filename_to_tensors.items()):
             bar.set_description(f"drawing shard {i + 1}/{n_shards}", refresh=False)
             tensors = _random_tensors({n: shapes[n] for n in names}, dtype, seed, spec, pool, bar.update)
+            if transform is not None:
+                tensors = transform(tensors)
+                weight_map.update({name: filename for name in tensors})
             bar.set_description(f"writing shard {i + 1}/{n_shards}", refresh=False)
             save_file(tensors, str(out / filename), metadata={"format": "pt"})
             del tensors  # before drawing the next shard: memory stays at one shard
     bar.close()
     if plan.is_sharded:
-        index = {"metadata": {"total_size": total}, "weight_map": plan.tensor_to_filename}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return total

@@ -176,7 +176,8 @@ def run(args) -> int:
 
 def render(cost: CostModel, a: Advice) -> str:
     m = cost.m
-    lines = [f"ostinato advise: {m.model} on {m.device} ({m.dtype}, torch {m.torch_version})",
+    weights = f", weights {m.quantization} {m.weights_bytes / 1e9:.2f} GB" if m.weights_bytes else ""
+    lines = [f"ostinato advise: {m.model} on {m.device} ({m.dtype}{weights}, torch {m.torch_version})",
              f"workload: {a.workload}", "", "decode step, measured (ms): eager / graph = speedup"]
     lines.append(f"{'batch':>6} " + " ".join(f"{'ctx ' + str(c):>22}" for c in m.contexts))
     for j, b in enumerate(m.batch_sizes):

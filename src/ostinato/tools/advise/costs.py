@@ -26,7 +26,7 @@ import bisect
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from ostinato.errors import ConfigError
@@ -57,6 +57,10 @@ class Measurements:
     max_num_batched_tokens: int
     kv_blocks_without_graphs: int  # usable KV blocks when no memory is set aside for graphs
     default_sizes: tuple[int, ...]  # the engine's default capture sizes for this max_num_seqs
+    # The weights measured: their scheme (config.quantization_label) and device bytes. FP8 weights make every
+    # step time above their own and leave more memory to the KV blocks; advice for one does not carry over.
+    quantization: str = "none"
+    weights_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "contexts", "prefill_lens"):
@@ -86,7 +90,7 @@ class Measurements:
         if d.get("format") != "ostinato-advise-measurements":
             raise ConfigError("not an `ostinato advise` measurements file (write one with --save-measurements)")
         try:
-            kw = {f.name: d[f.name] for f in fields(cls)}
+            kw = {f.name: d[f.name] if f.default is MISSING else d.get(f.name, f.default) for f in fields(cls)}
             for key in ("graph_first_bytes", "graph_incremental_bytes"):
                 kw[key] = {int(k): int(v) for k, v in kw[key].items()}
             for key in ("batch_sizes", "contexts", "prefill_lens", "default_sizes", "prefill_ms"):

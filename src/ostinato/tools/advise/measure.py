@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ostinato.config import default_capture_sizes
+from ostinato.config import default_capture_sizes, quantization_label
 from ostinato.errors import ConfigError, CudaGraphCaptureError
 from ostinato.runner.memory import kv_block_bytes
 from ostinato.tools.advise.costs import Measurements
@@ -106,4 +106,5 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
         block_size=runner.block_size, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens, kv_blocks_without_graphs=without,
         default_sizes=default_capture_sizes(sc.max_num_seqs),
+        quantization=quantization_label(mc.quantization), weights_bytes=runner.weights_bytes,
     )

@@ -24,7 +24,8 @@ HBM_READ_BYTES_PER_S = 4.13e12  # read bandwidth measured on the H200 the publis
 def weights_read_per_step(runner) -> int:
     """Weight bytes a decode step reads: all of them, less an untied embedding table, of which a step reads
     one row per token (a tied table is read whole, as the lm_head): llama-3.1-8b reads 15.01 GB
-    per step, not its 16.06 GB file."""
+    per step, not its 16.06 GB file. The bytes as held: FP8 projections count one byte a weight plus their
+    float32 scales (the embedding and lm_head stay in the model dtype), so the floor is FP8's own."""
     mc = runner.model_config
     untied_table = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size * runner.dtype.itemsize
     world_size = getattr(getattr(runner, "tp", None), "world_size", 1)  # a rank holds 1/world_size of the table
@@ -214,6 +215,7 @@ def run(args) -> int:
     import torch
 
     from ostinato.cli_args import engine_args_from
+    from ostinato.config import quantization_label
     from ostinato.engine.engine import LLMEngine
 
     engine = LLMEngine(engine_args_from(args))
@@ -225,7 +227,7 @@ def run(args) -> int:
     rows = []
     hf = None if args.no_hf else load_hf(engine.model_dir, runner.dtype, runner.device)
     print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), "
-          f"{runner.dtype}, graphs: {engine.graph_status}")
+          f"{runner.dtype}, weights {quantization_label(mc.quantization)}, graphs: {engine.graph_status}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
             eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup)
@@ -253,6 +255,7 @@ def run(args) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
+                       "quantization": quantization_label(mc.quantization), "weights_read_bytes": weights,
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
     if args.plot:

@@ -23,7 +23,8 @@ from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, replay_ms, rows_lo
 KERNEL_CLASSES = (
     ("attention", ("_decode_split_kernel",)),
     ("kv write", ("_write_kv_kernel",)),
-    ("projections", ("_gemv_kernel", "_skinny_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("projections", ("_gemv_kernel", "_skinny_kernel", "_fp8_mma_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma",
+                     "splitk", "cublas")),
     ("norms", ("_rms_norm_kernel",)),
     ("q/k norm + rope", ("_qk_norm_rope_kernel",)),
     ("silu * up", ("_silu_and_mul_kernel",)),

@@ -1,0 +1,177 @@
+"""FP8 weights (kernels/fp8_linear.py): the W8A16 GEMV against a float64 dequantize-then-matmul reference, the
+scale layouts, per-channel quantization and the path rule.
+
+CPU: under TRITON_INTERPRET=1 (tests/conftest.py), which loads float8_e4m3fn tensors as they are; small ragged
+shapes. GPU (`-m gpu`): the real projection shapes, the GEMV with PDL, _scaled_mm, and a captured graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from ostinato.kernels.fp8_linear import (FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX, Fp8Linear, Fp8Tiles,  # noqa: E402
+                                         choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma, quantize_rows)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _random_fp8(n: int, k: int, block, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 weights spread over E4M3's range, with scales of the layout (per row, or per block)."""
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    return w, torch.rand(shape, generator=gen) * 0.01 + 1e-3
+
+
+def _reference(x, w, scale, block, b):
+    dense = dequantize_fp8(w, scale, block).double()
+    return F.linear(x.double(), dense, None if b is None else b.double())
+
+
+# Ragged: N and K not multiples of the tiles nor of the scale blocks; M below and at its padded size; K inside
+# one tile and across several; blocks narrower and wider than a K tile.
+@pytest.mark.parametrize("m,n,k,tiles,block,bias", [
+    (1, 37, 100, Fp8Tiles(4, 32), None, False),
+    (3, 50, 257, Fp8Tiles(2, 128), None, True),
+    (4, 9, 64, Fp8Tiles(8, 64), None, True),
+    (1, 37, 300, Fp8Tiles(2, 128), (16, 32), True),
+    (5, 24, 130, Fp8Tiles(1, 64), (8, 128), False),
+    (16, 20, 96, Fp8Tiles(2, 32), (4, 16), True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_gemv_matches_float64_reference(m, n, k, tiles, block, bias, dtype):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, scale = _random_fp8(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    out = fp8_gemv(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None if b is None else b.to(DEVICE), tiles, block)
+    assert out.shape == (m, n) and out.dtype == dtype
+    ref = _reference(x, w, scale, block, b)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+# The tensor-core kernel: rows and columns past one tile and ragged; block scales whose blocks hold 1 and 2 tiles.
+@pytest.mark.parametrize("m,n,k,block,bias", [
+    (37, 40, 72, None, True),
+    (20, 48, 64, (16, 32), False),
+    (17, 33, 50, (32, 16), True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_mma_matches_float64_reference(m, n, k, block, bias, dtype):
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, scale = _random_fp8(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    out = fp8_mma(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None if b is None else b.to(DEVICE), block,
+                  tile=(16, 16, 16))
+    ref = _reference(x, w, scale, block, b)
+    # fp32 inputs may run as tf32 on the tensor cores; bf16: the weight widened to bf16 after its block scale
+    tol = 2e-3 if dtype == torch.float32 and DEVICE == "cuda" else (1e-5 if dtype == torch.float32 else 8e-3)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_block_dequantize_scales_each_block_by_its_own_factor():
+    w = torch.ones(5, 7).to(FP8_DTYPE)
+    scale = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # blocks 2 x 4: rows 0-1, 2-3, 4; cols 0-3, 4-6
+    dense = dequantize_fp8(w, scale, (2, 4))
+    assert dense[1, 3] == 1 and dense[1, 4] == 2 and dense[2, 0] == 3 and dense[3, 6] == 4 and dense[4, 6] == 6
+
+
+def test_quantize_rows_is_per_channel_and_within_e4m3_rounding():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 64, generator=gen) * torch.tensor([1e-3, 0.1, 1, 10, 100, 1e4])[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == FP8_DTYPE and scale.shape == (6,)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((6,), FP8_MAX))  # each row's max maps to 448
+    back = dequantize_fp8(q, scale, None)
+    # E4M3 keeps 3 mantissa bits: a relative error of at most 2^-4 for every value in the normal range
+    big = w.abs() > scale[:, None] * 2 ** -6
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + 1e-12)[big].all()
+
+
+def test_path_rule():
+    assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True), Fp8Tiles)
+    assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)
+    assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == "scaled_mm"
+    assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == "mma"  # block scales above the GEMV
+    assert choose_fp8_path(64, 4096, 4100, False, cuda=True) == "dequantize"  # _scaled_mm needs K % 16 == 0
+    assert choose_fp8_path(64, 4096, 4096, False, cuda=True, bf16=False) == "dequantize"
+    assert choose_fp8_path(1, 4096, 4096, False, cuda=False) == "dequantize"
+    for m in (1, 2, 3, 5, 8, 9, 16):  # the accumulator stays within the register budget at every row count
+        tiles = choose_fp8_path(m, 6144, 4096, False, cuda=True)
+        assert triton_next_pow2(m) * tiles.block_n * tiles.block_k <= 8192
+
+
+def triton_next_pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+def _layer(n, k, block, bias, gen, device="cpu"):
+    layer = Fp8Linear(k, n, bias, block)
+    w, scale = _random_fp8(n, k, block, gen)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.weight_scale.copy_(scale)
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=gen))
+    return layer.to(device)
+
+
+@pytest.mark.parametrize("block", [None, (8, 16)])
+def test_cpu_linear_is_dequantize_then_matmul(block):
+    gen = torch.Generator().manual_seed(3)
+    layer = _layer(24, 40, block, True, gen)
+    x = torch.randn(5, 40, generator=gen)
+    torch.testing.assert_close(layer(x).double(), _reference(x, layer.weight, layer.weight_scale, block, layer.bias),
+                               rtol=1e-5, atol=1e-4)
+    scales = 24 if block is None else 3 * 3
+    assert layer.weight_bytes() == 24 * 40 + 4 * scales
+
+
+# ---- GPU: the real kernels at the public models' projection shapes ------------------------------------------
+
+SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (3072, 1024), (3072, 2048), (2048, 2048), (16384, 2048),
+          (2048, 8192), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _relative_error(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_every_path_at_the_real_projection_shapes(m, n, k, block):
+    gen = torch.Generator().manual_seed(n + k)
+    layer = _layer(n, k, block, False, gen, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = _reference(x.cpu(), layer.weight.cpu(), layer.weight_scale.cpu(), block, None).cuda()
+    # W8A16 keeps x in bf16: bf16's output rounding; _scaled_mm also rounds x to fp8 (per-token scales)
+    limit = 1e-2 if isinstance(choose_fp8_path(m, n, k, block is not None, True), Fp8Tiles) else 5e-2
+    assert _relative_error(layer.linear(x, pdl=True), ref) < limit
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 64])
+def test_fp8_linear_replays_in_a_cuda_graph(m):
+    gen = torch.Generator().manual_seed(1)
+    layer = _layer(6144, 4096, None, False, gen, "cuda")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = layer.linear(x, pdl=True)  # compiles before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.linear(x, pdl=True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, layer.linear(x, pdl=True)) and not torch.equal(out, eager)
