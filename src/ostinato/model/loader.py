@@ -4,6 +4,7 @@ The model is built on the meta device (no memory, no random init), then every pa
 once on the target device and filled straight from the safetensors files: each tensor is read onto the
 device and copied (with dtype conversion) into its place, fused q/k/v and gate/up by row slice. Anything
 the checkpoint lacks, or has but the decoder cannot place, raises CheckpointError naming the tensor.
+A GGUF file's metadata folder (model/gguf_native.py) is loaded from the file instead (model/gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from tqdm import tqdm
 from ostinato.attention.base import AttentionBackend
 from ostinato.config import ModelConfig
 from ostinato.errors import CheckpointError, ConfigError
+from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
+from ostinato.model.gguf_native import is_native_gguf_dir
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of, placements
 
 logger = logging.getLogger(__name__)
@@ -54,8 +57,12 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 def weights_nbytes(model: nn.Module) -> int:
-    """Bytes held by the model's parameters (a tied embedding counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes held by the model's weights: its parameters (a tied embedding counted once) and its quantized
+    projections' own tensors (QuantizedLinear.weight_bytes; a projection inside another counted by the outer)."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    inner = {id(c) for m in quantized for c in m.modules() if c is not m}
+    return sum(p.numel() * p.element_size() for p in model.parameters()) \
+        + sum(m.weight_bytes() for m in quantized if id(m) not in inner)
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -97,7 +104,7 @@ def _expected_checkpoint_names(model: DecoderForCausalLM) -> set[str]:
     return names
 
 
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Give every meta parameter uninitialised storage on `device`, keeping shared (tied) ones shared.
     (`Module.to_empty` would untie them.)"""
     new: dict[int, nn.Parameter] = {}
@@ -122,13 +129,17 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
     Under tensor parallelism (`tp`) only this rank's part of each split tensor is read from disk and placed
     on `device` (model/parallel.py says which part), so no rank ever holds the whole model."""
     model_dir = Path(model_dir)
+    if is_native_gguf_dir(model_dir):  # a GGUF file's metadata folder: the blocks come from the file
+        from ostinato.model.gguf_weights import load_gguf_model  # it builds on this module
+
+        return load_gguf_model(model_dir, model_config, dtype, device, backend, tp)
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = DecoderForCausalLM(model_config, backend, tp)
     if "lm_head.weight" not in files and not model.tied:
         logger.info("%s has no lm_head.weight: tying the output projection to embed_tokens", model_dir)
         model.tie_weights()
-    _materialize(model, device, dtype)
+    materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)
     with torch.no_grad():  # the last rank's vocabulary padding rows are never loaded: keep them zero
         for module in model.modules():
