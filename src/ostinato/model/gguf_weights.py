@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 F32, F16 = 0, 1
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-IGNORED = ("rope_freqs.weight",)  # llama3 RoPE factors: config.json's rope_scaling carries them
+IGNORED = ("rope_freqs.weight",)
+DENSE_ROWS = 4096  # rows dequantized at a time into a dense parameter  # llama3 RoPE factors: config.json's rope_scaling carries them
 
 
 class GGUFTensors:
@@ -86,13 +87,29 @@ class GGUFTensors:
 
     def dense(self, hf_name: str, device: torch.device) -> torch.Tensor:
         """The tensor's values in float32 on `device` (block types with a kernel dequantized there)."""
+        raw = self.raw(hf_name)
+        return self._values(raw, self.qtype(hf_name), self.table[self.gguf_name(hf_name)][1][0], device)
+
+    def copy_into(self, hf_name: str, dest: torch.Tensor) -> None:
+        """dest.copy_(the tensor's values), dequantized DENSE_ROWS rows at a time: no float32 copy of a whole
+        embedding (2 GB at the 8B's vocabulary) is ever made."""
+        raw, qtype = self.raw(hf_name), self.qtype(hf_name)
+        ne = self.table[self.gguf_name(hf_name)][1]
+        if tuple(reversed(ne)) != tuple(dest.shape):
+            raise CheckpointError(f"{self.path.name}: {hf_name} has shape {tuple(reversed(ne))}, the model built "
+                                  f"from its metadata expects {tuple(dest.shape)}")
+        k = ne[0]
+        for start in range(0, raw.shape[0], DENSE_ROWS):
+            part = self._values(raw[start:start + DENSE_ROWS], qtype, k, dest.device)
+            dest[start:start + DENSE_ROWS].copy_(part.view(dest[start:start + DENSE_ROWS].shape))
+
+    @staticmethod
+    def _values(raw: np.ndarray, qtype: int, k: int, device: torch.device) -> torch.Tensor:
         import gguf.quants
 
-        raw, qtype = self.raw(hf_name), self.qtype(hf_name)
         if qtype in (F32, F16):
             return torch.from_numpy(raw.astype(np.float32)).to(device)
         if qtype in KERNEL_TYPES:
-            k = self.table[self.gguf_name(hf_name)][1][0]
             return dequantize_blocks(_to_device(raw, device), qtype, k)
         return torch.from_numpy(gguf.quants.dequantize(raw, qtype)).to(device)
 
@@ -142,7 +159,7 @@ def _replace_projections(model: DecoderForCausalLM, tensors: GGUFTensors, device
     return kept
 
 
-def _fill_dense(model: DecoderForCausalLM, tensors: GGUFTensors, device: torch.device) -> Counter:
+def _fill_dense(model: DecoderForCausalLM, tensors: GGUFTensors) -> Counter:
     """Every remaining parameter, dequantized into place (fused ones by row slice); counts the types."""
     rows = fused_shards(model.config)
     dequantized: Counter = Counter()
@@ -151,15 +168,10 @@ def _fill_dense(model: DecoderForCausalLM, tensors: GGUFTensors, device: torch.d
         parent, _, module = module_path.rpartition(".")
         parts = [(f"{parent}.{hf}.{leaf}", start, n) for hf, (f, start, n) in rows.items() if f == module]
         for hf_name, start, n in parts or [(name, 0, param.shape[0])]:
-            value = tensors.dense(hf_name, device)
-            dest = param[start:start + n] if parts else param
-            if value.shape != dest.shape:
-                raise CheckpointError(f"{tensors.path.name}: {hf_name} has shape {tuple(value.shape)}, the model "
-                                      f"built from its metadata expects {tuple(dest.shape)}")
-            dest.copy_(value)
+            tensors.copy_into(hf_name, param[start:start + n] if parts else param)
             qtype = tensors.qtype(hf_name)
             if qtype not in (F32, F16):
-                dequantized[tensors.table[tensors.gguf_name(hf_name)][0]] += 1
+                dequantized[qtype] += 1
     return dequantized
 
 
@@ -182,7 +194,7 @@ def load_gguf_model(model_dir: Path, model_config: ModelConfig, dtype: torch.dty
         kept = _replace_projections(model, tensors, device, dtype)
         materialize(model, device, dtype)
         model.model.rotary_emb.rebuild(device, dtype)
-        dequantized = _fill_dense(model, tensors, device)
+        dequantized = _fill_dense(model, tensors)
     unused = sorted(set(tensors.table) - tensors.used - set(IGNORED)
                     - ({tensors.gguf_name("lm_head.weight")} if model.tied else set()))
     if unused:
