@@ -54,16 +54,7 @@ def tensor_table(model_dir: Path) -> dict[str, tuple[int, tuple[int, ...], int, 
             json.loads((Path(model_dir) / TENSORS_FILE).read_text()).items()}
 
 
-def gguf_metadata_dir(path: Path) -> Path:
-    """The metadata folder of GGUF file `path`, written on first use (seconds to a minute: transformers parses
-    the metadata), reused after. Raises CheckpointError for an architecture or a type ostinato cannot run."""
-    path = Path(path).resolve()
-    out = native_dir(path)
-    if (out / DONE_MARKER).is_file():
-        logger.info("GGUF %s: metadata from the cache %s; weights read from the file", path.name, out)
-        return out
-    remove_stale_conversions(out.parent)
-    t0 = time.perf_counter()
+def _write_native_dir(path: Path, out: Path) -> tuple[str, dict[str, int], int]:
     reader = open_gguf(path)
     arch, types, params = inspect_gguf(path, reader)
     table = {t.name: [int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes)]
@@ -85,6 +76,24 @@ def gguf_metadata_dir(path: Path) -> Path:
 
     write_cache_folder(out, fill, {"source": str(path), "gguf_file": str(path), "weights": "gguf",
                                    "architecture": arch, "tensor_types": types, "num_params": params})
+    return arch, types, params
+
+
+def gguf_metadata_dir(path: Path) -> Path:
+    """The metadata folder of GGUF file `path`, written on first use (seconds to a minute: transformers parses
+    the metadata), reused after. Raises CheckpointError for an architecture or a type ostinato cannot run."""
+    path = Path(path).resolve()
+    out = native_dir(path)
+    if (out / DONE_MARKER).is_file():
+        logger.info("GGUF %s: metadata from the cache %s; weights read from the file", path.name, out)
+        return out
+    remove_stale_conversions(out.parent)
+    t0 = time.perf_counter()
+    try:
+        arch, types, params = _write_native_dir(path, out)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"reading {path.name}'s metadata was stopped; nothing was cached, the next run "
+                                "reads it again") from None
     types_text = ", ".join(f"{n} x {t}" for t, n in sorted(types.items(), key=lambda kv: -kv[1]))
     logger.info("GGUF %s (%s; %s; %.1fM parameters): metadata read in %.1f s, cached in %s", path.name, arch,
                 types_text, params / 1e6, time.perf_counter() - t0, out)
