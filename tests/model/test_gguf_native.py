@@ -42,6 +42,14 @@ def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache,
     assert isinstance(layers[1].self_attn.qkv_proj, GGUFConcat)  # q, k Q4_K and v Q6_K (the _M recipe)
     assert [p.type_name for p in layers[1].self_attn.qkv_proj.parts] == ["Q4_K", "Q4_K", "Q6_K"]
     assert "dequantized to float32 at load: 1 x Q4_K, 1 x Q6_K" in caplog.text  # the embedding and lm_head
+    # The bench's floor counts the bytes held: the blocks, and the dense rest (less the untied table's unread rows).
+    from ostinato.tools.bench.decode import weights_read_per_step
+
+    runner = llm.engine.runner
+    blocks = sum(m.blocks.numel() for m in runner.model.modules() if isinstance(m, GGUFLinear))
+    dense = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert runner.weights_bytes == blocks + dense
+    assert weights_read_per_step(runner) == blocks + dense - 512 * 256 * 4
     prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7], [0, 300, 2, 480, 77, 12, 9]]
     ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(q4_k_m.parent, gguf_file=q4_k_m.name, dtype=torch.float32).eval()
