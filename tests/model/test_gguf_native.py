@@ -111,3 +111,22 @@ def test_loading_keeps_peak_host_memory_under_twice_the_file_size():
     size = path.stat().st_size
     assert model_bytes < size * 2  # the projections stayed in their blocks (float32 would be 540 MB)
     assert grown - model_bytes < 2 * size, f"grew {grown / 1e6:.0f} MB, model {model_bytes / 1e6:.0f} MB, file {size / 1e6:.0f} MB"
+
+
+def test_qwen2_q8_0_with_qkv_biases_matches_hf(tmp_path, cache):
+    """Qwen2's q/k/v biases ride with the quantized q|k|v (and its rows are not permuted, unlike llama's)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_gguf_checkpoint(tmp_path, "tiny-256", family="qwen2", gguf_type="Q8_0", seed=1)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GGUFLinear) and qkv.bias is not None and qkv.bias.shape == (512,)
+    prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7]]
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, ours):
+            ids = torch.tensor([prompt])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                              min_new_tokens=6)[0, len(prompt):].tolist()
+            assert out.outputs[0].token_ids == ref
