@@ -32,9 +32,20 @@ def q4_k_m(tmp_path_factory):
     return make_gguf_checkpoint(tmp_path_factory.mktemp("gguf"), "tiny-256", gguf_type="Q4_K_M", seed=3)
 
 
-def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache, caplog):
+def _assert_greedy_equals_hf(path, prompts, ours, new_tokens):
+    """HF transformers reads the same GGUF file (dequantizing it, q/k rows put back) and decodes greedily."""
     from transformers import AutoModelForCausalLM
 
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, ours):
+            ids = torch.tensor([prompt])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens)[0, len(prompt):].tolist()
+            assert out.outputs[0].token_ids == ref
+
+
+def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache, caplog):
     caplog.set_level("INFO")
     llm = LLM(str(q4_k_m), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
     layers = llm.engine.runner.model.model.layers
@@ -52,13 +63,7 @@ def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache,
     assert weights_read_per_step(runner) == blocks + dense - 512 * 256 * 4
     prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7], [0, 300, 2, 480, 77, 12, 9]]
     ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(q4_k_m.parent, gguf_file=q4_k_m.name, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, ours):
-            ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                              min_new_tokens=8)[0, len(prompt):].tolist()
-            assert out.outputs[0].token_ids == ref
+    _assert_greedy_equals_hf(q4_k_m, prompts, ours, 8)
     assert len({t for o in ours for t in o.outputs[0].token_ids}) > 4  # not one repeated token
 
 
@@ -115,18 +120,10 @@ def test_loading_keeps_peak_host_memory_under_twice_the_file_size():
 
 def test_qwen2_q8_0_with_qkv_biases_matches_hf(tmp_path, cache):
     """Qwen2's q/k/v biases ride with the quantized q|k|v (and its rows are not permuted, unlike llama's)."""
-    from transformers import AutoModelForCausalLM
-
     path = make_gguf_checkpoint(tmp_path, "tiny-256", family="qwen2", gguf_type="Q8_0", seed=1)
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFLinear) and qkv.bias is not None and qkv.bias.shape == (512,)
     prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7]]
     ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, ours):
-            ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
-                              min_new_tokens=6)[0, len(prompt):].tolist()
-            assert out.outputs[0].token_ids == ref
+    _assert_greedy_equals_hf(path, prompts, ours, 6)
