@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
     g = p.add_argument_group("engine")
     g.add_argument("--revision", default=None,
                    help="branch, tag or commit of a hub id (default: the repository's main)")
+    g.add_argument("--gguf-dequantize", action="store_true",
+                   help="a GGUF model: convert it once to a cached float32 folder and run that in --dtype, "
+                        "instead of keeping its projections in their GGUF blocks (the default)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--max-model-len", type=int, default=None)

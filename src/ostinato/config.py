@@ -215,6 +215,8 @@ class EngineArgs:
     max_prefill_tokens_while_decoding: int | None = None  # SchedulerConfig's
     tokenizer: str | None = None
     revision: str | None = None  # branch, tag or commit of a hub id (ORG/NAME); None: the repository's main
+    # A GGUF file converted once to a float32 folder and run in --dtype, instead of run in its own blocks.
+    gguf_dequantize: bool = False
     # Overlapped scheduling: prepare and launch decode step n+1 before reading step n's tokens (vLLM's name).
     async_scheduling: bool = True
     # Ranks the model is split over (one process and one GPU each); see runner/distributed.py.

@@ -80,6 +80,22 @@ def test_greedy_tokens_equal_hf_on_chat_prompts(llm, report):
     assert all(len(o.outputs[0].token_ids) >= 5 for o in ours)
 
 
+def test_native_blocks_and_the_dequantized_folder_agree_greedy(llm, report):
+    """The default keeps the projections in their Q4_1 blocks (model/gguf_weights.py); --gguf-dequantize runs the
+    float32 folder. In fp32 the two give the same greedy tokens on every chat prompt."""
+    from ostinato.kernels.gguf_linear import GGUFLinear
+
+    assert isinstance(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, GGUFLinear)
+    dequantized = LLM(MODEL, gguf_dequantize=True, dtype="float32", device="cpu", max_model_len=512,
+                      num_kv_blocks=128, max_num_seqs=8)
+    assert not any(isinstance(m, GGUFLinear) for m in dequantized.engine.runner.model.modules())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    native, folder = llm.chat(_conversations(), params), dequantized.chat(_conversations(), params)
+    assert len(native) == len(QUESTIONS) == 8
+    for a, b in zip(native, folder):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+
+
 def test_gguf_metadata_agrees_with_transformers(llm, report):
     import gguf
 

@@ -133,7 +133,7 @@ def test_cpu_linear_is_dequantize_then_matmul(block):
     torch.testing.assert_close(layer(x).double(), _reference(x, layer.weight, layer.weight_scale, block, layer.bias),
                                rtol=1e-5, atol=1e-4)
     scales = 24 if block is None else 3 * 3
-    assert layer.weight_bytes() == 24 * 40 + 4 * scales
+    assert layer.weight_bytes() == 24 * 40 + 4 * scales + 24 * layer.bias.element_size()  # bias too: a forward reads it
 
 
 # ---- GPU: the real kernels at the public models' projection shapes ------------------------------------------

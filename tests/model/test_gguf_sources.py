@@ -195,7 +195,7 @@ def test_ctrl_c_during_the_first_conversion_is_one_line_and_exit_130(tmp_path, c
         raise KeyboardInterrupt
 
     monkeypatch.setattr(gguf_sources, "_convert", interrupted)
-    assert cli.main(["generate", str(path), "--device", "cpu", "--prompt", "x"]) == 130
+    assert cli.main(["generate", str(path), "--gguf-dequantize", "--device", "cpu", "--prompt", "x"]) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
         "interrupted: the conversion of m.gguf was stopped; nothing was cached, the next run converts it again"]

@@ -34,8 +34,9 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer) -
 
 def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     """args.resolve() on what only the layers below know: the HF folder args.model names (a GGUF file or short
-    name, e.g. smollm2-135m, is dequantized into a cached folder) and the device --device auto picks."""
+    name, e.g. smollm2-135m, gives its metadata folder, or with --gguf-dequantize a cached float32 folder) and
+    the device --device auto picks."""
     from ostinato.runner.runner import pick_device  # torch lives below this line of the dependency graph
 
-    model_dir = resolve_model_dir(args.model, args.revision)
+    model_dir = resolve_model_dir(args.model, args.revision, args.gguf_dequantize)
     return args.resolve(model_dir, pick_device(args.device).type)

@@ -268,7 +268,8 @@ class Fp8Linear(QuantizedLinear):
         return dequantize_fp8(self.weight, self.weight_scale, self.block)
 
     def weight_bytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size() + self.weight_scale.numel() * 4
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight.numel() * self.weight.element_size() + self.weight_scale.numel() * 4 + bias
 
     def extra_repr(self) -> str:
         scales = f"block {self.block[0]}x{self.block[1]}" if self.block is not None else "per row"

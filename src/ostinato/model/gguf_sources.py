@@ -121,17 +121,22 @@ def is_gguf_file(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """The HF folder to load for `model`: a short name, a GGUF file (converted once, cached), a folder, or a hub
-    id (ORG/NAME, from the HF cache or downloaded; `revision` picks a branch, tag or commit of it)."""
+def resolve_model_dir(model: str, revision: str | None = None, gguf_dequantize: bool = False) -> Path:
+    """The HF folder to load for `model`: a short name or a GGUF file (its metadata folder, the blocks read from
+    the file itself: model/gguf_native.py; or with `gguf_dequantize` converted once to float32 and cached), a
+    folder, or a hub id (ORG/NAME, from the HF cache or downloaded; `revision` picks a branch, tag or commit)."""
     path = Path(model).expanduser()
     is_hub_id = looks_like_hub_id(model) and not path.exists()
     if revision is not None and not is_hub_id:
         raise ConfigError(f"--revision {revision} applies to hub ids (ORG/NAME) only; {model!r} is not one")
     if model in SHORT_NAMES:
-        return gguf_to_hf_dir(short_name_path(model)).hf_dir
-    if is_gguf_file(path):
-        return gguf_to_hf_dir(path).hf_dir
+        path = short_name_path(model)
+    if model in SHORT_NAMES or is_gguf_file(path):
+        if gguf_dequantize:
+            return gguf_to_hf_dir(path).hf_dir
+        from ostinato.model.gguf_native import gguf_metadata_dir  # it builds on this module
+
+        return gguf_metadata_dir(path)
     if path.is_file():
         raise CheckpointError(f"{model!r} is a file but not a GGUF file; pass a .gguf file, an HF model folder "
                               f"or one of the short names {', '.join(SHORT_NAMES)}")
@@ -170,16 +175,22 @@ def conversion_dir(path: Path) -> Path:
     return cache_root() / "gguf" / f"{file_sha256(path)[:24]}-{CACHE_FORMAT}-{converter_hash(CONVERTER_SOURCE)}"
 
 
-def inspect_gguf(path: Path) -> tuple[str, dict[str, int], int]:
+def open_gguf(path: Path):
+    """The `gguf` library's reader of `path` (memory-mapped), or a CheckpointError for a damaged file."""
+    gguf = _import_gguf()
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the library raises ValueError/struct errors on a damaged file
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it")
+
+
+def inspect_gguf(path: Path, reader=None) -> tuple[str, dict[str, int], int]:
     """(architecture, {quantization type: tensor count}, parameter count) from the header, after checking
     that ostinato can run the architecture and the `gguf` library can dequantize every tensor."""
     gguf = _import_gguf()
     from gguf.quants import _type_traits  # the types gguf implements dequantization for (F32/F16 aside)
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the library raises ValueError/struct errors on a damaged file
-        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it")
+    reader = reader if reader is not None else open_gguf(path)
     field = reader.get_field("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in GGUF_ARCHITECTURES:
@@ -254,28 +265,18 @@ def remove_stale_conversions(folder: Path) -> None:
 
 
 def _convert(path: Path, out: Path, marker: dict) -> None:
-    """transformers reads and dequantizes the file; the folder is written beside `out`, marked done and
-    renamed into place, so that a crash or a concurrent run never leaves a half-written cache."""
+    """transformers reads and dequantizes the file into a cache folder (write_cache_folder)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}{TMP_INFIX}{os.getpid()}-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         try:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except (ValueError, NotImplementedError, KeyError) as e:
             raise CheckpointError(f"transformers could not read {path.name}: {e}") from e
-        # transformers refuses save_pretrained on a GGUF-loaded model, so the folder is written by hand.
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the saved values are plain float32: nothing quantized
-        config["architectures"] = [type(model).__name__]
-        # What `--dtype auto` runs on a GPU (the stored values stay float32, the exact dequantized ones).
-        config.pop("torch_dtype", None)  # older transformers' name for it
-        config["dtype"] = "bfloat16"
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        config = write_metadata(tmp, model.config, type(model).__name__, tokenizer)
         tied = bool(config.get("tie_word_embeddings"))
         weights = {name: t.contiguous() for name, t in model.state_dict().items()
                    if not (tied and name == "lm_head.weight")}  # a tied head shares embed_tokens' storage
@@ -284,10 +285,36 @@ def _convert(path: Path, out: Path, marker: dict) -> None:
             raise CheckpointError(f"transformers left {len(kept)} tensor(s) of {path.name} quantized (e.g. "
                                   f"{kept[0]}); ostinato needs them dequantized: uninstall the `kernels` package")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(tmp)
-        # The EOS the GGUF declares ends HF generate too (generation_config.json is what it reads).
-        GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
-        del model, weights
+
+    write_cache_folder(out, fill, marker)
+
+
+def write_metadata(folder: Path, hf_config, architecture: str, tokenizer) -> dict:
+    """config.json, the tokenizer files (chat template included) and generation_config.json of a GGUF file's
+    folder, from what transformers parsed out of its metadata; returns the config written."""
+    from transformers import GenerationConfig
+
+    # transformers refuses save_pretrained on a GGUF-loaded model, so the folder is written by hand.
+    config = hf_config.to_dict()
+    config.pop("quantization_config", None)  # ostinato reads the GGUF blocks itself (or their float32 values)
+    config["architectures"] = [architecture]
+    # What `--dtype auto` runs on a GPU.
+    config.pop("torch_dtype", None)  # older transformers' name for it
+    config["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    tokenizer.save_pretrained(folder)
+    # The EOS the GGUF declares ends HF generate too (generation_config.json is what it reads).
+    GenerationConfig.from_model_config(hf_config).save_pretrained(folder)
+    return config
+
+
+def write_cache_folder(out: Path, fill, marker: dict) -> None:
+    """fill(tmp) writes the folder beside `out`; it is then marked done and renamed into place, so that a crash
+    or a concurrent run never leaves a half-written cache."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}{TMP_INFIX}{os.getpid()}-", dir=out.parent))
+    try:
+        fill(tmp)
         (tmp / DONE_MARKER).write_text(json.dumps(marker))
         try:
             tmp.rename(out)

@@ -4,6 +4,7 @@ The model is built on the meta device (no memory, no random init), then every pa
 once on the target device and filled straight from the safetensors files: each tensor is read onto the
 device and copied (with dtype conversion) into its place, fused q/k/v and gate/up by row slice. Anything
 the checkpoint lacks, or has but the decoder cannot place, raises CheckpointError naming the tensor.
+A GGUF file's metadata folder (model/gguf_native.py) is loaded from the file instead (model/gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ostinato.errors import CheckpointError, ConfigError
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
 from ostinato.model.fp8_weights import SCALE_LEAVES, Fp8Scheme, expected_fp8_names, fp8_scheme, place_fp8_tensor, swap_projections
+from ostinato.model.gguf_native import is_native_gguf_dir
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of, placements
 
 logger = logging.getLogger(__name__)
@@ -56,8 +58,13 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 def weights_nbytes(model: nn.Module) -> int:
-    """Bytes held by the model's parameters (a tied embedding counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes held by the model's weights: its quantized projections' own tensors (QuantizedLinear.weight_bytes,
+    a projection inside another counted by the outer) and every other parameter (a tied embedding counted once)."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    inner = {id(c) for m in quantized for c in m.modules() if c is not m}
+    owned = {id(p) for m in quantized for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in owned) \
+        + sum(m.weight_bytes() for m in quantized if id(m) not in inner)
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -102,7 +109,7 @@ def _expected_checkpoint_names(model: DecoderForCausalLM, fp8_modules: dict[str,
     return names
 
 
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Give every meta parameter uninitialised storage on `device`, keeping shared (tied) ones shared.
     (`Module.to_empty` would untie them.) A quantized projection keeps its weight's and scales' own dtypes;
     its bias, like every other parameter, takes the model's."""
@@ -122,6 +129,21 @@ def _safetensors_device(device: torch.device) -> str:
     return str(device)
 
 
+def _check_complete(model_dir: Path, model_config: ModelConfig, model: DecoderForCausalLM,
+                    fp8_modules: dict[str, QuantizedLinear], loaded: set[str], unexpected: list[str]) -> None:
+    """Raise CheckpointError if a checkpoint tensor had no place in the decoder, or the decoder lacks one."""
+    if unexpected:
+        raise CheckpointError(
+            f"{model_dir}: {len(unexpected)} checkpoint tensor(s) have no place in the {model_config.family} "
+            f"decoder built from config.json, e.g. {', '.join(sorted(unexpected)[:5])}; the checkpoint uses "
+            "features ostinato does not implement or config.json does not match the weights")
+    missing = sorted(_expected_checkpoint_names(model, fp8_modules) - loaded)
+    if missing:
+        raise CheckpointError(
+            f"{model_dir}: {len(missing)} tensor(s) the model needs are not in the checkpoint, e.g. "
+            f"{', '.join(missing[:5])}; the checkpoint is incomplete or config.json does not match it")
+
+
 def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, progress: bool = True, tp: TPGroup = SINGLE_RANK) -> DecoderForCausalLM:
     """Build the decoder and fill it from `model_dir`'s safetensors files. Raises CheckpointError.
@@ -129,6 +151,10 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
     Under tensor parallelism (`tp`) only this rank's part of each split tensor is read from disk and placed
     on `device` (model/parallel.py says which part), so no rank ever holds the whole model."""
     model_dir = Path(model_dir)
+    if is_native_gguf_dir(model_dir):  # a GGUF file's metadata folder: the blocks come from the file
+        from ostinato.model.gguf_weights import load_gguf_model  # it builds on this module
+
+        return load_gguf_model(model_dir, model_config, dtype, device, backend, tp)
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = DecoderForCausalLM(model_config, backend, tp)
@@ -138,7 +164,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
     scheme = fp8_scheme(model_config.quantization) if model_config.quantization is not None else None
     fp8_modules = swap_projections(model, scheme, set(files)) if scheme is not None else {}
     model.quantization_name = scheme.name if scheme is not None else None
-    _materialize(model, device, dtype)
+    materialize(model, device, dtype)
     model.model.rotary_emb.rebuild(device, dtype)
     with torch.no_grad():  # the last rank's vocabulary padding rows are never loaded: keep them zero
         for module in model.modules():
@@ -183,16 +209,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
                     dest.copy_(tensor)
                     loaded.add(hf_name)
 
-    if unexpected:
-        raise CheckpointError(
-            f"{model_dir}: {len(unexpected)} checkpoint tensor(s) have no place in the {model_config.family} "
-            f"decoder built from config.json, e.g. {', '.join(sorted(unexpected)[:5])}; the checkpoint uses "
-            "features ostinato does not implement or config.json does not match the weights")
-    missing = sorted(_expected_checkpoint_names(model, fp8_modules) - loaded)
-    if missing:
-        raise CheckpointError(
-            f"{model_dir}: {len(missing)} tensor(s) the model needs are not in the checkpoint, e.g. "
-            f"{', '.join(missing[:5])}; the checkpoint is incomplete or config.json does not match it")
+    _check_complete(model_dir, model_config, model, fp8_modules, loaded, unexpected)
     logger.info("loaded %d tensors (%.2f GiB) from %s", len(loaded), weights_nbytes(model) / 2**30, model_dir)
     if scheme is not None:
         logger.info("weights: %s in %d projections, %.2f GiB of the %.2f GiB (embeddings and lm_head as stored)",

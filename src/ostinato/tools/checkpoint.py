@@ -27,6 +27,7 @@ from ostinato.tools.checkpoint_tokenizer import (  # noqa: F401 (re-exported: th
     write_tokenizer,
 )
 from ostinato.tools.checkpoint_fp8 import FP8_LAYOUTS, quantization_config, to_fp8_layout
+from ostinato.tools.checkpoint_gguf import GGUF_TYPES, write_gguf
 from ostinato.tools.checkpoint_weights import remove_old_weights, write_weights
 
 FAMILIES = {
@@ -80,6 +81,9 @@ _LLAMA31_ROPE_SCALING = (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_fa
 SHAPES: dict[str, Shape] = {
     "tiny": Shape(**_TINY),
     "tiny-tied": Shape(**{**_TINY, "tie_word_embeddings": True}),
+    # Rows of 256 weights and more, the k-quants' block (GGUF Q4_K/Q5_K/Q6_K), still test-sized.
+    "tiny-256": Shape(**{**_TINY, "hidden_size": 256, "head_dim": 64, "intermediate_size": 512,
+                         "init_std": 0.1}),
     # Tensor-parallel corner cases at test size: one KV head (replicated on every rank), a vocabulary no
     # rank count above 1 divides (the last rank's rows are padding) and a tied lm_head (split like the table).
     # Block-scaled FP8 at test size: q (256 rows), k, v (128 each) and gate, up (256 each) start and end on
@@ -284,6 +288,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--fp8-layout", choices=list(FP8_LAYOUTS), default=None,
                         help="with --quantization fp8: compressed-tensors (per-channel weight_scale, the default) "
                              "or block (128x128 weight_scale_inv, quant_method 'fp8')")
+    parser.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                        help="hf: a safetensors folder (default); gguf: OUT_DIR/model.gguf, llama.cpp's format")
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="Q8_0",
+                        help="with --format gguf: the projections' and embedding's type, or a llama.cpp mix "
+                             "(Q4_K_M, Q5_K_M); norms stay F32 (default: Q8_0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
     return parser
@@ -300,8 +309,28 @@ def _parse_size(text: str) -> int:
     return int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
 
 
+def make_gguf_checkpoint(out_dir: str | Path, shape: str = "tiny", family: str | None = None, seed: int = 0,
+                         gguf_type: str = "Q8_0", progress: bool = False) -> Path:
+    """Write a random GGUF file of `shape` as `family` to out_dir/model.gguf (tools/checkpoint_gguf.py)."""
+    spec, family = _resolve(shape, family)
+    config = hf_config_dict(shape, family)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return write_gguf(out / "model.gguf", config, weight_shapes(config), family, gguf_type, seed, spec.init_std,
+                      spec.final_norm_gain, progress)
+
+
 def run(args: argparse.Namespace) -> int:
     """CLI entry: write the checkpoint and print one line describing it."""
+    if args.format == "gguf":
+        if args.quantization is not None or args.fp8_layout is not None:
+            raise ConfigError("--quantization/--fp8-layout write an HF folder; with --format gguf pick the "
+                              "weights' type with --gguf-type instead")
+        path = make_gguf_checkpoint(args.out_dir, args.shape, args.family, args.seed, args.gguf_type,
+                                    progress=not args.quiet)
+        print(f"wrote {args.shape} (seed {args.seed}): {parameter_count(args.shape, args.family):,} parameters, "
+              f"{path.stat().st_size / 1e6:.2f} MB {args.gguf_type} -> {path}")
+        return 0
     max_shard_size = args.max_shard_size
     if args.sharded:
         total = parameter_count(args.shape, args.family) * (4 if args.dtype == "float32" else 2)

@@ -22,14 +22,22 @@ HBM_READ_BYTES_PER_S = 4.13e12  # read bandwidth measured on the H200 the publis
 
 
 def weights_read_per_step(runner) -> int:
-    """Weight bytes a decode step reads: all of them, less an untied embedding table, of which a step reads
-    one row per token (a tied table is read whole, as the lm_head): llama-3.1-8b reads 15.01 GB
-    per step, not its 16.06 GB file. The bytes as held: FP8 projections count one byte a weight plus their
-    float32 scales (the embedding and lm_head stay in the model dtype), so the floor is FP8's own."""
+    """Weight bytes a decode step reads, as the model holds them (runner.weights_bytes: quantized projections
+    count their blocks and scales, QuantizedLinear.weight_bytes), less an untied embedding table, of which a
+    step reads one row per token (a tied table is read whole, as the lm_head): llama-3.1-8b in bf16 reads
+    15.01 GB per step, not its 16.06 GB file. FP8 projections count one byte a weight plus their float32 scales,
+    GGUF ones their blocks, so the floor is the format's own."""
     mc = runner.model_config
     untied_table = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size * runner.dtype.itemsize
     world_size = getattr(getattr(runner, "tp", None), "world_size", 1)  # a rank holds 1/world_size of the table
     return runner.weights_bytes - untied_table // world_size
+
+
+def has_hf_weights(model_dir) -> bool:
+    """Whether transformers can load model_dir as it is: a GGUF file's metadata folder holds no weights."""
+    from ostinato.model.gguf_native import is_native_gguf_dir
+
+    return not is_native_gguf_dir(model_dir)
 
 
 def register(sub) -> None:
@@ -225,7 +233,10 @@ def run(args) -> int:
     kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
     gen = torch.Generator().manual_seed(0)
     rows = []
-    hf = None if args.no_hf else load_hf(engine.model_dir, runner.dtype, runner.device)
+    if not args.no_hf and not has_hf_weights(engine.model_dir):
+        print("no HF baseline: a GGUF file run in its blocks (bench it with --gguf-dequantize for one)")
+    hf = None if args.no_hf or not has_hf_weights(engine.model_dir) else load_hf(engine.model_dir, runner.dtype,
+                                                                                 runner.device)
     print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), "
           f"{runner.dtype}, weights {quantization_label(mc.quantization)}, graphs: {engine.graph_status}")
     with torch.inference_mode():

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GGUF kept quantized, on the GPU (run from the repo root; OUT = a folder for logs). STEPS picks the parts, each
+# under 10 minutes on one H200 (default all, in this order):
+#   tests    the gpu-marked GGUF kernel tests (and the CPU ones, now on CUDA)
+#   kernels  the GGUF kernels beside bf16 at Llama-3.1-8B's projection shapes, batch 1/8/64
+#   make     random llama-3.1-8b checkpoints: bf16 folder, Q8_0 and Q4_K_M GGUF files (under CK)
+#   bench    `ostinato bench` of the three at batch 1/8/64 (floors count the bytes actually read)
+#   load     start-up time and peak host memory: Q4_K_M first start, cached start, then --gguf-dequantize
+#            (that converts to a 32 GB float32 folder: the bf16 folder is removed first for the disk)
+#   smollm2  the real SmolLM2: Q4_1 blocks vs the dequantized folder, graph vs eager, vs HF (logprob-close)
+set -uo pipefail
+OUT=${OUT:-/tmp/ostinato-gguf}; mkdir -p "$OUT"
+CK=${CK:-/tmp/ck-gguf}
+STEPS=${STEPS:-tests kernels make bench load smollm2}
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export OSTINATO_CACHE_DIR=${OSTINATO_CACHE_DIR:-$CK/cache}
+SHAPE=llama-3.1-8b
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+peak() {  # wall seconds and peak RSS of a command (a child of python, so ru_maxrss of the children is its own)
+  python3 -c 'import resource, subprocess, sys, time
+t = time.time(); rc = subprocess.run(sys.argv[1:]).returncode
+print(f"rc {rc}  wall {time.time() - t:.1f} s  peak RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.2f} GiB")' "$@"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+if has tests; then
+  timeout 590 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_gpu.py tests/kernels/test_gguf_linear.py \
+    tests/kernels/test_quantized_linear.py 2>&1 | tail -30 | tee "$OUT/gguf_tests.log"
+fi
+if has kernels; then
+  timeout 590 python3 benchmarks/kernels/gguf_linear.py --batches 1 8 64 --json "$OUT/gguf_linear.json" 2>&1 \
+    | tail -80 | tee "$OUT/gguf_linear.log"
+fi
+if has make; then
+  [ -d "$CK/bf16" ] || python3 -m ostinato.cli make-checkpoint "$CK/bf16" --shape $SHAPE --dtype bfloat16 --quiet
+  for T in Q4_K_M Q8_0; do
+    [ -f "$CK/$T/model.gguf" ] || python3 -m ostinato.cli make-checkpoint "$CK/$T" --shape $SHAPE --format gguf \
+      --gguf-type $T --quiet
+  done
+  ls -la "$CK"/*/model.gguf | tee "$OUT/make.log"
+fi
+if has bench; then
+  for M in "$CK/bf16" "$CK/Q8_0/model.gguf" "$CK/Q4_K_M/model.gguf"; do
+    name=$(basename "$(dirname "$M")"); [ "$M" = "$CK/bf16" ] && name=bf16
+    timeout 590 python3 -m ostinato.cli bench "$M" --max-model-len 2048 --gpu-memory-utilization 0.6 \
+      --batch-sizes "1 8 64" --context 512 --no-hf --output-json "$OUT/bench_$name.json" 2>&1 | tail -12 \
+      | tee "$OUT/bench_$name.log"
+  done
+fi
+if has load; then
+  GEN=(python3 -m ostinato.cli generate "$CK/Q4_K_M/model.gguf" --max-model-len 2048 --prompt "Hello" --max-tokens 4)
+  echo "Q4_K_M, first start (metadata parsed):" | tee "$OUT/load.log"; peak "${GEN[@]}" 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
+  echo "Q4_K_M, cached start:" | tee -a "$OUT/load.log"; peak "${GEN[@]}" 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
+  rm -rf "$CK/bf16"
+  echo "Q4_K_M --gguf-dequantize, first start (the float32 conversion):" | tee -a "$OUT/load.log"
+  peak "${GEN[@]}" --gguf-dequantize 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
+  echo "Q4_K_M --gguf-dequantize, cached start:" | tee -a "$OUT/load.log"
+  peak "${GEN[@]}" --gguf-dequantize 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
+fi
+if has smollm2; then
+  timeout 590 python3 benchmarks/smollm2_gpu.py --max-tokens 64 2>&1 | tail -20 | tee "$OUT/smollm2.log"
+fi

@@ -1,0 +1,201 @@
+"""GGUF weights kept in their llama.cpp blocks: a QuantizedLinear per projection, and the torch dequantizers.
+
+Why: an 8B Q4_K_M file is ~4.9 GB; dequantized to bf16 it is 16 GB, which every decode step would then read.
+Holding the blocks as raw bytes on the device and decoding them inside the kernels (kernels/gguf_gemv.py) keeps
+a step's reads at what the file holds.
+
+Layout: a projection [N, K] is a uint8 tensor [N, row_bytes]: each row is K / block_size blocks of the type,
+laid out exactly as in the file (ggml quantizes along K, row by row). So rows of one type concatenate (the
+fused q|k|v and gate|up projections) and permute (llama.cpp's q/k RoPE order) as plain byte rows.
+
+The block formats (ggml-common.h; little-endian fp16 scales):
+    Q8_0  32 weights, 34 B: d, int8 q[32]                                  w = d * q
+    Q4_0  32 weights, 18 B: d, q[16] (weight j: low nibble of byte j % 16 for j < 16, high nibble above)
+                                                                          w = d * (q - 8)
+    Q4_1  32 weights, 20 B: d, m, q[16] (nibbles as Q4_0)                  w = d * q + m
+    Q4_K  256 weights, 144 B: d, dmin, 12 B of 6-bit (scale, min) for 8 sub-blocks of 32, q[128]: the 64
+          weights of chunk c take the low nibbles of bytes 32c..32c+31 (sub-block 2c), then the high ones
+                                                                          w = d * sc * q - dmin * mn
+    Q5_K  256 weights, 176 B: as Q4_K with qh[32] before q[128]; bit 2c (+1 for the high half) of qh[l] is
+          weight l's fifth bit in chunk c
+    Q6_K  256 weights, 210 B: ql[128], qh[64], int8 scales[16], d: two halves of 128, each four quarters of
+          32 (low 4 bits from ql, 2 high bits from qh)                     w = d * sc * (q - 32)
+Types without a kernel are dequantized at load (model/gguf_weights.py) and never reach this module.
+
+The torch dequantizers below are the CPU path (run per call, on the device the blocks are on) and the reference
+the kernels are tested against, itself tested against the `gguf` library's numpy dequantizers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ostinato.kernels.quantized_linear import QuantizedLinear
+from ostinato.kernels.triton_optional import triton
+
+# ggml type ids (gguf.GGMLQuantizationType) -> (name, weights per block, bytes per block), for the typed kernels.
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+KERNEL_TYPES = {
+    Q8_0: ("Q8_0", 32, 34), Q4_0: ("Q4_0", 32, 18), Q4_1: ("Q4_1", 32, 20),
+    Q4_K: ("Q4_K", 256, 144), Q5_K: ("Q5_K", 256, 176), Q6_K: ("Q6_K", 256, 210),
+}
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of k weights of type qtype."""
+    _, block, nbytes = KERNEL_TYPES[qtype]
+    if k % block:
+        raise ValueError(f"a {KERNEL_TYPES[qtype][0]} row holds a multiple of {block} weights, got {k}")
+    return k // block * nbytes
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian fp16 at byte `at` of every block, b [..., block_bytes] uint8 -> [...] float32."""
+    return b[..., at:at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] 4-bit values: all low nibbles, then all high ones (ggml's order)."""
+    q = qs.to(torch.int32)
+    return torch.cat((q & 15, q >> 4), dim=-1).float()
+
+
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit (scale, min) pairs packed in the 12 bytes of a Q4_K / Q5_K block: [..., 12] -> 2 x [..., 8]."""
+    q = scales.to(torch.int32)
+    lo_sc, lo_m = q[..., 0:4] & 63, q[..., 4:8] & 63
+    hi_sc = (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)
+    hi_m = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return torch.cat((lo_sc, hi_sc), -1).float(), torch.cat((lo_m, hi_m), -1).float()
+
+
+def _k_quant(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: q [..., 256] in chunk order -> weights, with the block's d, dmin and sub-block scales."""
+    sc, mn = _scale_min_k4(b[..., 4:16])
+    d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+    q = q.view(*q.shape[:-1], 8, 32)
+    return (d * sc)[..., None] * q - (dmin * mn)[..., None]
+
+
+def _dequant_q4_k(b: torch.Tensor) -> torch.Tensor:
+    qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)
+    return _k_quant(b, _nibbles(qs).flatten(-2))
+
+
+def _dequant_q5_k(b: torch.Tensor) -> torch.Tensor:
+    qh = b[..., 16:48].to(torch.int32)  # [..., 32]
+    qs = b[..., 48:176].reshape(*b.shape[:-1], 4, 32)
+    low = _nibbles(qs)  # [..., 4 chunks, 64]
+    bits = torch.arange(8, device=b.device, dtype=torch.int32).view(4, 2, 1)  # chunk c, half h -> bit 2c + h
+    high = ((qh[..., None, None, :] >> bits) & 1).flatten(-2).float()  # [..., 4, 64]
+    return _k_quant(b, (low + 16 * high).flatten(-2))
+
+
+def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = b[..., 0:128].to(torch.int32).reshape(*b.shape[:-1], 2, 2, 32)  # half, which 32 bytes, l
+    qh = b[..., 128:192].to(torch.int32).reshape(*b.shape[:-1], 2, 1, 32)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float().reshape(*b.shape[:-1], 2, 4, 2)  # half, quarter, l//16
+    d = _f16(b, 208)[..., None, None, None]
+    low = torch.cat((ql & 15, ql >> 4), dim=-2)  # [..., 2, 4 quarters, 32]: quarter t's low bits
+    shifts = 2 * torch.arange(4, device=b.device, dtype=torch.int32).view(4, 1)
+    q = (low | (((qh >> shifts) & 3) << 4)).float() - 32  # [..., 2, 4, 32]
+    q = q.view(*q.shape[:-1], 2, 16) * (d * sc)[..., None]
+    return q.flatten(-4)
+
+
+def _dequant_32(b: torch.Tensor, qtype: int) -> torch.Tensor:
+    d = _f16(b, 0)[..., None]
+    if qtype == Q8_0:
+        return d * b[..., 2:34].contiguous().view(torch.int8).float()
+    if qtype == Q4_0:
+        return d * (_nibbles(b[..., 2:18]) - 8)
+    return d * _nibbles(b[..., 4:20]) + _f16(b, 2)[..., None]  # Q4_1
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """blocks [N, row_bytes] uint8 of type qtype -> the weight [N, k] float32, with torch ops on its device."""
+    _, block, nbytes = KERNEL_TYPES[qtype]
+    b = blocks.reshape(blocks.shape[0], k // block, nbytes)
+    if block == 32:
+        w = _dequant_32(b, qtype)
+    else:
+        w = {Q4_K: _dequant_q4_k, Q5_K: _dequant_q5_k, Q6_K: _dequant_q6_k}[qtype](b)
+    return w.reshape(blocks.shape[0], k)
+
+
+class GGUFLinear(QuantizedLinear):
+    """One projection of one GGUF type: blocks [N, row_bytes] uint8 (a buffer), bias in the activation dtype."""
+
+    def __init__(self, qtype: int, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if qtype not in KERNEL_TYPES:
+            raise ValueError(f"no GGUF kernel for ggml type {qtype}")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(qtype, in_features):
+            raise ValueError(f"{KERNEL_TYPES[qtype][0]} blocks for {in_features} inputs are [N, "
+                             f"{row_bytes(qtype, in_features)}] uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+        self.qtype = qtype
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = bias
+        self.host_weight: torch.Tensor | None = None  # the torch path's dequantized weight (see linear_into)
+
+    @property
+    def type_name(self) -> str:
+        return KERNEL_TYPES[self.qtype][0]
+
+    def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)
+        self.linear_into(x, out, pdl)
+        return out
+
+    def linear_into(self, x: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> None:
+        """out [M, N] (any row stride, columns contiguous) = x @ W^T (+ b): GGUFConcat's parts write slices."""
+        if x.is_cuda and triton is not None:
+            from ostinato.kernels.gguf_gemv import gguf_linear_into
+
+            gguf_linear_into(x, self.blocks, self.qtype, self.bias, out, pdl)
+            return
+        # Off CUDA, the weight is dequantized on the first call and kept. Why: the host path is the reference and
+        # the tests' path, compute-bound, and unpacking every block again each step took seconds per step of the
+        # 135M model on a small CPU; kept, it runs as fast as the dequantized folder does.
+        if self.host_weight is None or self.host_weight.dtype != x.dtype:
+            self.host_weight = self.dequantize().to(x.dtype)
+        w = self.host_weight
+        torch.matmul(x, w.T, out=out) if out.is_contiguous() else out.copy_(x @ w.T)
+        if self.bias is not None:
+            out += self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_blocks(self.blocks, self.qtype, self.in_features)
+
+    def weight_bytes(self) -> int:
+        return self.blocks.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def extra_repr(self) -> str:
+        return f"{self.type_name}, {super().extra_repr()}"
+
+
+class GGUFConcat(QuantizedLinear):
+    """A fused projection (q|k|v, gate|up) whose shards have different GGUF types (Q4_K_M mixes them per
+    tensor): each shard keeps its own kernel and writes its columns of the one output, so no copy is made."""
+
+    def __init__(self, parts: list[GGUFLinear]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None  # each part adds its own
+
+    def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)
+        start = 0
+        for part in self.parts:
+            part.linear_into(x, out[:, start:start + part.out_features], pdl)
+            start += part.out_features
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def weight_bytes(self) -> int:
+        return sum(p.weight_bytes() for p in self.parts)

@@ -1,0 +1,68 @@
+"""GGUF blocks kept quantized: the torch dequantizers equal the `gguf` library's, and the Triton kernels (GEMV at
+a few rows, tensor-core GEMM above) equal its dequantize-then-matmul in float64, for every type with a kernel."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf_quants = pytest.importorskip("gguf.quants")
+
+from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFConcat, GGUFLinear, dequantize_blocks  # noqa: E402
+from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
+
+TYPES = sorted(KERNEL_TYPES, key=lambda t: KERNEL_TYPES[t][0])
+
+
+def _blocks(qtype, n, k, seed=0):
+    return random_blocks(KERNEL_TYPES[qtype][0], n, k, np.random.default_rng(seed))
+
+
+def _reference(x: torch.Tensor, blocks: np.ndarray, qtype: int) -> np.ndarray:
+    return x.double().numpy() @ gguf_quants.dequantize(blocks, qtype).astype(np.float64).T
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
+def test_torch_dequantize_equals_the_gguf_library(qtype):
+    blocks = _blocks(qtype, 3, 512)
+    ours = dequantize_blocks(torch.from_numpy(blocks), qtype, 512).numpy()
+    np.testing.assert_array_equal(ours, gguf_quants.dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
+@pytest.mark.parametrize("m", [1, 3, 11])  # GEMV (1, 3 rows: ragged M_PAD) and the tensor-core GEMM (11)
+def test_kernel_equals_dequantize_then_matmul(qtype, m):
+    block = KERNEL_TYPES[qtype][1]
+    n, k = 5, 2 * 256 + (block if block == 32 else 256)  # ragged: N not a tile multiple, K not of BLOCK_K
+    blocks = _blocks(qtype, n, k, seed=m)
+    bias = torch.randn(n)
+    layer = GGUFLinear(qtype, torch.from_numpy(blocks), k, bias)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    from ostinato.kernels.gguf_gemv import gguf_linear_into
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU, the Triton interpreter runs it
+    out = torch.empty(m, n, device=dev)
+    gguf_linear_into(x.to(dev), layer.blocks.to(dev), qtype, bias.to(dev), out)
+    out = out.cpu()
+    ref = _reference(x, blocks, qtype) + bias.double().numpy()
+    np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    torch_path = layer.linear(x)  # CPU tensors: dequantize with torch ops, then matmul
+    np.testing.assert_allclose(torch_path.double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_concat_of_mixed_types_writes_each_shards_columns():
+    from gguf.constants import GGMLQuantizationType as T
+
+    k = 256
+    parts = [GGUFLinear(int(t), torch.from_numpy(_blocks(int(t), n, k, seed=n)), k)
+             for t, n in ((T.Q4_K, 6), (T.Q6_K, 3), (T.Q8_0, 2))]
+    fused = GGUFConcat(parts)
+    x = torch.randn(2, k)
+    expected = torch.cat([x @ p.dequantize().T for p in parts], dim=1)
+    torch.testing.assert_close(fused.linear(x), expected)
+    torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert fused.weight_bytes() == sum(p.blocks.numel() for p in parts)
+
+
+def test_blocks_of_the_wrong_size_are_refused():
+    with pytest.raises(ValueError, match=r"\[N, 68\] uint8"):  # Q8_0: 64 inputs are two 34-byte blocks
+        GGUFLinear(8, torch.zeros(4, 34, dtype=torch.uint8), 64)

@@ -1,0 +1,129 @@
+"""GGUF files run in their own blocks (model/gguf_native.py, model/gguf_weights.py): a random Q4_K_M file (k-quant
+rows, a q|k|v of mixed types) matches HF transformers on the same dequantized weights, a second start reads the
+metadata from the cache, and loading keeps host memory under twice the file size."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from ostinato import LLM, SamplingParams  # noqa: E402
+from ostinato.kernels.gguf_linear import GGUFConcat, GGUFLinear  # noqa: E402
+from ostinato.tools.checkpoint import make_gguf_checkpoint  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSTINATO_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    return make_gguf_checkpoint(tmp_path_factory.mktemp("gguf"), "tiny-256", gguf_type="Q4_K_M", seed=3)
+
+
+def _assert_greedy_equals_hf(path, prompts, ours, new_tokens):
+    """HF transformers reads the same GGUF file (dequantizing it, q/k rows put back) and decodes greedily."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, ours):
+            ids = torch.tensor([prompt])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens)[0, len(prompt):].tolist()
+            assert out.outputs[0].token_ids == ref
+
+
+def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache, caplog):
+    caplog.set_level("INFO")
+    llm = LLM(str(q4_k_m), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
+    layers = llm.engine.runner.model.model.layers
+    assert isinstance(layers[0].mlp.down_proj, GGUFLinear) and layers[0].mlp.down_proj.type_name == "Q4_K"
+    assert isinstance(layers[1].self_attn.qkv_proj, GGUFConcat)  # q, k Q4_K and v Q6_K (the _M recipe)
+    assert [p.type_name for p in layers[1].self_attn.qkv_proj.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert "dequantized to float32 at load: 1 x Q4_K, 1 x Q6_K" in caplog.text  # the embedding and lm_head
+    # The bench's floor counts the bytes held: the blocks, and the dense rest (less the untied table's unread rows).
+    from ostinato.tools.bench.decode import weights_read_per_step
+
+    runner = llm.engine.runner
+    blocks = sum(m.blocks.numel() for m in runner.model.modules() if isinstance(m, GGUFLinear))
+    dense = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert runner.weights_bytes == blocks + dense
+    assert weights_read_per_step(runner) == blocks + dense - 512 * 256 * 4
+    prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7], [0, 300, 2, 480, 77, 12, 9]]
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    _assert_greedy_equals_hf(q4_k_m, prompts, ours, 8)
+    assert len({t for o in ours for t in o.outputs[0].token_ids}) > 4  # not one repeated token
+
+
+def test_second_start_reads_the_metadata_from_the_cache(q4_k_m, cache, monkeypatch):
+    from ostinato.model import gguf_native
+    from ostinato.model.gguf_sources import resolve_model_dir
+
+    first = resolve_model_dir(str(q4_k_m))
+    assert json.loads((first / "ostinato_gguf.json").read_text())["weights"] == "gguf"
+    assert not list(first.glob("*.safetensors"))  # no float32 copy
+    monkeypatch.setattr(gguf_native, "open_gguf", lambda path: pytest.fail("the cached start parsed the header"))
+    assert resolve_model_dir(str(q4_k_m)) == first
+    assert resolve_model_dir(str(q4_k_m), gguf_dequantize=True) != first  # the float32 folder, as before
+
+
+_RSS_PROBE = """
+import sys, torch
+from ostinato.attention.torch_ref import TorchRefBackend
+from ostinato.config import ModelConfig
+from ostinato.model.gguf_sources import resolve_model_dir
+from ostinato.model.loader import load_model, weights_nbytes
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+model_dir = resolve_model_dir(sys.argv[1])
+config = ModelConfig.from_dir(model_dir)
+import gguf, transformers.modeling_gguf_pytorch_utils  # imported before the baseline: not the loader's memory
+from ostinato.model.decoder import DecoderForCausalLM
+with torch.device("meta"):  # torch's one-time set-up of the meta device (~70 MB), which any load pays
+    DecoderForCausalLM(config, TorchRefBackend())
+before = status("VmRSS:")
+model = load_model(model_dir, config, torch.float32, torch.device("cpu"), TorchRefBackend(), progress=False)
+print(status("VmHWM:") - before, weights_nbytes(model))
+"""
+
+
+def test_loading_keeps_peak_host_memory_under_twice_the_file_size():
+    """The real SmolLM2 file (98 MB), loaded on the CPU: what loading adds to the process beyond the model's own
+    tensors (on a GPU those are device memory) stays under twice the file, where the float32 path held ~5x."""
+    from ostinato.model.gguf_sources import short_name_path
+
+    path = short_name_path("smollm2-135m")
+    shared = str(Path(tempfile.gettempdir()) / "ostinato-test-cache")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OSTINATO_CACHE_DIR": shared}  # test_smollm2's cache
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown, model_bytes = map(int, out.stdout.split()[-2:])
+    size = path.stat().st_size
+    assert model_bytes < size * 2  # the projections stayed in their blocks (float32 would be 540 MB)
+    assert grown - model_bytes < 2 * size, f"grew {grown / 1e6:.0f} MB, model {model_bytes / 1e6:.0f} MB, file {size / 1e6:.0f} MB"
+
+
+def test_qwen2_q8_0_with_qkv_biases_matches_hf(tmp_path, cache):
+    """Qwen2's q/k/v biases ride with the quantized q|k|v (and its rows are not permuted, unlike llama's)."""
+    path = make_gguf_checkpoint(tmp_path, "tiny-256", family="qwen2", gguf_type="Q8_0", seed=1)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GGUFLinear) and qkv.bias is not None and qkv.bias.shape == (512,)
+    prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7]]
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    _assert_greedy_equals_hf(path, prompts, ours, 6)
