@@ -12,7 +12,7 @@
 # them from a folder of wheels (no network).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=src
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}  # keep what the caller put there (e.g. a wheel folder)
 OUT=${OUT:-/tmp/server-vs-offline}
 SHAPES=${SHAPES:-"qwen3-0.6b llama-3.1-8b"}
 STREAMS=${STREAMS:-"64 256"}
