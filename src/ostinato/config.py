@@ -23,6 +23,7 @@ from ostinato.config_readers import (  # noqa: F401 - re-exported: callers impor
 )
 from ostinato.errors import ConfigError
 from ostinato.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: F401 - re-exported
+from ostinato.speculative_config import SpeculativeConfig, speculative_config
 
 if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the kernels
     from ostinato.kernels.decode_plan import DecodeTuning
@@ -149,6 +150,7 @@ class RunnerConfig:
     decode_tuning: DecodeTuning | None = None  # the Triton decode attention's launch settings; None: defaults
     # Every kernel reduces a row in an order set by that row alone (docs/ARCHITECTURE.md, "Batch-invariant mode").
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | None = None  # speculative decoding (speculative_config.py); None: off
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,10 @@ class EngineConfig:
     @property
     def graph(self) -> GraphConfig:
         return self.runner.graph
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return self.runner.speculative
 
     @property
     def model_dir(self) -> str:
@@ -234,6 +240,13 @@ class EngineArgs:
     # Sampling defaults for what a request leaves unset (vLLM's flag): auto (the model's generation_config.json),
     # vllm (SamplingParams' own) or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # Speculative decoding (vLLM's names; speculative_config.py checks them): "ngram" proposes up to
+    # num_speculative_tokens tokens a step by prompt lookup, and one forward verifies them.
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -293,6 +306,7 @@ class EngineArgs:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        speculative_config(self)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -363,7 +377,8 @@ class EngineArgs:
             model_dir=model_dir, model=model, scheduler=self.scheduler_config(model), graph=graph,
             kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization),
             dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
-            decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant)
+            decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant,
+            speculative=speculative_config(self))
         defaults, source = read_generation_defaults(self.generation_config, model_dir)
         return EngineConfig(
             runner=runner, parallel=self.parallel_config(), model_source=self.model,

@@ -61,6 +61,10 @@ class ScheduledSeq:
     # Every token of the sequence (prompt, then its num_generated outputs), on a sampling chunk whose
     # logits_spec needs_history only: what its penalties count.
     history: tuple[int, ...] = ()
+    # Speculative decoding: a decode row as a chunk, token_ids = (its last token, then the proposed tokens). All
+    # its positions are sampled; the runner returns the tokens up to and including the first that differs
+    # from a proposal (engine/speculative.py).
+    verify: bool = False
 
     @property
     def context_len(self) -> int:
@@ -95,13 +99,23 @@ class SampledToken(NamedTuple):
     top: list[tuple[int, float]] | None = None  # the request's top-N alternatives, most likely first
 
 
+class SpecCounts(NamedTuple):
+    """A verify step's speculation: rows that carried proposals, tokens proposed, proposed tokens accepted."""
+
+    rows: int
+    proposed: int
+    accepted: int
+
+
 @dataclass(frozen=True)
 class StepResult:
-    """The runner's answer: one sampled token per decode row (in row order), then one per sampled chunk."""
+    """The runner's answer: one sampled token per decode row (in row order), then one per sampled chunk. A
+    verify row (ScheduledSeq.verify) gives its accepted tokens, in order, its seq id once for each."""
 
     seq_ids: list[int]
     token_ids: list[int]
     tokens: list[SampledToken]  # the same token ids, with logprobs when asked
+    spec: SpecCounts | None = None  # a step with verify rows
 
 
 class DecodeRows:
