@@ -94,10 +94,15 @@ class SpecVerifier:
             return PendingStep(StepResult([], [], []))
         hidden = self.hidden(out)
         logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
-        host = from_host([0] * len(rows), self.sampler(logits, self.settings(seqs)).to_host())
-        kept, ids, counts = accept(seqs, host.token_ids)
-        return PendingStep(StepResult(ids, [host.token_ids[i] for i in kept], [host.tokens[i] for i in kept],
+        drawn = self.draw(logits, seqs)
+        kept, ids, counts = accept(seqs, drawn.token_ids)
+        return PendingStep(StepResult(ids, [drawn.token_ids[i] for i in kept], [drawn.tokens[i] for i in kept],
                                       spec=counts))
+
+    def draw(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> StepResult:
+        """Every logit row's token (logits [rows, vocab], logit_rows' order), drawn with its chunk's settings and
+        the counter of its position, read to the host (with logprobs where asked). Seq ids are not filled in."""
+        return from_host([0] * logits.shape[0], self.sampler(logits, self.settings(seqs)).to_host())
 
     def hidden(self, out: SchedulerOutput) -> torch.Tensor:
         """The forward's final hidden states [tokens, hidden]: a prefill-graph replay, else eager."""
