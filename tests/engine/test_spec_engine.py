@@ -11,6 +11,7 @@ import pytest
 from ostinato import LLM, SamplingParams
 from ostinato.errors import InvalidRequestError
 from ostinato.tools.checkpoint import make_checkpoint
+from support.graph_engine import recorded_graphs
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)), [7, 7, 7, 7],
            [3, 4, 5, 6, 3, 4], [9, 8, 7, 9, 8, 7, 9, 8, 7, 9, 8]]
@@ -150,4 +151,15 @@ def test_what_a_verify_step_cannot_apply_is_refused(ckpt, params, param):
     with pytest.raises(InvalidRequestError, match="--speculative-method") as e:
         llm.generate([[1, 2, 3]], params)
     assert e.value.param == param
+    assert_clean(llm)
+
+
+def test_verify_steps_replay_prefill_graphs_and_keep_the_output(ckpt, plain):
+    """With prefill graphs (recorded, on CPU: the captured code run as it is), verify steps that fit a captured
+    token count replay it, padded, and the output is still the plain run's."""
+    with recorded_graphs((1, 4), prefill_sizes=(8, 16, 32), prefill_max_seqs=4):
+        llm = with_oracle(make(ckpt, max_num_seqs=4), PROMPTS, plain[1])
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == plain[1]
+    st = llm.engine.stats()
+    assert st.prefill_steps_graph > 10 and st.prefill_padded_tokens > 0 and st.spec_decode_accepted_tokens > 0
     assert_clean(llm)
