@@ -60,8 +60,9 @@ def check_request(params: SamplingParams) -> None:
                                       ("min_tokens", params.min_tokens > 0), ("bad_words", bool(params.bad_words)))
                 if on]
         raise InvalidRequestError(f"{', '.join(used)} not supported with --speculative-method: leave them at "
-                                  "their defaults, or start the engine without speculative decoding",
-                                  param=used[0])
+                                  "their defaults (a model's generation_config.json may set them: "
+                                  "--generation-config vllm ignores it), or start the engine without "
+                                  "speculative decoding", param=used[0])
 
 
 def split_rounds(result: StepResult) -> list[StepResult]:
