@@ -3,13 +3,12 @@ a sequence's own last n tokens, in its prompt or its output so far.
 
 Pure Python and numpy (no torch): the scheduler calls it on the host for every decoding sequence, each step. A
 sequence's tokens are kept in a numpy buffer that only grows (appended from its token list), so a step costs
-one vectorised compare of its windows against the pattern, O(length x n), and no conversion of the whole list.
+one vectorised compare over it (`lookup`) and no conversion of the whole list.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ostinato.engine.request import Sequence
 
@@ -17,14 +16,23 @@ from ostinato.engine.request import Sequence
 def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[int, ...]:
     """Up to k tokens that followed the most recent earlier occurrence of tokens' last n tokens, for the largest
     n in [n_min, n_max] that occurs earlier; () when none does. The occurrence must be followed by at least one
-    token, so the suffix itself never matches."""
+    token, so the suffix itself never matches.
+
+    One compare over the whole sequence finds where its last token occurred before (each a candidate end of a
+    match); longer n-grams only check those candidates' preceding tokens, so a step costs O(length + matches x
+    n), not O(length x n)."""
     length = len(tokens)
+    if length < 2:
+        return ()
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # followed by at least one token
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        # Windows that start at 0 .. length - 1 - n: each is followed by at least one token.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+        cand = ends[ends >= n - 1]
+        for d in range(1, n):
+            if not cand.size:
+                break
+            cand = cand[tokens[cand - d] == tokens[length - 1 - d]]
+        if cand.size:
+            start = int(cand[-1]) + 1
             return tuple(tokens[start: start + k].tolist())
     return ()
 
