@@ -163,3 +163,12 @@ def test_verify_steps_replay_prefill_graphs_and_keep_the_output(ckpt, plain):
     st = llm.engine.stats()
     assert st.prefill_steps_graph > 10 and st.prefill_padded_tokens > 0 and st.spec_decode_accepted_tokens > 0
     assert_clean(llm)
+
+
+def test_a_stream_delivers_each_accepted_run_as_one_delta(ckpt, plain):
+    llm = with_oracle(make(ckpt), PROMPTS[:1], plain[1][:1])
+    chunks = list(llm.stream(PROMPTS[0], GREEDY))
+    want = plain[0].generate(PROMPTS[:1], GREEDY)[0].outputs[0]
+    assert [t for c in chunks for t in c.outputs[0].token_ids] == want.token_ids
+    assert "".join(c.outputs[0].text for c in chunks) == want.text
+    assert len(chunks) < len(want.token_ids) * 0.7  # several tokens per step: the runs were accepted
