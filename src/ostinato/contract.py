@@ -12,6 +12,9 @@ prefills chunks of other sequences beside it (eager): kind "decode" (rows only),
 - `seqs`: the prefill chunks. A chunk that reaches its sequence's last token (`samples`) is sampled, and
   the sequence joins the decode batch after the step (a preempted sequence rejoins the same way).
 `num_decode` says how many rows decode, as a check.
+
+With speculative decoding there are no decode rows: each decoding sequence is a verify chunk in `seqs`
+(ScheduledSeq.verify; engine/speculative.py), so such a step is of kind "prefill".
 """
 
 from __future__ import annotations
