@@ -64,7 +64,10 @@ def _run_generate(args) -> int:
             print(f"--- prompt{how}: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, "
                   f"finish_reason={c.finish_reason}]")
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"--- {n} tokens in {time.perf_counter() - t0:.2f} s; decode graphs: {llm.engine.graph_status}")
+    st = llm.engine.stats()
+    spec = ("" if st.spec_acceptance_rate is None else f"; speculation: acceptance {st.spec_acceptance_rate:.2f}, "
+            f"mean accepted length {st.spec_mean_accepted_length:.2f}")
+    print(f"--- {n} tokens in {time.perf_counter() - t0:.2f} s; decode graphs: {llm.engine.graph_status}{spec}")
     return 0
 
 

@@ -27,6 +27,8 @@ def test_the_flags_reach_the_engine_and_the_start_up_log(ckpt, caplog, capsys):
                          "--max-tokens", "6"]) == 0
     assert ("speculative decoding: ngram, up to 3 proposed tokens a step, prompt lookup over 1..2-grams; steps "
             "are synchronous (no overlapped scheduling)") in [r.getMessage() for r in caplog.records]
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "; speculation: acceptance " in last and "mean accepted length " in last
 
 
 @pytest.mark.parametrize("kwargs, says", [
