@@ -172,3 +172,12 @@ def test_a_stream_delivers_each_accepted_run_as_one_delta(ckpt, plain):
     assert [t for c in chunks for t in c.outputs[0].token_ids] == want.token_ids
     assert "".join(c.outputs[0].text for c in chunks) == want.text
     assert len(chunks) < len(want.token_ids) * 0.7  # several tokens per step: the runs were accepted
+
+
+def test_chunked_prefill_beside_verify_rows_keeps_the_output(ckpt, plain):
+    """A step budget of 12 tokens: prompts are prefilled in chunks beside the running verify rows, whose
+    proposals are cut to what the budget leaves."""
+    llm = with_oracle(make(ckpt, max_num_seqs=4, max_num_batched_tokens=12), PROMPTS, plain[1])
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == plain[1]
+    assert llm.engine.stats().spec_decode_accepted_tokens > 0
+    assert_clean(llm)
