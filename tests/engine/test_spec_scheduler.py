@@ -5,7 +5,9 @@ tokens a plain decode loop produces. The fake runner writes each fed token into 
 position and token written there) and, before a chunk runs, checks every position its queries read: each must
 hold the sequence's own accepted token. That is the assertion that no rejected token's KV is ever read, through
 verify steps, trims, preemptions, chunked prefill and prefix-cache hits (a hit on a block keyed over a rejected
-token would read it). Acceptance is the runner's own (runner/spec_verify.py, `accept`)."""
+token would read it). Two more checks on the prefix cache: a verify row's keyed blocks end before its newest
+token (the slot its step writes), and once a step's writes landed every keyed block holds the tokens its key
+was hashed from. Acceptance is the runner's own (runner/spec_verify.py, `accept`)."""
 
 import random
 
@@ -13,6 +15,7 @@ import pytest
 
 from ostinato.config import CacheConfig, SchedulerConfig
 from ostinato.contract import SchedulerOutput, StepResult, SampledToken
+from ostinato.engine import blocks
 from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.speculative import SpecScheduler, split_rounds
 from ostinato.runner.spec_verify import accept, logit_rows
@@ -21,6 +24,20 @@ from ostinato.speculative_config import SpeculativeConfig
 
 VOCAB = 5
 EOS = 4
+KEYS: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}  # block key -> (parent key, its block's tokens)
+
+
+@pytest.fixture(autouse=True)
+def record_keys(monkeypatch):
+    """Record what each block key stands for as the block manager hashes it."""
+    real = blocks.hash_block
+
+    def recording(parent, token_ids, salt=b""):
+        key = real(parent, token_ids, salt)
+        KEYS[key] = (parent, tuple(token_ids))
+        return key
+
+    monkeypatch.setattr(blocks, "hash_block", recording)
 
 
 def make_model(seed):
@@ -47,6 +64,25 @@ class FakeRunner:
         self.model, self.sched, self.bs = model, sched, block_size
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token) last written there
         self.read_positions = 0
+        self.keyed_checked = 0
+
+    def check_keyed_blocks(self):
+        """Once a step's writes landed, every block the prefix cache keys holds its key's tokens: a key never
+        covers a rejected token's slot, nor one not yet written (the key's tokens: KEYS, recorded as hashed)."""
+        alloc = self.sched.block_manager.allocator
+        for block in range(alloc.num_total):
+            key = alloc.key_of(block)
+            if key is None:
+                continue
+            tokens = []
+            while key is not None:
+                key, own = KEYS[key]
+                tokens[:0] = own
+            first = len(tokens) - self.bs
+            for off in range(self.bs):
+                assert self.kv.get(block * self.bs + off) == (first + off, tokens[first + off]), \
+                    f"block {block} is keyed over position {first + off}, which does not hold the key's token"
+                self.keyed_checked += 1
 
     def slot(self, table, pos):
         return table[pos // self.bs] * self.bs + pos % self.bs
@@ -61,6 +97,8 @@ class FakeRunner:
                     f"seq {c.seq_id} reads position {p}, which does not hold its accepted token"
                 self.read_positions += 1
             assert tuple(true[c.start_pos:c.start_pos + 1]) == c.token_ids[:1]
+            if c.verify:  # its keyed blocks end before its newest token, whose slot this step writes (again)
+                assert self.sched.get(c.seq_id).num_cached_blocks * self.bs <= c.start_pos
             for j, tok in enumerate(c.token_ids):
                 self.kv[self.slot(c.block_table, c.start_pos + j)] = (c.start_pos + j, tok)
             ctx = true[:c.start_pos] + list(c.token_ids)
@@ -68,6 +106,7 @@ class FakeRunner:
                 drawn += [self.model(ctx[:c.start_pos + j + 1]) for j in range(len(c.token_ids))]
             elif c.samples:
                 drawn.append(self.model(ctx))
+        self.check_keyed_blocks()
         _, seqs = logit_rows(out.seqs)
         kept, ids, counts = accept(seqs, drawn)
         tokens = [drawn[i] for i in kept]
@@ -100,8 +139,9 @@ def run(prompts, *, k=3, block_size=2, num_blocks=64, max_num_seqs=4, budget=16,
         for i, seq in enumerate(seqs):
             results[(wave, i)] = seq.output_token_ids
             assert seq.output_token_ids == reference(model, prompts[i], max_tokens, eos), (wave, i)
-        # Later waves: each prompt followed by its first output, so the prefix cache serves what decode wrote.
-        prompts = [list(p) + results[(wave, i)][:5] for i, p in enumerate(prompts)]
+        # Later waves: each prompt followed by some of its output (a different length for each), so the prefix
+        # cache serves blocks that verify steps wrote, up to different places in them.
+        prompts = [list(p) + results[(wave, i)][:3 + 5 * i] for i, p in enumerate(prompts)]
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks, "a block leaked"
     assert all(bm.allocator.refcount(b) == 0 for b in range(bm.num_total_blocks))
@@ -115,7 +155,7 @@ PROMPTS = [[0, 1, 2, 0, 1, 2, 0, 1], [3, 2, 1, 3, 2], [1, 1, 0, 2, 3, 1, 1], [2,
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_output_equals_plain_decoding_and_no_rejected_kv_is_read(model_seed, k):
     sched, runner, accepted = run(PROMPTS, k=k, model_seed=model_seed, waves=2)
-    assert runner.read_positions > 0
+    assert runner.read_positions > 0 and runner.keyed_checked > 0
 
 
 def test_proposals_are_accepted_and_rejected_on_this_workload():
