@@ -89,10 +89,9 @@ class SpecVerifier:
         if not out.seqs:
             return PendingStep(StepResult([], [], []))
         rows, seqs = logit_rows(out.seqs)
-        if not seqs:  # only prompt chunks that write K/V
-            self.hidden(out)
-            return PendingStep(StepResult([], [], []))
         hidden = self.hidden(out)
+        if not seqs:  # only prompt chunks that write K/V
+            return PendingStep(StepResult([], [], []))
         logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
         drawn = self.draw(logits, seqs)
         kept, ids, counts = accept(seqs, drawn.token_ids)
