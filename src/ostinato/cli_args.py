@@ -10,6 +10,7 @@ from ostinato.config import (
     PDL_MODES, EngineArgs, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
 )
 from ostinato.errors import ConfigError
+from ostinato.speculative_config import DEFAULT_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 
 def arg_type(read: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
@@ -126,6 +127,23 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of full blocks of earlier requests' identical prefixes "
                         "(--no-enable-prefix-caching computes every prompt whole)")
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (speculative_config.py checks them), vLLM's names."""
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="propose tokens cheaply and verify them in one forward: ngram looks the sequence's last "
+                        "tokens up in its own prompt and output (greedy output is unchanged)")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help=f"tokens proposed per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    s.add_argument("--prompt-lookup-min", "--ngram-min", type=int, default=1, metavar="N",
+                   help="smallest n-gram ngram matches on")
+    s.add_argument("--prompt-lookup-max", "--ngram-max", type=int, default=4, metavar="N",
+                   help="largest n-gram ngram matches on (tried first)")
+    s.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="the draft model of --speculative-method draft (not implemented yet)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

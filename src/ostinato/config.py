@@ -11,7 +11,6 @@ scheduler side can use these too.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,8 +22,10 @@ from ostinato.config_readers import (  # noqa: F401 - re-exported: callers impor
 )
 from ostinato.errors import ConfigError
 from ostinato.model_config import (  # noqa: F401 - re-exported
-    QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization, quantization_label,
+    QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization, default_served_model_name,
+    looks_like_hub_id, quantization_label,
 )
+from ostinato.speculative_config import SpeculativeConfig, speculative_config
 
 if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the kernels
     from ostinato.kernels.decode_plan import DecodeTuning
@@ -47,21 +48,6 @@ SERVER_MAX_QUEUED_REQUESTS = 256
 
 # --quantization values (None: the checkpoint's weights as stored).
 QUANTIZATION_MODES = (None, "fp8")
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-
-def looks_like_hub_id(model: str) -> bool:
-    """ORG/NAME with nothing that marks a file path (a leading /, ./, ~ or a .gguf ending)."""
-    return bool(_HUB_ID.match(model)) and not model.endswith(".gguf") and ".." not in model
-
-
-def default_served_model_name(model: str) -> str:
-    """The name the server answers to: a hub id as given (as vLLM does), else the folder's or file's name."""
-    if looks_like_hub_id(model) and not Path(model).exists():
-        return model
-    return Path(model).resolve().name
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -154,6 +140,7 @@ class RunnerConfig:
     decode_tuning: DecodeTuning | None = None  # the Triton decode attention's launch settings; None: defaults
     # Every kernel reduces a row in an order set by that row alone (docs/ARCHITECTURE.md, "Batch-invariant mode").
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | None = None  # speculative decoding (speculative_config.py); None: off
 
 
 @dataclass(frozen=True)
@@ -183,6 +170,10 @@ class EngineConfig:
     @property
     def graph(self) -> GraphConfig:
         return self.runner.graph
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return self.runner.speculative
 
     @property
     def model_dir(self) -> str:
@@ -244,6 +235,13 @@ class EngineArgs:
     # "fp8": quantize a 16/32-bit checkpoint's projections to FP8 E4M3 at load, per output channel (embeddings and
     # lm_head stay as stored). An FP8 checkpoint (config.json's quantization_config) runs as stored either way.
     quantization: str | None = None
+    # Speculative decoding (vLLM's names; speculative_config.py checks them): "ngram" proposes up to
+    # num_speculative_tokens tokens a step by prompt lookup, and one forward verifies them.
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, str):  # "@FILE" (or "1,2,4") from LLM(cuda_graph_sizes=...)
@@ -305,6 +303,7 @@ class EngineArgs:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        speculative_config(self)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -385,7 +384,8 @@ class EngineArgs:
             model_dir=model_dir, model=model, scheduler=self.scheduler_config(model), graph=graph,
             kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization),
             dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
-            decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant)
+            decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant,
+            speculative=speculative_config(self))
         defaults, source = read_generation_defaults(self.generation_config, model_dir)
         return EngineConfig(
             runner=runner, parallel=self.parallel_config(), model_source=self.model,

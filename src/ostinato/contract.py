@@ -12,6 +12,9 @@ prefills chunks of other sequences beside it (eager): kind "decode" (rows only),
 - `seqs`: the prefill chunks. A chunk that reaches its sequence's last token (`samples`) is sampled, and
   the sequence joins the decode batch after the step (a preempted sequence rejoins the same way).
 `num_decode` says how many rows decode, as a check.
+
+With speculative decoding there are no decode rows: each decoding sequence is a verify chunk in `seqs`
+(ScheduledSeq.verify; engine/speculative.py), so such a step is of kind "prefill".
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ class ScheduledSeq:
     # Every token of the sequence (prompt, then its num_generated outputs), on a sampling chunk whose
     # logits_spec needs_history only: what its penalties count.
     history: tuple[int, ...] = ()
+    # Speculative decoding: a decode row as a chunk, token_ids = (its last token, then the proposed tokens). All
+    # its positions are sampled; the runner returns the tokens up to and including the first that differs
+    # from a proposal (engine/speculative.py).
+    verify: bool = False
 
     @property
     def context_len(self) -> int:
@@ -95,13 +102,23 @@ class SampledToken(NamedTuple):
     top: list[tuple[int, float]] | None = None  # the request's top-N alternatives, most likely first
 
 
+class SpecCounts(NamedTuple):
+    """A verify step's speculation: rows that carried proposals, tokens proposed, proposed tokens accepted."""
+
+    rows: int
+    proposed: int
+    accepted: int
+
+
 @dataclass(frozen=True)
 class StepResult:
-    """The runner's answer: one sampled token per decode row (in row order), then one per sampled chunk."""
+    """The runner's answer: one sampled token per decode row (in row order), then one per sampled chunk. A
+    verify row (ScheduledSeq.verify) gives its accepted tokens, in order, its seq id once for each."""
 
     seq_ids: list[int]
     token_ids: list[int]
     tokens: list[SampledToken]  # the same token ids, with logprobs when asked
+    spec: SpecCounts | None = None  # a step with verify rows
 
 
 class DecodeRows:

@@ -6,11 +6,27 @@ What the checkpoint says, apart from what the user asked (config.py, which re-ex
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ostinato.errors import CheckpointError
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """ORG/NAME with nothing that marks a file path (a leading /, ./, ~ or a .gguf ending)."""
+    return bool(_HUB_ID.match(model)) and not model.endswith(".gguf") and ".." not in model
+
+
+def default_served_model_name(model: str) -> str:
+    """The name the server answers to: a hub id as given (as vLLM does), else the folder's or file's name."""
+    if looks_like_hub_id(model) and not Path(model).exists():
+        return model
+    return Path(model).resolve().name
+
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

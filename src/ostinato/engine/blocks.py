@@ -272,6 +272,16 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's blocks past those covering positions [0, num_tokens), last first: the blocks a verify
+        step took for proposed tokens that were rejected. They were never keyed (a key needs known tokens)."""
+        keep = self.blocks_needed(num_tokens)
+        if keep < seq.num_cached_blocks:
+            raise RuntimeError(f"trim(seq {seq.seq_id}) to {keep} blocks would drop keyed blocks "
+                               f"({seq.num_cached_blocks})")
+        while len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table.pop())
+
     def room(self, seq: Sequence) -> int:
         """How many positions seq's cache could cover with every free block added (chunk sizing)."""
         return (len(seq.block_table) + self.allocator.num_free) * self.block_size

@@ -24,6 +24,7 @@ from ostinato.engine.detokenizer import IncrementalDetokenizer, OutputText
 from ostinato.engine.outputs import EngineStats, OutputRecord, RequestOutput, TokenLogprob, output_from_record
 from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.speculative import SpecTotals, check_request, make_scheduler, split_rounds
 from ostinato.engine.step_outputs import request_record
 from ostinato.engine.token_texts import TokenTextCache
 from ostinato.engine.request_state import RequestState, SeqState
@@ -57,7 +58,9 @@ class LLMEngine:
         # The prefix cache's salt names what else changes a block's K/V: the model's weights and the dtype.
         cache_config = replace(self.runner.cache_config, enable_prefix_caching=config.enable_prefix_caching,
                                prefix_cache_salt=f"{self.model_dir}|{self.runner.dtype}")
-        self.scheduler = Scheduler(self.scheduler_config, cache_config)
+        self.speculative = config.speculative
+        self.scheduler: Scheduler = make_scheduler(self.scheduler_config, cache_config, self.speculative)
+        self.spec_totals = SpecTotals()
         self._requests: dict[str, RequestState] = {}
         self._seq_owner: dict[int, tuple[RequestState, SeqState]] = {}
         self._seq_ids = itertools.count()
@@ -77,6 +80,8 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_lengths(prompt_ids, params)
         self._check_stop_token_ids(params.stop_token_ids)
+        if self.speculative is not None:
+            check_request(params)
         limit = self.scheduler_config.max_queued_requests
         if limit is not None and params.n > limit:  # no retry could ever queue it: 400, not 429
             raise InvalidRequestError(f"n ({params.n}) exceeds the waiting queue's bound --max-queued-requests "
@@ -246,8 +251,14 @@ class LLMEngine:
         """Take a launched step's tokens, once (the grammar masks may have taken the in-flight step's early)."""
         if pending is not self._settled:
             self._settled, result = pending, pending.result()  # waits for that step's tokens
-            self.scheduler.update(result.seq_ids, result.token_ids)
-            self._take_tokens(result, now, self._touched)
+            if result.spec is None:
+                self.scheduler.update(result.seq_ids, result.token_ids)
+                self._take_tokens(result, now, self._touched)
+                return
+            self.spec_totals.add(result.spec)
+            for round_ in split_rounds(result):  # a verify step: a sequence may end inside its accepted run
+                self.scheduler.update(round_.seq_ids, round_.token_ids)
+                self._take_tokens(round_, now, self._touched)
 
     def _grammar_masks(self, seq_ids: list[int]):
         """The runner's call, while a step's forward runs: the next-token bitmasks of its constrained rows. They
@@ -355,7 +366,7 @@ class LLMEngine:
             prefill_steps_graph=pg.graph_steps, prefill_steps_eager=pg.eager_steps,
             prefill_padded_tokens=pg.padded_tokens, prefill_graph_sizes=pg.captured_sizes,
             prefill_graph_memory_bytes=self.runner.prefill_graph_memory_bytes, decode_steps_mixed=pg.mixed_steps,
-            batch_invariant=self.config.runner.batch_invariant,
+            batch_invariant=self.config.runner.batch_invariant, **self.spec_totals.stats(),
             weights_bytes=getattr(self.runner, "weights_bytes", 0),
             quantization=quantization_label(self.model_config.quantization),
         )

@@ -136,3 +136,18 @@ class EngineStats:
     # The weights as loaded: bytes on the device (one rank's) and their scheme (config.quantization_label).
     weights_bytes: int = 0
     quantization: str = "none"
+    # Speculative decoding (--speculative-method): verify rows that carried proposals, tokens proposed, proposed
+    # tokens accepted (vLLM's spec_decode counters). Acceptance rate = accepted / proposed; mean accepted length
+    # (tokens a row gained per verify step, the bonus token included) = 1 + accepted / rows.
+    spec_decode_drafts: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_decode_accepted_tokens / self.spec_decode_draft_tokens if self.spec_decode_draft_tokens \
+            else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        return 1 + self.spec_decode_accepted_tokens / self.spec_decode_drafts if self.spec_decode_drafts else None

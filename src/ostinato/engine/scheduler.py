@@ -143,13 +143,14 @@ class Scheduler:
             "a sequence whose last token was read must be finished (engine: finish() at max_tokens / max_model_len)"
         preempted: list[int] = []
         num_decode, new_blocks = self._schedule_decode(preempted)
-        budget = self.config.max_num_batched_tokens - num_decode
+        verify = self._verify_rows()  # speculative decoding's decode rows, as chunks (engine/speculative.py)
+        budget = self.config.max_num_batched_tokens - num_decode - sum(len(c.token_ids) for c in verify)
         cap = self.config.max_prefill_tokens_while_decoding
-        if num_decode and cap is not None:
+        if (num_decode or verify) and cap is not None:
             budget = min(budget, cap)
         chunks = self._continue_prefills(budget)
         budget -= sum(len(c.token_ids) for c in chunks)
-        chunks += self._admit(budget, preempted)
+        chunks = verify + chunks + self._admit(budget, preempted)
         if not chunks and not num_decode:
             # Nothing computable: only while finishing sequences hold the blocks the others wait for. Otherwise
             # a sequence could never run and waiting for ever would hang the engine.
@@ -158,6 +159,10 @@ class Scheduler:
         kind = ("mixed" if num_decode else "prefill") if chunks else "decode"
         return SchedulerOutput(kind, tuple(chunks), num_decode, left=self._take_left(),
                                new_blocks=tuple(new_blocks), preempted_seq_ids=tuple(preempted))
+
+    def _verify_rows(self) -> list[ScheduledSeq]:
+        """This step's verify rows: none without speculative decoding (SpecScheduler's decode rows)."""
+        return []
 
     def _take_left(self) -> tuple[int, ...]:
         left, self._left = tuple(self._left), []
@@ -254,13 +259,7 @@ class Scheduler:
             assert num_tokens < max_len, _past_max_len(seq, max_len)
             assert num_tokens == seq.num_tokens + seq.num_inflight, f"seq {seq.seq_id}: update() was not called"
             held = len(seq.block_table)
-            while not self._block_manager.ensure_slots(seq, num_tokens):
-                victim = self._running[-1]
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim is seq:
-                    break
-            else:  # no break: seq has its blocks (it was not the victim)
+            if self._make_room(seq, num_tokens, preempted):  # else seq itself was preempted
                 new_blocks.extend((seq.seq_id, b) for b in seq.block_table[held:])
                 seq.num_computed_tokens = num_tokens
                 seq.num_inflight += 1
@@ -269,6 +268,17 @@ class Scheduler:
         # A victim's blocks were reported only if it had grown earlier in this loop; its row leaves anyway.
         gone = set(preempted)
         return num_decode, [nb for nb in new_blocks if nb[0] not in gone] if gone else new_blocks
+
+    def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[int]) -> bool:
+        """Grow seq's blocks to cover num_tokens positions, preempting the newest running sequences while too few
+        are free. False when seq itself was the one preempted."""
+        while not self._block_manager.ensure_slots(seq, num_tokens):
+            victim = self._running[-1]
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, re-queue at the front."""

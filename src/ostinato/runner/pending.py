@@ -47,7 +47,7 @@ class ChunkSamples:
         self.seq_ids, self._copy = seq_ids, copy
 
     def result(self) -> StepResult:
-        return _from_host(self.seq_ids, self._copy.get())
+        return from_host(self.seq_ids, self._copy.get())
 
 
 def _concat(a: StepResult, b: StepResult) -> StepResult:
@@ -59,10 +59,10 @@ def plain_result(seq_ids: list[int], token_ids: list[int]) -> StepResult:
 
 
 def _result(seq_ids: list[int], sampled: SamplerOutput) -> StepResult:
-    return _from_host(seq_ids, sampled.to_host())  # the step's one host sync
+    return from_host(seq_ids, sampled.to_host())  # the step's one host sync
 
 
-def _from_host(seq_ids: list[int], host: SampledTokens) -> StepResult:
+def from_host(seq_ids: list[int], host: SampledTokens) -> StepResult:
     if host.logprobs is None:
         return plain_result(seq_ids, host.token_ids)
     return StepResult(seq_ids, host.token_ids, [

@@ -51,6 +51,7 @@ from ostinato.runner.inputs import build_prefill_inputs, decode_metadata, to_dev
 from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
 from ostinato.runner.sampler import Sampler, finish_sampling
+from ostinato.runner.spec_verify import SpecVerifier
 from ostinato.runner.structured import GrammarMasks, constrain_decode, mask_logits
 from ostinato.runner.warmup import warm_up_prefill
 
@@ -149,6 +150,9 @@ class ModelRunner:
         self._turn = 0
         self._sampled_np = self.decode_step.sampled.numpy() if not cuda else None
         self.sampler = Sampler(self.device, config.seed)
+        # Speculative decoding: every step is a verify step (runner/spec_verify.py).
+        self.verifier = None if config.speculative is None else SpecVerifier(
+            self.model, self.prefill_graphs, self.block_size, self.scratch_block, self.device, config.seed)
         if cuda:
             self._warm_up()
 
@@ -284,6 +288,8 @@ class ModelRunner:
         replay when it fits one (design (b)), else as the decode replay and then the chunks (design (a)); see
         the module docstring. `masks`: the grammar masks of the constrained rows (runner/structured.py), asked
         for once the forward is launched; None when no running sequence is constrained."""
+        if self.verifier is not None:
+            return self.verifier.launch(out)
         batch = self.decode_batch
         batch.apply(out.left, out.new_blocks)
         n = len(batch)

@@ -108,6 +108,12 @@ class _EngineStatsCollector(Collector):
         yield gauge("cuda_graphs_enabled", "1 when decode steps run as CUDA-graph replays.", int(s.graphs_enabled))
         yield gauge("batch_invariant", "1 when the engine runs batch invariant (--batch-invariant): a request's "
                     "tokens do not depend on its batch.", int(s.batch_invariant))
+        yield counter("spec_decode_num_drafts", "Speculative decoding: verify rows that carried proposed tokens.",
+                      s.spec_decode_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
+                      s.spec_decode_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+                      s.spec_decode_accepted_tokens)
         yield decode_batch_size_histogram(name, s.decode_batch_sizes, s.max_num_seqs)
 
 

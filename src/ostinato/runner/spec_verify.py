@@ -1,0 +1,127 @@
+"""The verify step of speculative decoding: one forward over every verify row's k + 1 tokens (and the step's
+prompt chunks), every position of a verify row sampled, and the longest run of accepted proposals kept.
+
+The forward is the prefill path's (runner/prefill_graphs.py when the step fits a captured token count, else
+eager): a verify row is a chunk whose start position is its cached context, which is what chunked prefill
+attends already (the query tokens see the paged cache before them and each other causally). So no new
+attention kernel is needed, a row without proposals is a one-token chunk (no padding, no extra KV), and the
+graph is captured per token count with the same code that runs eager.
+
+Acceptance, one rule for greedy, sampled and seeded rows. Position j of a row (j = 0 .. k) is drawn as the
+row's next-but-j decode draw would be: its own settings, counter num_generated + j (runner/sampler.py). The
+row keeps the drawn tokens up to and including the first that differs from the proposal at its position (the
+last one, drawn after every proposal matched, is the bonus token). With a one-hot draft (prompt lookup) this is
+Leviathan et al.'s rejection sampling: the proposal x is accepted with probability p(x) = min(1, p(x) / q(x)),
+and on rejection the token drawn is distributed as p restricted to the tokens other than x, renormalised, which
+is the residual max(0, p - q) / (1 - p(x)). Greedy rows accept exactly the proposals equal to the argmax. And
+since the draws use the counters a plain decode would, a seeded row gets the tokens it gets without
+speculation wherever the logits are the same (docs/ARCHITECTURE.md, "Speculative decoding").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ostinato.contract import ScheduledSeq, SchedulerOutput, SpecCounts, StepResult
+from ostinato.runner.inputs import build_prefill_inputs, to_device
+from ostinato.runner.pending import PendingStep, from_host
+from ostinato.runner.sampler import Sampler, row_key
+from ostinato.runner.sampling_state import BLOCKS, CTR, filtered_rows, read_settings, write_settings
+
+
+def logit_rows(seqs: tuple[ScheduledSeq, ...]) -> tuple[list[int], list[ScheduledSeq]]:
+    """(the forward's rows whose logits are sampled, the chunks they belong to, in order): every row of a verify
+    chunk, the last row of a prompt chunk that samples. Chunks lie consecutively from row 0, in step order, in
+    both the eager and the graph layout (runner/inputs.py, write_prefill_chunks)."""
+    rows, sampled, offset = [], [], 0
+    for seq in seqs:
+        q = len(seq.token_ids)
+        if seq.verify:
+            rows.extend(range(offset, offset + q))
+        elif seq.samples:
+            rows.append(offset + q - 1)
+        if seq.verify or seq.samples:
+            sampled.append(seq)
+        offset += q
+    return rows, sampled
+
+
+def accept(seqs: list[ScheduledSeq], drawn: list[int]) -> tuple[list[int], list[int], SpecCounts]:
+    """(indices into `drawn` that are kept, their seq ids, the step's counts). drawn: the sampled token of every
+    logit row (logit_rows' order). A verify row keeps its draws up to and including the first that differs from
+    the proposal at its position; a prompt chunk keeps its one draw."""
+    kept, ids = [], []
+    rows = proposed = accepted = 0
+    i = 0
+    for seq in seqs:
+        if not seq.verify:
+            kept.append(i)
+            ids.append(seq.seq_id)
+            i += 1
+            continue
+        proposals = seq.token_ids[1:]
+        a = 0
+        while a < len(proposals) and drawn[i + a] == proposals[a]:
+            a += 1
+        kept.extend(range(i, i + a + 1))
+        ids.extend([seq.seq_id] * (a + 1))
+        rows += bool(proposals)
+        proposed += len(proposals)
+        accepted += a
+        i += len(seq.token_ids)
+    return kept, ids, SpecCounts(rows, proposed, accepted)
+
+
+class SpecVerifier:
+    """Runs a speculative engine's steps (every step: verify rows and prompt chunks, no decode rows)."""
+
+    def __init__(self, model, prefill_graphs, block_size: int, scratch_block: int, device: torch.device,
+                 engine_seed: int):
+        self.model, self.prefill_graphs = model, prefill_graphs
+        self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
+        self.engine_seed = engine_seed
+        self.sampler = Sampler(device, engine_seed)
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Run the step and read its tokens (a speculative step is synchronous: the next proposals need them)."""
+        assert not out.num_decode, "a speculative step has verify rows, not decode rows"
+        if not out.seqs:
+            return PendingStep(StepResult([], [], []))
+        rows, seqs = logit_rows(out.seqs)
+        hidden = self.hidden(out)
+        if not seqs:  # only prompt chunks that write K/V
+            return PendingStep(StepResult([], [], []))
+        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        drawn = self.draw(logits, seqs)
+        kept, ids, counts = accept(seqs, drawn.token_ids)
+        return PendingStep(StepResult(ids, [drawn.token_ids[i] for i in kept], [drawn.tokens[i] for i in kept],
+                                      spec=counts))
+
+    def draw(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> StepResult:
+        """Every logit row's token (logits [rows, vocab], logit_rows' order), drawn with its chunk's settings and
+        the counter of its position, read to the host (with logprobs where asked). Seq ids are not filled in."""
+        return from_host([0] * logits.shape[0], self.sampler(logits, self.settings(seqs)).to_host())
+
+    def hidden(self, out: SchedulerOutput) -> torch.Tensor:
+        """The forward's final hidden states [tokens, hidden]: a prefill-graph replay, else eager."""
+        replayed = self.prefill_graphs.run(out) if self.prefill_graphs is not None else None
+        if replayed is not None:
+            return replayed[0]
+        inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
+        return self.model(inp.input_ids, inp.positions, inp.meta)
+
+    def settings(self, seqs: list[ScheduledSeq]):
+        """The sampling rows of every logit row: a chunk's settings, its counter stepping one per position."""
+        counts = [len(s.token_ids) if s.verify else 1 for s in seqs]
+        rows = np.zeros((sum(counts), BLOCKS), dtype=np.int32)
+        num_logprobs: list[int | None] = []
+        r = 0
+        for seq, q in zip(seqs, counts):
+            p = seq.sampling_params
+            write_settings(rows[r], p, row_key(p.seed, self.engine_seed, seq.seq_id), seq.num_generated)
+            rows[r + 1: r + q] = rows[r]
+            rows[r: r + q, CTR] += np.arange(q, dtype=np.int32)
+            num_logprobs += [p.logprobs] * q
+            r += q
+        return read_settings(to_device(rows, torch.int32, self.device), num_logprobs, bool(filtered_rows(rows).any()))

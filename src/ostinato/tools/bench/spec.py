@@ -1,0 +1,154 @@
+"""`ostinato bench spec` and `ostinato bench verify`: speculative decoding, offline.
+
+bench spec: a workload whose output repeats its prompt (each request asks the chat model to repeat a given
+text word for word, a different text per request), greedy, at each batch size: output tokens per second of one
+LLM.chat call after a warm-up, and the speculation counters of that call (acceptance rate, mean accepted
+length). Run it once with the engine flags under test and once without --speculative-method; both write the
+token ids to --output-json, so the two runs' greedy outputs can be compared (benchmarks/step/spec_check.sh).
+
+bench verify: the verify step alone (runner/spec_verify.py) at one batch size and context, for k = 0 .. --max-k
+proposed tokens per row, against the one-token decode step (the decode graph's replay, `ostinato bench`'s
+figure): the forward over k + 1 tokens per row, its logits, the draw of every position and the acceptance,
+read to the host. It needs --speculative-method (the runner then builds the verify step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+TEXTS = [
+    "The harbour town woke slowly. Fishing boats came in with the tide, gulls followed them, and the market "
+    "opened its stalls one by one. By nine the square was full of voices, crates of ice and the smell of bread.",
+    "To replace the filter, switch the pump off at the wall, open the cover with a flat screwdriver, pull the "
+    "old cartridge straight out, rinse the housing with clean water, and push the new cartridge in until it clicks.",
+    "Our meeting on Tuesday agreed three things: the release moves to the first week of May, the old reports "
+    "are archived rather than deleted, and every team names one person who answers questions about its data.",
+    "The recipe needs two cups of flour, one egg, a pinch of salt and a cup of milk. Whisk the egg and milk, "
+    "fold in the flour and salt, rest the batter for ten minutes, then cook thin pancakes in a hot buttered pan.",
+]
+
+
+def register(sub) -> None:
+    from ostinato.cli_args import add_engine_args, int_list
+
+    p = sub.add_parser("bench-spec", help="speculative decoding on a prompt-repeating workload: tok/s, acceptance")
+    add_engine_args(p, offline=True)
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 8))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run_spec)
+
+    p = sub.add_parser("bench-verify", help="the verify step's cost for k = 0..max-k against a one-token step")
+    add_engine_args(p, offline=True)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--context", type=int, default=512, help="tokens in the cache before each row")
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run_verify)
+
+
+def conversations(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": "Repeat the following text word for word, and nothing else.\n\n"
+              + TEXTS[i % len(TEXTS)]}] for i in range(n)]
+
+
+def timed(fn):
+    """(seconds, fn()) with the device synchronized on both sides."""
+    import time
+
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, result
+
+
+def run_spec(args) -> int:
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.llm import LLM
+    from ostinato.sampling_params import SamplingParams
+
+    llm = LLM.from_engine_args(engine_args_from(args))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rows = []
+    for bs in args.batch_sizes:
+        convs = conversations(bs)
+        llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+        before = llm.engine.stats()
+        seconds, outs = timed(lambda: llm.chat(convs, params))
+        after = llm.engine.stats()
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        drafts = after.spec_decode_drafts - before.spec_decode_drafts
+        proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
+        accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
+        row = {"batch": bs, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+               "acceptance_rate": accepted / proposed if proposed else None,
+               "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+               "token_ids": [o.outputs[0].token_ids for o in outs]}
+        rows.append(row)
+        spec = ("" if not proposed else f"  acceptance {row['acceptance_rate']:.2f}  mean accepted length "
+                f"{row['mean_accepted_length']:.2f}")
+        print(f"bs {bs:>3}  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s{spec}", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"model": args.model, "speculative_method": args.speculative_method,
+                       "num_speculative_tokens": args.num_speculative_tokens, "rows": rows}, f, indent=2)
+    return 0
+
+
+def verify_step(runner, batch: int, context: int, k: int, rng: random.Random):
+    """A step of `batch` verify rows of k proposals each after `context` cached positions, on blocks 0, 1, ...
+    of the pool (the engine is idle: nothing else holds them)."""
+    from ostinato.contract import ScheduledSeq, SchedulerOutput
+    from ostinato.errors import ConfigError
+    from ostinato.sampling_params import SamplingParams
+
+    per_row = math.ceil((context + k + 1) / runner.block_size)
+    if batch * per_row > runner.cache_config.num_blocks:
+        raise ConfigError(f"bench verify needs {batch * per_row} KV blocks, the pool has "
+                          f"{runner.cache_config.num_blocks}: lower --batch-size or --context")
+    vocab = runner.model_config.vocab_size
+    greedy = SamplingParams(temperature=0.0)
+    return SchedulerOutput("prefill", tuple(
+        ScheduledSeq(i, tuple(rng.randrange(vocab) for _ in range(k + 1)), context,
+                     tuple(range(i * per_row, (i + 1) * per_row)), greedy, 0, verify=True) for i in range(batch)))
+
+
+def run_verify(args) -> int:
+    import torch
+
+    from ostinato.cli_args import engine_args_from
+    from ostinato.engine.llm import LLM
+    from ostinato.errors import ConfigError
+    from ostinato.tools.bench.decode import replay_ms, time_cuda
+
+    llm = LLM.from_engine_args(engine_args_from(args))
+    runner = llm.engine.runner
+    if getattr(runner, "verifier", None) is None:
+        raise ConfigError("bench verify times the verify step: add --speculative-method ngram")
+    with torch.inference_mode():
+        eager, graph = replay_ms(runner, args.batch_size, args.context, torch.Generator().manual_seed(0),
+                                 iters=args.iters, warmup=10)
+        one = graph if graph is not None else eager
+        print(f"batch {args.batch_size}, context {args.context}: one-token decode step {one:.3f} ms "
+              f"({'graph' if graph is not None else 'eager'})")
+        rng, rows = random.Random(0), []
+        for k in range(args.max_k + 1):
+            out = verify_step(runner, args.batch_size, args.context, k, rng)
+            ms = time_cuda(lambda: runner.verifier.launch(out).result(), args.iters, 10)
+            rows.append({"k": k, "verify_ms": ms, "vs_decode_step": ms / one,
+                         "ms_per_token_all_accepted": ms / (k + 1)})
+            print(f"k {k}  verify {ms:.3f} ms  x{ms / one:.2f} of a decode step  {ms / (k + 1):.3f} ms a token "
+                  "when all are accepted", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"model": args.model, "batch": args.batch_size, "context": args.context,
+                       "decode_step_ms": one, "decode_graph": graph is not None, "rows": rows}, f, indent=2)
+    return 0
