@@ -95,8 +95,11 @@ def test_mode_is_in_the_config_and_stats(checkpoint):
     assert llm.engine.config.runner.batch_invariant is True
     assert llm.engine.stats().batch_invariant is True
     assert llm.engine.runner.model.kernels.name == "torch+invariant"
+    # The draws too: the sampling kernels' chunks planned as for one row (kernels/sampling.py).
+    assert llm.engine.runner.sampler.batch_invariant and llm.engine.runner.decode_step.batch_invariant
     default = LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
     assert default.engine.stats().batch_invariant is False
+    assert not default.engine.runner.sampler.batch_invariant and not default.engine.runner.decode_step.batch_invariant
 
 
 def test_refused_with_tensor_parallelism():

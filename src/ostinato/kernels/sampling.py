@@ -173,17 +173,21 @@ def available_for(logits: torch.Tensor) -> bool:
 
 
 def sample(logits: torch.Tensor, rows: torch.Tensor, columns: RowColumns, out: torch.Tensor, greedy_below: float,
-           num_sms: int, block: int = _BLOCK, chunk_max: int = CHUNK_MAX) -> None:
+           num_sms: int, block: int = _BLOCK, chunk_max: int = CHUNK_MAX, batch_invariant: bool = False) -> None:
     """logits [B, V] (any float dtype, vocabulary contiguous), rows [B, >= 4] int32 holding the settings at
     `columns` -> out [B] int64: the argmax on rows with temperature < greedy_below, a draw from
-    softmax(logits / T) on the others. `block` / `chunk_max` shrink the tiles in tests."""
+    softmax(logits / T) on the others. `block` / `chunk_max` shrink the tiles in tests.
+
+    batch_invariant: chunks planned as for one row, whatever B is. The chunks set the order of a sampled row's
+    mass sums, and a u within their rounding of a boundary between two tokens picks the one or the other: with
+    chunks planned for B rows, a seeded row could draw another token in another batch (or graph size)."""
     b, vocab = logits.shape
     assert logits.stride(-1) == 1, "logits: the vocabulary dimension must be contiguous"
     assert rows.dtype == torch.int32 and rows.shape[0] >= b and rows.stride(-1) == 1
     assert out.dtype == torch.int64 and out.shape == (b,) and out.is_contiguous()
     if b == 0:
         return
-    plan = plan_chunks(b, vocab, num_sms, block, chunk_max)
+    plan = plan_chunks(1 if batch_invariant else b, vocab, num_sms, block, chunk_max)
     part_max = torch.empty(b, plan.num_chunks, dtype=torch.float32, device=logits.device)
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty(b, plan.num_chunks, dtype=torch.int32, device=logits.device)

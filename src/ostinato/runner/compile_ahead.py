@@ -132,14 +132,19 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
     knobs.jit_cache_hook, knobs.jit_post_compile_hook = before, after
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(steps))), thread_name_prefix="compile") as pool:
-            for future in [pool.submit(one, step) for step in steps]:
+            for i, future in enumerate([pool.submit(one, step) for step in steps]):
                 exc = future.exception()
-                if exc is not None and error is None:
-                    error = f"{type(exc).__name__}: {exc}"[:300]
+                if exc is not None:
+                    # Every failure is said, the first with its traceback: a failure in the thread's set-up
+                    # (before any launch) fails every step alike and leaves all the compiles to the capture.
+                    logger.warning("compiling ahead: step %d of %d failed, its kernels are left to the capture: "
+                                   "%s: %s", i + 1, len(steps), type(exc).__name__, exc,
+                                   exc_info=exc if error is None else None)
+                    error = error or f"{type(exc).__name__}: {exc}"[:300]
         synchronize()
     finally:
         knobs.jit_cache_hook, knobs.jit_post_compile_hook = previous_before, previous_after
     report = CompileAheadReport(len(steps), turns.compiles, time.perf_counter() - t0,
                                 max(1, min(workers, len(steps))), error)
-    logger.info(report.summary())
+    logger.log(logging.INFO if error is None else logging.WARNING, report.summary())
     return report

@@ -24,8 +24,9 @@ LogitsFn = Callable[..., torch.Tensor]
 
 class DecodeStep:
     def __init__(self, logits_fn: LogitsFn, layout: DecodeLayout, device: torch.device, engine_seed: int,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, batch_invariant: bool = False):
         self.logits_fn = logits_fn
+        self.batch_invariant = batch_invariant  # --batch-invariant: draws independent of the batch (sample_rows)
         self.layout = layout
         # The rows' logits processors (penalties, logit_bias, ...); None without a vocabulary (no row uses any).
         self.processors = LogitsProcessors(layout.rows, vocab_size, device) if vocab_size else None
@@ -57,7 +58,7 @@ class DecodeStep:
         if self.processors is not None:
             fed = resolve_placeholders(rows[:b, TOKEN].long(), self.sampled)
             self.processors.process_logits(logits, rows, fed)
-        sample_rows(logits, rows, self.sampled[:b])
+        sample_rows(logits, rows, self.sampled[:b], self.batch_invariant)
 
     def graph_runner(self, sizes: tuple[int, ...], enforce_eager: bool, fallback: str, progress: bool,
                      backend: GraphBackend | None) -> CudaGraphRunner:

@@ -22,7 +22,7 @@ from ostinato.config import CacheConfig, GraphConfig, ModelConfig, SchedulerConf
 from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.sampling_params import SamplingParams
-from ostinato.runner.compile_ahead import compile_ahead
+from ostinato.runner.compile_ahead import CompileAheadReport, compile_ahead
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
 from ostinato.runner.decode_step import DecodeStep, compare_step
@@ -217,30 +217,37 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
 
 
 def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device,
-                                watch: CompileWatch | None, marks: list[int]) -> None:
-    """The decode graphs' kernels compiled before their capture, in threads (runner/compile_ahead.py): one
-    CUDA device and no autograd in each thread, as on the capturing one. Appends the watch's compile count
-    after the pass to `marks`."""
+                                watch: CompileWatch | None, marks: list[int]) -> CompileAheadReport | None:
+    """The decode graphs' kernels compiled before their capture, in threads (runner/compile_ahead.py), each
+    thread on the capturing thread's CUDA device and in its autograd mode (both are per thread: a new thread
+    starts on device 0 with grad on). Appends the watch's compile count after the pass to `marks`."""
+    # Resolved here, in the capturing thread: torch.device("cuda") has no index, which set_device refuses,
+    # and "the current device" in a new thread is device 0, whatever this thread's is.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def prepare_thread() -> None:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(index)
 
-    def in_inference_mode(step: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    def as_the_capture_runs(step: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        # Not inference mode unless the capture is in it: a buffer a step creates lazily would be an inference
+        # tensor, which the capture could then not update in place.
         def run() -> None:
-            with torch.inference_mode():
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 step()
         return run
 
-    logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes)", len(steps))
     def settle() -> None:
         # The steps' activations, freed but cached by the allocator, would be out of reach of the graphs'
         # private pool: hand them back before the capture measures and allocates.
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(index)
         torch.cuda.empty_cache()
 
-    compile_ahead([in_inference_mode(step) for step in steps], prepare_thread, synchronize=settle)
+    logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes, cuda:%d)", len(steps), index)
+    report = compile_ahead([as_the_capture_runs(step) for step in steps], prepare_thread, synchronize=settle)
     if watch is not None:
         marks.append(watch.compiles)
+    return report
 
 
 def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str]) -> CaptureReport:

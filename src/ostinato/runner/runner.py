@@ -149,7 +149,7 @@ class ModelRunner:
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self._turn = 0
         self._sampled_np = self.decode_step.sampled.numpy() if not cuda else None
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, config.batch_invariant)
         # Speculative decoding: every step is a verify step (runner/spec_verify.py).
         self.verifier = None if config.speculative is None else SpecVerifier(
             self.model, self.prefill_graphs, self.block_size, self.scratch_block, self.device, config.seed)
@@ -175,7 +175,7 @@ class ModelRunner:
             self.dtype, self.block_size, self.weights_bytes, config.kv_pool.num_blocks,
             config.kv_pool.gpu_memory_utilization,
             make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, config.seed,
-                                                config.model.vocab_size),
+                                                config.model.vocab_size, config.batch_invariant),
             agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
             compile_watch=self.compile_watch)
         setup = allocate_kv_and_graphs(self.kv_spec)
@@ -378,7 +378,7 @@ class ModelRunner:
         batch, step = self.decode_batch, self.decode_step
         seq_ids = list(batch.rows.seq_ids)
         if masks is not None:  # constrained rows: masked and drawn again, eagerly after the replay
-            constrain_decode(logits, rows, step.sampled[:n], seq_ids, masks)
+            constrain_decode(logits, rows, step.sampled[:n], seq_ids, masks, self.config.batch_invariant)
         batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
         if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
             # A clone, not a view: the next step's replay overwrites step.sampled before these are read.

@@ -173,12 +173,14 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Te
     return torch.where(is_greedy, greedy_ids, sampled_ids)
 
 
-def sample_rows(logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, batch_invariant: bool = False) -> None:
     """sample_tokens on the settings of rows [>= B, >= BLOCKS] int32 (runner/sampling_state.py) into out [B]:
     on a GPU the sampling kernels read the int32 columns as they are, elsewhere the torch path. Decode (in the
-    graph and in a mixed step) and prefill steps all draw through here. Capturable."""
+    graph and in a mixed step) and prefill steps all draw through here. Capturable. batch_invariant
+    (--batch-invariant): the kernels' chunks as for one row, so a row draws the same token in any batch."""
     if sampling_kernel.available_for(logits):
-        sampling_kernel.sample(logits, rows, ROW_COLUMNS, out, GREEDY_TEMPERATURE, num_sms(logits.device))
+        sampling_kernel.sample(logits, rows, ROW_COLUMNS, out, GREEDY_TEMPERATURE, num_sms(logits.device),
+                               batch_invariant=batch_invariant)
         return
     s = sampling_inputs(rows[: logits.shape[0]])
     out.copy_(sample_tokens(logits, s["temperature"], s["key"], s["counter"]))
@@ -235,9 +237,10 @@ def finish_sampling(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingB
 class Sampler:
     """Eager sampling of a prefill step's rows. `seed` keys the rows whose request has no seed."""
 
-    def __init__(self, device: torch.device | str, seed: int):
+    def __init__(self, device: torch.device | str, seed: int, batch_invariant: bool = False):
         self.device = torch.device(device)
         self.seed = seed
+        self.batch_invariant = batch_invariant  # --batch-invariant: draws independent of the batch (sample_rows)
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> SamplingBatch:
         """Rows of the sequences' settings as a decode row holds them (write_settings), counting their next
@@ -255,5 +258,5 @@ class Sampler:
         """Sample from logits [B, V] (any float dtype). Device work only."""
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (tuple(logits.shape), batch.num_rows)
         tokens = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
-        sample_rows(logits, batch.rows, tokens)
+        sample_rows(logits, batch.rows, tokens, self.batch_invariant)
         return finish_sampling(logits, tokens, batch)

@@ -46,13 +46,13 @@ def mask_logits(logits: torch.Tensor, seq_ids: Sequence[int], masks: GrammarMask
 
 
 def constrain_decode(logits: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor, seq_ids: Sequence[int],
-                     masks: GrammarMasks) -> None:
+                     masks: GrammarMasks, batch_invariant: bool = False) -> None:
     """After a decode replay: mask the constrained rows' logits [n, vocab] (in place, so that the eager finish and
     the logprobs see them masked) and draw those rows again into sampled[:n], each on its own settings (rows:
-    the step's device rows)."""
+    the step's device rows; batch_invariant: as sample_rows)."""
     index = mask_logits(logits, seq_ids, masks)
     if index is None:
         return
     tokens = torch.empty(index.shape[0], dtype=torch.int64, device=logits.device)
-    sample_rows(logits.index_select(0, index), rows.index_select(0, index), tokens)
+    sample_rows(logits.index_select(0, index), rows.index_select(0, index), tokens, batch_invariant)
     sampled.index_copy_(0, index, tokens)
