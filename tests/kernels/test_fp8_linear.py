@@ -129,6 +129,17 @@ def test_measured_table_overrides_the_rule_at_its_exact_shape_only(monkeypatch):
     assert choose_fp8_path(16, 6144, 4096, False, cuda=False) == "dequantize"
 
 
+def test_measured_entries_are_configs_the_kernels_take():
+    """FP8_MEASURED is filled by hand from the sweep's output: each entry must be a config its kernel accepts."""
+    for (m, n, k), config in fp8_linear.FP8_MEASURED.items():
+        if isinstance(config, Fp8Tiles):
+            assert m <= 16 and config.k_tiles in (1, 2) and triton_next_pow2(m) * config.block_n * config.block_k <= 16384
+        elif isinstance(config, MmaTiles):
+            assert min(config.block_m, config.block_n, config.block_k) >= 16
+        else:
+            assert config == "scaled_mm" and n % 16 == 0 and k % 16 == 0, (m, n, k, config)
+
+
 @pytest.mark.parametrize("m,k", [(1, 40), (3, 100), (5, 2048 + 37)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_tokens_kernel_equals_the_torch_ops(m, k, dtype):
@@ -189,7 +200,7 @@ def _relative_error(out, ref):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 64, 256])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_every_path_at_the_real_projection_shapes(m, n, k, block):
     gen = torch.Generator().manual_seed(n + k)
