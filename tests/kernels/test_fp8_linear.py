@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from ostinato.kernels import fp8_linear  # noqa: E402
 from ostinato.kernels.fp8_linear import (FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX, Fp8Linear, Fp8Tiles,  # noqa: E402
                                          MmaTiles, choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma,
-                                         quantize_per_token, quantize_rows, quantize_tokens)
+                                         W8a8Tiles, fp8_w8a8, quantize_per_token, quantize_rows, quantize_tokens)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,6 +84,26 @@ def test_fp8_mma_matches_float64_reference(m, n, k, block, bias, dtype):
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+# W8A8: rows below and above one 16-row tile; N and K ragged against the tiles; one K step and several.
+@pytest.mark.parametrize("m,n,k,tiles,bias", [
+    (1, 37, 100, W8a8Tiles(16, 32), False),
+    (5, 40, 256, W8a8Tiles(32, 64), True),
+    (20, 17, 90, W8a8Tiles(16, 64), True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_w8a8_matches_float64_reference_on_the_quantized_activations(m, n, k, tiles, bias, dtype):
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w, scale = _random_fp8(n, k, None, gen)
+    xq, x_scale = quantize_per_token(torch.randn(m, k, generator=gen))
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    out = fp8_w8a8(xq.to(DEVICE), x_scale.to(DEVICE), w.to(DEVICE), scale.to(DEVICE),
+                   None if b is None else b.to(DEVICE), tiles, dtype)
+    assert out.shape == (m, n) and out.dtype == dtype
+    ref = _reference(xq.double() * x_scale.double(), w, scale, None, b)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 def test_block_dequantize_scales_each_block_by_its_own_factor():
     w = torch.ones(5, 7).to(FP8_DTYPE)
     scale = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # blocks 2 x 4: rows 0-1, 2-3, 4; cols 0-3, 4-6
@@ -136,6 +156,8 @@ def test_measured_entries_are_configs_the_kernels_take():
             assert m <= 16 and config.k_tiles in (1, 2) and triton_next_pow2(m) * config.block_n * config.block_k <= 16384
         elif isinstance(config, MmaTiles):
             assert min(config.block_m, config.block_n, config.block_k) >= 16
+        elif isinstance(config, W8a8Tiles):
+            assert config.block_n >= 16 and config.block_k >= 32
         else:
             assert config == "scaled_mm" and n % 16 == 0 and k % 16 == 0, (m, n, k, config)
 
@@ -237,3 +259,18 @@ def test_quantize_tokens_kernel_rounds_as_torch_does_on_the_gpu(m, k):
     ref_q, ref_scale = quantize_per_token(x)
     torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [W8a8Tiles(16, 512), W8a8Tiles(64, 256), MmaTiles(16, 64, 256),
+                                    Fp8Tiles(8, 1024, k_tiles=2)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_a_measured_table_entry_runs_its_kernel_at_the_real_shape(monkeypatch, config, m):
+    gen = torch.Generator().manual_seed(2)
+    layer = _layer(6144, 4096, None, True, gen, "cuda")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = _reference(x.cpu(), layer.weight.cpu(), layer.weight_scale.cpu(), None, layer.bias.cpu()).cuda()
+    monkeypatch.setitem(fp8_linear.FP8_MEASURED, (m, 6144, 4096), config)
+    limit = 5e-2 if isinstance(config, W8a8Tiles) else 1e-2  # W8A8 rounds x to E4M3 too
+    assert _relative_error(layer.linear(x, pdl=True), ref) < limit

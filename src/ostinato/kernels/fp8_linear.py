@@ -29,11 +29,12 @@ from torch import nn
 
 from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv
 from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma, quantize_tokens
+from ostinato.kernels.fp8_w8a8 import W8a8Tiles, fp8_w8a8
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.triton_optional import triton
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Tiles", "MmaTiles", "choose_fp8_path", "dequantize_fp8",
-           "fp8_gemv", "fp8_mma", "quantize_per_token", "quantize_rows", "quantize_tokens"]
+           "fp8_gemv", "fp8_mma", "fp8_w8a8", "quantize_per_token", "quantize_rows", "quantize_tokens", "W8a8Tiles"]
 
 
 # The GEMV's accumulator is M_PAD * block_n * block_k fp32 values over 128 threads: 8192 is 64 registers a
@@ -43,7 +44,7 @@ _ACC_BUDGET = 8192
 # program re-reads all rows of x from L2, more bytes than the weight itself; the tensor cores take them.
 FP8_GEMV_MAX_ROWS = 4
 _SMALL_MMA_ROWS = 16
-Fp8Path = Fp8Tiles | MmaTiles | str
+Fp8Path = Fp8Tiles | MmaTiles | W8a8Tiles | str
 
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
@@ -52,9 +53,12 @@ FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {}
 
 def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16: bool = True) -> Fp8Path:
     """How Fp8Linear computes [m, k] @ W[n, k]^T: the GEMV's tiles (Fp8Tiles), the tensor-core kernel's
-    (MmaTiles), "scaled_mm" or "dequantize". From shapes only, so fixed before graph capture.
+    (MmaTiles), the W8A8 few-rows kernel's (W8a8Tiles), "scaled_mm" or "dequantize". From shapes only, so
+    fixed before graph capture.
 
-    - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins.
+    - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there does the W8A8
+      few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 GEMV
+      keeps them in 16 bits, so it is taken only where it was measured faster.
     - m <= FP8_GEMV_MAX_ROWS on CUDA: the W8A16 GEMV. It reads each weight byte once and needs no activation
       quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
       budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
@@ -131,6 +135,9 @@ class Fp8Linear(QuantizedLinear):
             return fp8_gemv(x.contiguous(), self.weight, self.weight_scale, self.bias, path, self.block, pdl)
         if isinstance(path, MmaTiles):
             return fp8_mma(x.contiguous(), self.weight, self.weight_scale, self.bias, self.block, path, pdl)
+        if isinstance(path, W8a8Tiles):
+            xq, x_scale = quantize_tokens(x.contiguous(), pdl)
+            return fp8_w8a8(xq, x_scale, self.weight, self.weight_scale, self.bias, path, x.dtype, pdl)
         if path == "scaled_mm":
             xq, x_scale = quantize_tokens(x.contiguous(), pdl)
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
