@@ -38,6 +38,16 @@ class Fp8Tiles:
 
 
 @_jit
+def program_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A few-rows program's indices: its outputs offs_n, the rows offs_m, the K tile's offs_k, the weight rows
+    clamped in bounds (rows_n: read without a mask, the duplicates never stored) and their pointers [BLOCK_N, 1]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.minimum(offs_n, N - 1)
+    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
+    return offs_n, tl.arange(0, M_PAD), tl.arange(0, BLOCK_K), rows_n, w_rows
+
+
+@_jit
 def _w_tile(w_rows, ks, K, EVEN_K: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] fp8 weight tile at columns ks (rows already clamped in bounds)."""
     if EVEN_K:
@@ -68,12 +78,7 @@ def _fp8_gemv_kernel(
     SCALE_BK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_n = tl.minimum(offs_n, N - 1)  # in bounds without a mask; the duplicates are never stored
-    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
+    offs_n, offs_m, offs_k, rows_n, w_rows = program_rows(w_ptr, N, stride_wn, BLOCK_N, M_PAD, BLOCK_K)
     x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
     w0 = _w_tile(w_rows, offs_k, K, EVEN_K)
     w1 = w0

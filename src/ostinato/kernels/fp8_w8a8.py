@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.kernels.fp8_gemv import program_rows
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
@@ -39,12 +40,7 @@ def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_n = tl.minimum(offs_n, N - 1)  # in bounds without a mask; the duplicates are never stored
-    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
+    offs_n, offs_m, offs_k, rows_n, w_rows = program_rows(w_ptr, N, stride_wn, BLOCK_N, M_PAD, BLOCK_K)
     x_cols = xq_ptr + tl.minimum(offs_m, M - 1)[None, :] * stride_xm  # [1, M_PAD]: x read transposed
     w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)  # before the wait
     pdl_wait(PDL)
