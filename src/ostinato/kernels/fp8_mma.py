@@ -116,7 +116,7 @@ def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs
         x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_LIMIT), FP8_LIMIT)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_LIMIT), FP8_LIMIT)  # IEEE division, as torch's
         tl.store(q_ptr + row * stride_qm + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
 
 
