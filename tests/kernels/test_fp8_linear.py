@@ -1,8 +1,11 @@
-"""FP8 weights (kernels/fp8_linear.py): the W8A16 GEMV against a float64 dequantize-then-matmul reference, the
-scale layouts, per-channel quantization and the path rule.
+"""FP8 weights (kernels/fp8_linear.py, fp8_gemv.py, fp8_mma.py, fp8_w8a8.py): the W8A16 GEMV, the tensor-core
+kernel and the W8A8 few-rows kernel against a float64 dequantize-then-matmul reference, the scale layouts,
+per-channel and per-token quantization (the one-kernel version against the torch ops), the path rule and its
+table of measured shapes.
 
 CPU: under TRITON_INTERPRET=1 (tests/conftest.py), which loads float8_e4m3fn tensors as they are; small ragged
-shapes. GPU (`-m gpu`): the real projection shapes, the GEMV with PDL, _scaled_mm, and a captured graph.
+shapes. GPU (`-m gpu`): the real projection shapes, the GEMV with PDL, _scaled_mm, the quantization's rounding,
+table entries of each kernel, and a captured graph.
 """
 
 from __future__ import annotations
