@@ -1,11 +1,19 @@
-"""FP8 projections (kernels/fp8_linear.py) against bf16 cuBLAS on the real projection shapes: the W8A16 GEMV (tiles
-swept), the Triton tensor-core kernel (fp8_mma), torch._scaled_mm with per-token activation scales (the activation quantization included), and the path
-kernels/fp8_linear.choose_fp8_path picks. The figures the rule should be read off.
+"""FP8 projections (kernels/fp8_linear.py) swept against bf16 on the real projection shapes: GB/s of weight read per
+candidate config, beside bf16 cuBLAS (F.linear) and, at one row, the bf16 GEMV the engine uses there.
 
-Timing as benchmarks/kernels/gemv.py (a CUDA graph over enough weight copies to defeat L2, median per call); every
-output is checked against F.linear(x, the dequantized W) in fp32 (relative error).
+Candidates: the W8A16 GEMV (kernels/fp8_gemv.py) over tiles, K tiles a step and warps; the W8A8 few-rows kernel
+(kernels/fp8_w8a8.py, its activation quantization included) over tiles; the Triton tensor-core kernel
+(kernels/fp8_mma.py) over tiles; torch._scaled_mm after the one-kernel per-token quantization, after the
+torch-ops quantization it replaced, and alone (the quantization's share); and what choose_fp8_path picks (`rule`).
+At the end, the best config per (projection, rows) as entries for kernels/fp8_linear.FP8_MEASURED, where they go
+if they beat the rule.
 
-    PYTHONPATH=src python3 benchmarks/kernels/fp8_linear.py [--batches 1,4,16,64,256] [--json out.json]
+Timing as benchmarks/kernels/gemv.py (a CUDA graph over enough weight copies to defeat L2, median per call, no
+PDL on either side); every output is checked against F.linear(x, the dequantized W) in fp32 (relative error;
+a config over 5e-2 is reported and never picked). Default: the 8B's qkv, o, gate_up and down at 1, 16 and 64
+rows, well under a minute on an H200, most of it Triton compiling:
+
+    PYTHONPATH=src python3 benchmarks/kernels/fp8_linear.py [--shapes llama-3.1-8b] [--batches 1,16,64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,16 +30,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, choose_fp8_path, fp8_gemv, fp8_mma,  # noqa: E402
-                                         quantize_per_token, quantize_rows)
+from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, MmaTiles, W8a8Tiles, choose_fp8_path,  # noqa: E402
+                                         fp8_gemv, fp8_mma, fp8_w8a8, quantize_per_token, quantize_rows,
+                                         quantize_tokens)
+from ostinato.kernels.gemv import choose_gemv_tiles, gemv_linear  # noqa: E402
+
+ERROR_LIMIT = 5e-2  # _scaled_mm rounds x to E4M3 too; the W8A16 kernels stay near 4e-3 (bf16 output)
+
+GEMV_ONE_ROW = [Fp8Tiles(8, 1024), Fp8Tiles(8, 1024, k_tiles=2), Fp8Tiles(4, 1024, k_tiles=2),
+                Fp8Tiles(8, 512, k_tiles=2), Fp8Tiles(16, 512, k_tiles=2), Fp8Tiles(8, 2048, num_warps=8),
+                Fp8Tiles(8, 1024, num_warps=8, k_tiles=2), Fp8Tiles(8, 1024, k_tiles=2, num_stages=1)]
+GEMV_ROWS = [Fp8Tiles(1, 512), Fp8Tiles(2, 512, num_warps=8, k_tiles=2)]
+MMA_FEW_ROWS = [MmaTiles(16, 32, 256), MmaTiles(16, 64, 256), MmaTiles(16, 128, 128)]
+MMA_ROWS = [MmaTiles(64, 64, 128), MmaTiles(64, 128, 128), MmaTiles(32, 64, 256)]
+W8A8 = [W8a8Tiles(16, 512), W8a8Tiles(16, 256), W8a8Tiles(32, 256), W8a8Tiles(32, 512), W8a8Tiles(64, 256)]
 
 
-def gemv_tiles(m: int):
-    m_pad = 1 << (m - 1).bit_length()
-    for bn in (1, 2, 4, 8):
-        for bk in (256, 512, 1024, 2048):
-            if m_pad * bn * bk <= 16384 and bn * bk >= 512:
-                yield Fp8Tiles(bn, bk)
+def candidates(m: int):
+    """(name, config) for what may compute m rows; config is what FP8_MEASURED would hold, or None."""
+    gemv = GEMV_ONE_ROW if m == 1 else GEMV_ROWS if m <= 16 else []
+    mma = MMA_FEW_ROWS if m <= 16 else MMA_ROWS
+    yield from ((f"gemv bn{t.block_n} bk{t.block_k} kt{t.k_tiles} w{t.num_warps} s{t.num_stages}", t) for t in gemv)
+    yield from ((f"w8a8 bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} (+quant)", t) for t in W8A8)
+    if m > 1:
+        yield from ((f"mma {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", t) for t in mma)
+        yield "scaled_mm (one-kernel quant)", "scaled_mm"
+        yield "scaled_mm (torch-ops quant)", None
+        yield "scaled_mm alone (x quantized before)", None
 
 
 def fp8_layers(n: int, k: int, copies: int) -> list[Fp8Linear]:
@@ -45,61 +70,90 @@ def fp8_layers(n: int, k: int, copies: int) -> list[Fp8Linear]:
     return layers
 
 
-def scaled_mm(x, layer):
-    xq, xs = quantize_per_token(x)
+def _scaled_mm(xq, xs, layer):
     return torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale[None, :],
                             out_dtype=torch.bfloat16)
+
+
+def call(name: str, config, x: torch.Tensor, layer: Fp8Linear, pre: tuple) -> torch.Tensor:
+    """One call of candidate `name` on layer (pre: x quantized once, for "alone")."""
+    if isinstance(config, Fp8Tiles):
+        return fp8_gemv(x, layer.weight, layer.weight_scale, None, config)
+    if isinstance(config, MmaTiles):
+        return fp8_mma(x, layer.weight, layer.weight_scale, None, None, config)
+    if isinstance(config, W8a8Tiles):
+        return fp8_w8a8(*quantize_tokens(x), layer.weight, layer.weight_scale, None, config, x.dtype)
+    if config == "scaled_mm":
+        return _scaled_mm(*quantize_tokens(x), layer)
+    if "torch-ops" in name:
+        return _scaled_mm(*quantize_per_token(x), layer)
+    return _scaled_mm(*pre, layer)
 
 
 def _error(out, ref) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def measure(name: str, proj: str, n: int, k: int, batches: list[int], rows: list[dict]) -> None:
+def _line(label: str, us: float, nbytes: int, bf16_us: float, err: float | None = None) -> str:
+    err_text = "" if err is None else f"  err {err:.1e}" + ("  OVER LIMIT" if err > ERROR_LIMIT else "")
+    return f"    {label:42s} {us:8.2f} us  {nbytes / us / 1e3:7.0f} GB/s  x{bf16_us / us:5.2f} of bf16 cuBLAS{err_text}"
+
+
+def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], best: list[str]) -> None:
     copies = max(2, min(32, -(-256 * 2**20 // (n * k))))  # >= 256 MB of fp8 weights: reads come from HBM
     layers = fp8_layers(n, k, copies)
     dense = [layer.dequantize().to(torch.bfloat16) for layer in layers[:max(2, copies // 2)]]
+    fp8_bytes, bf16_bytes = n * k + 4 * n, 2 * n * k
     for m in batches:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = F.linear(x.float(), layers[0].dequantize())
-        row = {"shape": name, "proj": proj, "M": m, "N": n, "K": k,
-               "bf16_us": time_graph(lambda i: F.linear(x, dense[i % len(dense)]), copies)}
-        if m <= 64:
-            best = None
-            for tiles in gemv_tiles(m):
-                us = time_graph(lambda i: fp8_gemv(x, layers[i].weight, layers[i].weight_scale, None, tiles), copies)
-                if best is None or us < best[0]:
-                    best = (us, tiles)
-            row.update(gemv_us=best[0], gemv_block_n=best[1].block_n, gemv_block_k=best[1].block_k,
-                       gemv_err=_error(fp8_gemv(x, layers[0].weight, layers[0].weight_scale, None, best[1]), ref))
-        row.update(mma_us=time_graph(lambda i: fp8_mma(x, layers[i].weight, layers[i].weight_scale, None), copies),
-                   mma_err=_error(fp8_mma(x, layers[0].weight, layers[0].weight_scale, None), ref),
-                   scaled_mm_us=time_graph(lambda i: scaled_mm(x, layers[i]), copies),
-                   scaled_mm_err=_error(scaled_mm(x, layers[0]), ref),
-                   rule=str(choose_fp8_path(m, n, k, False, True)),
-                   rule_us=time_graph(lambda i: layers[i].linear(x, pdl=False), copies))
+        pre = quantize_tokens(x)
+        bf16_us = time_graph(lambda i: F.linear(x, dense[i % len(dense)]), copies)
+        print(f"{proj} M={m} [{n}x{k}]  fp8 floor {fp8_bytes / HBM_READ_BYTES_PER_S * 1e6:.2f} us", flush=True)
+        print(_line("bf16 cuBLAS", bf16_us, bf16_bytes, bf16_us))
+        row = {"proj": proj, "M": m, "N": n, "K": k, "bf16_us": bf16_us, "configs": {}}
+        gemv_tiles = choose_gemv_tiles(m, n, k, pdl=True)
+        if gemv_tiles is not None:
+            us = time_graph(lambda i: gemv_linear(x, dense[i % len(dense)], None, gemv_tiles), copies)
+            print(_line("bf16 GEMV (the engine's at this M)", us, bf16_bytes, bf16_us))
+            row["bf16_gemv_us"] = us
+        winner = None
+        for name, config in candidates(m):
+            try:
+                us = time_graph(lambda i: call(name, config, x, layers[i], pre), copies)
+                err = _error(call(name, config, x, layers[0], pre), ref)
+            except Exception as exc:  # a config the compiler or the GPU refuses: reported, never picked
+                print(f"    {name:42s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}", flush=True)
+                continue
+            print(_line(name, us, fp8_bytes, bf16_us, err), flush=True)
+            row["configs"][name] = {"us": us, "err": err}
+            if config is not None and err <= ERROR_LIMIT and (winner is None or us < winner[0]):
+                winner = (us, name, config)
+        rule = choose_fp8_path(m, n, k, False, True)
+        rule_us = time_graph(lambda i: layers[i].linear(x, pdl=False), copies)
+        print(_line(f"rule: {rule}", rule_us, fp8_bytes, bf16_us, _error(layers[0].linear(x), ref)))
+        row.update(rule=str(rule), rule_us=rule_us, best=winner[1], best_us=winner[0])
         rows.append(row)
-        fp8_floor_us = n * k / HBM_READ_BYTES_PER_S * 1e6
-        gemv = f"gemv {row['gemv_us']:7.2f} us (bn {row['gemv_block_n']} bk {row['gemv_block_k']})" \
-            if "gemv_us" in row else "gemv       -"
-        print(f"{name:13s} {proj:8s} M={m:<4d} [{n:6d}x{k:5d}] bf16 {row['bf16_us']:7.2f} us  {gemv}  "
-              f"mma {row['mma_us']:7.2f} us  scaled_mm {row['scaled_mm_us']:7.2f} us  rule {row['rule_us']:7.2f} us  fp8 floor "
-              f"{fp8_floor_us:6.2f} us  err gemv {row.get('gemv_err', float('nan')):.1e} "
-              f"scaled_mm {row['scaled_mm_err']:.1e}", flush=True)
+        best.append(f"    ({m}, {n}, {k}): {winner[2]!r},  # {proj}: {winner[0]:.2f} us, rule {rule_us:.2f} us, "
+                    f"bf16 {bf16_us:.2f} us")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64,256")
+    ap.add_argument("--shapes", default="llama-3.1-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--batches", default="1,16,64")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []
-    for name, shape in SHAPES.items():
-        for proj, (n, k) in projections(shape).items():
+    best: list[str] = []
+    for name in args.shapes.split(","):
+        for proj, (n, k) in projections(SHAPES[name]).items():
             if proj != "lm_head":  # lm_head stays bf16 (model/fp8_weights.py)
-                measure(name, proj, n, k, batches, rows)
+                measure(f"{name} {proj}", n, k, batches, rows, best)
                 torch.cuda.empty_cache()
+    print("\ntable entries (kernels/fp8_linear.FP8_MEASURED; keep those that beat the rule):")
+    print("\n".join(best))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

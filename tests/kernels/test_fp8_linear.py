@@ -1,8 +1,11 @@
-"""FP8 weights (kernels/fp8_linear.py): the W8A16 GEMV against a float64 dequantize-then-matmul reference, the
-scale layouts, per-channel quantization and the path rule.
+"""FP8 weights (kernels/fp8_linear.py, fp8_gemv.py, fp8_mma.py, fp8_w8a8.py): the W8A16 GEMV, the tensor-core
+kernel and the W8A8 few-rows kernel against a float64 dequantize-then-matmul reference, the scale layouts,
+per-channel and per-token quantization (the one-kernel version against the torch ops), the path rule and its
+table of measured shapes.
 
 CPU: under TRITON_INTERPRET=1 (tests/conftest.py), which loads float8_e4m3fn tensors as they are; small ragged
-shapes. GPU (`-m gpu`): the real projection shapes, the GEMV with PDL, _scaled_mm, and a captured graph.
+shapes. GPU (`-m gpu`): the real projection shapes, the GEMV with PDL, _scaled_mm, the quantization's rounding,
+table entries of each kernel, and a captured graph.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from ostinato.kernels import fp8_linear  # noqa: E402
 from ostinato.kernels.fp8_linear import (FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX, Fp8Linear, Fp8Tiles,  # noqa: E402
-                                         choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma, quantize_rows)
+                                         MmaTiles, choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma,
+                                         W8a8Tiles, fp8_w8a8, quantize_per_token, quantize_rows, quantize_tokens)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,9 +41,13 @@ def _reference(x, w, scale, block, b):
 
 
 # Ragged: N and K not multiples of the tiles nor of the scale blocks; M below and at its padded size; K inside
-# one tile and across several; blocks narrower and wider than a K tile.
+# one tile and across several; blocks narrower and wider than a K tile; two K tiles a step, with K a multiple of
+# the step (no K mask), of one tile but not of the step, and of neither.
 @pytest.mark.parametrize("m,n,k,tiles,block,bias", [
     (1, 37, 100, Fp8Tiles(4, 32), None, False),
+    (1, 37, 128, Fp8Tiles(4, 32, k_tiles=2), None, False),
+    (2, 21, 96, Fp8Tiles(8, 32, k_tiles=2), None, True),
+    (3, 19, 150, Fp8Tiles(2, 32, k_tiles=2), (8, 32), True),
     (3, 50, 257, Fp8Tiles(2, 128), None, True),
     (4, 9, 64, Fp8Tiles(8, 64), None, True),
     (1, 37, 300, Fp8Tiles(2, 128), (16, 32), True),
@@ -71,10 +80,30 @@ def test_fp8_mma_matches_float64_reference(m, n, k, block, bias, dtype):
     x = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     out = fp8_mma(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None if b is None else b.to(DEVICE), block,
-                  tile=(16, 16, 16))
+                  tile=MmaTiles(16, 16, 16))
     ref = _reference(x, w, scale, block, b)
     # fp32 inputs may run as tf32 on the tensor cores; bf16: the weight widened to bf16 after its block scale
     tol = 2e-3 if dtype == torch.float32 and DEVICE == "cuda" else (1e-5 if dtype == torch.float32 else 8e-3)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+# W8A8: rows below and above one 16-row tile; N and K ragged against the tiles; one K step and several.
+@pytest.mark.parametrize("m,n,k,tiles,bias", [
+    (1, 37, 100, W8a8Tiles(16, 32), False),
+    (5, 40, 256, W8a8Tiles(32, 64), True),
+    (20, 17, 90, W8a8Tiles(16, 64), True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_w8a8_matches_float64_reference_on_the_quantized_activations(m, n, k, tiles, bias, dtype):
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w, scale = _random_fp8(n, k, None, gen)
+    xq, x_scale = quantize_per_token(torch.randn(m, k, generator=gen))
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    out = fp8_w8a8(xq.to(DEVICE), x_scale.to(DEVICE), w.to(DEVICE), scale.to(DEVICE),
+                   None if b is None else b.to(DEVICE), tiles, dtype)
+    assert out.shape == (m, n) and out.dtype == dtype
+    ref = _reference(xq.double() * x_scale.double(), w, scale, None, b)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
@@ -101,13 +130,60 @@ def test_path_rule():
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True), Fp8Tiles)
     assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)
     assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == "scaled_mm"
-    assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == "mma"  # block scales above the GEMV
+    assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # block scales, few rows
+    assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == MmaTiles()  # block scales above 16 rows
     assert choose_fp8_path(64, 4096, 4100, False, cuda=True) == "dequantize"  # _scaled_mm needs K % 16 == 0
     assert choose_fp8_path(64, 4096, 4096, False, cuda=True, bf16=False) == "dequantize"
     assert choose_fp8_path(1, 4096, 4096, False, cuda=False) == "dequantize"
-    for m in (1, 2, 3, 5, 8, 9, 16):  # the accumulator stays within the register budget at every row count
+    for m in range(1, FP8_GEMV_MAX_ROWS + 1):  # the accumulator stays within the register budget at every row count
         tiles = choose_fp8_path(m, 6144, 4096, False, cuda=True)
         assert triton_next_pow2(m) * tiles.block_n * tiles.block_k <= 8192
+    # one row: as many bytes in flight a step as the bf16 GEMV's 8 x 1024 tile of two-byte weights
+    tiles = choose_fp8_path(1, 6144, 4096, False, cuda=True)
+    assert tiles.block_n * tiles.block_k * tiles.k_tiles == 8 * 1024 * 2
+
+
+def test_measured_table_overrides_the_rule_at_its_exact_shape_only(monkeypatch):
+    tile = MmaTiles(16, 32, 256)
+    monkeypatch.setitem(fp8_linear.FP8_MEASURED, (16, 6144, 4096), tile)
+    assert choose_fp8_path(16, 6144, 4096, False, cuda=True) == tile
+    assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == "scaled_mm"  # other rows: the rule
+    assert choose_fp8_path(16, 6144, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # measured per-row only
+    assert choose_fp8_path(16, 6144, 4096, False, cuda=False) == "dequantize"
+
+
+def test_measured_entries_are_configs_the_kernels_take():
+    """FP8_MEASURED is filled by hand from the sweep's output: each entry must be a config its kernel accepts."""
+    for (m, n, k), config in fp8_linear.FP8_MEASURED.items():
+        if isinstance(config, Fp8Tiles):
+            assert m <= 16 and config.k_tiles in (1, 2) and triton_next_pow2(m) * config.block_n * config.block_k <= 16384
+        elif isinstance(config, MmaTiles):
+            assert min(config.block_m, config.block_n, config.block_k) >= 16
+        elif isinstance(config, W8a8Tiles):
+            assert config.block_n >= 16 and config.block_k >= 32
+        else:
+            assert config == "scaled_mm" and n % 16 == 0 and k % 16 == 0, (m, n, k, config)
+
+
+@pytest.mark.parametrize("m,k", [(1, 40), (3, 100), (5, 2048 + 37)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_tokens_kernel_equals_the_torch_ops(m, k, dtype):
+    """Rows of E4M3 values times a power of two per row, each row's largest magnitude 448 times it: the scale is
+    that power and the codes are the values, exactly, whatever rounding the division would need. (The Triton
+    interpreter rounds fp32 -> E4M3 wrongly where the rounding carries into the exponent, 126.8 -> 64; the GPU
+    test below compares rounded values on the hardware.) Row 0 is all zeros: the floor scale, zero codes."""
+    gen = torch.Generator().manual_seed(m + k)
+    codes = (torch.randn(m, k, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    codes[:, k // 2] = FP8_MAX
+    codes[0] = 0.0
+    powers = 2.0 ** torch.arange(-6, m - 6, dtype=torch.float32)[:, None]
+    x = (codes.float() * powers).to(dtype)
+    q, scale = quantize_tokens(x.to(DEVICE))
+    ref_q, ref_scale = quantize_per_token(x)
+    assert q.dtype == FP8_DTYPE and scale.shape == (m, 1)
+    torch.testing.assert_close(scale.cpu(), ref_scale, rtol=1e-6, atol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(q.cpu().view(torch.uint8), codes.view(torch.uint8))
 
 
 def triton_next_pow2(m: int) -> int:
@@ -149,7 +225,7 @@ def _relative_error(out, ref):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 64, 256])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_every_path_at_the_real_projection_shapes(m, n, k, block):
     gen = torch.Generator().manual_seed(n + k)
@@ -157,7 +233,7 @@ def test_every_path_at_the_real_projection_shapes(m, n, k, block):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = _reference(x.cpu(), layer.weight.cpu(), layer.weight_scale.cpu(), block, None).cuda()
     # W8A16 keeps x in bf16: bf16's output rounding; _scaled_mm also rounds x to fp8 (per-token scales)
-    limit = 1e-2 if isinstance(choose_fp8_path(m, n, k, block is not None, True), Fp8Tiles) else 5e-2
+    limit = 5e-2 if choose_fp8_path(m, n, k, block is not None, True) == "scaled_mm" else 1e-2
     assert _relative_error(layer.linear(x, pdl=True), ref) < limit
 
 
@@ -175,3 +251,29 @@ def test_fp8_linear_replays_in_a_cuda_graph(m):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, layer.linear(x, pdl=True)) and not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,k", [(1, 4096), (64, 14336), (37, 1000)])
+def test_quantize_tokens_kernel_rounds_as_torch_does_on_the_gpu(m, k):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, m, device="cuda")[:, None]
+    q, scale = quantize_tokens(x)
+    ref_q, ref_scale = quantize_per_token(x)
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [W8a8Tiles(16, 512), W8a8Tiles(64, 256), MmaTiles(16, 64, 256),
+                                    Fp8Tiles(8, 1024, k_tiles=2)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_a_measured_table_entry_runs_its_kernel_at_the_real_shape(monkeypatch, config, m):
+    gen = torch.Generator().manual_seed(2)
+    layer = _layer(6144, 4096, None, True, gen, "cuda")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = _reference(x.cpu(), layer.weight.cpu(), layer.weight_scale.cpu(), None, layer.bias.cpu()).cuda()
+    monkeypatch.setitem(fp8_linear.FP8_MEASURED, (m, 6144, 4096), config)
+    limit = 5e-2 if isinstance(config, W8a8Tiles) else 1e-2  # W8A8 rounds x to E4M3 too
+    assert _relative_error(layer.linear(x, pdl=True), ref) < limit
