@@ -21,7 +21,8 @@ from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import (  # noqa: E402
     TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning)
-from ostinato.kernels.invariant_linear import InvariantTiles, invariant_gemm, rowwise_linear  # noqa: E402
+from ostinato.kernels.invariant_linear import (  # noqa: E402
+    InvariantTiles, invariant_gemm, invariant_split, rowwise_linear)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK, KV_HEADS, GROUP, DIM = 16, 2, 2, 32
@@ -60,6 +61,47 @@ def test_gemm_row_is_the_same_in_every_batch(dtype):
     alone, batched = _row_in_batches(lambda x, w: invariant_gemm(x, w), dtype)
     for out in batched:
         assert torch.equal(out, alone)
+
+
+SPLIT_TILES = {"split": InvariantTiles(16, 16, 16), "unsplit": InvariantTiles(16, 16, 16, split_programs=1),
+               "split, 16-row chunks": InvariantTiles(16, 16, 16, max_split_rows=16)}
+
+
+def test_split_depends_on_n_and_k_only():
+    """The K split of the default tiles at a small model's decode projections, and none where N alone gives
+    enough programs (the lm_head); whole K tiles per split, and no split is left empty."""
+    assert invariant_split(1024, 2048) == (16, 128)  # o_proj of a 1024-wide model: 16 N tiles alone
+    assert invariant_split(1024, 3072) == (16, 192)
+    assert invariant_split(6144, 1024) == (2, 512)
+    assert invariant_split(151936, 1024) == (1, 1024)
+    for n, k in [(70, 200), (40, 72), (4096, 14336), (100, 65)]:
+        splits, per = invariant_split(n, k)
+        assert per % 64 == 0 and (splits - 1) * per < k <= splits * per
+
+
+@pytest.mark.parametrize("case", list(SPLIT_TILES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_row_is_the_same_for_every_row_count(case, dtype):
+    """A row alone, then last after 1, 15, 16 and 39 other rows (one and several row tiles and chunks), and
+    first before padding rows of zeros, with a bias, in the dtype and in fp32 (the logits): bitwise equal, split
+    or not, chunked or not; and close to float64."""
+    tiles = SPLIT_TILES[case]
+    gen = torch.Generator().manual_seed(3)
+    k, n = 72, 40
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(40, k, generator=gen).to(dtype).to(DEVICE)
+    assert (invariant_split(n, k, tiles)[0] > 1) == (case != "unsplit")
+    for out_dtype in (None, torch.float32):
+        alone = invariant_gemm(x[:1], w, b, out_dtype=out_dtype, tiles=tiles)[0]
+        for m in (2, 16, 17, 40):
+            rows = torch.cat([x[1:m], x[:1]])  # the row last, after m - 1 others
+            assert torch.equal(invariant_gemm(rows, w, b, out_dtype=out_dtype, tiles=tiles)[m - 1], alone), m
+        padded = torch.cat([x[:1], torch.zeros(20, k, dtype=dtype, device=DEVICE)])
+        assert torch.equal(invariant_gemm(padded, w, b, out_dtype=out_dtype, tiles=tiles)[0], alone)
+        ref = F.linear(x[:1].double(), w.double(), b.double())[0]
+        tol = 1e-5 if dtype == torch.float32 and out_dtype is None else 2e-2
+        torch.testing.assert_close(alone.cpu().double(), ref.cpu(), rtol=tol, atol=tol * k ** 0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

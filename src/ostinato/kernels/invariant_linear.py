@@ -32,6 +32,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED, dot, dot_settings, rowwise_dot
+    from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 
 
 def _jit_any_m(fn):
@@ -42,12 +43,16 @@ def _jit_any_m(fn):
 
 @_jit_any_m
 def _invariant_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, K_PER_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
+    # Split s sums K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) into out[s] (the partials when split, the
+    # output itself when not); K_PER_SPLIT is a multiple of BLOCK_K, chosen from (N, K) alone.
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -55,10 +60,13 @@ def _invariant_gemm_kernel(
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W read transposed, [BLOCK_K, BLOCK_N]
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    pdl_wait(PDL)
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        k_mask = ks < K
+        k_mask = ks < k_end
         x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
@@ -67,29 +75,73 @@ def _invariant_gemm_kernel(
             acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    out = out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@_jit_any_m
+def _invariant_split_sum_kernel(
+    part_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):
+    # One row's BLOCK outputs: the fp32 partials summed in split order 0, 1, ... (a fixed order, whatever M).
+    pdl_begin(PDL)
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    pdl_wait(PDL)
+    src = part_ptr + row.to(tl.int64) * stride_pm + offs
+    acc = tl.load(src, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(src + s * stride_ps, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
 class InvariantTiles:
-    """The one tiling of every batch-invariant launch (powers of two >= 16). Changing any field changes the
-    reduction order, so it is a constant, never chosen per shape."""
+    """The one tiling of every batch-invariant launch (block_* powers of two >= 16). Changing any field changes
+    the reduction order, so it is a constant, never chosen per call.
+
+    split_programs: the K range is split so that cdiv(N, block_n) x splits reaches about this many programs
+        at one row tile (`invariant_split`): a decode projection of a small model has few N tiles (1024 outputs:
+        16 programs for a GPU of 132 SMs), and unsplit each walks all of K alone. The split depends on N and K,
+        never on M, so a row's partial sums and their order are the same in every batch.
+    max_split_rows: rows per launch where the K range is split: a long prefill runs in chunks of this many
+        rows, which bounds the fp32 partials at splits x max_split_rows x N (rows never interact, so a row's
+        arithmetic does not depend on its chunk).
+    sum_block: outputs per program of the kernel summing the partials.
+    """
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    split_programs: int = 256
+    max_split_rows: int = 1024
+    sum_block: int = 256
 
 
 INVARIANT_TILES = InvariantTiles()
 
 
+def invariant_split(n: int, k: int, tiles: InvariantTiles = INVARIANT_TILES) -> tuple[int, int]:
+    """(splits, keys per split) of the K range of an [N, K] weight: from N, K and the constant tiles only."""
+    n_tiles = -(-n // tiles.block_n)
+    k_tiles = max(1, -(-k // tiles.block_k))
+    wanted = max(1, min(k_tiles, tiles.split_programs // n_tiles))
+    per_split = -(-k_tiles // wanted)  # whole K tiles per split; then no split is left empty
+    return -(-k_tiles // per_split), per_split * tiles.block_k
+
+
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None, tiles: InvariantTiles = INVARIANT_TILES) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, tiles: InvariantTiles = INVARIANT_TILES,
+                   pdl: bool = False) -> torch.Tensor:
     """x [M, K] (K contiguous), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype (default x's),
     accumulated in fp32, each row by the same arithmetic for every M. Graph safe: grid from shapes only.
+    pdl: launch with programmatic dependent launch (kernels/pdl.py; launch timing only, the same arithmetic).
     Under TRITON_INTERPRET (CPU tests) the K step is attention_common.rowwise_dot instead of tl.dot."""
     m, k = x.shape
     n = weight.shape[0]
@@ -97,12 +149,27 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
         return out
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
-    _invariant_gemm_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-        **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    splits, per_split = invariant_split(n, k, tiles)
+    settings = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **dot_settings(x.dtype),
+                    ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl, num_warps=tiles.num_warps,
+                    num_stages=tiles.num_stages, **launch_options(pdl))
+    b = bias if bias is not None else weight  # unread without a bias
+    if splits == 1:
+        _invariant_gemm_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), 1)](
+            x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0, per_split,
+            HAS_BIAS=bias is not None, **settings)
+        return out
+    rows = min(m, tiles.max_split_rows)
+    partials = torch.empty(splits, rows, n, device=x.device, dtype=torch.float32)
+    for m0 in range(0, m, rows):
+        chunk = min(rows, m - m0)
+        xs, outs = x[m0:m0 + chunk], out[m0:m0 + chunk]
+        _invariant_gemm_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(chunk, tiles.block_m), splits)](
+            xs, weight, b, partials, chunk, n, k, xs.stride(0), weight.stride(0), partials.stride(1),
+            partials.stride(0), per_split, HAS_BIAS=False, **settings)
+        _invariant_split_sum_kernel[(chunk, triton.cdiv(n, tiles.sum_block))](
+            partials, b, outs, chunk, n, partials.stride(0), partials.stride(1), outs.stride(0), SPLITS=splits,
+            BLOCK=tiles.sum_block, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
 
