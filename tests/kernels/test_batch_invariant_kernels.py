@@ -21,6 +21,7 @@ from ostinato.attention.base import AttentionMetadata  # noqa: E402
 from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import (  # noqa: E402
     TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning)
+from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.kernels.invariant_linear import (  # noqa: E402
     InvariantTiles, invariant_gemm, invariant_split, rowwise_linear)
 
@@ -201,10 +202,12 @@ def test_torch_decode_row_equals_the_prefill_row_at_its_position():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
-def test_gemm_8b_shapes_row_invariant_and_close_to_cublas(n, k):
-    """The 8B's qkv, o, gate_up, down and lm_head: a row alone equals itself among 7, 64 and 300 rows (bf16,
-    fp32 logits for the lm_head), and the GEMM is as close to cuBLAS as two fp32 accumulations are."""
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                                 (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)])
+def test_gemm_8b_and_06b_shapes_row_invariant_and_close_to_cublas(n, k):
+    """The 8B's and Qwen3-0.6B's qkv, o, gate_up, down and lm_head (split over K or not): a row alone equals
+    itself among 7, 64 and 300 rows (bf16, fp32 logits for the lm_head), launched with PDL too, and the GEMM is
+    as close to cuBLAS as two fp32 accumulations are."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * k ** -0.5
     out_dtype = torch.float32 if n == 128256 else None
@@ -212,6 +215,8 @@ def test_gemm_8b_shapes_row_invariant_and_close_to_cublas(n, k):
     alone = invariant_gemm(x[5:6], w, out_dtype=out_dtype)[0]
     for m in (7, 64, 300):
         assert torch.equal(invariant_gemm(x[:m], w, out_dtype=out_dtype)[5], alone), m
+    if pdl_unsupported_reason(x.device) is None:
+        assert torch.equal(invariant_gemm(x[:64], w, out_dtype=out_dtype, pdl=True)[5], alone)
     torch.testing.assert_close(invariant_gemm(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
 
 

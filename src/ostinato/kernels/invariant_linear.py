@@ -190,10 +190,10 @@ def _check_layer(layer: torch.nn.Module) -> None:
         raise ConfigError("--batch-invariant needs --tensor-parallel-size 1")
 
 
-def gemm_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def gemm_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor:
     """layer(x) through invariant_gemm (the batch-invariant Triton kernel set's linear)."""
     _check_layer(layer)
-    return invariant_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.weight, layer.bias)
+    return invariant_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.weight, layer.bias, pdl=pdl)
 
 
 def rowwise_layer_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -202,10 +202,11 @@ def rowwise_layer_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tenso
     return rowwise_linear(x, layer.weight, layer.bias)
 
 
-def gemm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemm_logits(hidden: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """hidden [M, K] @ weight^T -> fp32 logits [M, V] through invariant_gemm: 16-bit operands, fp32 accumulation
     and output, never rounded to 16 bits (model/decoder.py's compute_logits says why)."""
-    return invariant_gemm(hidden if hidden.stride(-1) == 1 else hidden.contiguous(), weight, out_dtype=torch.float32)
+    return invariant_gemm(hidden if hidden.stride(-1) == 1 else hidden.contiguous(), weight, out_dtype=torch.float32,
+                          pdl=pdl)
 
 
 def rowwise_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
