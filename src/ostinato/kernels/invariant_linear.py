@@ -6,13 +6,20 @@ kernel also pads M to a power of two, which changes its tl.dot tile). So a reque
 last bit with the number of rows beside it, and in bf16 a greedy tie flips. Under --batch-invariant every
 projection and the lm_head run through `invariant_linear` instead.
 
-Algorithm (Triton, CUDA): grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); a program owns a [BLOCK_M, BLOCK_N] output
-tile and walks K from 0 in BLOCK_K steps, acc += tl.dot(x tile, W tile) in fp32: no split over K, no atomics.
-The tiles, warps and stages are one constant set (InvariantTiles) for every M, so the compiled kernel is the same
-whatever the batch, and an output element's sum over K runs in the same order in every launch: a row's result
-depends on its own values only (tl.dot's rows are independent; padded rows are masked loads of 0 and never
-stored). The cost: at decode every launch computes a BLOCK_M-row tile however few rows are real (bandwidth-bound,
-the weight read dominates), and no norm or activation folds into it.
+Algorithm (Triton, CUDA): grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), splits); a program owns a [BLOCK_M,
+BLOCK_N] output tile and one of `splits` equal ranges of K, and walks it in BLOCK_K steps, acc += tl.dot(x tile,
+W tile) in fp32. The split count comes from N and K alone (`invariant_split`: enough programs to fill the GPU
+at one row tile, which a small model's decode projections do not unsplit: 1024 outputs are 16 programs). A
+split program writes its fp32 partial tile and counts itself in; the last to arrive for a tile sums the
+partials in split order 0, 1, ..., adds the bias and stores (which program merges depends on timing, the order
+does not). The tiles, warps, stages and split rule are one constant set (InvariantTiles) for every M, so the
+compiled kernel is the same whatever the batch, and an output element's sum over K runs in the same order in
+every launch: a row's result depends on its own values only (tl.dot's rows are independent; padded rows are
+masked loads of 0 and never stored). The cost: at decode every launch computes a BLOCK_M-row tile however few
+rows are real (bandwidth-bound, the weight read dominates), a split launch writes and reads its fp32 partials
+(splits x rows x N; a long prefill runs in chunks of max_split_rows rows to bound them), and no norm or
+activation folds into it. With PDL (pdl=True) the kernel lets the next one launch first thing and reads
+nothing before its wait: the timing changes, the arithmetic does not.
 
 CPU (and a CUDA install without triton): torch's F.linear is not batch invariant in fp32 either (oneDNN and MKL
 pick kernels by M), so `rowwise_linear` runs F.linear one row at a time: every row is then the same [1, K] call.
@@ -28,11 +35,18 @@ import torch.nn.functional as F
 
 from ostinato.errors import ConfigError
 from ostinato.kernels.quantized_linear import QuantizedLinear
-from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
+from ostinato.kernels.split_counters import SplitCounters
+from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED, dot, dot_settings, rowwise_dot
     from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+
+
+# The split launches' arrival counters (kernels/split_counters.py), shared by every projection: launches on one
+# stream never overlap. The default tiles split only where N has at most 128 tiles, so a chunk of max_split_rows
+# rows needs at most 128 x 16 counters, within SplitCounters.MIN_COUNTERS: a capture never has to grow them.
+ARRIVAL_COUNTERS = SplitCounters()
 
 
 def _jit_any_m(fn):
@@ -43,12 +57,14 @@ def _jit_any_m(fn):
 
 @_jit_any_m
 def _invariant_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, K_PER_SPLIT,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_ps,
+    stride_pm, K_PER_SPLIT, SPLITS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # Split s sums K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) into out[s] (the partials when split, the
-    # output itself when not); K_PER_SPLIT is a multiple of BLOCK_K, chosen from (N, K) alone.
+    # Program (n, m, s) sums K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) of its [BLOCK_M, BLOCK_N] tile;
+    # K_PER_SPLIT is a multiple of BLOCK_K and SPLITS comes from (N, K) alone (invariant_split).
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -58,6 +74,7 @@ def _invariant_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    tile_mask = m_mask[:, None] & n_mask[None, :]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W read transposed, [BLOCK_K, BLOCK_N]
     k_start = pid_s * K_PER_SPLIT
@@ -73,30 +90,32 @@ def _invariant_gemm_kernel(
             acc += rowwise_dot(x, w)
         else:
             acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
+    if SPLIT:
+        # Publish this split's partial, then count it in; the program that arrives last sums all the tile's
+        # partials in split order 0, 1, ... (whoever arrives last, the order is the same), as the decode
+        # attention's single-launch merge does (kernels/decode_attention.py says why barrier + acq_rel).
+        parts = part_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+        tl.store(parts + pid_s.to(tl.int64) * stride_ps, acc, mask=tile_mask)
+        tl.debug_barrier()
+        counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.debug_barrier()
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+            acc = tl.load(parts, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLITS):
+                acc += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+    else:
+        _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+
+
+@jit
+def _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@_jit_any_m
-def _invariant_split_sum_kernel(
-    part_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-):
-    # One row's BLOCK outputs: the fp32 partials summed in split order 0, 1, ... (a fixed order, whatever M).
-    pdl_begin(PDL)
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    pdl_wait(PDL)
-    src = part_ptr + row.to(tl.int64) * stride_pm + offs
-    acc = tl.load(src, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(src + s * stride_ps, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @dataclass(frozen=True)
@@ -111,7 +130,6 @@ class InvariantTiles:
     max_split_rows: rows per launch where the K range is split: a long prefill runs in chunks of this many
         rows, which bounds the fp32 partials at splits x max_split_rows x N (rows never interact, so a row's
         arithmetic does not depend on its chunk).
-    sum_block: outputs per program of the kernel summing the partials.
     """
 
     block_m: int = 64
@@ -121,7 +139,6 @@ class InvariantTiles:
     num_stages: int = 3
     split_programs: int = 256
     max_split_rows: int = 1024
-    sum_block: int = 256
 
 
 INVARIANT_TILES = InvariantTiles()
@@ -150,26 +167,25 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if m == 0:
         return out
     splits, per_split = invariant_split(n, k, tiles)
-    settings = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **dot_settings(x.dtype),
-                    ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl, num_warps=tiles.num_warps,
-                    num_stages=tiles.num_stages, **launch_options(pdl))
+    settings = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
+                    SPLIT=splits > 1, **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl,
+                    num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     b = bias if bias is not None else weight  # unread without a bias
+    n_tiles = triton.cdiv(n, tiles.block_n)
     if splits == 1:
-        _invariant_gemm_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), 1)](
-            x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0, per_split,
-            HAS_BIAS=bias is not None, **settings)
+        _invariant_gemm_kernel[(n_tiles, triton.cdiv(m, tiles.block_m), 1)](
+            x, weight, b, out, out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0, 0, per_split, 1,
+            **settings)
         return out
     rows = min(m, tiles.max_split_rows)
     partials = torch.empty(splits, rows, n, device=x.device, dtype=torch.float32)
+    counters = ARRIVAL_COUNTERS.get(x.device, n_tiles * triton.cdiv(rows, tiles.block_m))
     for m0 in range(0, m, rows):
         chunk = min(rows, m - m0)
         xs, outs = x[m0:m0 + chunk], out[m0:m0 + chunk]
-        _invariant_gemm_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(chunk, tiles.block_m), splits)](
-            xs, weight, b, partials, chunk, n, k, xs.stride(0), weight.stride(0), partials.stride(1),
-            partials.stride(0), per_split, HAS_BIAS=False, **settings)
-        _invariant_split_sum_kernel[(chunk, triton.cdiv(n, tiles.sum_block))](
-            partials, b, outs, chunk, n, partials.stride(0), partials.stride(1), outs.stride(0), SPLITS=splits,
-            BLOCK=tiles.sum_block, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
+        _invariant_gemm_kernel[(n_tiles, triton.cdiv(chunk, tiles.block_m), splits)](
+            xs, weight, b, outs, partials, counters, chunk, n, k, xs.stride(0), weight.stride(0), outs.stride(0),
+            partials.stride(0), partials.stride(1), per_split, splits, **settings)
     return out
 
 
