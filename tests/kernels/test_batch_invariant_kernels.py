@@ -64,8 +64,10 @@ def test_gemm_row_is_the_same_in_every_batch(dtype):
         assert torch.equal(out, alone)
 
 
+# 40 outputs, K 72: 3 N tiles, 5 K tiles. "split": 5 splits, in parallel at every row count tested; "unsplit":
+# one; "parallel then serial": 3 splits, in parallel up to 2 row tiles (32 rows), one after another from 3.
 SPLIT_TILES = {"split": InvariantTiles(16, 16, 16), "unsplit": InvariantTiles(16, 16, 16, split_programs=1),
-               "split, 16-row chunks": InvariantTiles(16, 16, 16, max_split_rows=16)}
+               "parallel then serial": InvariantTiles(16, 16, 16, split_programs=9)}
 
 
 def test_split_depends_on_n_and_k_only():
@@ -83,16 +85,16 @@ def test_split_depends_on_n_and_k_only():
 @pytest.mark.parametrize("case", list(SPLIT_TILES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_row_is_the_same_for_every_row_count(case, dtype):
-    """A row alone, then last after 1, 15, 16 and 39 other rows (one and several row tiles and chunks), and
-    first before padding rows of zeros, with a bias, in the dtype and in fp32 (the logits): bitwise equal, split
-    or not, chunked or not; and close to float64."""
+    """A row alone, then last after 1, 15, 16 and 39 other rows (one and several row tiles), and first before
+    padding rows of zeros, with a bias, in the dtype and in fp32 (the logits): bitwise equal, split or not,
+    splits in parallel or one after another; and close to float64."""
     tiles = SPLIT_TILES[case]
     gen = torch.Generator().manual_seed(3)
     k, n = 72, 40
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     x = torch.randn(40, k, generator=gen).to(dtype).to(DEVICE)
-    assert (invariant_split(n, k, tiles)[0] > 1) == (case != "unsplit")
+    assert invariant_split(n, k, tiles)[0] == {"split": 5, "unsplit": 1, "parallel then serial": 3}[case]
     for out_dtype in (None, torch.float32):
         alone = invariant_gemm(x[:1], w, b, out_dtype=out_dtype, tiles=tiles)[0]
         for m in (2, 16, 17, 40):
@@ -206,14 +208,15 @@ def test_torch_decode_row_equals_the_prefill_row_at_its_position():
                                  (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)])
 def test_gemm_8b_and_06b_shapes_row_invariant_and_close_to_cublas(n, k):
     """The 8B's and Qwen3-0.6B's qkv, o, gate_up, down and lm_head (split over K or not): a row alone equals
-    itself among 7, 64 and 300 rows (bf16, fp32 logits for the lm_head), launched with PDL too, and the GEMM is
-    as close to cuBLAS as two fp32 accumulations are."""
+    itself among 7, 64, 300 and 1100 rows (bf16, fp32 logits for the lm_head), launched with PDL too, and the
+    GEMM is as close to cuBLAS as two fp32 accumulations are. Split shapes take the parallel launch at one row
+    and the serial one from a few row tiles on (at 1100 rows for every shape here): the bits must not change."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * k ** -0.5
-    out_dtype = torch.float32 if n == 128256 else None
-    x = torch.randn(300, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out_dtype = torch.float32 if n in (128256, 151936) else None
+    x = torch.randn(1100, k, device="cuda", generator=gen, dtype=torch.bfloat16)
     alone = invariant_gemm(x[5:6], w, out_dtype=out_dtype)[0]
-    for m in (7, 64, 300):
+    for m in (7, 64, 300, 1100):
         assert torch.equal(invariant_gemm(x[:m], w, out_dtype=out_dtype)[5], alone), m
     if pdl_unsupported_reason(x.device) is None:
         assert torch.equal(invariant_gemm(x[:64], w, out_dtype=out_dtype, pdl=True)[5], alone)

@@ -6,20 +6,24 @@ kernel also pads M to a power of two, which changes its tl.dot tile). So a reque
 last bit with the number of rows beside it, and in bf16 a greedy tie flips. Under --batch-invariant every
 projection and the lm_head run through `invariant_linear` instead.
 
-Algorithm (Triton, CUDA): grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), splits); a program owns a [BLOCK_M,
-BLOCK_N] output tile and one of `splits` equal ranges of K, and walks it in BLOCK_K steps, acc += tl.dot(x tile,
-W tile) in fp32. The split count comes from N and K alone (`invariant_split`: enough programs to fill the GPU
-at one row tile, which a small model's decode projections do not unsplit: 1024 outputs are 16 programs). A
-split program writes its fp32 partial tile and counts itself in; the last to arrive for a tile sums the
-partials in split order 0, 1, ..., adds the bias and stores (which program merges depends on timing, the order
-does not). The tiles, warps, stages and split rule are one constant set (InvariantTiles) for every M, so the
-compiled kernel is the same whatever the batch, and an output element's sum over K runs in the same order in
-every launch: a row's result depends on its own values only (tl.dot's rows are independent; padded rows are
-masked loads of 0 and never stored). The cost: at decode every launch computes a BLOCK_M-row tile however few
-rows are real (bandwidth-bound, the weight read dominates), a split launch writes and reads its fp32 partials
-(splits x rows x N; a long prefill runs in chunks of max_split_rows rows to bound them), and no norm or
-activation folds into it. With PDL (pdl=True) the kernel lets the next one launch first thing and reads
-nothing before its wait: the timing changes, the arithmetic does not.
+Algorithm (Triton, CUDA): a program owns a [BLOCK_M, BLOCK_N] output tile. K is cut into `splits` equal
+ranges, the count chosen from N and K alone (`invariant_split`: enough programs to fill the GPU at one row
+tile, which a small model's decode projections are not unsplit: 1024 outputs are 16 programs). Each split is
+summed from zero in BLOCK_K steps, acc += tl.dot(x tile, W tile) in fp32, and the tile is split 0 + split 1 +
+... in that order, then the bias. Two launches compute exactly that:
+  - parallel (the row tiles alone leave the GPU short of programs: decode): grid (N tiles, M tiles, splits);
+    a program writes its split's fp32 partial tile and counts itself in; the last to arrive for a tile adds
+    the partials in split order and stores (which program merges depends on timing, the order does not);
+  - serial (enough row tiles: prefill): grid (N tiles, M tiles); a program sums its tile's splits one after
+    another, with no partials in memory. The same fp32 operations in the same order, so which launch a row
+    took, chosen by M, does not change its bits.
+The tiles, warps, stages and split rule are one constant set (InvariantTiles) for every M, and M is never
+specialised, so an output element's sums run in the same order in every launch: a row's result depends on its
+own values only (tl.dot's rows are independent; padded rows are masked loads of 0 and never stored). The cost:
+at decode every launch computes a BLOCK_M-row tile however few rows are real (bandwidth-bound, the weight read
+dominates), a parallel launch writes and reads its fp32 partials (splits x M x N, L2-sized), and no norm or
+activation folds into a projection. With PDL (pdl=True) the kernel lets the next one launch first thing and
+reads nothing before its wait: the timing changes, the arithmetic does not.
 
 CPU (and a CUDA install without triton): torch's F.linear is not batch invariant in fp32 either (oneDNN and MKL
 pick kernels by M), so `rowwise_linear` runs F.linear one row at a time: every row is then the same [1, K] call.
@@ -43,9 +47,9 @@ if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 
 
-# The split launches' arrival counters (kernels/split_counters.py), shared by every projection: launches on one
-# stream never overlap. The default tiles split only where N has at most 128 tiles, so a chunk of max_split_rows
-# rows needs at most 128 x 16 counters, within SplitCounters.MIN_COUNTERS: a capture never has to grow them.
+# The parallel-split launches' arrival counters (kernels/split_counters.py), shared by every projection: launches
+# on one stream never overlap. A parallel launch has fewer than split_programs tiles, one counter each, within
+# SplitCounters.MIN_COUNTERS at the default tiles: a capture never has to grow them.
 ARRIVAL_COUNTERS = SplitCounters()
 
 
@@ -60,40 +64,31 @@ def _invariant_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_ps,
     stride_pm, K_PER_SPLIT, SPLITS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
+    PARALLEL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Program (n, m, s) sums K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) of its [BLOCK_M, BLOCK_N] tile;
-    # K_PER_SPLIT is a multiple of BLOCK_K and SPLITS comes from (N, K) alone (invariant_split).
+    # Split s of a tile is the sum over K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) from zero; the tile is
+    # split 0 + split 1 + ... in that order. K_PER_SPLIT is a multiple of BLOCK_K and SPLITS comes from (N, K)
+    # alone (invariant_split). PARALLEL: program (n, m, s) computes split s and the last to arrive adds them up;
+    # else program (n, m) computes the splits one after another: the same fp32 operations in the same order.
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     tile_mask = m_mask[:, None] & n_mask[None, :]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W read transposed, [BLOCK_K, BLOCK_N]
-    k_start = pid_s * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     pdl_wait(PDL)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < k_end
-        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
-            acc += rowwise_dot(x, w)
-        else:
-            acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
-    if SPLIT:
+    if PARALLEL:
+        pid_s = tl.program_id(2)
+        acc = _split_dot(x_rows, w_cols, m_mask, n_mask, pid_s * K_PER_SPLIT, K_PER_SPLIT, K, BLOCK_M, BLOCK_N,
+                         BLOCK_K, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
         # Publish this split's partial, then count it in; the program that arrives last sums all the tile's
-        # partials in split order 0, 1, ... (whoever arrives last, the order is the same), as the decode
-        # attention's single-launch merge does (kernels/decode_attention.py says why barrier + acq_rel).
+        # partials in split order (whoever arrives last, the order is the same), as the decode attention's
+        # single-launch merge does (kernels/decode_attention.py says why barrier + acq_rel).
         parts = part_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
         tl.store(parts + pid_s.to(tl.int64) * stride_ps, acc, mask=tile_mask)
         tl.debug_barrier()
@@ -107,7 +102,32 @@ def _invariant_gemm_kernel(
                 acc += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
             _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
     else:
+        acc = _split_dot(x_rows, w_cols, m_mask, n_mask, 0, K_PER_SPLIT, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                         DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        for s in range(1, SPLITS):
+            acc += _split_dot(x_rows, w_cols, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, BLOCK_M, BLOCK_N,
+                              BLOCK_K, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
         _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+
+
+@jit
+def _split_dot(x_rows, w_cols, m_mask, n_mask, k_start, K_PER_SPLIT, K, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+               ROWWISE_DOT: tl.constexpr):
+    """One split's [BLOCK_M, BLOCK_N] fp32 sum over K range [k_start, k_start + K_PER_SPLIT), from zero."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < k_end
+        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
+            acc += rowwise_dot(x, w)
+        else:
+            acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
+    return acc
 
 
 @jit
@@ -127,9 +147,6 @@ class InvariantTiles:
         at one row tile (`invariant_split`): a decode projection of a small model has few N tiles (1024 outputs:
         16 programs for a GPU of 132 SMs), and unsplit each walks all of K alone. The split depends on N and K,
         never on M, so a row's partial sums and their order are the same in every batch.
-    max_split_rows: rows per launch where the K range is split: a long prefill runs in chunks of this many
-        rows, which bounds the fp32 partials at splits x max_split_rows x N (rows never interact, so a row's
-        arithmetic does not depend on its chunk).
     """
 
     block_m: int = 64
@@ -138,7 +155,6 @@ class InvariantTiles:
     num_warps: int = 4
     num_stages: int = 3
     split_programs: int = 256
-    max_split_rows: int = 1024
 
 
 INVARIANT_TILES = InvariantTiles()
@@ -167,25 +183,22 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if m == 0:
         return out
     splits, per_split = invariant_split(n, k, tiles)
-    settings = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-                    SPLIT=splits > 1, **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl,
-                    num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+    n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m)
+    # Splits in parallel only where the row tiles alone leave the GPU short of programs (decode): then the fp32
+    # partials are at most splits x split_programs tiles, and the counters fewer than split_programs.
+    parallel = splits > 1 and n_tiles * m_tiles < tiles.split_programs
     b = bias if bias is not None else weight  # unread without a bias
-    n_tiles = triton.cdiv(n, tiles.block_n)
-    if splits == 1:
-        _invariant_gemm_kernel[(n_tiles, triton.cdiv(m, tiles.block_m), 1)](
-            x, weight, b, out, out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0, 0, per_split, 1,
-            **settings)
-        return out
-    rows = min(m, tiles.max_split_rows)
-    partials = torch.empty(splits, rows, n, device=x.device, dtype=torch.float32)
-    counters = ARRIVAL_COUNTERS.get(x.device, n_tiles * triton.cdiv(rows, tiles.block_m))
-    for m0 in range(0, m, rows):
-        chunk = min(rows, m - m0)
-        xs, outs = x[m0:m0 + chunk], out[m0:m0 + chunk]
-        _invariant_gemm_kernel[(n_tiles, triton.cdiv(chunk, tiles.block_m), splits)](
-            xs, weight, b, outs, partials, counters, chunk, n, k, xs.stride(0), weight.stride(0), outs.stride(0),
-            partials.stride(0), partials.stride(1), per_split, splits, **settings)
+    if parallel:
+        partials = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+        counters = ARRIVAL_COUNTERS.get(x.device, n_tiles * m_tiles)
+    else:
+        partials = counters = out  # unread
+    _invariant_gemm_kernel[(n_tiles, m_tiles, splits if parallel else 1)](
+        x, weight, b, out, partials, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        partials.stride(0), partials.stride(1), per_split, splits,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
+        PARALLEL=parallel, **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     return out
 
 
