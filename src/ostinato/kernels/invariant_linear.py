@@ -97,10 +97,10 @@ def _invariant_gemm_kernel(
         if arrived == SPLITS - 1:
             tl.debug_barrier()
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-            acc = tl.load(parts, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            total = tl.load(parts, mask=tile_mask, other=0.0, cache_modifier=".cg")
             for s in range(1, SPLITS):
-                acc += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+                total += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _store_tile(total, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
     else:
         acc = _split_dot(x_rows, w_cols, m_mask, n_mask, 0, K_PER_SPLIT, K, BLOCK_M, BLOCK_N, BLOCK_K,
                          DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
