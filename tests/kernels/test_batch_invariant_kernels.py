@@ -43,8 +43,9 @@ def test_gemm_matches_float64(dtype):
     assert logits.dtype == torch.float32
 
 
-def _row_in_batches(linear, dtype, k=200, n=70):
+def _row_in_batches(linear, dtype, k=600, n=70):
     """Row 0's output alone, then placed at several positions among 2..69 other rows: all must be equal."""
+    # K 600 at the default tiles: 3 splits, the last ragged (invariant_split)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     row = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
@@ -66,16 +67,19 @@ def test_gemm_row_is_the_same_in_every_batch(dtype):
 
 # 40 outputs, K 72: 3 N tiles, 5 K tiles. "split": 5 splits, in parallel at every row count tested; "unsplit":
 # one; "parallel then serial": 3 splits, in parallel up to 2 row tiles (32 rows), one after another from 3.
-SPLIT_TILES = {"split": InvariantTiles(16, 16, 16), "unsplit": InvariantTiles(16, 16, 16, split_programs=1),
-               "parallel then serial": InvariantTiles(16, 16, 16, split_programs=9)}
+SPLIT_TILES = {"split": InvariantTiles(16, 16, 16, min_split_k_tiles=1),
+               "unsplit": InvariantTiles(16, 16, 16, split_programs=1),
+               "parallel then serial": InvariantTiles(16, 16, 16, split_programs=9, min_split_k_tiles=1)}
 
 
 def test_split_depends_on_n_and_k_only():
     """The K split of the default tiles at a small model's decode projections, and none where N alone gives
-    enough programs (the lm_head); whole K tiles per split, and no split is left empty."""
-    assert invariant_split(1024, 2048) == (16, 128)  # o_proj of a 1024-wide model: 16 N tiles alone
-    assert invariant_split(1024, 3072) == (16, 192)
+    enough programs (the lm_head); whole K tiles per split, at least min_split_k_tiles, none left empty."""
+    assert invariant_split(1024, 2048) == (8, 256)  # o_proj of a 1024-wide model: 16 N tiles alone
+    assert invariant_split(1024, 3072) == (12, 256)
+    assert invariant_split(4096, 1024) == (4, 256)
     assert invariant_split(6144, 1024) == (2, 512)
+    assert invariant_split(1024, 2048, InvariantTiles(min_split_k_tiles=1)) == (16, 128)
     assert invariant_split(151936, 1024) == (1, 1024)
     for n, k in [(70, 200), (40, 72), (4096, 14336), (100, 65)]:
         splits, per = invariant_split(n, k)

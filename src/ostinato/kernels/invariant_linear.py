@@ -147,6 +147,9 @@ class InvariantTiles:
         at one row tile (`invariant_split`): a decode projection of a small model has few N tiles (1024 outputs:
         16 programs for a GPU of 132 SMs), and unsplit each walks all of K alone. The split depends on N and K,
         never on M, so a row's partial sums and their order are the same in every batch.
+    min_split_k_tiles: a split spans at least this many K tiles: where the row tiles fill the GPU (prefill), a
+        program walks its splits one after another, each a loop of its own, and a loop of one or two tiles
+        never gets the num_stages pipeline going.
     """
 
     block_m: int = 64
@@ -155,6 +158,7 @@ class InvariantTiles:
     num_warps: int = 4
     num_stages: int = 3
     split_programs: int = 256
+    min_split_k_tiles: int = 4
 
 
 INVARIANT_TILES = InvariantTiles()
@@ -165,7 +169,7 @@ def invariant_split(n: int, k: int, tiles: InvariantTiles = INVARIANT_TILES) -> 
     n_tiles = -(-n // tiles.block_n)
     k_tiles = max(1, -(-k // tiles.block_k))
     wanted = max(1, min(k_tiles, tiles.split_programs // n_tiles))
-    per_split = -(-k_tiles // wanted)  # whole K tiles per split; then no split is left empty
+    per_split = max(-(-k_tiles // wanted), tiles.min_split_k_tiles)  # whole K tiles: then no split is empty
     return -(-k_tiles // per_split), per_split * tiles.block_k
 
 
