@@ -290,8 +290,6 @@ class EngineArgs:
              f"--max-model-len must be >= 1, got {self.max_model_len}"),
             (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              f"--tensor-parallel-size must be an integer >= 1, got {self.tensor_parallel_size!r}"),
-            (self.pdl != "on" or not self.batch_invariant,
-             "--pdl on cannot be used with --batch-invariant, whose kernels launch without PDL; use --pdl auto or off"),
             (self.tensor_parallel_size == 1 or not self.batch_invariant,
              "--batch-invariant needs --tensor-parallel-size 1: the all-reduce of a row-parallel layer sums in an "
              "order its message size picks; drop one of the two flags"),

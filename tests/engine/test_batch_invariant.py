@@ -105,8 +105,7 @@ def test_mode_is_in_the_config_and_stats(checkpoint):
 def test_refused_with_tensor_parallelism():
     with pytest.raises(ConfigError, match="--batch-invariant needs --tensor-parallel-size 1"):
         EngineArgs(model="x", batch_invariant=True, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="--pdl on cannot be used with --batch-invariant"):
-        EngineArgs(model="x", batch_invariant=True, pdl="on")
+    EngineArgs(model="x", batch_invariant=True, pdl="on")  # PDL changes launch timing only (kernels/fused.py)
 
 
 def test_cli_flag_reaches_the_engine_args():
@@ -128,7 +127,19 @@ def test_torch_backend_on_cuda_needs_eager(checkpoint):
                       enforce_eager=True).resolve(device="cuda").runner.batch_invariant
 
 
-def test_start_up_log_says_why_pdl_is_off():
-    from ostinato.runner.runner import pdl_status
+def test_invariant_kernels_with_pdl_differ_only_in_the_launch():
+    """--batch-invariant keeps PDL: its kernel set with PDL is the same functions with pdl=True, nothing else."""
+    pytest.importorskip("triton")
+    from dataclasses import fields
 
-    assert pdl_status("auto", False, torch.device("cpu"), batch_invariant=True).endswith("--batch-invariant")
+    from ostinato.kernels.decoder_kernels import DecoderKernels
+    from ostinato.kernels.fused import INVARIANT_TRITON_KERNELS, INVARIANT_TRITON_KERNELS_PDL, kernels_for
+
+    cuda = torch.device("cuda")
+    assert kernels_for(cuda, False, batch_invariant=True) is INVARIANT_TRITON_KERNELS
+    assert kernels_for(cuda, True, batch_invariant=True) is INVARIANT_TRITON_KERNELS_PDL
+    for f in fields(DecoderKernels):
+        plain = getattr(INVARIANT_TRITON_KERNELS, f.name)
+        if f.name != "name" and plain is not None:
+            fn = getattr(INVARIANT_TRITON_KERNELS_PDL, f.name)
+            assert fn.keywords == {"pdl": True} and fn.func is plain, f.name

@@ -347,19 +347,24 @@ TRITON_KERNELS_PDL = DecoderKernels("triton+pdl", **{
 
 # --batch-invariant: every projection and the lm_head through one kernel whose per-row arithmetic is the same for
 # every row count (kernels/invariant_linear.py); no norm or activation folded into a projection (the folds are
-# chosen by row count), no PDL. The norms, the activation and q/k-norm + RoPE are already one program per row.
+# chosen by row count). The norms, the activation and q/k-norm + RoPE are already one program per row.
 INVARIANT_TORCH_KERNELS = DecoderKernels("torch+invariant", rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref,
                                          qk_norm_rope_ref, rowwise_layer_linear, logits=rowwise_logits)
 INVARIANT_TRITON_KERNELS = DecoderKernels("triton+invariant", rms_norm, fused_add_rms_norm, silu_and_mul,
                                           qk_norm_rope, gemm_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv,
                                           logits=gemm_logits)
+# With PDL (kernels/pdl.py): the same kernels and arithmetic, only each may start while the one before it finishes;
+# every read of an activation still comes after the wait for its producer, so no value changes.
+INVARIANT_TRITON_KERNELS_PDL = DecoderKernels("triton+invariant+pdl", **{
+    f.name: functools.partial(getattr(INVARIANT_TRITON_KERNELS, f.name), pdl=True)
+    for f in fields(DecoderKernels) if f.name != "name" and getattr(INVARIANT_TRITON_KERNELS, f.name) is not None})
 
 
 def kernels_for(device: torch.device, pdl: bool = False, batch_invariant: bool = False) -> DecoderKernels:
     """Triton on CUDA when triton is importable (with PDL when `pdl`); torch otherwise (CPU, where torch is the
-    reference). batch_invariant: the invariant set of that kind (PDL off)."""
+    reference). batch_invariant: the invariant set of that kind."""
     if device.type == "cuda" and triton is not None:
         if batch_invariant:
-            return INVARIANT_TRITON_KERNELS
+            return INVARIANT_TRITON_KERNELS_PDL if pdl else INVARIANT_TRITON_KERNELS
         return TRITON_KERNELS_PDL if pdl else TRITON_KERNELS
     return INVARIANT_TORCH_KERNELS if batch_invariant else TORCH_KERNELS

@@ -6,13 +6,24 @@ kernel also pads M to a power of two, which changes its tl.dot tile). So a reque
 last bit with the number of rows beside it, and in bf16 a greedy tie flips. Under --batch-invariant every
 projection and the lm_head run through `invariant_linear` instead.
 
-Algorithm (Triton, CUDA): grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); a program owns a [BLOCK_M, BLOCK_N] output
-tile and walks K from 0 in BLOCK_K steps, acc += tl.dot(x tile, W tile) in fp32: no split over K, no atomics.
-The tiles, warps and stages are one constant set (InvariantTiles) for every M, so the compiled kernel is the same
-whatever the batch, and an output element's sum over K runs in the same order in every launch: a row's result
-depends on its own values only (tl.dot's rows are independent; padded rows are masked loads of 0 and never
-stored). The cost: at decode every launch computes a BLOCK_M-row tile however few rows are real (bandwidth-bound,
-the weight read dominates), and no norm or activation folds into it.
+Algorithm (Triton, CUDA): a program owns a [BLOCK_M, BLOCK_N] output tile. K is cut into `splits` equal
+ranges, the count chosen from N and K alone (`invariant_split`: enough programs to fill the GPU at one row
+tile, which a small model's decode projections are not unsplit: 1024 outputs are 16 programs). Each split is
+summed from zero in BLOCK_K steps, acc += tl.dot(x tile, W tile) in fp32, and the tile is split 0 + split 1 +
+... in that order, then the bias. Two launches compute exactly that:
+  - parallel (the row tiles alone leave the GPU short of programs: decode): grid (N tiles, M tiles, splits);
+    a program writes its split's fp32 partial tile and counts itself in; the last to arrive for a tile adds
+    the partials in split order and stores (which program merges depends on timing, the order does not);
+  - serial (enough row tiles: prefill): grid (N tiles, M tiles); a program sums its tile's splits one after
+    another, with no partials in memory. The same fp32 operations in the same order, so which launch a row
+    took, chosen by M, does not change its bits.
+The tiles, warps, stages and split rule are one constant set (InvariantTiles) for every M, and M is never
+specialised, so an output element's sums run in the same order in every launch: a row's result depends on its
+own values only (tl.dot's rows are independent; padded rows are masked loads of 0 and never stored). The cost:
+at decode every launch computes a BLOCK_M-row tile however few rows are real (bandwidth-bound, the weight read
+dominates), a parallel launch writes and reads its fp32 partials (splits x M x N, L2-sized), and no norm or
+activation folds into a projection. With PDL (pdl=True) the kernel lets the next one launch first thing and
+reads nothing before its wait: the timing changes, the arithmetic does not.
 
 CPU (and a CUDA install without triton): torch's F.linear is not batch invariant in fp32 either (oneDNN and MKL
 pick kernels by M), so `rowwise_linear` runs F.linear one row at a time: every row is then the same [1, K] call.
@@ -28,10 +39,18 @@ import torch.nn.functional as F
 
 from ostinato.errors import ConfigError
 from ostinato.kernels.quantized_linear import QuantizedLinear
-from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
+from ostinato.kernels.split_counters import SplitCounters
+from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED, dot, dot_settings, rowwise_dot
+    from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+
+
+# The parallel-split launches' arrival counters (kernels/split_counters.py), shared by every projection: launches
+# on one stream never overlap. A parallel launch has fewer than split_programs tiles, one counter each, within
+# SplitCounters.MIN_COUNTERS at the default tiles: a capture never has to grow them.
+ARRIVAL_COUNTERS = SplitCounters()
 
 
 def _jit_any_m(fn):
@@ -42,54 +61,124 @@ def _jit_any_m(fn):
 
 @_jit_any_m
 def _invariant_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_ps,
+    stride_pm, K_PER_SPLIT, SPLITS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
+    PARALLEL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # Split s of a tile is the sum over K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) from zero; the tile is
+    # split 0 + split 1 + ... in that order. K_PER_SPLIT is a multiple of BLOCK_K and SPLITS comes from (N, K)
+    # alone (invariant_split). PARALLEL: program (n, m, s) computes split s and the last to arrive adds them up;
+    # else program (n, m) computes the splits one after another: the same fp32 operations in the same order.
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    tile_mask = m_mask[:, None] & n_mask[None, :]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W read transposed, [BLOCK_K, BLOCK_N]
+    pdl_wait(PDL)
+    if PARALLEL:
+        pid_s = tl.program_id(2)
+        acc = _split_dot(x_rows, w_cols, m_mask, n_mask, pid_s * K_PER_SPLIT, K_PER_SPLIT, K, BLOCK_M, BLOCK_N,
+                         BLOCK_K, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        # Publish this split's partial, then count it in; the program that arrives last sums all the tile's
+        # partials in split order (whoever arrives last, the order is the same), as the decode attention's
+        # single-launch merge does (kernels/decode_attention.py says why barrier + acq_rel).
+        parts = part_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+        tl.store(parts + pid_s.to(tl.int64) * stride_ps, acc, mask=tile_mask)
+        tl.debug_barrier()
+        counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.debug_barrier()
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+            total = tl.load(parts, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLITS):
+                total += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _store_tile(total, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+    else:
+        acc = _split_dot(x_rows, w_cols, m_mask, n_mask, 0, K_PER_SPLIT, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                         DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        for s in range(1, SPLITS):
+            acc += _split_dot(x_rows, w_cols, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, BLOCK_M, BLOCK_N,
+                              BLOCK_K, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+
+
+@jit
+def _split_dot(x_rows, w_cols, m_mask, n_mask, k_start, K_PER_SPLIT, K, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+               ROWWISE_DOT: tl.constexpr):
+    """One split's [BLOCK_M, BLOCK_N] fp32 sum over K range [k_start, k_start + K_PER_SPLIT), from zero."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        k_mask = ks < K
+        k_mask = ks < k_end
         x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
             acc += rowwise_dot(x, w)
         else:
             acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
+    return acc
+
+
+@jit
+def _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @dataclass(frozen=True)
 class InvariantTiles:
-    """The one tiling of every batch-invariant launch (powers of two >= 16). Changing any field changes the
-    reduction order, so it is a constant, never chosen per shape."""
+    """The one tiling of every batch-invariant launch (block_* powers of two >= 16). Changing any field changes
+    the reduction order, so it is a constant, never chosen per call.
+
+    split_programs: the K range is split so that cdiv(N, block_n) x splits reaches about this many programs
+        at one row tile (`invariant_split`): a decode projection of a small model has few N tiles (1024 outputs:
+        16 programs for a GPU of 132 SMs), and unsplit each walks all of K alone. The split depends on N and K,
+        never on M, so a row's partial sums and their order are the same in every batch.
+    min_split_k_tiles: a split spans at least this many K tiles: where the row tiles fill the GPU (prefill), a
+        program walks its splits one after another, each a loop of its own, and a loop of one or two tiles
+        never gets the num_stages pipeline going.
+    """
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    split_programs: int = 256
+    min_split_k_tiles: int = 4
 
 
 INVARIANT_TILES = InvariantTiles()
 
 
+def invariant_split(n: int, k: int, tiles: InvariantTiles = INVARIANT_TILES) -> tuple[int, int]:
+    """(splits, keys per split) of the K range of an [N, K] weight: from N, K and the constant tiles only."""
+    n_tiles = -(-n // tiles.block_n)
+    k_tiles = max(1, -(-k // tiles.block_k))
+    wanted = max(1, min(k_tiles, tiles.split_programs // n_tiles))
+    per_split = max(-(-k_tiles // wanted), tiles.min_split_k_tiles)  # whole K tiles: then no split is empty
+    return -(-k_tiles // per_split), per_split * tiles.block_k
+
+
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None, tiles: InvariantTiles = INVARIANT_TILES) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, tiles: InvariantTiles = INVARIANT_TILES,
+                   pdl: bool = False) -> torch.Tensor:
     """x [M, K] (K contiguous), weight [N, K] contiguous, bias [N] or None -> [M, N] in out_dtype (default x's),
     accumulated in fp32, each row by the same arithmetic for every M. Graph safe: grid from shapes only.
+    pdl: launch with programmatic dependent launch (kernels/pdl.py; launch timing only, the same arithmetic).
     Under TRITON_INTERPRET (CPU tests) the K step is attention_common.rowwise_dot instead of tl.dot."""
     m, k = x.shape
     n = weight.shape[0]
@@ -97,12 +186,23 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
         return out
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
-    _invariant_gemm_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    splits, per_split = invariant_split(n, k, tiles)
+    n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m)
+    # Splits in parallel only where the row tiles alone leave the GPU short of programs (decode): then the fp32
+    # partials are at most splits x split_programs tiles, and the counters fewer than split_programs.
+    parallel = splits > 1 and n_tiles * m_tiles < tiles.split_programs
+    b = bias if bias is not None else weight  # unread without a bias
+    if parallel:
+        partials = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+        counters = ARRIVAL_COUNTERS.get(x.device, n_tiles * m_tiles)
+    else:
+        partials = counters = out  # unread
+    _invariant_gemm_kernel[(n_tiles, m_tiles, splits if parallel else 1)](
+        x, weight, b, out, partials, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        partials.stride(0), partials.stride(1), per_split, splits,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-        **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+        PARALLEL=parallel, **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     return out
 
 
@@ -123,10 +223,10 @@ def _check_layer(layer: torch.nn.Module) -> None:
         raise ConfigError("--batch-invariant needs --tensor-parallel-size 1")
 
 
-def gemm_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def gemm_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor:
     """layer(x) through invariant_gemm (the batch-invariant Triton kernel set's linear)."""
     _check_layer(layer)
-    return invariant_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.weight, layer.bias)
+    return invariant_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.weight, layer.bias, pdl=pdl)
 
 
 def rowwise_layer_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -135,10 +235,11 @@ def rowwise_layer_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tenso
     return rowwise_linear(x, layer.weight, layer.bias)
 
 
-def gemm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemm_logits(hidden: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """hidden [M, K] @ weight^T -> fp32 logits [M, V] through invariant_gemm: 16-bit operands, fp32 accumulation
     and output, never rounded to 16 bits (model/decoder.py's compute_logits says why)."""
-    return invariant_gemm(hidden if hidden.stride(-1) == 1 else hidden.contiguous(), weight, out_dtype=torch.float32)
+    return invariant_gemm(hidden if hidden.stride(-1) == 1 else hidden.contiguous(), weight, out_dtype=torch.float32,
+                          pdl=pdl)
 
 
 def rowwise_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,8 @@ def make_backend(name: str, device: torch.device, pdl: str = "off",
         from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning
         from ostinato.kernels.pdl import resolve_pdl
 
-        # The batch-invariant kernel set launches without PDL (kernels/fused.py), so its attention does too.
-        on = resolve_pdl(pdl, device) and not batch_invariant
+        # PDL changes when a kernel starts, never what it computes, so the batch-invariant set takes it too.
+        on = resolve_pdl(pdl, device)
         tuning = TritonAttentionTuning(decode=replace(decode_tuning or DecodeTuning(), pdl=on))
         return TritonPagedBackend(batch_invariant_tuning(tuning) if batch_invariant else tuning)
     if pdl == "on":
@@ -100,14 +100,12 @@ def make_backend(name: str, device: torch.device, pdl: str = "off",
     return TorchRefBackend(batch_invariant)
 
 
-def pdl_status(mode: str, on: bool, device: torch.device, batch_invariant: bool = False) -> str:
+def pdl_status(mode: str, on: bool, device: torch.device) -> str:
     """How the start-up log states --pdl's outcome."""
     if on:
         return "programmatic dependent launch on"
     if mode == "off":
         return "programmatic dependent launch off: --pdl off"
-    if batch_invariant:
-        return "programmatic dependent launch off: --batch-invariant"
     from ostinato.kernels.pdl import pdl_unsupported_reason
 
     reason = pdl_unsupported_reason(device) or "the attention backend's kernels are torch's"
@@ -194,7 +192,7 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """Compile the eager prefill path's kernel variants now, not inside a user's step."""
         logger.info("decoder kernels: %s (%s)", self.model.kernels.name,
-                    pdl_status(self.config.pdl, self.backend.pdl, self.device, self.config.batch_invariant))
+                    pdl_status(self.config.pdl, self.backend.pdl, self.device))
         scheduler = self.scheduler_config
         ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
                                        self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
