@@ -47,6 +47,7 @@ from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, rank_view
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
+from ostinato.runner.sampling_state import FLAGS
 from ostinato.runner.inputs import build_prefill_inputs, decode_metadata, to_device
 from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
@@ -178,11 +179,12 @@ class ModelRunner:
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
         self.graphs = setup.graph_runner
+        self.processor_graphs = setup.processor_graphs  # the same step with the logits processors (decode_step.py)
         self.decode_step = setup.decode_step
         self.decode_batch = setup.decode_step.batch
         self.prefill_graphs = setup.prefill_graphs  # prefill chunks as replays (runner/prefill_graphs.py)
         self.prefill_capture_report = setup.prefill_capture
-        self.capture_report = setup.capture
+        self.capture_report, self.processor_capture_report = setup.capture, setup.processor_capture
         self.memory_report = setup.report
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
@@ -223,7 +225,8 @@ class ModelRunner:
     @property
     def graph_memory_bytes(self) -> int:
         """Every graph's memory: decode and prefill."""
-        return self.capture_report.total_bytes + self.prefill_graph_memory_bytes
+        return (self.capture_report.total_bytes + self.processor_capture_report.total_bytes
+                + self.prefill_graph_memory_bytes)
 
     @property
     def prefill_graph_memory_bytes(self) -> int:
@@ -231,10 +234,14 @@ class ModelRunner:
 
     @property
     def graph_capture_seconds(self) -> float:
-        return self.capture_report.seconds + self.prefill_capture_report.seconds
+        return self.capture_report.seconds + self.processor_capture_report.seconds + self.prefill_capture_report.seconds
 
     def graph_stats(self):
-        return self.graphs.stats
+        return self.graphs.stats.combined(self.processor_graphs.stats)
+
+    def step_graphs(self):
+        """The decode graph set the rows' next step replays: with the logits processors only while some row uses one."""
+        return self.processor_graphs if self.decode_batch.uses_processors else self.graphs
 
     def prefill_graph_stats(self):
         return self.prefill_graphs.stats()
@@ -336,7 +343,8 @@ class ModelRunner:
             mask_logits(logits, [s.seq_id for s in seqs], masks)
         # Drawn from the settings the rows now hold: one state for a sequence's prefill and decode draws.
         batch = self.decode_batch.joined_sampling(rows[0], len(rows))
-        self.decode_step.processors.process_logits(logits, batch.rows)  # their logit_bias, penalties, ...
+        if self.decode_batch.np[rows[0]:rows[0] + len(rows), FLAGS].any():  # their logit_bias, penalties, ...
+            self.decode_step.processors.process_logits(logits, batch.rows)
         sampled = self.sampler(logits, batch)
         self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
         return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
@@ -353,16 +361,17 @@ class ModelRunner:
         seqs = [s for s in out.seqs if s.samples]
         index = to_device(list(range(n)) + last_rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[index])  # [n + len(seqs), vocab]
-        step.sample(logits[:n], rows)
+        step.sample(logits[:n], rows, batch.uses_processors)
         pending = self._decode_tokens(n, rows, logits[:n], masks)
         if seqs:
             pending.then(self._sample_chunks(seqs, logits[n:], masks))
         return pending
 
     def _launch_decode(self, n: int, masks: GrammarMasks | None) -> PendingStep:
-        size = self.graphs.graph_size(n) or n
+        graphs = self.step_graphs()
+        size = graphs.graph_size(n) or n
         rows = self.decode_batch.copy_to_device(size)  # the step's one host-to-device copy
-        logits = self.graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
+        logits = graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
         return self._decode_tokens(n, rows, logits, masks)
 
     def _decode_tokens(self, n: int, rows: torch.Tensor, logits: torch.Tensor, masks: GrammarMasks | None

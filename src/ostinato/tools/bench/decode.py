@@ -167,9 +167,9 @@ def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmu
         rows = batch.copy_to_device(bs)
         eager_ms = time_cuda(lambda: runner.decode_step(rows), iters, warmup)
         graph_ms = None
-        size = runner.graphs.graph_size(bs)
+        size = runner.step_graphs().graph_size(bs)
         if size is not None:
-            graph_ms = time_cuda(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
+            graph_ms = time_cuda(lambda: (batch.copy_to_device(size), runner.step_graphs().replay_filled(bs)), iters,
                                  warmup)
     return eager_ms, graph_ms
 
@@ -187,11 +187,11 @@ def queued_graph_ms_seeded(runner, bs: int, context: int, seed: int, iters: int,
     """queued_graph_ms on one rank's runner, its rows drawn from `seed`: what each rank runs."""
     import torch
 
-    size = runner.graphs.graph_size(bs)
+    size = runner.step_graphs().graph_size(bs)
     if size is None or not torch.cuda.is_available():
         return None
     with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed)) as batch:
-        return time_cuda_queued(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
+        return time_cuda_queued(lambda: (batch.copy_to_device(size), runner.step_graphs().replay_filled(bs)), iters,
                                 rounds)
 
 
