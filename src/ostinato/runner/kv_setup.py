@@ -274,6 +274,17 @@ def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str
     return capture
 
 
+def check_decode_graphs(spec: KVSpec, step: DecodeStep, runners: tuple[CudaGraphRunner, ...]) -> None:
+    """The start-up self-check of each decode graph set (unless --skip-graph-check), on random greedy rows."""
+    if not spec.graph_config.capture_sizes or spec.graph_config.skip_graph_check:
+        return
+    for runner in runners:
+        if runner.graphs_enabled:
+            with torch.inference_mode():
+                runner.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
+            step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
+
+
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
@@ -322,11 +333,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
                                                        gc_cfg.fallback, progress=spec.device.type == "cuda",
                                                        backend=backend)
     capture, processor_capture = capture_both(spec, graphs, processor_graphs, lines)
-    for runner in (graphs, processor_graphs):
-        if runner.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
-            with torch.inference_mode():
-                runner.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
-            step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
+    check_decode_graphs(spec, step, (graphs, processor_graphs))
     prefill = make_prefill_graphs(spec, num_blocks, gc_cfg.prefill_sizes, spec.device.type == "cuda", backend,
                                   step.sampled)
     prefill_capture = prefill.capture()
