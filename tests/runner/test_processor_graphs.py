@@ -90,3 +90,29 @@ def test_a_three_row_batch_with_processors_pads_to_the_next_captured_size(engine
     assert after.padded_rows - padded == PENALIZED.max_tokens - 1  # 3 rows replayed at size 4, every step
     assert len(out[2]) == PENALIZED.max_tokens
     assert graph.engine.stats().decode_steps_graph == sum(counted(graph.engine.runner))
+
+
+@pytest.mark.gpu
+def test_real_cuda_graphs_with_and_without_processors_give_the_eager_tokens(tmp_path):
+    """The same workload on real CUDA graphs (both sets, the penalties kernel inside the second) against
+    --enforce-eager on the GPU, fp32: rows with and without processors joining and leaving."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ckpt = make_checkpoint(tmp_path / "ckpt", shape="tiny", family="llama", seed=2)
+    penalized = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=0.5,
+                               frequency_penalty=0.3, logit_bias={5: 2.0}, bad_words=["a"], min_p=0.1)
+    params = PLAIN + [penalized]
+
+    def make(**kw):
+        return LLM(str(ckpt), device="cuda", dtype="float32", num_kv_blocks=32, max_model_len=64, max_num_seqs=4,
+                   **kw)
+
+    graph, eager = make(cuda_graph_sizes=SIZES), make(enforce_eager=True)
+    assert tokens(graph, PROMPTS, params) == tokens(eager, PROMPTS, params)
+    assert tokens(graph, PROMPTS[:3], PLAIN) == tokens(eager, PROMPTS[:3], PLAIN)
+    runner = graph.engine.runner
+    assert runner.processor_graphs.captured_sizes == (1, 2, 4)
+    assert runner.processor_graphs.stats.graph_steps == penalized.max_tokens - 1
+    assert runner.graphs.stats.graph_steps > 0
