@@ -11,15 +11,23 @@ the weights, and the step's speed does not depend on them.
 The constrained rows follow a schema that forces a long answer (an array of at least 400 bounded integers), so
 that every row decodes for the whole measured window; the unconstrained rows ignore EOS for the same reason. A
 step's time is the wall time of LLMEngine.step() over the steps where every row decodes.
+
+Where a constrained step's time goes, per step over the same window (host times, from timing wrappers around the
+engine's own functions): `wait_ms`, the host waiting for the GPU (PendingStep.result: near 0 means the loop is
+host-bound, and the GPU waits for the host); `fill_ms`, filling the bitmasks (GrammarSet.fill); `accept_ms`, the
+matchers accepting the step's tokens (GrammarSet.accept, every row); `mask_ms`, the runner's masking and re-draw
+after the replay (constrain_decode, launches only, the fill inside it included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
@@ -29,7 +37,36 @@ LONG = {"type": "object", "properties": {"values": {"type": "array", "minItems":
     "type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["values"], "additionalProperties": False}
 
 
-def step_times(engine, batch: int, constrained: bool, tokens: int, skip: int) -> list[float]:
+@contextlib.contextmanager
+def host_probe():
+    """Time spent in the functions named in the module docstring, accumulated into the dict it yields."""
+    from unittest import mock
+
+    from ostinato.engine.grammar import GrammarSet
+    from ostinato.runner import runner as runner_module
+    from ostinato.runner.pending import PendingStep
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return wrapper
+
+    with mock.patch.object(PendingStep, "result", timed("wait", PendingStep.result)), \
+            mock.patch.object(GrammarSet, "fill", timed("fill", GrammarSet.fill)), \
+            mock.patch.object(GrammarSet, "accept", timed("accept", GrammarSet.accept)), \
+            mock.patch.object(runner_module, "constrain_decode", timed("mask", runner_module.constrain_decode)):
+        yield spent
+
+
+def step_times(engine, batch: int, constrained: bool, tokens: int, skip: int,
+               parts: dict[str, list[float]] | None = None) -> list[float]:
+    """Wall times of the steps where every row decodes; `parts`: each probed function's time per such step."""
     from ostinato.sampling_params import SamplingParams
     from ostinato.structured_outputs import StructuredOutputs
 
@@ -39,12 +76,20 @@ def step_times(engine, batch: int, constrained: bool, tokens: int, skip: int) ->
         engine.constrained.check(spec)  # compiled before timing: the compile is measured apart
     for i in range(batch):
         engine.add_request(f"{'c' if constrained else 'u'}{batch}-{i}", "Write the numbers as JSON:", params)
-    times = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return times[skip:tokens - 4]  # past the prefills, before rows start to finish
+    times, per_step = [], []
+    with host_probe() as spent:
+        while engine.has_unfinished():
+            before = dict(spent)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            per_step.append({k: v - before.get(k, 0.0) for k, v in spent.items()})
+    window = slice(skip, tokens - 4)  # past the prefills, before rows start to finish
+    if parts is not None:
+        for step in per_step[window]:
+            for k in ("wait", "fill", "accept", "mask"):
+                parts[k].append(step.get(k, 0.0))
+    return times[window]
 
 
 def compile_times(engine, count: int) -> dict:
@@ -89,8 +134,12 @@ def main() -> None:
     for batch in sizes:
         row = {"batch": batch}
         for constrained in (False, True):
-            times = step_times(engine, batch, constrained, args.tokens, args.skip)
-            row["constrained_ms" if constrained else "unconstrained_ms"] = 1e3 * statistics.median(times)
+            parts: dict[str, list[float]] = defaultdict(list)
+            times = step_times(engine, batch, constrained, args.tokens, args.skip, parts)
+            name = "constrained" if constrained else "unconstrained"
+            row[f"{name}_ms"] = 1e3 * statistics.median(times)
+            for k, v in parts.items():
+                row[f"{name}_{k}_ms"] = 1e3 * statistics.median(v)
         row["ratio"] = row["constrained_ms"] / row["unconstrained_ms"]
         result["decode"].append(row)
         print(json.dumps(row), flush=True)

@@ -11,7 +11,8 @@ from ostinato.config import EngineArgs
 from ostinato.engine.engine import LLMEngine
 from ostinato.runner import compile_watch as cw
 from ostinato.kernels import sampling as sampling_kernel
-from ostinato.runner.warmup import WARMUP_STEPS, warm_up_prefill, warm_up_sampling
+from ostinato.runner.warmup import (WARMUP_STEPS, bitmask_row_counts, warm_up_grammar_masks, warm_up_prefill,
+                                   warm_up_sampling)
 from ostinato.sampling_params import SamplingParams
 from ostinato.tools.checkpoint import make_checkpoint
 
@@ -150,6 +151,44 @@ def test_warm_up_samples_one_batch_per_chunk_plan():
         assert all(sampling_kernel.plan_chunks(rows, vocab, sms) in plans for rows in range(1, 257))
         assert all(sampling_kernel.plan_chunks(r - 1, vocab, sms) != p for r, p in zip(reps[1:], plans[1:]))
     assert warm_up_sampling(1000, 8, torch.device("cpu")) == []  # CPU samples with torch: nothing to compile
+
+
+def test_grammar_mask_warm_up_covers_each_row_count_class():
+    """Triton specialises the bitmask kernel's row count as 1, a multiple of 16, or neither: one batch of each
+    (those that fit max_num_seqs), and nothing on CPU, where xgrammar's kernel is C++."""
+    def cls(rows):
+        return "one" if rows == 1 else "x16" if rows % 16 == 0 else "other"
+
+    assert {cls(r) for r in bitmask_row_counts(256)} == {"one", "x16", "other"}
+    for max_rows in (1, 2, 8, 15, 16, 64):
+        covered = {cls(r) for r in bitmask_row_counts(max_rows)}
+        assert covered == {cls(r) for r in range(1, max_rows + 1)}
+        assert max(bitmask_row_counts(max_rows)) <= max_rows
+    assert warm_up_grammar_masks(1000, 8, torch.device("cpu")) == []
+
+
+@pytest.mark.gpu
+def test_no_kernel_compiles_when_constrained_or_penalized_rows_decode(tmp_path):
+    """Grammar-constrained batches of 1, 3 and 16 rows (each row-count class of xgrammar's bitmask kernel) and
+    rows with logits processors, after start-up: nothing compiles in service."""
+    pytest.importorskip("xgrammar")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ostinato.structured_outputs import StructuredOutputs
+
+    make_checkpoint(tmp_path, shape="tiny", family="qwen3", seed=4, dtype="bfloat16")
+    eng = LLMEngine(EngineArgs(model=str(tmp_path), dtype="bfloat16", max_model_len=256, num_kv_blocks=128,
+                               max_num_seqs=16))
+    regex = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=StructuredOutputs(regex="[0-9]{5}"))
+    penalized = SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True, repetition_penalty=1.2,
+                               logit_bias={5: 1.0}, min_p=0.05)
+    for n, params in ((1, regex), (3, regex), (16, regex), (2, penalized)):
+        eng.constrained.check(regex.structured_outputs)
+        for i in range(n):
+            eng.add_request(f"r{n}-{i}", [3, 4, 5 + i], params)
+        while eng.has_unfinished():
+            eng.step()
+    assert eng.stats().kernel_compiles_in_service == 0, eng.runner.compile_watch.kernels_in_service
 
 
 def test_a_capture_failure_names_the_kernels_compiled_inside_it(knobs):

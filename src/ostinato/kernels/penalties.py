@@ -2,7 +2,7 @@
 
 Why a kernel: in torch the penalties are a gather of the rows' [B, V] token counts and a few [B, V] passes
 over the logits, paid by every row of the graph whether it asked for a penalty or not. Here one program per
-row reads its flags first; a row whose flags are off masks every load and store, so it reads no logits
+row reads its flags first; a row whose flags are off runs no iteration of either pass, so it reads no logits
 and no counts (a few microseconds for the whole batch, whatever the vocabulary).
 
 A row with the penalty bit: for each token, with c = counts[slot, token] (low bits: times the token was
@@ -48,7 +48,7 @@ def _penalties_kernel(logits_ptr, stride_l, rows_ptr, stride_r, counts_ptr, stri
     counts = counts_ptr + tl.load(r + SLOT).to(tl.int64) * stride_c
     offs0 = tl.arange(0, BLOCK)
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    for k0 in range(0, vocab, BLOCK):
+    for k0 in range(0, read_end, BLOCK):  # no iteration on a row without them
         offs = k0 + offs0
         x = tl.load(base + offs, mask=offs < read_end, other=float("-inf")).to(tl.float32)
         c = tl.load(counts + offs, mask=offs < pen_end, other=0)
@@ -61,7 +61,7 @@ def _penalties_kernel(logits_ptr, stride_l, rows_ptr, stride_r, counts_ptr, stri
     t = tl.load(r + TEMP).to(tl.float32, bitcast=True)
     min_p = tl.load(r + MIN_P).to(tl.float32, bitcast=True)
     threshold = tl.max(run_max, 0) + t * tl.log(tl.maximum(min_p, 1e-30))
-    for k0 in range(0, vocab, BLOCK):
+    for k0 in range(0, minp_end, BLOCK):
         offs = k0 + offs0
         x = tl.load(base + offs, mask=offs < minp_end, other=0.0).to(tl.float32)
         tl.store(base + offs, tl.full([BLOCK], float("-inf"), tl.float32), mask=(offs < minp_end) & (x < threshold))

@@ -141,6 +141,7 @@ class DecodeBatch:
         self._num_blocks: list[int] = []  # per row: block ids in its table
         self._num_logprobs: list[int | None] = []  # per row, as its request asked
         self._num_filtered = 0  # rows with top-k or top-p
+        self._num_processor_rows = 0  # rows with a logits processor on (FLAGS != 0)
         self._num_logprob_rows = 0
 
     def __len__(self) -> int:
@@ -163,6 +164,7 @@ class DecodeBatch:
         if flags:
             assert self.processors is not None, "a decode batch without logits processors' tables"
             slot = self.processors.join(seq.logits_spec, seq.history, seq.num_generated)
+            self._num_processor_rows += 1
         settings = write_settings(h, p, row_key(p.seed, self.engine_seed, seq.seq_id), seq.num_generated + 1,
                                   flags, slot)
         table = seq.block_table
@@ -185,6 +187,7 @@ class DecodeBatch:
         self._num_logprob_rows -= self._num_logprobs[hole] is not None
         if h[hole, FLAGS]:
             self.processors.leave(int(h[hole, SLOT]))
+            self._num_processor_rows -= 1
         if hole != last:
             h[hole] = h[last]
             self._num_blocks[hole] = self._num_blocks[last]
@@ -250,6 +253,12 @@ class DecodeBatch:
         """Whether some row needs sampling work outside the graph (top-k / top-p, logprobs)."""
         return self._num_filtered > 0 or self._num_logprob_rows > 0
 
+    @property
+    def uses_processors(self) -> bool:
+        """Whether some row runs a logits processor: the step then replays the graphs that run them
+        (runner/decode_step.py); otherwise it launches none of their work."""
+        return self._num_processor_rows > 0
+
     def sampling(self, rows: torch.Tensor) -> SamplingBatch:
         """The step's sampling settings, read from its device rows [len(self), width] (no host work per row)."""
         return read_settings(rows, self._num_logprobs if self._num_logprob_rows else None, self._num_filtered > 0)
@@ -271,6 +280,7 @@ class DecodeBatch:
         a stale row there would be a live pad row writing K/V into a real block."""
         assert not len(self.rows), "reset() is for an idle engine"
         self.np[:] = self._pad_np
+        self._num_processor_rows = 0
         if self.processors is not None:
             self.processors.reset()
         self._width_used = BLOCKS + 1

@@ -4,10 +4,19 @@
 static output, which the self-check compares with eager and logprobs read) and writes the sampled token
 ids into `sampled` (greedy, temperature and seeded rows; top-k / top-p rows are re-drawn after the replay,
 see runner/sampler.py). The same object runs eager on CPU, above the largest captured size, and in bench.
+
+The logits processors (penalties, logit_bias, bad words, min_tokens, min_p: runner/logits_processors.py) are
+work most steps do not need, so the step comes in two variants, captured as two graph sets: `run(batch,
+processors=False)` launches none of their work, `processors=True` runs them before the draw. A step replays
+the second only while some row uses one (DecodeBatch.uses_processors, a host count kept at join and leave),
+which is exact: the processors' tables change only for rows that use them, so skipping them on a batch where
+none does changes nothing. The variant with them is captured at fewer sizes (`processor_sizes`): a batch that
+uses them pads up to the next of those, and only such batches pay for it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -34,10 +43,15 @@ class DecodeStep:
         self.sampled = torch.zeros(layout.rows, dtype=torch.int64, device=device)  # written by every step
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        """The step eagerly, with the processors only when some row uses them (bench, tests)."""
+        return self.run(batch, self.batch.uses_processors)
+
+    def run(self, batch: torch.Tensor, processors: bool) -> torch.Tensor:
+        """The step; `processors`: run the rows' logits processors (fixed per graph set, never per row)."""
         # Placeholders are read here, before this step overwrites `sampled`.
         ids, positions, slots, context_lens = self.unpack(batch)
         logits = self.logits_fn(ids, positions, slots, batch[:, BLOCKS:], context_lens)
-        self.sample(logits, batch)
+        self.sample(logits, batch, processors)
         return logits
 
     def unpack(self, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -49,26 +63,36 @@ class DecodeStep:
         return (resolve_placeholders(u["input_ids"], self.sampled), u["positions"], u["slot_mapping"],
                 u["context_lens"])
 
-    def sample(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, processors: bool = True) -> None:
         """Draw the rows' tokens from logits [B, vocab] into sampled[:B]; rows: the packed decode rows [>= B,
         width] holding their settings. The decode graph and a mixed step (runner.py, _launch_mixed) both draw
         through here (sample_rows, as prefill steps do). The rows' logits processors run first, on the tokens
-        they feed (their last outputs, read before `sampled` is overwritten)."""
+        they feed (their last outputs, read before `sampled` is overwritten); processors=False: no row uses
+        any, and none of their work is launched."""
         b = logits.shape[0]
-        if self.processors is not None:
+        if processors and self.processors is not None:
             fed = resolve_placeholders(rows[:b, TOKEN].long(), self.sampled)
             self.processors.process_logits(logits, rows, fed)
         sample_rows(logits, rows, self.sampled[:b], self.batch_invariant)
 
     def graph_runner(self, sizes: tuple[int, ...], enforce_eager: bool, fallback: str, progress: bool,
-                     backend: GraphBackend | None) -> CudaGraphRunner:
-        """Graphs over this step, reading the batch's device rows as their static input."""
-        return CudaGraphRunner(self, self.layout.static_inputs(), sizes, self.batch.device, fallback=fallback,
-                               enforce_eager=enforce_eager, progress=progress, backend=backend,
-                               buffers={"batch": self.batch.dev})
+                     backend: GraphBackend | None, processors: bool = False, pool=None) -> CudaGraphRunner:
+        """Graphs over one variant of this step, reading the batch's device rows as their static input (pool:
+        the memory pool both variants share)."""
+        return CudaGraphRunner(functools.partial(self.run, processors=processors), self.layout.static_inputs(),
+                               sizes, self.batch.device, fallback=fallback, enforce_eager=enforce_eager,
+                               progress=progress, backend=backend, buffers={"batch": self.batch.dev}, pool=pool,
+                               step_name="decode step with logits processors" if processors else "decode step")
 
     def sampled_rows(self, size: int) -> torch.Tensor:
         return self.sampled[:size]
+
+
+def processor_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes the variant with the logits processors is captured at: the powers of two among `sizes` and the
+    largest. A quarter of the default set's capture time and graphs, for at most twice the rows of padding on
+    the steps that use a processor."""
+    return tuple(s for s in sorted(set(sizes)) if s & (s - 1) == 0 or s == max(sizes))
 
 
 def compare_step(graph: tuple[torch.Tensor, torch.Tensor], eager: tuple[torch.Tensor, torch.Tensor]) -> str | None:

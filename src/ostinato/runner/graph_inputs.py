@@ -100,6 +100,19 @@ class GraphStats:
         rows = self.real_rows + self.padded_rows
         return self.padded_rows / rows if rows else 0.0
 
+    def combined(self, other: "GraphStats") -> "GraphStats":
+        """These counters plus another graph set's over the same steps (the decode graphs with the logits
+        processors beside those without): one step is counted in one of them. The sizes stay these."""
+        def merge(a: Mapping[int, int], b: Mapping[int, int]) -> dict[int, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in sorted({*a, *b})}
+
+        return GraphStats(self.captured_sizes, self.graph_steps + other.graph_steps,
+                          self.eager_steps + other.eager_steps, self.oversize_steps + other.oversize_steps,
+                          self.real_rows + other.real_rows, self.padded_rows + other.padded_rows,
+                          merge(self.replays_by_size, other.replays_by_size),
+                          self.disabled_cause or other.disabled_cause,
+                          merge(self.steps_by_batch, other.steps_by_batch))
+
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

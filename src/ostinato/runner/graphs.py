@@ -275,6 +275,11 @@ class CudaGraphRunner:
             raise CudaGraphCaptureError(message + _FALLBACK_HINT) from error
         logger.warning("CUDA graphs disabled, every %s runs eager (fallback='eager'): %s", self.step_name, message)
 
+    def share_output_of(self, other: "CudaGraphRunner") -> None:
+        """Capture into `other`'s static output (already captured, at least as many rows) instead of one of
+        its own: of two graph sets over one step, one replays per step, so one output buffer serves both."""
+        self._shared_out = other._shared_out
+
     def disable(self, size: int, message: str) -> None:
         """A check made outside check() failed at `size`: drop the graphs, then raise or warn per fallback."""
         self._fail(size, message, None)

@@ -25,7 +25,7 @@ from ostinato.sampling_params import SamplingParams
 from ostinato.runner.compile_ahead import CompileAheadReport, compile_ahead
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
-from ostinato.runner.decode_step import DecodeStep, compare_step
+from ostinato.runner.decode_step import DecodeStep, compare_step, processor_sizes
 from ostinato.runner.logits_processors import state_bytes
 from ostinato.runner.graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
 from ostinato.runner.inputs import build_prefill_inputs
@@ -69,6 +69,8 @@ class KVSetup:
     graph_runner: CudaGraphRunner
     decode_step: DecodeStep
     capture: CaptureReport
+    processor_graphs: CudaGraphRunner  # the decode step with the logits processors (decode_step.py)
+    processor_capture: CaptureReport
     report: str  # the start-up memory report, already logged
     plan: KVCachePlan | None  # the GPU budget split; None when the pool size was given (CPU, --num-kv-blocks)
     prefill_graphs: PrefillGraphs | None = None
@@ -98,10 +100,24 @@ def decode_layout(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...]) -> Deco
 
 
 def make_graph_runner(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], enforce_eager: bool,
-                      fallback: str, progress: bool,
-                      backend: CudaGraphBackend | None = None) -> tuple[DecodeStep, CudaGraphRunner]:
+                      fallback: str, progress: bool, backend: CudaGraphBackend | None = None
+                      ) -> tuple[DecodeStep, CudaGraphRunner, CudaGraphRunner]:
+    """The decode step and its two graph sets, without and with the logits processors, in one memory pool."""
     step = spec.make_step(decode_layout(spec, num_blocks, sizes))
-    return step, step.graph_runner(sizes, enforce_eager, fallback, progress, backend)
+    pool = backend.new_pool() if backend is not None and not enforce_eager and sizes else None
+    plain = step.graph_runner(sizes, enforce_eager, fallback, progress, backend, pool=pool)
+    with_processors = step.graph_runner(processor_sizes(sizes) if sizes else sizes, enforce_eager, fallback,
+                                        progress, backend, processors=True, pool=pool)
+    return step, plain, with_processors
+
+
+def capture_both(spec: KVSpec, plain: CudaGraphRunner, with_processors: CudaGraphRunner, lines: list[str]
+                 ) -> tuple[CaptureReport, CaptureReport]:
+    """Capture the graphs without the logits processors, then those with them into the same static output."""
+    capture = capture_decode_graphs(spec, plain, lines)
+    if plain.graphs_enabled:
+        with_processors.share_output_of(plain)
+    return capture, capture_decode_graphs(spec, with_processors, lines)
 
 
 def make_prefill_graphs(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], progress: bool,
@@ -205,12 +221,14 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
     (its cuBLAS workspace) is counted in the estimate and not allocated a second time later."""
     tmp_blocks = max_blocks_per_seq(spec)
     caches = allocate_kv_cache(spec, tmp_blocks)
-    step, probe = make_graph_runner(spec, tmp_blocks, (largest,), False, "error", progress=False, backend=backend)
+    step, probe, probe_processors = make_graph_runner(spec, tmp_blocks, (largest,), False, "error", progress=False,
+                                                      backend=backend)
     try:
         report = probe.capture()
-        return report.total_bytes
+        probe_processors.share_output_of(probe)
+        return report.total_bytes + probe_processors.capture().total_bytes
     finally:
-        del probe, step, caches
+        del probe, probe_processors, step, caches
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -263,6 +281,17 @@ def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str
     return capture
 
 
+def check_decode_graphs(spec: KVSpec, step: DecodeStep, runners: tuple[CudaGraphRunner, ...]) -> None:
+    """The start-up self-check of each decode graph set (unless --skip-graph-check), on random greedy rows."""
+    if not spec.graph_config.capture_sizes or spec.graph_config.skip_graph_check:
+        return
+    for runner in runners:
+        if runner.graphs_enabled:
+            with torch.inference_mode():
+                runner.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
+            step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
+
+
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
@@ -307,13 +336,11 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         lines.append(f"KV blocks: this rank fits {fits}, every rank uses {num_blocks} (the smallest over the "
                      "tensor-parallel ranks)")
     caches = allocate_kv_cache(spec, num_blocks)
-    step, graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager, gc_cfg.fallback,
-                                     progress=spec.device.type == "cuda", backend=backend)
-    capture = capture_decode_graphs(spec, graphs, lines)
-    if graphs.graphs_enabled and sizes and not gc_cfg.skip_graph_check:
-        with torch.inference_mode():
-            graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
-        step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
+    step, graphs, processor_graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager,
+                                                       gc_cfg.fallback, progress=spec.device.type == "cuda",
+                                                       backend=backend)
+    capture, processor_capture = capture_both(spec, graphs, processor_graphs, lines)
+    check_decode_graphs(spec, step, (graphs, processor_graphs))
     prefill = make_prefill_graphs(spec, num_blocks, gc_cfg.prefill_sizes, spec.device.type == "cuda", backend,
                                   step.sampled)
     prefill_capture = prefill.capture()
@@ -321,8 +348,10 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
         with torch.inference_mode():
             check_prefill_graphs(prefill, spec.model, num_blocks, spec.model_config.vocab_size)
     if sizes and graphs.graphs_enabled:
-        lines.append(graph_memory_report(capture.bytes_by_size, estimate, block_bytes, spec.block_size, max_len))
-        lines.append(f"captured {len(capture.sizes)} decode graphs in {capture.seconds:.2f} s")
+        lines.append(graph_memory_report(_summed(capture.bytes_by_size, processor_capture.bytes_by_size),
+                                         estimate, block_bytes, spec.block_size, max_len))
+        lines.append(f"captured {len(capture.sizes)} decode graphs in {capture.seconds:.2f} s, and "
+                     f"{len(processor_capture.sizes)} with the logits processors in {processor_capture.seconds:.2f} s")
     elif spec.device.type != "cuda":  # graphs are CUDA's: nothing the user set turned them off
         lines.append("no CUDA device: decode runs eager")
     elif graphs.disabled_cause:
@@ -340,5 +369,10 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     report = "\n".join(lines)
     for line in report.splitlines():
         logger.info(line)
-    return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, report, plan, prefill,
-                   prefill_capture, backend)
+    return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, processor_graphs,
+                   processor_capture, report, plan, prefill, prefill_capture, backend)
+
+
+def _summed(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    """Per size, the bytes both graph sets' graphs of that size added."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted({*a, *b}, reverse=True)}

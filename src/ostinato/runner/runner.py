@@ -34,19 +34,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
-from ostinato.attention.base import AttentionBackend
 from ostinato.config import CacheConfig, GraphConfig, RunnerConfig, quantization_label
 from ostinato.contract import ScheduledSeq, SchedulerOutput, StepResult
-from ostinato.errors import ConfigError
 from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, rank_view
+from ostinato.runner.backends import make_backend, pdl_status, pick_device  # noqa: F401 - re-exported
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
+from ostinato.runner.sampling_state import FLAGS
 from ostinato.runner.inputs import build_prefill_inputs, decode_metadata, to_device
 from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
@@ -55,61 +53,10 @@ from ostinato.runner.spec_verify import SpecVerifier
 from ostinato.runner.structured import GrammarMasks, constrain_decode, mask_logits
 from ostinato.runner.warmup import warm_up_prefill
 
-if TYPE_CHECKING:  # imported where used: the Triton modules load only for the Triton backend
-    from ostinato.kernels.decode_plan import DecodeTuning
-
 logger = logging.getLogger(__name__)
 
 # The decode annotation `ostinato verify` reads step boundaries from, recorded only while a profiler runs.
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
-    return torch.device(name)
-
-
-def make_backend(name: str, device: torch.device, pdl: str = "off",
-                 decode_tuning: DecodeTuning | None = None, batch_invariant: bool = False) -> AttentionBackend:
-    """The attention backend; it also carries the launch policy of the decoder's Triton kernels (`pdl`, --pdl:
-    model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (kernels/pdl.py).
-    decode_tuning (RunnerConfig.decode_tuning): the Triton decode attention's launch settings; --pdl sets its
-    `pdl` field. batch_invariant (--batch-invariant): the backend's invariant settings, which the decoder's kernel
-    choice follows too."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        if device.type != "cuda":
-            raise ConfigError("--attention-backend triton needs a CUDA device; use --attention-backend torch")
-        from ostinato.kernels.decode_plan import DecodeTuning
-        from ostinato.attention.triton_paged import TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning
-        from ostinato.kernels.pdl import resolve_pdl
-
-        # PDL changes when a kernel starts, never what it computes, so the batch-invariant set takes it too.
-        on = resolve_pdl(pdl, device)
-        tuning = TritonAttentionTuning(decode=replace(decode_tuning or DecodeTuning(), pdl=on))
-        return TritonPagedBackend(batch_invariant_tuning(tuning) if batch_invariant else tuning)
-    if pdl == "on":
-        raise ConfigError(f"--pdl on needs --attention-backend triton (the {name} backend's kernels are torch's); "
-                          "use --pdl auto or off")
-    from ostinato.attention.torch_ref import TorchRefBackend
-
-    return TorchRefBackend(batch_invariant)
-
-
-def pdl_status(mode: str, on: bool, device: torch.device) -> str:
-    """How the start-up log states --pdl's outcome."""
-    if on:
-        return "programmatic dependent launch on"
-    if mode == "off":
-        return "programmatic dependent launch off: --pdl off"
-    from ostinato.kernels.pdl import pdl_unsupported_reason
-
-    reason = pdl_unsupported_reason(device) or "the attention backend's kernels are torch's"
-    return f"programmatic dependent launch off: {reason}"
 
 
 class ModelRunner:
@@ -180,11 +127,12 @@ class ModelRunner:
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
         self.graphs = setup.graph_runner
+        self.processor_graphs = setup.processor_graphs  # the same step with the logits processors (decode_step.py)
         self.decode_step = setup.decode_step
         self.decode_batch = setup.decode_step.batch
         self.prefill_graphs = setup.prefill_graphs  # prefill chunks as replays (runner/prefill_graphs.py)
         self.prefill_capture_report = setup.prefill_capture
-        self.capture_report = setup.capture
+        self.capture_report, self.processor_capture_report = setup.capture, setup.processor_capture
         self.memory_report = setup.report
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
@@ -225,7 +173,8 @@ class ModelRunner:
     @property
     def graph_memory_bytes(self) -> int:
         """Every graph's memory: decode and prefill."""
-        return self.capture_report.total_bytes + self.prefill_graph_memory_bytes
+        return (self.capture_report.total_bytes + self.processor_capture_report.total_bytes
+                + self.prefill_graph_memory_bytes)
 
     @property
     def prefill_graph_memory_bytes(self) -> int:
@@ -233,10 +182,14 @@ class ModelRunner:
 
     @property
     def graph_capture_seconds(self) -> float:
-        return self.capture_report.seconds + self.prefill_capture_report.seconds
+        return self.capture_report.seconds + self.processor_capture_report.seconds + self.prefill_capture_report.seconds
 
     def graph_stats(self):
-        return self.graphs.stats
+        return self.graphs.stats.combined(self.processor_graphs.stats)
+
+    def step_graphs(self):
+        """The decode graph set the rows' next step replays: with the logits processors only while some row uses one."""
+        return self.processor_graphs if self.decode_batch.uses_processors else self.graphs
 
     def prefill_graph_stats(self):
         return self.prefill_graphs.stats()
@@ -340,7 +293,8 @@ class ModelRunner:
             mask_logits(logits, [s.seq_id for s in seqs], masks)
         # Drawn from the settings the rows now hold: one state for a sequence's prefill and decode draws.
         batch = self.decode_batch.joined_sampling(rows[0], len(rows))
-        self.decode_step.processors.process_logits(logits, batch.rows)  # their logit_bias, penalties, ...
+        if self.decode_batch.np[rows[0]:rows[0] + len(rows), FLAGS].any():  # their logit_bias, penalties, ...
+            self.decode_step.processors.process_logits(logits, batch.rows)
         sampled = self.sampler(logits, batch)
         self.decode_step.sampled[rows[0]:rows[0] + len(rows)].copy_(sampled.token_ids)  # their placeholders
         return ChunkSamples([s.seq_id for s in seqs], sampled.to_host_async())
@@ -357,16 +311,17 @@ class ModelRunner:
         seqs = [s for s in out.seqs if s.samples]
         index = to_device(list(range(n)) + last_rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[index])  # [n + len(seqs), vocab]
-        step.sample(logits[:n], rows)
+        step.sample(logits[:n], rows, batch.uses_processors)
         pending = self._decode_tokens(n, rows, logits[:n], masks)
         if seqs:
             pending.then(self._sample_chunks(seqs, logits[n:], masks))
         return pending
 
     def _launch_decode(self, n: int, masks: GrammarMasks | None) -> PendingStep:
-        size = self.graphs.graph_size(n) or n
+        graphs = self.step_graphs()
+        size = graphs.graph_size(n) or n
         rows = self.decode_batch.copy_to_device(size)  # the step's one host-to-device copy
-        logits = self.graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
+        logits = graphs.replay_filled(n)  # [n, vocab]; tokens sampled inside into step.sampled
         return self._decode_tokens(n, rows, logits, masks)
 
     def _decode_tokens(self, n: int, rows: torch.Tensor, logits: torch.Tensor, masks: GrammarMasks | None

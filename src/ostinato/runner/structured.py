@@ -24,9 +24,10 @@ from ostinato.runner.sampler import sample_rows
 GrammarMasks = Callable[[Sequence[int]], "tuple[list[int], torch.Tensor] | None"]
 
 
-def mask_logits(logits: torch.Tensor, seq_ids: Sequence[int], masks: GrammarMasks) -> torch.Tensor | None:
+def mask_logits(logits: torch.Tensor, seq_ids: Sequence[int], masks: GrammarMasks) -> torch.Tensor | bool | None:
     """Set the logits [n, vocab] of the constrained rows among `seq_ids` to -inf outside their grammar, in place;
-    returns those rows' positions as a device index, or None when none is constrained."""
+    returns those rows' positions as a device index, True when every row is constrained (no index needed), or None
+    when none is."""
     found = masks(seq_ids)
     if found is None:
         return None
@@ -35,9 +36,9 @@ def mask_logits(logits: torch.Tensor, seq_ids: Sequence[int], masks: GrammarMask
     positions, bitmask = found
     bitmask = bitmask.to(logits.device, non_blocking=True)
     vocab = logits.shape[1]
-    if len(positions) == logits.shape[0]:  # every row constrained: no gather
+    if len(positions) == logits.shape[0]:  # every row constrained: no gather, no index to copy over
         apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
-        return to_device(positions, torch.int64, logits.device)
+        return True
     index = to_device(positions, torch.int64, logits.device)
     rows = logits.index_select(0, index)
     apply_token_bitmask_inplace(rows, bitmask, vocab_size=vocab)
@@ -52,6 +53,9 @@ def constrain_decode(logits: torch.Tensor, rows: torch.Tensor, sampled: torch.Te
     the step's device rows; batch_invariant: as sample_rows)."""
     index = mask_logits(logits, seq_ids, masks)
     if index is None:
+        return
+    if index is True:  # every row: drawn again in place, without copying the [n, vocab] logits
+        sample_rows(logits, rows, sampled)
         return
     tokens = torch.empty(index.shape[0], dtype=torch.int64, device=logits.device)
     sample_rows(logits.index_select(0, index), rows.index_select(0, index), tokens, batch_invariant)

@@ -16,6 +16,11 @@ prefill step samples from (runner/sampling_state.py). So the warm-up also sample
 with a chunk plan of its own, on rows of those columns: without it Triton compiled sampling kernels inside the
 first live steps of `ostinato bench throughput`, and that first run lost a fifth of its rate.
 
+Grammar masks: xgrammar's bitmask kernel (runner/structured.py) is specialised on its row count (1, a multiple
+of 16, or neither), so a server's first constrained steps at batch 1 and at 16 each compiled it inside a live
+step. Where xgrammar is installed, `warm_up_grammar_masks` masks one batch of each class through the same call
+(mask_logits) before serving; an engine without xgrammar never imports it.
+
 The steps write their K/V into the scratch block only (every block-table entry is the scratch block, which
 the scheduler never hands out: attention/base.py), so no sequence's cache is touched and nothing joins the
 decode batch.
@@ -23,6 +28,8 @@ decode batch.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
 import time
 
@@ -36,6 +43,9 @@ from ostinato.kernels import sampling as sampling_kernel
 from ostinato.runner.inputs import build_prefill_inputs
 from ostinato.runner.sampler import sample_rows
 from ostinato.runner.sampling_state import BLOCKS, write_settings
+from ostinato.runner.structured import mask_logits
+
+logger = logging.getLogger(__name__)
 
 # (new tokens, cached tokens before them) per sequence, one tuple of sequences per warm-up step.
 WARMUP_STEPS: tuple[tuple[tuple[int, int], ...], ...] = (
@@ -57,7 +67,8 @@ _TEMPERATURE = SamplingParams(temperature=0.8, max_tokens=1)
 def warm_up_prefill(model, sampler, block_size: int, scratch_block: int, device: torch.device,
                     max_model_len: int, max_sampled_rows: int = 1) -> tuple[int, float]:
     """Run the warm-up steps that fit max_model_len, then sample prefill-shaped batches of up to
-    max_sampled_rows rows (warm_up_sampling); returns (forward steps run, seconds)."""
+    max_sampled_rows rows (warm_up_sampling) and mask them (warm_up_grammar_masks); returns (forward steps run,
+    seconds)."""
     t0 = time.perf_counter()
     ran = 0
     for step_index, shape in enumerate(WARMUP_STEPS):
@@ -75,6 +86,7 @@ def warm_up_prefill(model, sampler, block_size: int, scratch_block: int, device:
             sampler(logits, sampler.prepare(seqs))
         ran += 1
     warm_up_sampling(model.config.vocab_size, max_sampled_rows, device)
+    warm_up_grammar_masks(model.config.vocab_size, max_sampled_rows, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return ran, time.perf_counter() - t0
@@ -97,4 +109,28 @@ def warm_up_sampling(vocab: int, max_rows: int, device: torch.device) -> list[in
                 write_settings(row, _GREEDY if i % 2 == 0 else _TEMPERATURE, key=0, counter=0)
             out = torch.empty(rows, dtype=torch.int64, device=device)
             sample_rows(logits, torch.from_numpy(settings).to(device), out)
+    return counts
+
+
+def bitmask_row_counts(max_rows: int) -> list[int]:
+    """One row count per specialisation class of the bitmask kernel's row count, up to max_rows: 1, a count that
+    is neither 1 nor a multiple of 16, and 16."""
+    return [r for r in (1, 2, 16) if r <= max(1, max_rows)]
+
+
+def warm_up_grammar_masks(vocab: int, max_rows: int, device: torch.device) -> list[int]:
+    """Mask a batch of float32 logits (what the constrained rows' logits are) of each bitmask_row_counts class with
+    an all-allowed bitmask, through mask_logits; returns the row counts masked: none off the GPU (xgrammar's CPU
+    kernel compiles nothing) or without xgrammar."""
+    if device.type != "cuda" or importlib.util.find_spec("xgrammar") is None:
+        return []
+    import xgrammar as xgr
+
+    counts = bitmask_row_counts(max_rows)
+    with torch.inference_mode():
+        for rows in counts:
+            bitmask = xgr.allocate_token_bitmask(rows, vocab)  # every bit set: no token masked
+            mask_logits(torch.zeros(rows, vocab, device=device), list(range(rows)),
+                        lambda seq_ids, b=bitmask: (list(range(len(seq_ids))), b))
+    logger.info("warmed xgrammar's bitmask kernel for %s rows", counts)
     return counts

@@ -9,6 +9,9 @@ the pool); the decode forward (inputs -> logits) is timed with CUDA events, medi
 - ostinato eager: the same decode step launched op by op;
 - HF eager: transformers' own model class on the same checkpoint, one-token forward over a DynamicCache.
 The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (4.13 TB/s on the H200).
+`--penalty-rows N` times each batch size a second time with N of its rows using repetition_penalty: the step
+then replays the graphs with the logits processors (runner/decode_step.py), and the two lines show what they
+cost against a batch that uses none.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ def register(sub) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--penalty-rows", type=int, default=0, metavar="N",
+                   help="also time each batch size with N of its rows using repetition_penalty (the decode graphs "
+                        "with the logits processors); 0: only without")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG path: latency against batch size, with the floor")
     p.set_defaults(func=run)
@@ -78,12 +84,13 @@ def time_cuda(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def join_random_rows(runner, bs: int, context: int, gen) -> list[int]:
+def join_random_rows(runner, bs: int, context: int, gen, penalty_rows: int = 0) -> list[int]:
     """B sequences join the (empty) persistent decode batch at `context` cached tokens, greedy, over random
-    blocks, as prefilled sequences join it; returns their seq ids (leave_rows takes them out again)."""
+    blocks, as prefilled sequences join it, the first `penalty_rows` of them with repetition_penalty; returns
+    their seq ids (leave_rows takes them out again)."""
     import torch
 
-    from ostinato.contract import ScheduledSeq
+    from ostinato.contract import LogitsSpec, ScheduledSeq
     from ostinato.sampling_params import SamplingParams
 
     block = runner.block_size
@@ -101,10 +108,13 @@ def join_random_rows(runner, bs: int, context: int, gen) -> list[int]:
         perm = torch.randint(0, total, (bs, nblk), generator=gen)
     ids = torch.randint(0, runner.model_config.vocab_size, (bs,), generator=gen).tolist()
     batch, greedy = runner.decode_batch, SamplingParams(temperature=0.0, max_tokens=1)
+    penalized = SamplingParams(temperature=0.0, max_tokens=1, repetition_penalty=1.1)
     assert not len(batch), "the bench's rows go into an idle engine"
     for i, table in enumerate(perm.tolist()):
         # One token at position context - 1 makes a context of `context`: the row feeds its next token there.
-        batch.join(ScheduledSeq(i, (0,), context - 1, tuple(table), greedy, 0), first_token=ids[i])
+        extra = dict(logits_spec=LogitsSpec(penalized, (), ()), history=(0,)) if i < penalty_rows else {}
+        seq = ScheduledSeq(i, (0,), context - 1, tuple(table), penalized if extra else greedy, 0, **extra)
+        batch.join(seq, first_token=ids[i])
     return list(range(bs))
 
 
@@ -118,10 +128,10 @@ def leave_rows(runner, seq_ids: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def rows_loaded(runner, bs: int, context: int, gen):
+def rows_loaded(runner, bs: int, context: int, gen, penalty_rows: int = 0):
     """The decode batch holds `bs` random rows at `context` cached tokens (join_random_rows) inside the block;
     after it, the rows go back to padding, on the device too."""
-    seq_ids = join_random_rows(runner, bs, context, gen)
+    seq_ids = join_random_rows(runner, bs, context, gen, penalty_rows)
     try:
         yield runner.decode_batch
     finally:
@@ -151,48 +161,52 @@ def _seed(gen) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
 
 
-def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int) -> tuple[float, float | None]:
+def replay_ms(runner, bs: int, context: int, gen, iters: int, warmup: int, penalty_rows: int = 0
+              ) -> tuple[float, float | None]:
     """(eager, graph) milliseconds of one decode step (forward and in-graph sampling) on the engine's own
     decode rows: the copy of the rows to the device plus the replay, as LLMEngine.step makes them. Graph is
     None above the largest captured size or with graphs off. Every rank times the same steps (under tensor
     parallelism their collectives pair up); rank 0's times are returned."""
-    return runner.call_all(f"{__name__}:replay_ms_seeded", bs, context, _seed(gen), iters, warmup)
+    return runner.call_all(f"{__name__}:replay_ms_seeded", bs, context, _seed(gen), iters, warmup, penalty_rows)
 
 
-def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmup: int):
+def replay_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, warmup: int, penalty_rows: int = 0):
     """replay_ms on one rank's runner, its random rows drawn from `seed`: what each rank runs."""
     import torch
 
-    with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed)) as batch:
+    with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed), penalty_rows) as batch:
         rows = batch.copy_to_device(bs)
         eager_ms = time_cuda(lambda: runner.decode_step(rows), iters, warmup)
-        graph_ms = None
-        size = runner.graphs.graph_size(bs)
+        graph_ms, graphs = None, runner.step_graphs()  # the set the loaded rows replay
+        size = graphs.graph_size(bs)
         if size is not None:
-            graph_ms = time_cuda(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
-                                 warmup)
+            graph_ms = time_cuda(lambda: (batch.copy_to_device(size), graphs.replay_filled(bs)), iters, warmup)
     return eager_ms, graph_ms
 
 
-def queued_graph_ms(runner, bs: int, context: int, gen, iters: int, rounds: int = 5) -> float | None:
+def queued_graph_ms(runner, bs: int, context: int, gen, iters: int, rounds: int = 5, penalty_rows: int = 0
+                    ) -> float | None:
     """Milliseconds per graph step when steps are issued back to back: `iters` times (copy the rows, replay)
     between two CUDA events and one sync, median of `rounds`. The engine runs decode steps that way (async
     scheduling launches step n+1 before it reads step n's tokens), so the host's time to issue a step hides
     behind the step before; replay_ms's synced figure counts it (tens of microseconds at batch 1,
     benchmarks/step/step_gap.py). None where there is no graph for bs; CUDA only."""
-    return runner.call_all(f"{__name__}:queued_graph_ms_seeded", bs, context, _seed(gen), iters, rounds)
+    return runner.call_all(f"{__name__}:queued_graph_ms_seeded", bs, context, _seed(gen), iters, rounds,
+                           penalty_rows)
 
 
-def queued_graph_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, rounds: int):
+def queued_graph_ms_seeded(runner, bs: int, context: int, seed: int, iters: int, rounds: int, penalty_rows: int = 0):
     """queued_graph_ms on one rank's runner, its rows drawn from `seed`: what each rank runs."""
     import torch
 
-    size = runner.graphs.graph_size(bs)
-    if size is None or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return None
-    with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed)) as batch:
-        return time_cuda_queued(lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs)), iters,
-                                rounds)
+    with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed), penalty_rows) as batch:
+        size = runner.step_graphs().graph_size(bs)  # the set the loaded rows replay
+        if size is None:
+            return None
+        graphs = runner.step_graphs()
+        return time_cuda_queued(lambda: (batch.copy_to_device(size), graphs.replay_filled(bs)), iters, rounds)
 
 
 def load_hf(model_dir: str, dtype, device):
@@ -219,13 +233,45 @@ def hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, vocab
         return time_cuda(step, iters, warmup)
 
 
+def measure_row(runner, args, bs: int, penalty_rows: int, gen, hf, weights: int, kv_bytes_per_token: int) -> dict:
+    """One batch size's figures (`penalty_rows` of its rows with repetition_penalty), printed as one line."""
+    eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup, penalty_rows)
+    queued_ms = queued_graph_ms(runner, bs, args.context, gen, args.iters, penalty_rows=penalty_rows)
+    floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
+    hf_ms = None
+    if hf is not None and not penalty_rows:
+        hf_ms = hf_step_ms(hf, runner.device, bs, args.context, args.iters, args.warmup,
+                           runner.model_config.vocab_size)
+    best = graph_ms or eager_ms
+    r = {
+        "batch": bs, "penalty_rows": penalty_rows, "context": args.context, "graph_ms": graph_ms,
+        "graph_queued_ms": queued_ms, "eager_ms": eager_ms, "hf_ms": hf_ms,
+        "floor_ms": floor_ms, "graph_speedup_vs_eager": eager_ms / graph_ms if graph_ms else None,
+        "floor_ratio_queued": floor_ms / queued_ms if queued_ms else None,
+        "speedup_vs_hf": hf_ms / best if hf_ms else None, "floor_ratio": floor_ms / best,
+        "achieved_GBps": (weights + bs * (args.context + 1) * kv_bytes_per_token) / best / 1e6,
+    }
+    fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
+    penalized = f" ({penalty_rows} with repetition_penalty)" if penalty_rows else ""
+    print(f"bs {bs:>4}{penalized}  graph {fmt(graph_ms)} ms (queued {fmt(queued_ms)})  eager {fmt(eager_ms)} ms  "
+          f"HF {fmt(hf_ms)} ms  "
+          f"floor {floor_ms:.3f} ms  graph/eager x{fmt(r['graph_speedup_vs_eager'], '{:.2f}')}  "
+          f"vs HF x{fmt(r['speedup_vs_hf'], '{:.2f}')}  floor/achieved {r['floor_ratio']:.2f}  "
+          f"{r['achieved_GBps']:.0f} GB/s")
+    return r
+
+
 def run(args) -> int:
     import torch
 
     from ostinato.cli_args import engine_args_from
     from ostinato.config import quantization_label
     from ostinato.engine.engine import LLMEngine
+    from ostinato.errors import ConfigError
 
+    if args.penalty_rows < 0:
+        raise ConfigError(f"--penalty-rows must be >= 0 (rows of each batch that use repetition_penalty), got "
+                          f"{args.penalty_rows}")
     engine = LLMEngine(engine_args_from(args))
     runner = engine.runner
     weights = weights_read_per_step(runner)
@@ -241,28 +287,8 @@ def run(args) -> int:
           f"{runner.dtype}, weights {quantization_label(mc.quantization)}, graphs: {engine.graph_status}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
-            eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup)
-            queued_ms = queued_graph_ms(runner, bs, args.context, gen, args.iters)
-            floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
-            hf_ms = None
-            if hf is not None:
-                hf_ms = hf_step_ms(hf, runner.device, bs, args.context, args.iters, args.warmup, mc.vocab_size)
-            best = graph_ms or eager_ms
-            rows.append({
-                "batch": bs, "context": args.context, "graph_ms": graph_ms, "graph_queued_ms": queued_ms,
-                "eager_ms": eager_ms, "hf_ms": hf_ms,
-                "floor_ms": floor_ms, "graph_speedup_vs_eager": eager_ms / graph_ms if graph_ms else None,
-                "floor_ratio_queued": floor_ms / queued_ms if queued_ms else None,
-                "speedup_vs_hf": hf_ms / best if hf_ms else None, "floor_ratio": floor_ms / best,
-                "achieved_GBps": (weights + bs * (args.context + 1) * kv_bytes_per_token) / best / 1e6,
-            })
-            r = rows[-1]
-            fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
-            print(f"bs {bs:>4}  graph {fmt(graph_ms)} ms (queued {fmt(queued_ms)})  eager {fmt(eager_ms)} ms  "
-                  f"HF {fmt(hf_ms)} ms  "
-                  f"floor {floor_ms:.3f} ms  graph/eager x{fmt(r['graph_speedup_vs_eager'], '{:.2f}')}  "
-                  f"vs HF x{fmt(r['speedup_vs_hf'], '{:.2f}')}  floor/achieved {r['floor_ratio']:.2f}  "
-                  f"{r['achieved_GBps']:.0f} GB/s")
+            for penalty_rows in dict.fromkeys((0, min(args.penalty_rows, bs))):
+                rows.append(measure_row(runner, args, bs, penalty_rows, gen, hf, weights, kv_bytes_per_token))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
@@ -272,6 +298,7 @@ def run(args) -> int:
     if args.plot:
         from ostinato.tools.bench.plots import latency_vs_batch
 
+        rows = [r for r in rows if not r["penalty_rows"]]
         series = {"ostinato graph": [r["graph_ms"] for r in rows], "ostinato eager": [r["eager_ms"] for r in rows]}
         if hf is not None:
             series["HF eager"] = [r["hf_ms"] for r in rows]

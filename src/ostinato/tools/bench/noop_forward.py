@@ -87,7 +87,8 @@ def install(engine: "LLMEngine", step_ms: float = 0.0) -> int:
     # tokens it 'sampled' are the ones its buffer holds.
     logits = runner.model.compute_logits(torch.zeros(rows, 1))
     runner.decode_step.sampled.fill_(token_id)
-    runner.graphs.fn = lambda **inputs: logits[: next(iter(inputs.values())).shape[0]]
+    for graphs in (runner.graphs, runner.processor_graphs):  # without and with the logits processors
+        graphs.fn = lambda **inputs: logits[: next(iter(inputs.values())).shape[0]]
     if step_ms > 0:
         launch, delay = runner.launch, step_ms / 1000
         gpu_free_at = [0.0]

@@ -45,10 +45,10 @@ def nccl_share(runner, bs: int, context: int, seed: int, steps: int) -> dict:
     out = {}
     with rows_loaded(runner, bs, context, torch.Generator().manual_seed(seed)) as batch:
         rows = batch.copy_to_device(bs)
-        size = runner.graphs.graph_size(bs)
+        size = runner.step_graphs().graph_size(bs)
         modes = {"eager": lambda: step(rows)}
         if size is not None:
-            modes["graph"] = lambda: (batch.copy_to_device(size), runner.graphs.replay_filled(bs))
+            modes["graph"] = lambda: (batch.copy_to_device(size), runner.step_graphs().replay_filled(bs))
         for mode, fn in modes.items():
             for _ in range(3):
                 fn()
