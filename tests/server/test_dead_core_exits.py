@@ -18,31 +18,9 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
+from support.served import SRC, core_pid  # noqa: E402
+
 from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
-
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the "(comm)" that may hold spaces
-                found.append(int(entry.name))
-    return found
-
-
-def _core_pid(server_pid: int) -> int:
-    """The spawned engine core among the server's children (not multiprocessing's resource tracker)."""
-    for pid in _children(server_pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
-            return pid
-    raise AssertionError(f"no engine core among the children of {server_pid}")
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the core process through /proc")
@@ -62,7 +40,7 @@ def test_a_killed_core_makes_the_server_exit_non_zero(tmp_path):
             assert time.monotonic() < deadline, "the server did not become ready"
         assert port is not None, "the server exited before it was ready"
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-        os.kill(_core_pid(proc.pid), signal.SIGKILL)
+        os.kill(core_pid(proc.pid), signal.SIGKILL)
         killed = time.monotonic()
         _, rest = proc.communicate(timeout=30)
         assert proc.returncode not in (0, None), rest

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,63 +29,18 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from test_dead_core_exits import _core_pid  # noqa: E402
+from support.served import Served  # noqa: E402
 
 from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the core process through /proc")]
-SRC = Path(__file__).resolve().parents[2] / "src"
 STREAM = {"prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0.0, "ignore_eos": True, "stream": True}
 PROFILES = {  # streams in flight per scenario; the bounds (s); how long the drain scenario holds the core
     "short": dict(streams=1, stall=1.0, kill=3.0, drain=20.0, drain_cut=1.0, hold=0.0),
     "long": dict(streams=8, stall=5.0, kill=15.0, drain=60.0, drain_cut=5.0, hold=3.0),
 }
 P = PROFILES[os.environ.get("OSTINATO_SOAK", "short")]
-
-
-class Served:
-    """`ostinato serve` in a subprocess; its stderr is read by a thread (a full pipe would block the server)."""
-
-    def __init__(self, ckpt: Path, *flags: str):
-        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        cmd = [sys.executable, "-m", "ostinato", "serve", str(ckpt), "--host", "127.0.0.1", "--port", "0",
-               "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "32", "--max-model-len", "256", *flags]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        self.log: list[str] = []
-        self._port = threading.Event()
-        threading.Thread(target=self._read_log, daemon=True).start()
-        assert self._port.wait(240), "the server did not become ready:\n" + "".join(self.log)
-        assert self.port, "the server exited before it was ready:\n" + "".join(self.log)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.core = _core_pid(self.proc.pid)
-
-    port = 0
-
-    def _read_log(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            found = re.search(r"ostinato\.server\.app: serving .* on http://127\.0\.0\.1:(\d+)", line)
-            if found:
-                self.port = int(found.group(1))
-                self._port.set()
-        self._port.set()
-
-    def exit_code(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server still runs after {timeout} s:\n" + "".join(self.log))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.core, signal.SIGCONT) if _alive(self.core) else None
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
 
 
 class Stream:
