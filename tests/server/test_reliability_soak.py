@@ -1,5 +1,5 @@
 """A server you can leave running: a real `ostinato serve` process (tiny checkpoint, CPU, loopback) under the
-four failures a supervisor meets, each with a stream in flight.
+failures a supervisor meets, each with a stream in flight.
 
 - the core killed (SIGKILL): the stream gets an error event, the server exits 1;
 - the core stopped (SIGSTOP) past --engine-stall-timeout: every /health answers within 1 s, 200 and then
@@ -7,9 +7,11 @@ four failures a supervisor meets, each with a stream in flight.
 - SIGTERM mid-stream, core healthy: /health says 503 "draining" at once, also on the kept-alive connection,
   a new completion gets 503, the stream runs to its end, exit 0 (uvicorn alone exits 143);
 - SIGTERM with a stream that cannot finish (the core stopped): after --shutdown-timeout the stream gets an
-  error event, exit 0.
+  error event, exit 0;
+- SIGTERM, then the core killed during the drain: the stream gets an error event, and the server exits 1,
+  not 0, logging why (a failure, not a clean stop).
 
-The four servers run at once (each scenario in its own thread), so the whole file takes about as long as the
+The five servers run at once (each scenario in its own thread), so the whole file takes about as long as the
 slowest one. OSTINATO_SOAK=long runs the longer profile recorded in docs/RELIABILITY.md (more streams, longer
 bounds and a longer stop); `-s` prints each scenario's outcome.
 """
@@ -167,11 +169,29 @@ def scenario_drain_timeout(ckpt: Path) -> dict:
         srv.kill()
 
 
+def scenario_drain_dead_core(ckpt: Path) -> dict:
+    """SIGTERM with a stream in flight (the core held by SIGSTOP so it cannot finish), then the core is killed
+    while the server drains."""
+    srv = Served(ckpt, "--shutdown-timeout", str(P["drain"]))
+    try:
+        streams = [Stream(srv.url) for _ in range(P["streams"])]
+        os.kill(srv.core, signal.SIGSTOP)
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        srv.wait_for_log("shutting down", 30)  # the drain has begun, with the streams in flight
+        os.kill(srv.core, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcome = outcomes_of(streams, 30)
+        return {"stream": outcome, "code": srv.exit_code(30), "exit_s": time.monotonic() - t0,
+                "log": "".join(srv.log)}
+    finally:
+        srv.kill()
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("soak") / "ckpt", shape="tiny", family="llama", seed=3)
     scenarios = {"kill": scenario_kill, "stall": scenario_stall, "drain": scenario_drain,
-                 "drain_timeout": scenario_drain_timeout}
+                 "drain_timeout": scenario_drain_timeout, "drain_dead_core": scenario_drain_dead_core}
     with ThreadPoolExecutor(len(scenarios)) as pool:
         futures = {name: pool.submit(fn, ckpt) for name, fn in scenarios.items()}
         results = {}
@@ -215,3 +235,12 @@ def test_sigterm_past_the_shutdown_timeout_ends_the_stream_with_an_error(outcome
     assert r["stream"] == "error event", r
     assert P["drain_cut"] <= r["stream_s"] < P["drain_cut"] + 7.0, r
     assert r["code"] == 0, r
+
+
+def test_a_core_that_dies_during_the_drain_makes_the_server_exit_1(outcomes):
+    """Not a clean stop: a supervisor must see the failure, not exit code 0."""
+    r = outcomes["drain_dead_core"]
+    assert r["stream"] == "error event", r
+    assert r["code"] == 1 and r["exit_s"] < P["drain"], r  # the drain does not wait out --shutdown-timeout
+    assert f"{P['streams']} request(s) in flight" in r["log"], r["log"]  # the drain began with the streams
+    assert "the engine died during the drain" in r["log"] and "exit code -9" in r["log"], r["log"]
