@@ -105,7 +105,7 @@ def scenario_kill(ckpt: Path) -> dict:
         t0 = time.monotonic()
         outcome = outcomes_of(streams, 30)
         return {"stream": outcome, "stream_s": time.monotonic() - t0, "code": srv.exit_code(30),
-                "exit_s": time.monotonic() - t0}
+                "exit_s": time.monotonic() - t0, "log": "".join(srv.log)}
     finally:
         srv.kill()
 
@@ -207,7 +207,8 @@ def outcomes(tmp_path_factory):
 
 def test_a_killed_core_fails_the_stream_and_exits_1(outcomes):
     r = outcomes["kill"]
-    assert r["stream"] == "error event" and r["code"] == 1, r
+    assert r["stream"] == "error event" and r["code"] == 1 and r["exit_s"] < 30, r
+    assert "the engine is dead" in r["log"] and "exited (exit code -9)" in r["log"], r["log"]  # and says why
 
 
 def test_a_stopped_core_is_reported_stalled_then_killed(outcomes):

@@ -1,5 +1,5 @@
 """`ostinato serve` as a real process (a tiny checkpoint on CPU, on loopback), and its engine core's pid, for the
-tests that kill, stop or signal them (tests/server/test_reliability_soak.py, test_dead_core_exits.py)."""
+tests that kill, stop or signal them (tests/server/test_reliability_soak.py)."""
 
 from __future__ import annotations
 
