@@ -182,8 +182,8 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
         await serving
         engine_died.cancel()
         drain.cancel()
-        if server.draining:  # an orderly stop, even where the drain ran out of time (logged)
-            return 0
+        if server.draining:  # an orderly stop, even where the drain ran out of time (logged); not a dead engine
+            return 1 if server.engine_died is not None else 0
         return 1 if engine_died.done() and not engine_died.cancelled() else 0
 
     try:

@@ -7,13 +7,12 @@ from ostinato import LLM, SamplingParams
 from ostinato.config import EngineArgs
 from ostinato.errors import ConfigError, InvalidRequestError, QueueFullError
 from ostinato.tools.checkpoint import make_checkpoint
+from support.tiny_llm import tiny_llm
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine-ckpt")
-    make_checkpoint(path, shape="tiny", family="llama", seed=1)
-    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64, max_queued_requests=4)
+    return tiny_llm(tmp_path_factory, "engine-ckpt", num_kv_blocks=64, max_model_len=64, max_queued_requests=4)
 
 
 def _assert_clean(llm):

@@ -3,9 +3,9 @@ the engine holds no request and no KV block afterwards, and the next call gives 
 
 import pytest
 
-from ostinato import LLM, SamplingParams
+from ostinato import SamplingParams
 from ostinato.engine import detokenizer
-from ostinato.tools.checkpoint import make_checkpoint
+from support.tiny_llm import tiny_llm
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -13,9 +13,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("abort-ckpt")
-    make_checkpoint(path, shape="tiny", family="llama", seed=1)
-    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64, max_num_seqs=2)
+    return tiny_llm(tmp_path_factory, "abort-ckpt", num_kv_blocks=64, max_model_len=64, max_num_seqs=2)
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,14 @@
 
 import pytest
 
-from ostinato import LLM, SamplingParams
+from ostinato import SamplingParams
 from ostinato.errors import InvalidRequestError
-from ostinato.tools.checkpoint import make_checkpoint
+from support.tiny_llm import tiny_llm
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("inputs-ckpt")
-    make_checkpoint(path, shape="tiny", family="llama", seed=1)
-    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64)
+    return tiny_llm(tmp_path_factory, "inputs-ckpt", num_kv_blocks=64, max_model_len=64)
 
 
 def assert_clean(llm):

@@ -7,21 +7,20 @@ from dataclasses import replace
 
 import pytest
 
-from ostinato import LLM, RequestOutputKind, SamplingParams
+from ostinato import RequestOutputKind, SamplingParams
 from ostinato.engine import detokenizer as detok_mod
 from ostinato.engine import step_outputs as step_outputs_mod
 from ostinato.engine.detokenizer import OutputText
 from ostinato.engine.outputs import merge_deltas
 from ostinato.tools.checkpoint import make_checkpoint
+from support.tiny_llm import tiny_llm
 
 DELTA, FINAL, CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("delta-ckpt")
-    make_checkpoint(path, shape="tiny", family="llama", seed=3)
-    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=512)
+    return tiny_llm(tmp_path_factory, "delta-ckpt", seed=3, num_kv_blocks=128, max_model_len=512)
 
 
 def _run(engine, request_id, prompt, params):

@@ -6,20 +6,18 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from ostinato import LLM, RequestOutputKind, SamplingParams
+from ostinato import RequestOutputKind, SamplingParams
 from ostinato.engine import detokenizer as detok_mod
 from ostinato.engine.outputs import merge_deltas
 from ostinato.engine.token_texts import token_texts
-from ostinato.tools.checkpoint import make_checkpoint
+from support.tiny_llm import tiny_llm
 
 FFFD = "\ufffd"
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("token-texts-ckpt")
-    make_checkpoint(path, shape="tiny", family="llama", seed=5)
-    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=128, max_num_seqs=16)
+    return tiny_llm(tmp_path_factory, "token-texts-ckpt", seed=5, num_kv_blocks=256, max_model_len=128, max_num_seqs=16)
 
 
 def test_the_table_holds_each_tokens_own_text_or_none_for_part_of_a_character(llm):

@@ -1,5 +1,5 @@
 """A server you can leave running: a real `ostinato serve` process (tiny checkpoint, CPU, loopback) under the
-four failures a supervisor meets, each with a stream in flight.
+failures a supervisor meets, each with a stream in flight.
 
 - the core killed (SIGKILL): the stream gets an error event, the server exits 1;
 - the core stopped (SIGSTOP) past --engine-stall-timeout: every /health answers within 1 s, 200 and then
@@ -7,9 +7,11 @@ four failures a supervisor meets, each with a stream in flight.
 - SIGTERM mid-stream, core healthy: /health says 503 "draining" at once, also on the kept-alive connection,
   a new completion gets 503, the stream runs to its end, exit 0 (uvicorn alone exits 143);
 - SIGTERM with a stream that cannot finish (the core stopped): after --shutdown-timeout the stream gets an
-  error event, exit 0.
+  error event, exit 0;
+- SIGTERM, then the core killed during the drain: the stream gets an error event, and the server exits 1,
+  not 0, logging why (a failure, not a clean stop).
 
-The four servers run at once (each scenario in its own thread), so the whole file takes about as long as the
+The five servers run at once (each scenario in its own thread), so the whole file takes about as long as the
 slowest one. OSTINATO_SOAK=long runs the longer profile recorded in docs/RELIABILITY.md (more streams, longer
 bounds and a longer stop); `-s` prints each scenario's outcome.
 """
@@ -18,10 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,63 +31,18 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from test_dead_core_exits import _core_pid  # noqa: E402
+from support.served import Served  # noqa: E402
 
 from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the core process through /proc")]
-SRC = Path(__file__).resolve().parents[2] / "src"
 STREAM = {"prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0.0, "ignore_eos": True, "stream": True}
 PROFILES = {  # streams in flight per scenario; the bounds (s); how long the drain scenario holds the core
     "short": dict(streams=1, stall=1.0, kill=3.0, drain=20.0, drain_cut=1.0, hold=0.0),
     "long": dict(streams=8, stall=5.0, kill=15.0, drain=60.0, drain_cut=5.0, hold=3.0),
 }
 P = PROFILES[os.environ.get("OSTINATO_SOAK", "short")]
-
-
-class Served:
-    """`ostinato serve` in a subprocess; its stderr is read by a thread (a full pipe would block the server)."""
-
-    def __init__(self, ckpt: Path, *flags: str):
-        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        cmd = [sys.executable, "-m", "ostinato", "serve", str(ckpt), "--host", "127.0.0.1", "--port", "0",
-               "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "32", "--max-model-len", "256", *flags]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        self.log: list[str] = []
-        self._port = threading.Event()
-        threading.Thread(target=self._read_log, daemon=True).start()
-        assert self._port.wait(240), "the server did not become ready:\n" + "".join(self.log)
-        assert self.port, "the server exited before it was ready:\n" + "".join(self.log)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.core = _core_pid(self.proc.pid)
-
-    port = 0
-
-    def _read_log(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            found = re.search(r"ostinato\.server\.app: serving .* on http://127\.0\.0\.1:(\d+)", line)
-            if found:
-                self.port = int(found.group(1))
-                self._port.set()
-        self._port.set()
-
-    def exit_code(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server still runs after {timeout} s:\n" + "".join(self.log))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.core, signal.SIGCONT) if _alive(self.core) else None
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
 
 
 class Stream:
@@ -151,7 +105,7 @@ def scenario_kill(ckpt: Path) -> dict:
         t0 = time.monotonic()
         outcome = outcomes_of(streams, 30)
         return {"stream": outcome, "stream_s": time.monotonic() - t0, "code": srv.exit_code(30),
-                "exit_s": time.monotonic() - t0}
+                "exit_s": time.monotonic() - t0, "log": "".join(srv.log)}
     finally:
         srv.kill()
 
@@ -215,11 +169,29 @@ def scenario_drain_timeout(ckpt: Path) -> dict:
         srv.kill()
 
 
+def scenario_drain_dead_core(ckpt: Path) -> dict:
+    """SIGTERM with a stream in flight (the core held by SIGSTOP so it cannot finish), then the core is killed
+    while the server drains."""
+    srv = Served(ckpt, "--shutdown-timeout", str(P["drain"]))
+    try:
+        streams = [Stream(srv.url) for _ in range(P["streams"])]
+        os.kill(srv.core, signal.SIGSTOP)
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        srv.wait_for_log("shutting down", 30)  # the drain has begun, with the streams in flight
+        os.kill(srv.core, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcome = outcomes_of(streams, 30)
+        return {"stream": outcome, "code": srv.exit_code(30), "exit_s": time.monotonic() - t0,
+                "log": "".join(srv.log)}
+    finally:
+        srv.kill()
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("soak") / "ckpt", shape="tiny", family="llama", seed=3)
     scenarios = {"kill": scenario_kill, "stall": scenario_stall, "drain": scenario_drain,
-                 "drain_timeout": scenario_drain_timeout}
+                 "drain_timeout": scenario_drain_timeout, "drain_dead_core": scenario_drain_dead_core}
     with ThreadPoolExecutor(len(scenarios)) as pool:
         futures = {name: pool.submit(fn, ckpt) for name, fn in scenarios.items()}
         results = {}
@@ -235,7 +207,8 @@ def outcomes(tmp_path_factory):
 
 def test_a_killed_core_fails_the_stream_and_exits_1(outcomes):
     r = outcomes["kill"]
-    assert r["stream"] == "error event" and r["code"] == 1, r
+    assert r["stream"] == "error event" and r["code"] == 1 and r["exit_s"] < 30, r
+    assert "the engine is dead" in r["log"] and "exited (exit code -9)" in r["log"], r["log"]  # and says why
 
 
 def test_a_stopped_core_is_reported_stalled_then_killed(outcomes):
@@ -263,3 +236,12 @@ def test_sigterm_past_the_shutdown_timeout_ends_the_stream_with_an_error(outcome
     assert r["stream"] == "error event", r
     assert P["drain_cut"] <= r["stream_s"] < P["drain_cut"] + 7.0, r
     assert r["code"] == 0, r
+
+
+def test_a_core_that_dies_during_the_drain_makes_the_server_exit_1(outcomes):
+    """Not a clean stop: a supervisor must see the failure, not exit code 0."""
+    r = outcomes["drain_dead_core"]
+    assert r["stream"] == "error event", r
+    assert r["code"] == 1 and r["exit_s"] < P["drain"], r  # the drain does not wait out --shutdown-timeout
+    assert f"{P['streams']} request(s) in flight" in r["log"], r["log"]  # the drain began with the streams
+    assert "the engine died during the drain" in r["log"] and "exit code -9" in r["log"], r["log"]

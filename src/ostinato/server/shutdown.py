@@ -10,6 +10,10 @@ records as a crash. Here, from the first signal on:
    every stream still open gets an error event and ends, every plain request still waiting gets a 503.
 3. uvicorn closes the connections (at most UVICORN_GRACE_S more), and `serve` returns 0.
 A second signal stops at once, without waiting for anything.
+
+An engine that dies during the drain on its own (its core killed or crashed, not stopped by step 2) fails the
+requests in flight, which ends the drain early; `serve` then returns 1, as it does for a dead engine outside a
+drain, so that a supervisor records the failure instead of a clean stop.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class DrainingServer(uvicorn.Server):
         self.serving, self.shutdown_timeout = serving, shutdown_timeout
         self.drain_started: float | None = None  # time.monotonic() of the first signal
         self.cut = 0  # requests still in flight when the drain ran out of time
+        self.engine_died: str | None = None  # the engine's dead_cause, where it died on its own during the drain
 
     @property
     def draining(self) -> bool:
@@ -83,6 +88,12 @@ class DrainingServer(uvicorn.Server):
         deadline = self.drain_started + self.shutdown_timeout
         while self.server_state.tasks and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(POLL_S)
+        # Read before the engine is stopped below: from then on a dead_cause is our own stop, not a failure.
+        died = async_engine.dead_cause
+        if died is not None:
+            self.engine_died = died
+            logger.error("the engine died during the drain (%s); exiting with code 1, not 0, as it did not stop "
+                         "in order", died)
         if self.server_state.tasks:
             self.cut = len(self.server_state.tasks)
             logger.warning("--shutdown-timeout %g s passed with %d request(s) in flight; ending them with an "
