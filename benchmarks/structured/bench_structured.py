@@ -22,7 +22,7 @@ step's time is the wall time of LLMEngine.step() over the steps where every row 
 Where a constrained step's time goes, per step over the same window (host times, from timing wrappers around the
 engine's own functions): `wait_ms`, the host waiting for the GPU (PendingStep.result: near 0 means the loop is
 host-bound, and the GPU waits for the host); `fill_ms`, filling the bitmasks (GrammarSet.fill); `accept_ms`, the
-matchers accepting the step's tokens (GrammarSet.accept, every row); `mask_ms`, the runner's masking and re-draw
+matchers accepting the step's tokens (GrammarSet.accept_tokens); `mask_ms`, the runner's masking and re-draw
 after the replay (constrain_decode, launches only); `masks_ms`, the part of mask_ms in the engine's masks callable
 (the wait for the in-flight step's tokens, taking them, accept and fill): mask_ms - masks_ms is the launches.
 """
@@ -71,7 +71,7 @@ def host_probe(noop: bool = False):
         return wrapper
 
     probes = [(noop_forward._DelayedStep if noop else PendingStep, "result", "wait"), (GrammarSet, "fill", "fill"),
-              (GrammarSet, "accept", "accept"), (runner_module, "constrain_decode", "mask"),
+              (GrammarSet, "accept_tokens", "accept"), (runner_module, "constrain_decode", "mask"),
               (LLMEngine, "_grammar_masks", "masks")]
     with contextlib.ExitStack() as stack:
         for owner, attr, name in probes:

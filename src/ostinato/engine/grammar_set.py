@@ -1,0 +1,165 @@
+"""The matchers of the constrained sequences, and a step's grammar work on them: accepting the tokens the step
+sampled, then filling the next step's bitmasks. Both sit on the decode loop's critical path (the masks of step
+t+1 wait for the tokens of step t), so they run as few xgrammar calls as possible, split across a few persistent
+threads when the rows' work is large enough to pay for handing it over.
+
+Why not xgrammar's own threads: BatchGrammarMatcher with more than one thread starts a new pool of threads on every
+call and joins it at the end, which costs more than filling a whole batch (a fixed ~0.3 ms a step on a 16-core
+GPU host). Its batch calls release the GIL, so the rows split into chunks, one batch call each on one thread, do
+run in parallel: the calling thread takes the first chunk, persistent helper threads the others (RowWork).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Helper threads beside the calling one: half the cores as xgrammar's own default, at most four (a step's rows
+# rarely hold enough grammar work for more).
+HELPER_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+# The least work (seconds) worth a chunk of its own: a few times what handing a chunk to a helper and back costs
+# (tens of microseconds), so that a split pays even on a busy host. A step of JSON rows (a few microseconds each
+# to accept or fill) stays in one chunk up to about 64 rows; slower grammars and larger batches split.
+MIN_CHUNK_SECONDS = 100e-6
+
+
+class RowWork:
+    """Runs `work(lo, hi)` over rows [0, n) in chunks: as many as the measured time per row of that kind of work
+    pays for (at most one per thread), the first in the calling thread, the others in persistent helpers."""
+
+    def __init__(self, helpers: int = HELPER_THREADS, min_chunk_seconds: float = MIN_CHUNK_SECONDS):
+        self.helpers, self.min_chunk_seconds = helpers, min_chunk_seconds
+        self._pool: ThreadPoolExecutor | None = None
+        self._row_seconds: dict[str, float] = {}  # per kind of work: a running mean of its seconds per row
+
+    def chunks(self, kind: str, rows: int) -> int:
+        if self.min_chunk_seconds <= 0:  # every thread, whatever the work (tests)
+            return max(1, min(self.helpers + 1, rows))
+        work = rows * self._row_seconds.get(kind, 0.0)  # unknown at first: one chunk, which measures it
+        return max(1, min(self.helpers + 1, rows, int(work / self.min_chunk_seconds)))
+
+    def run(self, kind: str, rows: int, work: Callable[[int, int], Any]) -> None:
+        chunks = self.chunks(kind, rows)
+        t0 = time.perf_counter()
+        if chunks == 1:
+            work(0, rows)
+        else:
+            bounds = [rows * i // chunks for i in range(chunks + 1)]
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.helpers, thread_name_prefix="ostinato-grammar-rows")
+            helped = [self._pool.submit(work, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+            work(bounds[0], bounds[1])
+            for future in helped:
+                future.result()
+        # The chunks ran side by side: their total work is about the elapsed time times their number.
+        per_row = (time.perf_counter() - t0) * chunks / rows
+        before = self._row_seconds.get(kind)
+        self._row_seconds[kind] = per_row if before is None else 0.8 * before + 0.2 * per_row
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+class GrammarSet:
+    """The matchers of the constrained sequences, and the bitmasks of a step's constrained rows."""
+
+    def __init__(self, vocab_size: int, work: RowWork | None = None):
+        self.vocab_size = vocab_size
+        self._matchers: dict[int, Any] = {}  # seq_id -> xgrammar GrammarMatcher
+        self._stop_ids: dict[int, frozenset[int]] = {}  # seq_id -> the tokens that end its grammar
+        self._bitmasks: dict[int, Any] = {}  # rows -> a reused int32 bitmask [rows, words]
+        self._work = work or RowWork()
+        self._local = threading.local()  # each thread's serial BatchGrammarMatcher
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def add(self, seq_id: int, compiled) -> None:
+        import xgrammar as xgr
+
+        self._matchers[seq_id] = xgr.GrammarMatcher(compiled)
+        self._stop_ids[seq_id] = frozenset(compiled.tokenizer_info.stop_token_ids)
+
+    def remove(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)
+        self._stop_ids.pop(seq_id, None)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._matchers
+
+    def accept_tokens(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> set[int]:
+        """Advance the matchers of the constrained sequences among seq_ids by their tokens (one step's); returns
+        the ids of those that end on it: the grammar is complete (a stop token, which the mask allows only then)
+        or refused the token (never, with the mask: the sequence must stop). Their matchers are dropped."""
+        matchers = self._matchers
+        picked = [(s, t) for s, t in zip(seq_ids, token_ids) if s in matchers]
+        if not picked:
+            return set()
+        import xgrammar as xgr
+
+        rows, tokens = [matchers[s] for s, _ in picked], [t for _, t in picked]
+        accepted: list[bool] = [False] * len(rows)
+
+        def accept(lo: int, hi: int) -> None:
+            accepted[lo:hi] = xgr.BatchGrammarMatcher.batch_accept_token(rows[lo:hi], tokens[lo:hi])
+
+        self._work.run("accept", len(rows), accept)
+        ended = set()
+        for (seq_id, token_id), ok in zip(picked, accepted):
+            if not ok:
+                logger.warning("sequence %d: the grammar refused token %d; the sequence stops", seq_id, token_id)
+            if not ok or token_id in self._stop_ids[seq_id]:
+                ended.add(seq_id)
+                self.remove(seq_id)
+        return ended
+
+    def fill(self, seq_ids: Sequence[int]):
+        """(positions in seq_ids of the constrained rows, their next-token bitmask [k, words] int32 on the CPU),
+        or None when none of the rows is constrained. A sequence whose grammar ended (a wasted row) has no
+        matcher any more (accept_tokens): its row is left out, its token dropped."""
+        matchers = self._matchers
+        positions = [i for i, s in enumerate(seq_ids) if s in matchers]
+        if not positions:
+            return None
+        rows = [matchers[seq_ids[i]] for i in positions]
+        bitmask = self._bitmask(len(rows))
+
+        def fill_rows(lo: int, hi: int) -> None:
+            self._serial().batch_fill_next_token_bitmask(rows[lo:hi], bitmask[lo:hi])
+
+        self._work.run("fill", len(rows), fill_rows)
+        return positions, bitmask
+
+    def _serial(self):
+        """This thread's BatchGrammarMatcher of one thread: a plain loop in C++, the GIL released."""
+        batch = getattr(self._local, "batch", None)
+        if batch is None:
+            import xgrammar as xgr
+
+            batch = self._local.batch = xgr.BatchGrammarMatcher(max_threads=1)
+        return batch
+
+    def _bitmask(self, rows: int):
+        # Power-of-two sizes, sliced: a handful of buffers however the batch changes. Pinned beside a GPU, so
+        # that the copy to the device does not wait for the step's forward; two per size in turn, as a step's
+        # copy may still be queued while the next step's masks are filled.
+        size = 1 << (rows - 1).bit_length()
+        bufs = self._bitmasks.get(size)
+        if bufs is None:
+            import torch
+            import xgrammar as xgr
+
+            pin = torch.cuda.is_available()
+            bufs = self._bitmasks[size] = [xgr.allocate_token_bitmask(size, self.vocab_size) for _ in range(2)]
+            if pin:
+                bufs[:] = [b.pin_memory() for b in bufs]
+        bufs.reverse()
+        return bufs[0][:rows]
