@@ -8,7 +8,7 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 
 from ostinato.engine.grammar import GrammarCompiler  # noqa: E402
-from ostinato.engine.grammar_set import GrammarSet, RowWork  # noqa: E402
+from ostinato.engine.grammar_set import SPLIT_RETRY, GrammarSet, RowWork  # noqa: E402
 from ostinato.structured_outputs import StructuredOutputs  # noqa: E402
 from ostinato.tools.checkpoint import eos_token_ids, make_checkpoint  # noqa: E402
 
@@ -84,14 +84,28 @@ def test_row_work_splits_only_work_worth_a_chunk():
     assert work.chunks("fill", 64) == 1  # nothing measured yet: one chunk, which measures
     spans = []
     work.run("fill", 64, lambda lo, hi: spans.append((lo, hi)))
-    assert spans == [(0, 64)]
-    work._row_seconds["fill"] = 2e-6  # 64 rows of 2 us: 128 us, one chunk's worth
+    assert spans == [(0, 64)] and work.timing("fill").row_seconds > 0
+    timing = work.timing("fill")
+    timing.row_seconds = 2e-6  # 64 rows of 2 us: 128 us, one chunk's worth
     assert work.chunks("fill", 64) == 1
-    work._row_seconds["fill"] = 5e-6  # 320 us: three chunks of at least 100 us
+    timing.row_seconds = 5e-6  # 320 us: three chunks of at least 100 us
     assert work.chunks("fill", 64) == 3
-    work._row_seconds["fill"] = 1e-3  # every thread, never more chunks than rows
+    timing.row_seconds = 1e-3  # every thread, never more chunks than rows
     assert work.chunks("fill", 64) == 4 and work.chunks("fill", 2) == 2
     spans.clear()
     work.run("fill", 10, lambda lo, hi: spans.append((lo, hi)))
     assert sorted(spans) == [(0, 2), (2, 5), (5, 7), (7, 10)]
     work.shutdown()
+
+
+def test_row_work_keeps_one_chunk_while_splits_do_not_pay():
+    work = RowWork(helpers=3, min_chunk_seconds=100e-6)
+    timing = work.timing("accept")
+    timing.row_seconds, timing.split_share = 1e-3, 1.5  # the last splits took longer than one chunk
+    chosen = []
+    for _ in range(2 * SPLIT_RETRY):
+        chosen.append(work.chunks("accept", 64))
+        timing.calls += 1
+    assert chosen.count(4) == 2 and chosen.count(1) == 2 * SPLIT_RETRY - 2  # a split now and then, to re-measure
+    timing.split_share = 0.4  # they pay again
+    assert work.chunks("accept", 64) == 4

@@ -25,28 +25,54 @@ logger = logging.getLogger(__name__)
 # rarely hold enough grammar work for more).
 HELPER_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 # The least work (seconds) worth a chunk of its own: a few times what handing a chunk to a helper and back costs
-# (tens of microseconds), so that a split pays even on a busy host. A step of JSON rows (a few microseconds each
-# to accept or fill) stays in one chunk up to about 64 rows; slower grammars and larger batches split.
+# (tens of microseconds on an idle host), so that a split pays. A step of JSON rows (a few microseconds each to
+# accept or fill) stays in one chunk up to about 64 rows; slower grammars and larger batches split.
 MIN_CHUNK_SECONDS = 100e-6
+# A split must take at most this share of the one-chunk time, or the work stays in one chunk (a host whose cores
+# are busy hands chunks over slowly). Every SPLIT_RETRY calls the other way runs, to measure it again.
+SPLIT_MAX_SHARE = 0.8
+SPLIT_RETRY = 64
+
+
+class _Timing:
+    """What one kind of work cost lately: seconds per row in one chunk, and a split's time as a share of that."""
+
+    def __init__(self):
+        self.row_seconds: float | None = None
+        self.split_share = 0.0  # none measured: a split is tried when the work is large enough
+        self.calls = 0
 
 
 class RowWork:
-    """Runs `work(lo, hi)` over rows [0, n) in chunks: as many as the measured time per row of that kind of work
-    pays for (at most one per thread), the first in the calling thread, the others in persistent helpers."""
+    """Runs `work(lo, hi)` over rows [0, n) in chunks, the first in the calling thread, the others in persistent
+    helpers: as many chunks as the measured time per row pays for (at most one per thread), and one chunk when
+    splits of that work have not paid lately."""
 
     def __init__(self, helpers: int = HELPER_THREADS, min_chunk_seconds: float = MIN_CHUNK_SECONDS):
         self.helpers, self.min_chunk_seconds = helpers, min_chunk_seconds
         self._pool: ThreadPoolExecutor | None = None
-        self._row_seconds: dict[str, float] = {}  # per kind of work: a running mean of its seconds per row
+        self._timings: dict[str, _Timing] = {}
+
+    def timing(self, kind: str) -> _Timing:
+        return self._timings.setdefault(kind, _Timing())
 
     def chunks(self, kind: str, rows: int) -> int:
+        most = max(1, min(self.helpers + 1, rows))
         if self.min_chunk_seconds <= 0:  # every thread, whatever the work (tests)
-            return max(1, min(self.helpers + 1, rows))
-        work = rows * self._row_seconds.get(kind, 0.0)  # unknown at first: one chunk, which measures it
-        return max(1, min(self.helpers + 1, rows, int(work / self.min_chunk_seconds)))
+            return most
+        t = self.timing(kind)
+        if t.row_seconds is None:  # unknown at first: one chunk, which measures it
+            return 1
+        n = min(most, int(rows * t.row_seconds / self.min_chunk_seconds))
+        if n <= 1:
+            return 1
+        split_pays = t.split_share <= SPLIT_MAX_SHARE
+        if t.calls % SPLIT_RETRY == SPLIT_RETRY - 1:
+            split_pays = not split_pays
+        return n if split_pays else 1
 
     def run(self, kind: str, rows: int, work: Callable[[int, int], Any]) -> None:
-        chunks = self.chunks(kind, rows)
+        chunks, t = self.chunks(kind, rows), self.timing(kind)
         t0 = time.perf_counter()
         if chunks == 1:
             work(0, rows)
@@ -58,10 +84,16 @@ class RowWork:
             work(bounds[0], bounds[1])
             for future in helped:
                 future.result()
-        # The chunks ran side by side: their total work is about the elapsed time times their number.
-        per_row = (time.perf_counter() - t0) * chunks / rows
-        before = self._row_seconds.get(kind)
-        self._row_seconds[kind] = per_row if before is None else 0.8 * before + 0.2 * per_row
+        self._record(t, chunks, rows, time.perf_counter() - t0)
+
+    @staticmethod
+    def _record(t: _Timing, chunks: int, rows: int, seconds: float) -> None:
+        t.calls += 1
+        if chunks == 1:
+            per_row = seconds / rows
+            t.row_seconds = per_row if t.row_seconds is None else 0.8 * t.row_seconds + 0.2 * per_row
+        elif t.row_seconds is not None:
+            t.split_share = 0.5 * t.split_share + 0.5 * seconds / (rows * t.row_seconds)
 
     def shutdown(self) -> None:
         if self._pool is not None:
