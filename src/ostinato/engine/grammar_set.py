@@ -105,69 +105,67 @@ class GrammarSet:
 
     def __init__(self, vocab_size: int, work: RowWork | None = None):
         self.vocab_size = vocab_size
-        self._matchers: dict[int, Any] = {}  # seq_id -> xgrammar GrammarMatcher
-        self._stop_ids: dict[int, frozenset[int]] = {}  # seq_id -> the tokens that end its grammar
+        self._rows: dict[int, tuple[Any, frozenset[int]]] = {}  # seq_id -> (GrammarMatcher, its grammar's stop ids)
         self._bitmasks: dict[int, Any] = {}  # rows -> a reused int32 bitmask [rows, words]
         self._work = work or RowWork()
         self._local = threading.local()  # each thread's serial BatchGrammarMatcher
 
     def __bool__(self) -> bool:
-        return bool(self._matchers)
+        return bool(self._rows)
 
     def add(self, seq_id: int, compiled) -> None:
         import xgrammar as xgr
 
-        self._matchers[seq_id] = xgr.GrammarMatcher(compiled)
-        self._stop_ids[seq_id] = frozenset(compiled.tokenizer_info.stop_token_ids)
+        self._rows[seq_id] = (xgr.GrammarMatcher(compiled), frozenset(compiled.tokenizer_info.stop_token_ids))
 
     def remove(self, seq_id: int) -> None:
-        self._matchers.pop(seq_id, None)
-        self._stop_ids.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._matchers
+        return seq_id in self._rows
 
     def accept_tokens(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> set[int]:
         """Advance the matchers of the constrained sequences among seq_ids by their tokens (one step's); returns
         the ids of those that end on it: the grammar is complete (a stop token, which the mask allows only then)
         or refused the token (never, with the mask: the sequence must stop). Their matchers are dropped."""
-        matchers = self._matchers
-        picked = [(s, t) for s, t in zip(seq_ids, token_ids) if s in matchers]
+        rows = self._rows
+        picked = [(s, t, rows[s]) for s, t in zip(seq_ids, token_ids) if s in rows]
         if not picked:
             return set()
-        import xgrammar as xgr
+        accepted: list[bool] = [False] * len(picked)
 
-        rows, tokens = [matchers[s] for s, _ in picked], [t for _, t in picked]
-        accepted: list[bool] = [False] * len(rows)
+        def accept(lo: int, hi: int) -> None:  # one call a row: cheaper than xgrammar's batch call and its result
+            for i in range(lo, hi):
+                _, token_id, (matcher, _) = picked[i]
+                accepted[i] = matcher.accept_token(token_id)
 
-        def accept(lo: int, hi: int) -> None:
-            accepted[lo:hi] = xgr.BatchGrammarMatcher.batch_accept_token(rows[lo:hi], tokens[lo:hi])
-
-        self._work.run("accept", len(rows), accept)
+        self._work.run("accept", len(picked), accept)
         ended = set()
-        for (seq_id, token_id), ok in zip(picked, accepted):
+        for (seq_id, token_id, (_, stop_ids)), ok in zip(picked, accepted):
             if not ok:
                 logger.warning("sequence %d: the grammar refused token %d; the sequence stops", seq_id, token_id)
-            if not ok or token_id in self._stop_ids[seq_id]:
+            if not ok or token_id in stop_ids:
                 ended.add(seq_id)
-                self.remove(seq_id)
+                del rows[seq_id]
         return ended
 
     def fill(self, seq_ids: Sequence[int]):
         """(positions in seq_ids of the constrained rows, their next-token bitmask [k, words] int32 on the CPU),
         or None when none of the rows is constrained. A sequence whose grammar ended (a wasted row) has no
         matcher any more (accept_tokens): its row is left out, its token dropped."""
-        matchers = self._matchers
-        positions = [i for i, s in enumerate(seq_ids) if s in matchers]
+        rows = self._rows
+        positions = [i for i, s in enumerate(seq_ids) if s in rows]
         if not positions:
             return None
-        rows = [matchers[seq_ids[i]] for i in positions]
-        bitmask = self._bitmask(len(rows))
+        matchers = [rows[seq_ids[i]][0] for i in positions]
+        k = len(matchers)
+        bitmask = self._bitmask(k)
 
         def fill_rows(lo: int, hi: int) -> None:
-            self._serial().batch_fill_next_token_bitmask(rows[lo:hi], bitmask[lo:hi])
+            part = (matchers, bitmask) if hi - lo == k else (matchers[lo:hi], bitmask[lo:hi])
+            self._serial().batch_fill_next_token_bitmask(*part)
 
-        self._work.run("fill", len(rows), fill_rows)
+        self._work.run("fill", k, fill_rows)
         return positions, bitmask
 
     def _serial(self):
