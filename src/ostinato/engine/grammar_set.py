@@ -89,6 +89,8 @@ class RowWork:
     @staticmethod
     def _record(t: _Timing, chunks: int, rows: int, seconds: float) -> None:
         t.calls += 1
+        if t.calls == 1:  # the first call warms up (first touches, lazy set-up): not a measure
+            return
         if chunks == 1:
             per_row = seconds / rows
             t.row_seconds = per_row if t.row_seconds is None else 0.8 * t.row_seconds + 0.2 * per_row
