@@ -225,31 +225,50 @@ def job_from_hook(fn_info, compile_kwargs: dict) -> KernelJob | str:
     return job
 
 
+class _SkippedLaunch:
+    """Stands in Triton's in-memory kernel cache for a specialisation already recorded, for the rest of the
+    pass: its later launches (every layer's) find it and launch nothing, without the hook's cost. These four
+    are what JITFunction.run asks of a cached kernel (no `result`: it is no pending compile)."""
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args: Any) -> None:
+        return None
+
+    def run(self, *args: Any) -> None:
+        return None
+
+
 @dataclass
 class Recording:
     jobs: dict[str, KernelJob] = field(default_factory=dict)  # by launch cache key: distinct specialisations
-    launches: int = 0  # launches seen (every one skipped)
-    not_recordable: list[str] = field(default_factory=list)  # why a launch could not become a job
+    met: int = 0  # (kernel, in-memory key) pairs the hook met: each specialisation's first launch
+    not_recordable: list[str] = field(default_factory=list)  # why a specialisation could not become a job
     step_errors: list[str] = field(default_factory=list)
-    # Triton's in-memory key of each specialisation met -> its job (or why none): a kernel launches in every
-    # layer of every step, and its cache key costs a source hash.
-    _seen: dict[tuple, KernelJob | str] = field(default_factory=dict)
+    _stubs: list[tuple[dict, Any]] = field(default_factory=list)  # (kernel cache, key) of each _SkippedLaunch
 
     def hook(self, *, key=None, fn=None, compile=None, **_: Any) -> bool:
-        self.launches += 1
-        seen = (id(getattr(fn, "jit_function", fn)), str(key), compile.get("device") if compile else None)
-        job = self._seen.get(seen)
-        if job is None:
-            try:
-                job = job_from_hook(fn, compile)
-            except Exception as e:  # noqa: BLE001  (a Triton whose hook carries other fields: left to the launch)
-                job = f"{getattr(fn, 'name', fn)}: {type(e).__name__}: {e}"
-            self._seen[seen] = job
-            if isinstance(job, str):
-                self.not_recordable.append(job)
-            else:
-                self.jobs.setdefault(job.expected_hash, job)
+        self.met += 1
+        try:
+            job = job_from_hook(fn, compile)
+        except Exception as e:  # noqa: BLE001  (a Triton whose hook carries other fields: left to the launch)
+            job = f"{getattr(fn, 'name', fn)}: {type(e).__name__}: {e}"
+        try:
+            kernels = fn.jit_function.device_caches[compile["device"]][0]
+            kernels[key] = _SkippedLaunch()
+            self._stubs.append((kernels, key))
+        except Exception:  # noqa: BLE001  (then every launch of it comes to this hook again: slower, as right)
+            pass
+        if isinstance(job, str):
+            self.not_recordable.append(job)
+        else:
+            self.jobs.setdefault(job.expected_hash, job)
         return True  # skip: neither compile nor launch
+
+    def remove_stubs(self) -> None:
+        for kernels, key in self._stubs:
+            if isinstance(kernels.get(key), _SkippedLaunch):
+                del kernels[key]
+        self._stubs.clear()
 
 
 def record_kernels(steps: Sequence[Callable[[], Any]], knobs: Any) -> Recording:
@@ -259,12 +278,15 @@ def record_kernels(steps: Sequence[Callable[[], Any]], knobs: Any) -> Recording:
     knobs.jit_cache_hook = recording.hook
     try:
         with _in_memory_caches_set_aside():
-            for i, step in enumerate(steps):
-                try:
-                    with ValuesOff():
-                        step()
-                except Exception as e:  # noqa: BLE001  (the step's later kernels are left to the capture)
-                    recording.step_errors.append(f"step {i + 1}: {type(e).__name__}: {e}"[:300])
+            try:
+                for i, step in enumerate(steps):
+                    try:
+                        with ValuesOff():
+                            step()
+                    except Exception as e:  # noqa: BLE001  (the step's later kernels are left to the capture)
+                        recording.step_errors.append(f"step {i + 1}: {type(e).__name__}: {e}"[:300])
+            finally:
+                recording.remove_stubs()
     finally:
         knobs.jit_cache_hook = previous
     return recording
@@ -273,8 +295,7 @@ def record_kernels(steps: Sequence[Callable[[], Any]], knobs: Any) -> Recording:
 @dataclass(frozen=True)
 class CompileAheadReport:
     steps: int  # the step functions recorded
-    launches: int  # Triton launches they made (recorded and skipped)
-    distinct: int  # distinct specialisations among them
+    distinct: int  # distinct specialisations their Triton launches need
     cached: int  # of those, already in the on-disk cache
     compiled: int  # compiled by the workers under the launch's key
     failed: int  # sent to the workers but not compiled under the launch's key
@@ -286,8 +307,8 @@ class CompileAheadReport:
 
     def summary(self, what: str) -> str:
         line = (f"compiled {self.compiled} Triton kernels ahead for {what} in {self.compile_seconds:.2f} s "
-                f"({self.workers} processes; {self.distinct} distinct of {self.launches} launches over "
-                f"{self.steps} steps, recorded in {self.record_seconds:.2f} s; {self.cached} already cached)")
+                f"({self.workers} processes; {self.distinct} distinct specialisations over {self.steps} steps, "
+                f"recorded in {self.record_seconds:.2f} s; {self.cached} already cached)")
         if self.problems:
             line += (f"; left to be compiled where launched ({self.failed} failed, {self.unrecorded} not "
                      "recordable, or a step stopped early): " + "; ".join(self.problems[:3]))
@@ -321,7 +342,7 @@ def _record_and_compile(steps: Sequence[Callable[[], Any]], pool: CompilePool, k
     problems = [*recording.step_errors, *dict.fromkeys(recording.not_recordable),
                 *(f"{r.job.label}: {r.error or 'compiled under another cache key than the launch computes'}"
                   for r in results if not r.matched)]
-    return CompileAheadReport(len(steps), recording.launches, len(recording.jobs), len(recording.jobs) - len(todo),
+    return CompileAheadReport(len(steps), len(recording.jobs), len(recording.jobs) - len(todo),
                               len(compiled), len(results) - len(compiled), len(set(recording.not_recordable)),
                               pool.workers, t1 - t0, time.perf_counter() - t1, tuple(problems))
 
