@@ -207,6 +207,10 @@ class CompilePool:
             t.start()
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [p for p, t in zip(self._procs, threads) if t.is_alive()]
+        for proc in stuck:  # out of time mid-compile: its late answer must not be taken for a later job's
+            proc.kill()
+        self._procs = [p for p in self._procs if p not in stuck]
         with lock:
             done = {id(r.job) for r in results}
             missing = [j for j in jobs if id(j) not in done]

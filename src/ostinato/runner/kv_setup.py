@@ -144,7 +144,7 @@ def _estimate_prefill_graph_bytes(spec: KVSpec, backend: CudaGraphBackend) -> in
     caches = allocate_kv_cache(spec, tmp_blocks)
     probe = make_prefill_graphs(spec, tmp_blocks, (max(spec.graph_config.prefill_sizes),), False, backend)
     try:
-        return probe.capture().total_bytes
+        return capture_prefill_graphs(spec, probe, []).total_bytes
     finally:
         del probe, caches
         gc.collect()
@@ -185,6 +185,13 @@ def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[s
     ids = torch.randint(0, spec.model_config.vocab_size, (distinct,), device=dev)
     repeat = torch.arange(size, device=dev) % distinct
     return {"batch": layout.pack(ids[repeat], pos[repeat], tables[repeat])}
+
+
+def _profile_activation_peak_kernels_ahead(spec: KVSpec) -> int:
+    """_profile_activation_peak, its prefill's Triton kernels compiled ahead first, as the graphs' are."""
+    if spec.compile_pool is not None:
+        compile_ahead([functools.partial(_profile_activation_peak, spec)], spec.compile_pool, "the memory profile")
+    return _profile_activation_peak(spec)
 
 
 def _profile_activation_peak(spec: KVSpec) -> int:
@@ -229,9 +236,10 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
     step, probe, probe_processors = make_graph_runner(spec, tmp_blocks, (largest,), False, "error", progress=False,
                                                       backend=backend)
     try:
-        report = probe.capture()
+        report = capture_with_kernels_ahead(spec, probe, "the decode graph probe", [])
         probe_processors.share_output_of(probe)
-        return report.total_bytes + probe_processors.capture().total_bytes
+        return report.total_bytes + capture_with_kernels_ahead(spec, probe_processors, "its processors' probe",
+                                                               []).total_bytes
     finally:
         del probe, probe_processors, step, caches
         gc.collect()
@@ -306,7 +314,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     else:
         logger.info("profiling a worst-case step to size the KV cache")
         t0 = time.perf_counter()
-        activation = _profile_activation_peak(spec)
+        activation = _profile_activation_peak_kernels_ahead(spec)
         free, total = torch.cuda.mem_get_info()
         # Everything in use now except the allocator's cached free memory: weights, CUDA context, other
         # processes. Charged as "weights" so the budget counts the whole device, as vLLM does. Read before
