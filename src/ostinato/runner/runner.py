@@ -31,6 +31,7 @@ steps run eager (the GPU work dominates there), counted in the prefill step stat
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from ostinato.contract import ScheduledSeq, SchedulerOutput, StepResult
 from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, rank_view
 from ostinato.runner.backends import make_backend, pdl_status, pick_device  # noqa: F401 - re-exported
+from ostinato.runner.compile_ahead import compile_ahead
+from ostinato.runner.compile_pool import start_compile_pool
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
 from ostinato.runner.sampling_state import FLAGS
@@ -85,6 +88,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.compile_watch.install()
         self.block_size = config.kv_pool.block_size
+        # Started before the weights load: its processes import Triton meanwhile (runner/compile_ahead.py).
+        self.compile_pool = start_compile_pool(self.device.type, tp.world_size, not self.graph_config.enforce_eager)
         self._load_model()
         self._allocate_kv_and_graphs(agree_num_blocks)
         # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
@@ -100,6 +105,9 @@ class ModelRunner:
             self.model, self.prefill_graphs, self.block_size, self.scratch_block, self.device, config.seed)
         if cuda:
             self._warm_up()
+        if self.compile_pool is not None:
+            self.compile_pool.close()
+            self.compile_pool = None
 
     def _load_model(self) -> None:
         logger.info("loading weights from %s", self.config.model_dir)
@@ -122,7 +130,7 @@ class ModelRunner:
             make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, config.seed,
                                                 config.model.vocab_size, config.batch_invariant),
             agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
-            compile_watch=self.compile_watch)
+            compile_watch=self.compile_watch, compile_pool=self.compile_pool)
         setup = allocate_kv_and_graphs(self.kv_spec)
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
@@ -142,8 +150,11 @@ class ModelRunner:
         logger.info("decoder kernels: %s (%s)", self.model.kernels.name,
                     pdl_status(self.config.pdl, self.backend.pdl, self.device))
         scheduler = self.scheduler_config
-        ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
-                                       self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
+        warm_up = functools.partial(warm_up_prefill, self.model, self.sampler, self.block_size, self.scratch_block,
+                                    self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
+        if self.compile_pool is not None:
+            compile_ahead([warm_up], self.compile_pool, "the prefill warm-up")
+        ran, seconds = warm_up()
         logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
                     self.compile_watch.compiles_at_startup, seconds)
         self.compile_watch.seal()
