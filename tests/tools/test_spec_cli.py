@@ -34,7 +34,7 @@ def test_the_flags_reach_the_engine_and_the_start_up_log(ckpt, caplog, capsys):
 @pytest.mark.parametrize("kwargs, says", [
     (dict(speculative_method="ngram", tensor_parallel_size=2), "--tensor-parallel-size 1"),
     (dict(speculative_method="ngram", batch_invariant=True), "--batch-invariant"),
-    (dict(speculative_method="draft"), "not implemented yet"),
+    (dict(speculative_method="draft"), "needs --speculative-model PATH"),
     (dict(speculative_method="medusa"), "must be one of ngram, draft"),
     (dict(num_speculative_tokens=3), "need --speculative-method"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "--num-speculative-tokens must be"),

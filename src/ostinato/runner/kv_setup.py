@@ -60,6 +60,9 @@ class KVSpec:
     # captures, which the global mode would count as an error; a host sync in the step still fails capture.
     capture_error_mode: str = "global"
     compile_watch: CompileWatch | None = None  # names a Triton compile that broke a capture (graph_backends.py)
+    # Bytes per block of another KV pool allocated beside this one under the same block ids (the speculative
+    # draft model's, runner/draft.py): the budget pays for both.
+    extra_block_bytes: int = 0
 
 
 @dataclass
@@ -294,7 +297,8 @@ def check_decode_graphs(spec: KVSpec, step: DecodeStep, runners: tuple[CudaGraph
 
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
-    block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
+    block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size,
+                                 spec.dtype.itemsize) + spec.extra_block_bytes
     max_len = spec.scheduler_config.max_model_len
     lines, plan = [], None
     sizes = gc_cfg.capture_sizes
