@@ -76,7 +76,9 @@ class DraftModel:
                            dtype=dtype, device=device)
         model.bind_kv_caches([(pool[i, 0], pool[i, 1]) for i in range(config.num_layers)])
         self.prefill_graphs: PrefillGraphs | None = None  # capture_graphs() sets them on a GPU
-        self.override = None  # bench spec's forced acceptance (tools/bench/spec.py): None in service
+        # `ostinato bench spec --draft-acceptance` (tools/bench/spec.py, ForcedAcceptance): sees each step
+        # (observe(out)) and may replace each draft step's tokens (override(seqs, j, drawn)); None in service.
+        self.override = None
 
     def capture_graphs(self, kv_spec: KVSpec, backend) -> None:
         """The draft's own prefill graphs, at the model's captured token counts (a draft step of B rows is a
@@ -92,6 +94,8 @@ class DraftModel:
 
     def propose(self, out: SchedulerOutput) -> DraftProposals:
         """Run the draft over the step (see the module docstring) and fill the verify rows' placeholders."""
+        if self.override is not None:
+            self.override.observe(out)
         verify = [s for s in out.seqs if s.verify]
         k = [len(s.token_ids) - 1 for s in verify]
         first = SchedulerOutput("prefill", tuple(_first_chunk(s) for s in out.seqs))
