@@ -88,13 +88,11 @@ def test_bench_spec_forces_a_drafts_acceptance_and_keeps_the_output(tmp_path):
     at every P."""
     draft = make_checkpoint(tmp_path / "draft", shape="tiny", family="llama", seed=2)
     target = make_checkpoint(tmp_path / "target", shape="tiny", family="llama", seed=1)
-    runs = {}
-    for p in (0.0, 0.7, 1.0):
-        out = tmp_path / f"spec-{p}.json"
-        assert cli.main(["bench", "spec", str(target), *ENGINE_FLAGS, "--speculative-method", "draft",
-                         "--speculative-model", str(draft), "--num-speculative-tokens", "3", "--draft-acceptance",
-                         str(p), "--batch-sizes", "2", "--max-tokens", "40", "--output-json", str(out)]) == 0
-        runs[p] = json.loads(out.read_text())["rows"][0]
+    out = tmp_path / "spec.json"
+    assert cli.main(["bench", "spec", str(target), *ENGINE_FLAGS, "--speculative-method", "draft",
+                     "--speculative-model", str(draft), "--num-speculative-tokens", "3", "--draft-acceptance",
+                     "0,0.7,1", "--batch-sizes", "2", "--max-tokens", "40", "--output-json", str(out)]) == 0
+    runs = {r["draft_acceptance"]: r for r in json.loads(out.read_text())["rows"]}
     assert runs[0.0]["acceptance_rate"] == 0.0 and runs[1.0]["acceptance_rate"] == 1.0
     # Three proposals, each agreeing with probability 0.7: 0.7 + 0.49 + 0.343 accepted of 3 on average.
     assert runs[0.7]["acceptance_rate"] == pytest.approx((0.7 + 0.49 + 0.343) / 3, abs=0.15)

@@ -12,7 +12,7 @@ figure): the forward over k + 1 tokens per row, its logits, the draw of every po
 read to the host. It needs --speculative-method (the runner then builds the verify step); with a draft model it
 times the draft's steps too.
 
-bench spec --draft-acceptance P (with --speculative-method draft): where a draft pays, as a function of how
+bench spec --draft-acceptance P[,P...] (with --speculative-method draft, one row per batch size and P): where a draft pays, as a function of how
 often it agrees with the model. Each batch is first generated once to learn the model's greedy tokens (the
 same with or without speculation); then, timed, each proposal the draft makes is replaced by the model's own
 token with probability P and by another token otherwise (`ForcedAcceptance`), so a proposal is accepted with
@@ -39,6 +39,15 @@ TEXTS = [
 ]
 
 
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def register(sub) -> None:
     from ostinato.cli_args import add_engine_args, int_list
 
@@ -47,9 +56,10 @@ def register(sub) -> None:
     p.add_argument("--batch-sizes", type=int_list, default=(1, 8))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--output-json", default=None)
-    p.add_argument("--draft-acceptance", type=float, default=None, metavar="P",
+    p.add_argument("--draft-acceptance", type=float_list, default=None, metavar="P[,P...]",
                    help="with --speculative-method draft: replace each proposal by the model's own token with "
-                        "probability P (else by another token), to see the speed at a given acceptance rate")
+                        "probability P (else by another token), to see the speed at a given acceptance rate; "
+                        "one row per batch size and P")
     p.set_defaults(func=run_spec)
 
     p = sub.add_parser("bench-verify", help="the verify step's cost for k = 0..max-k against a one-token step")
@@ -148,7 +158,7 @@ def spec_engine_args(args):
     if args.speculative_method != "draft":
         raise ConfigError("--draft-acceptance replaces a draft model's proposals: add --speculative-method draft "
                           "--speculative-model PATH")
-    if not 0.0 <= args.draft_acceptance <= 1.0:
+    if not all(0.0 <= p <= 1.0 for p in args.draft_acceptance):
         raise ConfigError(f"--draft-acceptance must be in [0, 1], got {args.draft_acceptance}")
     return replace(engine_args, enable_prefix_caching=False)
 
@@ -163,29 +173,36 @@ def run_spec(args) -> int:
     for bs in args.batch_sizes:
         convs = conversations(bs)
         llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-        if args.draft_acceptance is not None:
-            force_acceptance(llm, args.draft_acceptance, convs, params)
-        before = llm.engine.stats()
-        seconds, outs = timed(lambda: llm.chat(convs, params))
-        after = llm.engine.stats()
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        drafts = after.spec_decode_drafts - before.spec_decode_drafts
-        proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
-        accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
-        row = {"batch": bs, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-               "acceptance_rate": accepted / proposed if proposed else None,
-               "mean_accepted_length": 1 + accepted / drafts if drafts else None,
-               "token_ids": [o.outputs[0].token_ids for o in outs]}
-        rows.append(row)
-        spec = ("" if not proposed else f"  acceptance {row['acceptance_rate']:.2f}  mean accepted length "
-                f"{row['mean_accepted_length']:.2f}")
-        print(f"bs {bs:>3}  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s{spec}", flush=True)
+        for p in args.draft_acceptance or [None]:
+            if p is not None:
+                force_acceptance(llm, p, convs, params)
+            rows.append(timed_row(llm, convs, params, bs, p))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "speculative_method": args.speculative_method,
-                       "speculative_model": args.speculative_model, "draft_acceptance": args.draft_acceptance,
+                       "speculative_model": args.speculative_model,
                        "num_speculative_tokens": args.num_speculative_tokens, "rows": rows}, f, indent=2)
     return 0
+
+
+def timed_row(llm, convs, params, bs: int, forced: float | None) -> dict:
+    """One timed LLM.chat call of the batch, its tok/s and the speculation counters it moved (printed too)."""
+    before = llm.engine.stats()
+    seconds, outs = timed(lambda: llm.chat(convs, params))
+    after = llm.engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = after.spec_decode_drafts - before.spec_decode_drafts
+    proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
+    accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
+    row = {"batch": bs, "draft_acceptance": forced, "output_tokens": tokens, "seconds": seconds,
+           "tokens_per_s": tokens / seconds, "acceptance_rate": accepted / proposed if proposed else None,
+           "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+           "token_ids": [o.outputs[0].token_ids for o in outs]}
+    spec = ("" if not proposed else f"  acceptance {row['acceptance_rate']:.2f}  mean accepted length "
+            f"{row['mean_accepted_length']:.2f}")
+    forcing = "" if forced is None else f"  (forced P = {forced:g})"
+    print(f"bs {bs:>3}  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s{spec}{forcing}", flush=True)
+    return row
 
 
 def verify_step(runner, batch: int, context: int, k: int, rng: random.Random):
