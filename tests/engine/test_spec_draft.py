@@ -7,6 +7,7 @@ proposal's K/V kept, a position missed after all proposals were accepted, a pref
 draft's K/V, a recompute that skipped it), and a checkpoint of another seed, whose proposals are almost all
 rejected. Greedy output must equal the plain run's with both, and every KV block must be free afterwards."""
 
+import numpy as np
 import pytest
 
 from ostinato import LLM, SamplingParams
@@ -126,3 +127,52 @@ def test_a_draft_of_another_vocabulary_is_refused(ckpts):
     with pytest.raises(ConfigError, match="vocabulary of 509 tokens, the model 512"):
         make(ckpts, "vocab509")
 
+
+
+def test_sampled_tokens_with_a_near_draft_follow_the_models_distribution_chi_square(ckpts, tmp_path):
+    """End to end, rejection sampling against a draft that agrees in part (the model's weights plus noise, so
+    proposals are both accepted and rejected): 400 sequences of one prompt at temperature 1 with top-k 3 (engine
+    seed 1), each verifying one proposal for its second token. Grouped by the first token (one context per
+    group), the second token follows the model's own distribution there, which the sequences' logprobs give (the
+    raw distribution's top 3, renormalised). Fails below a p-value of 1e-3 in any group of 80 or more. The
+    exact rule is tested on more draws in tests/runner/test_spec_verify.py; this is the engine's plumbing."""
+    from scipy.stats import chisquare
+
+    near = noisy_copy(ckpts["target"], tmp_path / "near", noise=0.1)
+    llm = LLM(ckpts["target"], device="cpu", dtype="float32", block_size=4, num_kv_blocks=800, max_model_len=16,
+              max_num_seqs=200, seed=1, speculative_method="draft", speculative_model=near, num_speculative_tokens=1)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, logprobs=3, n=400)
+    groups: dict[int, list] = {}
+    for c in llm.generate([[3, 1, 4, 1, 5]], params)[0].outputs:
+        groups.setdefault(c.token_ids[0], []).append((c.token_ids[1], c.logprobs[1].top))
+    tested = 0
+    for samples in groups.values():
+        if len(samples) < 80:
+            continue
+        top = samples[0][1]  # the model's top 3 at the second position: one context for the whole group
+        p = np.exp([lp for _, lp in top])
+        counts = np.array([sum(t == i for t, _ in samples) for i, _ in top])
+        assert counts.sum() == len(samples)  # no token outside the top 3
+        expected = p / p.sum() * len(samples)
+        assert chisquare(counts, expected).pvalue > 1e-3, (counts, expected)
+        tested += 1
+    assert tested >= 2
+    st = llm.engine.stats()
+    assert 0.1 < st.spec_decode_accepted_tokens / st.spec_decode_draft_tokens < 0.9  # accepted and rejected
+    assert_clean(llm)
+
+
+def noisy_copy(src: str, dst, noise: float) -> str:
+    """A copy of checkpoint src whose matrices carry Gaussian noise of `noise` times their own std."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(f"{dst}/model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    weights = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen) if v.ndim > 1 else v
+               for k, v in weights.items()}
+    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)

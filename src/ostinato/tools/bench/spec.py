@@ -12,13 +12,13 @@ figure): the forward over k + 1 tokens per row, its logits, the draw of every po
 read to the host. It needs --speculative-method (the runner then builds the verify step); with a draft model it
 times the draft's steps too.
 
-bench spec --draft-acceptance P[,P...] (with --speculative-method draft, one row per batch size and P): where a draft pays, as a function of how
-often it agrees with the model. Each batch is first generated once to learn the model's greedy tokens (the
-same with or without speculation); then, timed, each proposal the draft makes is replaced by the model's own
-token with probability P and by another token otherwise (`ForcedAcceptance`), so a proposal is accepted with
-probability P whatever the draft. The draft's steps still run and cost what they cost, and the output is
-still the model's greedy output. Prefix caching is off in this mode: the replacement finds a sequence's
-reference by its prompt, which it reads from the prompt's chunks as they are computed.
+bench spec --draft-acceptance P[,P...] (with --speculative-method draft, one row per batch size and P): where a
+draft pays, as a function of how often it agrees with the model. Each batch is first generated once to learn the
+model's greedy tokens (the same with or without speculation); then, timed, each proposal the draft makes is
+replaced by the model's own token with probability P and by another token otherwise (`ForcedAcceptance`), so a
+proposal is accepted with probability P whatever the draft. The draft's steps still run and cost what they cost,
+and the output is still the model's greedy output. Prefix caching is off in this mode: the replacement finds a
+sequence's reference by its prompt, which it reads from the prompt's chunks as they are computed.
 """
 
 from __future__ import annotations
