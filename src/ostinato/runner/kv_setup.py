@@ -368,8 +368,9 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
                      f"{prefill_capture.seconds:.2f} s")
     elif gc_cfg.prefill_sizes:
         lines.append(f"prefill graphs disabled: {prefill.graphs.disabled_cause}")
+    draft = ", the draft model's pool included" if spec.extra_block_bytes else ""
     lines.append(f"KV cache: {num_blocks} blocks x {spec.block_size} tokens "
-                 f"({num_blocks * block_bytes / 2**30:.3f} GiB)")
+                 f"({num_blocks * block_bytes / 2**30:.3f} GiB{draft})")
     report = "\n".join(lines)
     for line in report.splitlines():
         logger.info(line)
