@@ -368,14 +368,19 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
                      f"{prefill_capture.seconds:.2f} s")
     elif gc_cfg.prefill_sizes:
         lines.append(f"prefill graphs disabled: {prefill.graphs.disabled_cause}")
-    draft = ", the draft model's pool included" if spec.extra_block_bytes else ""
-    lines.append(f"KV cache: {num_blocks} blocks x {spec.block_size} tokens "
-                 f"({num_blocks * block_bytes / 2**30:.3f} GiB{draft})")
+    lines.append(_pool_line(spec, num_blocks, block_bytes))
     report = "\n".join(lines)
     for line in report.splitlines():
         logger.info(line)
     return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, processor_graphs,
                    processor_capture, report, plan, prefill, prefill_capture, backend)
+
+
+def _pool_line(spec: KVSpec, num_blocks: int, block_bytes: int) -> str:
+    """The start-up log's line on the KV pool (with the draft model's pool beside it, when there is one)."""
+    draft = ", the draft model's pool included" if spec.extra_block_bytes else ""
+    gib = num_blocks * block_bytes / 2**30
+    return f"KV cache: {num_blocks} blocks x {spec.block_size} tokens ({gib:.3f} GiB{draft})"
 
 
 def _summed(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
