@@ -73,8 +73,8 @@ def test_greedy_output_is_unchanged_with_a_draft_that_is_mostly_wrong(ckpts, pla
     assert_clean(llm)
 
 
-@pytest.mark.parametrize("kw", [dict(num_kv_blocks=26, max_num_seqs=6), dict(max_num_seqs=4, max_num_batched_tokens=12)],
-                         ids=["preemption", "chunked-prefill"])
+@pytest.mark.parametrize("kw", [dict(num_kv_blocks=26, max_num_seqs=6),
+                                dict(max_num_seqs=4, max_num_batched_tokens=12)], ids=["preemption", "chunked-prefill"])
 def test_preemption_and_chunked_prefill_keep_both_caches_consistent(ckpts, plain, kw):
     """A small pool preempts (both caches recomputed from the prompt); a step budget of 12 tokens prefills in
     chunks beside the verify rows: the own-checkpoint draft still proposes exactly the target's tokens."""
