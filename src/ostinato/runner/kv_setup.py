@@ -64,6 +64,9 @@ class KVSpec:
     # Worker processes that compile the graphs' Triton kernels before their capture (runner/compile_ahead.py);
     # None: the capture compiles them (CPU, tensor parallelism, eager).
     compile_pool: CompilePool | None = None
+    # Bytes per block of another KV pool allocated beside this one under the same block ids (the speculative
+    # draft model's, runner/draft.py): the budget pays for both.
+    extra_block_bytes: int = 0
 
 
 @dataclass
@@ -298,7 +301,8 @@ def check_decode_graphs(spec: KVSpec, step: DecodeStep, runners: tuple[CudaGraph
 
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
-    block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size, spec.dtype.itemsize)
+    block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size,
+                                 spec.dtype.itemsize) + spec.extra_block_bytes
     max_len = spec.scheduler_config.max_model_len
     lines, plan = [], None
     sizes = gc_cfg.capture_sizes
@@ -368,13 +372,19 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
                      f"{prefill_capture.seconds:.2f} s")
     elif gc_cfg.prefill_sizes:
         lines.append(f"prefill graphs disabled: {prefill.graphs.disabled_cause}")
-    lines.append(f"KV cache: {num_blocks} blocks x {spec.block_size} tokens "
-                 f"({num_blocks * block_bytes / 2**30:.3f} GiB)")
+    lines.append(_pool_line(spec, num_blocks, block_bytes))
     report = "\n".join(lines)
     for line in report.splitlines():
         logger.info(line)
     return KVSetup(CacheConfig(spec.block_size, num_blocks), caches, graphs, step, capture, processor_graphs,
                    processor_capture, report, plan, prefill, prefill_capture, backend)
+
+
+def _pool_line(spec: KVSpec, num_blocks: int, block_bytes: int) -> str:
+    """The start-up log's line on the KV pool (with the draft model's pool beside it, when there is one)."""
+    draft = ", the draft model's pool included" if spec.extra_block_bytes else ""
+    gib = num_blocks * block_bytes / 2**30
+    return f"KV cache: {num_blocks} blocks x {spec.block_size} tokens ({gib:.3f} GiB{draft})"
 
 
 def _summed(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
