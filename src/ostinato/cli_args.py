@@ -135,7 +135,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="propose tokens cheaply and verify them in one forward: ngram looks the sequence's last "
-                        "tokens up in its own prompt and output (greedy output is unchanged)")
+                        "tokens up in its own prompt and output, draft runs --speculative-model (the output's "
+                        "distribution, and greedy output, are unchanged)")
     s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"tokens proposed per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     s.add_argument("--prompt-lookup-min", "--ngram-min", type=int, default=1, metavar="N",
@@ -143,7 +144,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-lookup-max", "--ngram-max", type=int, default=4, metavar="N",
                    help="largest n-gram ngram matches on (tried first)")
     s.add_argument("--speculative-model", default=None, metavar="PATH",
-                   help="the draft model of --speculative-method draft (not implemented yet)")
+                   help="the draft model of --speculative-method draft: a smaller model with the same "
+                        "tokenizer (a folder, a .gguf file or a hub id)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -25,7 +25,7 @@ from ostinato.model_config import (  # noqa: F401 - re-exported
     QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization, default_served_model_name,
     looks_like_hub_id, quantization_label,
 )
-from ostinato.speculative_config import SpeculativeConfig, speculative_config
+from ostinato.speculative_config import SpeculativeConfig, resolve_speculative, speculative_config
 
 if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the kernels
     from ostinato.kernels.decode_plan import DecodeTuning
@@ -236,7 +236,8 @@ class EngineArgs:
     # lm_head stay as stored). An FP8 checkpoint (config.json's quantization_config) runs as stored either way.
     quantization: str | None = None
     # Speculative decoding (vLLM's names; speculative_config.py checks them): "ngram" proposes up to
-    # num_speculative_tokens tokens a step by prompt lookup, and one forward verifies them.
+    # num_speculative_tokens tokens a step by prompt lookup, "draft" by decode steps of speculative_model (a
+    # smaller model of the same vocabulary), and one forward verifies them.
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 1
@@ -355,12 +356,14 @@ class EngineArgs:
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
                            min(self.prefill_graph_max_seqs, self.max_num_seqs), self.mixed_step)
 
-    def resolve(self, model_dir: str | Path | None = None, device: str | None = None) -> EngineConfig:
+    def resolve(self, model_dir: str | Path | None = None, device: str | None = None,
+                draft_model_dir: str | Path | None = None) -> EngineConfig:
         """Check the flags against the checkpoint (its config.json is read here, once) and split them per component.
 
         model_dir: the HF folder `model` names (default `model` itself; model/gguf_sources.resolve_model_dir turns
         a GGUF file or short name into one). device: "cuda" or "cpu", what --device auto picked (default --device;
-        config imports no torch, so the caller asks torch)."""
+        config imports no torch, so the caller asks torch). draft_model_dir: the HF folder --speculative-model
+        names, resolved the same way (default the flag itself)."""
         model_dir = str(model_dir if model_dir is not None else self.model)
         device = device or self.device
         if device not in ("cuda", "cpu"):
@@ -383,7 +386,7 @@ class EngineArgs:
             kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization),
             dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
             decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant,
-            speculative=speculative_config(self))
+            speculative=resolve_speculative(self, model, draft_model_dir))
         defaults, source = read_generation_defaults(self.generation_config, model_dir)
         return EngineConfig(
             runner=runner, parallel=self.parallel_config(), model_source=self.model,

@@ -42,6 +42,11 @@ class LogitsSpec:
         return self.params.penalized or any(len(w) > 1 for w in self.bad_words)
 
 
+# A proposed token of --speculative-method draft as the scheduler schedules it: the runner's draft model
+# fills it in before the verify forward (runner/draft.py). Not a token id, so an unfilled one fails loudly.
+DRAFT_PLACEHOLDER = -1
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     """A prefill chunk of one sequence in this step.
@@ -68,6 +73,10 @@ class ScheduledSeq:
     # its positions are sampled; the runner returns the tokens up to and including the first that differs
     # from a proposal (engine/speculative.py).
     verify: bool = False
+    # --speculative-method draft: the tokens just before token_ids[0] that the draft model has not computed yet
+    # (the last accepted proposal when a row accepted all of them), which its first step feeds before the
+    # row's last token. The proposals in token_ids are DRAFT_PLACEHOLDER until the runner's draft fills them.
+    draft_prefix: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:

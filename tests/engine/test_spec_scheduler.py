@@ -7,9 +7,17 @@ hold the sequence's own accepted token. That is the assertion that no rejected t
 verify steps, trims, preemptions, chunked prefill and prefix-cache hits (a hit on a block keyed over a rejected
 token would read it). Two more checks on the prefix cache: a verify row's keyed blocks end before its newest
 token (the slot its step writes), and once a step's writes landed every keyed block holds the tokens its key
-was hashed from. Acceptance is the runner's own (runner/spec_verify.py, `accept`)."""
+was hashed from. Acceptance is the runner's own (runner/spec_verify.py, `accept`).
+
+With a draft model (--speculative-method draft) the fake runner keeps a second slot map, the draft's cache, and
+fills the placeholders as the draft would (runner/draft.py): it feeds each verify row's draft_prefix and last
+token, then its proposals but the last, checking the same two things for the draft's cache (what it reads holds
+the accepted tokens, every keyed block holds its key's tokens) through full acceptance, preemption and
+prefix-cache hits. Its proposals are the right tokens except at every position p with p % 5 == 3, so runs are
+accepted whole (the draft then lags one position), cut mid-way, and rejected at once."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -60,11 +68,45 @@ def reference(model, prompt, max_tokens, eos):
 
 
 class FakeRunner:
-    def __init__(self, model, sched, block_size):
+    def __init__(self, model, sched, block_size, draft=False):
         self.model, self.sched, self.bs = model, sched, block_size
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token) last written there
+        self.draft_kv: dict[int, tuple[int, int]] | None = {} if draft else None  # the draft model's cache
         self.read_positions = 0
         self.keyed_checked = 0
+
+    def check_reads(self, kv, chunk, end, true, what):
+        for p in range(end):
+            assert kv.get(self.slot(chunk.block_table, p)) == (p, true[p]), \
+                f"{what} of seq {chunk.seq_id} reads position {p}, which does not hold its accepted token"
+            self.read_positions += 1
+
+    def write(self, kv, chunk, start, tokens):
+        for j, tok in enumerate(tokens):
+            kv[self.slot(chunk.block_table, start + j)] = (start + j, tok)
+
+    def propose(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The draft's part of the step: prompt chunks written to its cache; each verify row's draft_prefix and
+        last token, then its proposals but the last, with the placeholders filled."""
+        seqs = []
+        for c in out.seqs:
+            true = self.sched.get(c.seq_id).all_token_ids
+            start = c.start_pos - len(c.draft_prefix)
+            self.check_reads(self.draft_kv, c, start, true, "the draft")
+            if not c.verify:
+                self.write(self.draft_kv, c, start, c.token_ids)
+                seqs.append(c)
+                continue
+            assert tuple(true[start:c.start_pos]) == c.draft_prefix
+            ctx = true[:c.start_pos + 1]
+            proposals = []
+            for _ in range(len(c.token_ids) - 1):
+                t = self.model(ctx)
+                proposals.append(t if len(ctx) % 5 != 3 else (t + 1) % VOCAB)
+                ctx = ctx + [proposals[-1]]
+            self.write(self.draft_kv, c, start, c.draft_prefix + c.token_ids[:1] + tuple(proposals[:-1]))
+            seqs.append(replace(c, token_ids=(c.token_ids[0], *proposals)))
+        return replace(out, seqs=tuple(seqs))
 
     def check_keyed_blocks(self):
         """Once a step's writes landed, every block the prefix cache keys holds its key's tokens: a key never
@@ -79,23 +121,24 @@ class FakeRunner:
                 key, own = KEYS[key]
                 tokens[:0] = own
             first = len(tokens) - self.bs
-            for off in range(self.bs):
-                assert self.kv.get(block * self.bs + off) == (first + off, tokens[first + off]), \
-                    f"block {block} is keyed over position {first + off}, which does not hold the key's token"
-                self.keyed_checked += 1
+            for kv in (self.kv, self.draft_kv) if self.draft_kv is not None else (self.kv,):
+                for off in range(self.bs):
+                    assert kv.get(block * self.bs + off) == (first + off, tokens[first + off]), \
+                        f"block {block} is keyed over position {first + off}, which does not hold the key's token"
+                    self.keyed_checked += 1
 
     def slot(self, table, pos):
         return table[pos // self.bs] * self.bs + pos % self.bs
 
     def step(self, out: SchedulerOutput) -> StepResult:
         drawn = []
+        if self.draft_kv is not None:
+            out = self.propose(out)
         for c in out.seqs:
             true = self.sched.get(c.seq_id).all_token_ids
             assert len(c.block_table) * self.bs >= c.context_len, "a chunk's blocks cover its positions"
-            for p in range(c.start_pos):  # what its queries attend to, before this step's own tokens
-                assert self.kv.get(self.slot(c.block_table, p)) == (p, true[p]), \
-                    f"seq {c.seq_id} reads position {p}, which does not hold its accepted token"
-                self.read_positions += 1
+            # What its queries attend to, before this step's own tokens.
+            self.check_reads(self.kv, c, c.start_pos, true, "the model")
             assert tuple(true[c.start_pos:c.start_pos + 1]) == c.token_ids[:1]
             if c.verify:  # its keyed blocks end before its newest token, whose slot this step writes (again)
                 assert self.sched.get(c.seq_id).num_cached_blocks * self.bs <= c.start_pos
@@ -114,12 +157,12 @@ class FakeRunner:
 
 
 def run(prompts, *, k=3, block_size=2, num_blocks=64, max_num_seqs=4, budget=16, max_tokens=12, model_seed=0,
-        prefix_caching=True, waves=1, eos=EOS):
+        prefix_caching=True, waves=1, eos=EOS, method="ngram"):
     model = make_model(model_seed)
     sched = SpecScheduler(SchedulerConfig(max_num_seqs, budget, 64),
                           CacheConfig(block_size, num_blocks, enable_prefix_caching=prefix_caching, prefix_cache_salt="m"),
-                          SpeculativeConfig("ngram", k, 1, 3))
-    runner = FakeRunner(model, sched, block_size)
+                          SpeculativeConfig(method, k, 1, 3))
+    runner = FakeRunner(model, sched, block_size, draft=method == "draft")
     results, accepted = {}, 0
     for wave in range(waves):
         seqs = []
@@ -156,6 +199,20 @@ PROMPTS = [[0, 1, 2, 0, 1, 2, 0, 1], [3, 2, 1, 3, 2], [1, 1, 0, 2, 3, 1, 1], [2,
 def test_output_equals_plain_decoding_and_no_rejected_kv_is_read(model_seed, k):
     sched, runner, accepted = run(PROMPTS, k=k, model_seed=model_seed, waves=2)
     assert runner.read_positions > 0 and runner.keyed_checked > 0
+
+
+@pytest.mark.parametrize("model_seed", range(3))
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_draft_models_cache_holds_the_accepted_tokens_wherever_it_is_read_or_keyed(model_seed, k):
+    sched, runner, accepted = run(PROMPTS, k=k, model_seed=model_seed, waves=2, method="draft")
+    assert runner.read_positions > 0 and runner.keyed_checked > 0 and accepted > 0
+
+
+@pytest.mark.parametrize("model_seed", range(3))
+def test_a_draft_models_cache_through_preemption_and_chunked_prefill(model_seed):
+    sched, _, _ = run(PROMPTS, k=4, num_blocks=32, block_size=2, model_seed=model_seed, max_tokens=30, budget=8,
+                      eos=-1, waves=2, method="draft")
+    assert sched.num_preemptions > 0
 
 
 def test_proposals_are_accepted_and_rejected_on_this_workload():

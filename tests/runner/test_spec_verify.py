@@ -84,3 +84,41 @@ def test_kept_tokens_follow_the_target_distribution_chi_square():
         assert chisquare(counts, expected).pvalue > 1e-3, (counts, expected)
     # Both outcomes occur at position 0: accepted and rejected rows were drawn.
     assert 0.3 < first[proposals[0]] / seeds < 0.6
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4)],
+                         ids=["temperature", "top-k"])
+def test_draft_proposals_keep_the_target_distribution_chi_square(params):
+    """Rejection sampling with a draft's real distribution q: each row proposes a token drawn from q (the
+    draft's own draw, runner/draft.py), the verify step accepts it with min(1, p/q) or draws from
+    max(0, p - q). Over 6000 seeds the kept token at position 0 follows p under the row's settings (the test
+    fails below a p-value of 1e-3), and the acceptance rate is the overlap sum(min(p, q)) within 0.03."""
+    from ostinato.contract import DRAFT_PLACEHOLDER
+    from ostinato.runner.draft import draw_proposals
+
+    vocab, seeds = 6, 6000
+    target = torch.tensor([0.05, 0.35, 0.2, 0.1, 0.25, 0.05]).log()
+    draft = torch.tensor([0.3, 0.1, 0.3, 0.05, 0.05, 0.2]).log()  # far from the target: many rejections
+    verifier = SpecVerifier(None, None, 16, 0, torch.device("cpu"), engine_seed=0)
+    seqs = [verify_row(s, (7, DRAFT_PLACEHOLDER), SamplingParams(seed=s, **params), num_generated=3)
+            for s in range(seeds)]
+    proposals, q = draw_proposals(seqs, draft.repeat(seeds, 1), 0, True, 0, torch.device("cpu"))
+    seqs = [verify_row(s.seq_id, (7, x), s.sampling_params, num_generated=3) for s, x in zip(seqs, proposals)]
+    logits = torch.stack([target, torch.zeros(vocab)])  # the second row: the bonus position
+    drawn = verifier.draw(logits.repeat(seeds, 1), seqs, q).token_ids
+    first = np.bincount(drawn[0::2], minlength=vocab)
+
+    def settled(logits):  # the row's distribution by hand: temperature, then top-k
+        z = logits / params["temperature"]
+        if "top_k" in params:
+            z = torch.where(z >= z.topk(params["top_k"]).values[-1], z, torch.tensor(float("-inf")))
+        return z.softmax(-1).double()
+
+    p, q_want = settled(target), settled(draft)
+    assert torch.allclose(q[0].double(), q_want, atol=1e-6)
+    expected = (p / p.sum() * seeds).numpy()
+    support = expected > 0  # top-k leaves tokens out: none of them may be drawn
+    assert first[~support].sum() == 0
+    assert chisquare(first[support], expected[support]).pvalue > 1e-3, (first, expected)
+    accepted = np.mean([d == x for d, x in zip(drawn[0::2], proposals)])
+    assert accepted == pytest.approx(torch.minimum(p, q_want).sum().item(), abs=0.03)

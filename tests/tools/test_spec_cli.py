@@ -34,7 +34,7 @@ def test_the_flags_reach_the_engine_and_the_start_up_log(ckpt, caplog, capsys):
 @pytest.mark.parametrize("kwargs, says", [
     (dict(speculative_method="ngram", tensor_parallel_size=2), "--tensor-parallel-size 1"),
     (dict(speculative_method="ngram", batch_invariant=True), "--batch-invariant"),
-    (dict(speculative_method="draft"), "not implemented yet"),
+    (dict(speculative_method="draft"), "needs --speculative-model PATH"),
     (dict(speculative_method="medusa"), "must be one of ngram, draft"),
     (dict(num_speculative_tokens=3), "need --speculative-method"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "--num-speculative-tokens must be"),
@@ -80,3 +80,21 @@ def test_metrics_carry_the_speculation_counters(ckpt):
         in text
     assert 'ostinato:spec_decode_num_accepted_tokens_total{model_name="m"}' in text
     assert 'ostinato:spec_decode_num_drafts_total{model_name="m"}' in text
+
+
+def test_bench_spec_forces_a_drafts_acceptance_and_keeps_the_output(tmp_path):
+    """--draft-acceptance P: the draft (another seed's checkpoint, almost never right by itself) agrees with the
+    model with probability P per proposal, so the acceptance follows P, and the output is the greedy output
+    at every P."""
+    draft = make_checkpoint(tmp_path / "draft", shape="tiny", family="llama", seed=2)
+    target = make_checkpoint(tmp_path / "target", shape="tiny", family="llama", seed=1)
+    out = tmp_path / "spec.json"
+    assert cli.main(["bench", "spec", str(target), *ENGINE_FLAGS, "--speculative-method", "draft",
+                     "--speculative-model", str(draft), "--num-speculative-tokens", "3", "--draft-acceptance",
+                     "0,0.7,1", "--batch-sizes", "2", "--max-tokens", "40", "--output-json", str(out)]) == 0
+    runs = {r["draft_acceptance"]: r for r in json.loads(out.read_text())["rows"]}
+    assert runs[0.0]["acceptance_rate"] == 0.0 and runs[1.0]["acceptance_rate"] == 1.0
+    # Three proposals, each agreeing with probability 0.7: 0.7 + 0.49 + 0.343 accepted of 3 on average.
+    assert runs[0.7]["acceptance_rate"] == pytest.approx((0.7 + 0.49 + 0.343) / 3, abs=0.15)
+    assert runs[0.0]["token_ids"] == runs[0.7]["token_ids"] == runs[1.0]["token_ids"]
+    assert cli.main(["bench", "spec", str(target), *ENGINE_FLAGS, *SPEC, "--draft-acceptance", "0.5"]) == 2

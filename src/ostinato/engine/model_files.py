@@ -39,4 +39,6 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     from ostinato.runner.runner import pick_device  # torch lives below this line of the dependency graph
 
     model_dir = resolve_model_dir(args.model, args.revision, args.gguf_dequantize)
-    return args.resolve(model_dir, pick_device(args.device).type)
+    draft_dir = None if args.speculative_model is None else resolve_model_dir(args.speculative_model, None,
+                                                                              args.gguf_dequantize)
+    return args.resolve(model_dir, pick_device(args.device).type, draft_dir)

@@ -18,6 +18,14 @@ KV bookkeeping (SpecScheduler):
   or accepted before.
 - The prefix cache keys a block from the sequence's own tokens (accepted only) and only once every position
   in it was computed with them, so no key ever covers a rejected token.
+
+With a draft model (--speculative-method draft) the proposals are placeholders that the runner's draft fills
+(runner/draft.py), and the draft keeps a paged KV cache of its own under the same block ids, so every block
+the scheduler hands out, trims, frees or keys holds both models' K/V. The draft writes the positions of the
+row's last token and of its first k - 1 proposals; when all k were accepted, the last accepted proposal's
+position is not in the draft's cache. num_computed_tokens then counts the positions both models hold, one
+less than the target's, and the next verify row carries that token as its `draft_prefix`. So a block is keyed
+for the prefix cache (and kept across a preemption) only once both caches hold it.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import logging
 from itertools import groupby
 
 from ostinato.config import CacheConfig, SchedulerConfig
-from ostinato.contract import ScheduledSeq, SpecCounts, StepResult
+from ostinato.contract import DRAFT_PLACEHOLDER, ScheduledSeq, SpecCounts, StepResult
 from ostinato.engine.ngram_proposer import NgramProposer
 from ostinato.engine.request import Sequence, SequenceStatus
 from ostinato.engine.scheduler import Scheduler
@@ -99,15 +107,29 @@ class SpecTotals:
                 "spec_decode_accepted_tokens": self.accepted}
 
 
+class DraftSlots:
+    """The draft method's proposals as the scheduler sees them: k placeholders (contract.DRAFT_PLACEHOLDER)
+    that the runner's draft model fills, so the scheduler reserves their KV as for prompt lookup."""
+
+    def propose(self, seq: Sequence, k: int) -> tuple[int, ...]:
+        return (DRAFT_PLACEHOLDER,) * max(k, 0)
+
+    def forget(self, seq_id: int) -> None:
+        """Nothing kept per sequence."""
+
+
 class SpecScheduler(Scheduler):
     """The scheduler of a speculative engine: its decode rows are verify rows (see the module docstring)."""
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, speculative: SpeculativeConfig):
         super().__init__(config, cache)
         self.speculative = speculative
-        self.proposer = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        self.proposer = DraftSlots() if speculative.uses_draft_model else NgramProposer(
+            speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         self._verify: list[ScheduledSeq] = []
-        self._verifying: list[Sequence] = []  # the last step's verify rows, settled at the next schedule()
+        # The last step's verify rows (sequence, its tokens before the step, its proposals), settled at the
+        # next schedule().
+        self._verifying: list[tuple[Sequence, int, int]] = []
 
     def _verify_rows(self) -> list[ScheduledSeq]:
         rows, self._verify = self._verify, []
@@ -156,25 +178,31 @@ class SpecScheduler(Scheduler):
 
     def _verify_chunk(self, seq: Sequence, proposal: tuple[int, ...]) -> ScheduledSeq:
         """The verify row: its last token (position n - 1, not yet in the cache) and the proposals after it.
-        Until the step is read, every token it feeds counts in flight."""
-        chunk = ScheduledSeq(seq_id=seq.seq_id, token_ids=(seq.last_token_id, *proposal),
-                             start_pos=seq.num_tokens - 1, block_table=tuple(seq.block_table), sampling_params=seq.sampling_params,
-                             num_generated=len(seq.output_token_ids), verify=True)
-        seq.num_computed_tokens = seq.num_tokens
+        Until the step is read, every token it feeds counts in flight. With a draft model, the tokens between
+        the positions both models hold and the last token go along as its draft_prefix."""
+        n = seq.num_tokens
+        chunk = ScheduledSeq(seq_id=seq.seq_id, token_ids=(seq.last_token_id, *proposal), start_pos=n - 1,
+                             block_table=tuple(seq.block_table), sampling_params=seq.sampling_params,
+                             num_generated=len(seq.output_token_ids), verify=True,
+                             draft_prefix=tuple(seq.token_ids_range(seq.num_computed_tokens, n - 1)))
+        seq.num_computed_tokens = n
         seq.num_inflight = len(proposal) + 1
-        self._verifying.append(seq)
+        self._verifying.append((seq, n, len(proposal)))
         return chunk
 
     def _settle_verified(self) -> None:
         """The last step's verify rows, once its tokens were taken (update() per round): the tokens in flight that
         never came were rejected. Their computed positions end before the newest token, the blocks past it go
-        back, and the full blocks of accepted tokens are keyed for the prefix cache."""
+        back, and the full blocks of accepted tokens are keyed for the prefix cache. A draft model that saw
+        every proposal accepted lacks the last one's K/V: the positions both hold end one earlier."""
         bm = self.block_manager
-        for seq in self._verifying:
+        for seq, before, proposed in self._verifying:
             if self.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted meanwhile: its blocks are free already
             seq.num_inflight = 0
-            seq.num_computed_tokens = seq.num_tokens - 1
+            all_accepted = proposed and seq.num_tokens - before == proposed + 1
+            draft_lag = 1 if self.speculative.uses_draft_model and all_accepted else 0
+            seq.num_computed_tokens = seq.num_tokens - 1 - draft_lag
             bm.trim(seq, seq.num_tokens)
             bm.commit(seq, seq.num_computed_tokens)
         self._verifying = []

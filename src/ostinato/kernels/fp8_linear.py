@@ -48,7 +48,17 @@ Fp8Path = Fp8Tiles | MmaTiles | W8a8Tiles | str
 
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
-FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {}
+FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
+    # Llama-3.1-8B's o, gate_up and down at one row (qkv: the rule's tiles tie), and all four at 16 rows, on the
+    # H200; docs/PERFORMANCE.md "Why these defaults" has the sweep's figures.
+    (1, 4096, 4096): Fp8Tiles(block_n=8, block_k=1024, num_warps=4, k_tiles=1, num_stages=3),
+    (1, 28672, 4096): Fp8Tiles(block_n=16, block_k=512, num_warps=4, k_tiles=2, num_stages=3),
+    (1, 4096, 14336): Fp8Tiles(block_n=8, block_k=1024, num_warps=4, k_tiles=1, num_stages=3),
+    (16, 6144, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    (16, 4096, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    (16, 28672, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    (16, 4096, 14336): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+}
 
 
 def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16: bool = True) -> Fp8Path:

@@ -31,6 +31,7 @@ steps run eager (the GPU work dominates there), counted in the prefill step stat
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -42,8 +43,11 @@ from ostinato.contract import ScheduledSeq, SchedulerOutput, StepResult
 from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, rank_view
 from ostinato.runner.backends import make_backend, pdl_status, pick_device  # noqa: F401 - re-exported
+from ostinato.runner.compile_ahead import compile_ahead
+from ostinato.runner.compile_pool import start_compile_pool
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
+from ostinato.runner.draft import DraftModel, draft_block_bytes
 from ostinato.runner.sampling_state import FLAGS
 from ostinato.runner.inputs import build_prefill_inputs, decode_metadata, to_device
 from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
@@ -85,7 +89,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.compile_watch.install()
         self.block_size = config.kv_pool.block_size
+        # Started before the weights load: its processes import Triton meanwhile (runner/compile_ahead.py).
+        self.compile_pool = start_compile_pool(self.device.type, tp.world_size, not self.graph_config.enforce_eager)
         self._load_model()
+        self.draft = None  # --speculative-method draft: the draft model (runner/draft.py), once its pool exists
+        # Loaded before the KV pool is sized, so that its weights count as memory in use.
+        self._draft_model = self._load_draft_model()
         self._allocate_kv_and_graphs(agree_num_blocks)
         # Pinned host memory for the step's tokens: the one device-to-host copy lands here.
         rows = self.decode_batch.layout.rows
@@ -96,10 +105,19 @@ class ModelRunner:
         self._sampled_np = self.decode_step.sampled.numpy() if not cuda else None
         self.sampler = Sampler(self.device, config.seed, config.batch_invariant)
         # Speculative decoding: every step is a verify step (runner/spec_verify.py).
+        if self._draft_model is not None:
+            self.draft = DraftModel(self._draft_model, config.speculative.draft_model, self.cache_config.num_blocks,
+                                    self.block_size, self.dtype, self.device, config.seed)
+            if self.prefill_graphs is not None and self.prefill_graphs.enabled:
+                self.draft.capture_graphs(self.kv_spec, self._graph_backend)
         self.verifier = None if config.speculative is None else SpecVerifier(
-            self.model, self.prefill_graphs, self.block_size, self.scratch_block, self.device, config.seed)
+            self.model, self.prefill_graphs, self.block_size, self.scratch_block, self.device, config.seed,
+            drafter=self.draft)
         if cuda:
             self._warm_up()
+        if self.compile_pool is not None:
+            self.compile_pool.close()
+            self.compile_pool = None
 
     def _load_model(self) -> None:
         logger.info("loading weights from %s", self.config.model_dir)
@@ -112,6 +130,15 @@ class ModelRunner:
                     self.weights_bytes / 2**30, self.dtype, quantization_label(self.model_config.quantization),
                     self.load_seconds)
 
+    def _load_draft_model(self) -> torch.nn.Module | None:
+        spec = self.config.speculative
+        if spec is None or not spec.uses_draft_model:
+            return None
+        logger.info("loading the draft model from %s", spec.draft_model_dir)
+        config = self.config
+        backend = make_backend(config.attention_backend, self.device, config.pdl, config.decode_tuning)
+        return load_model(spec.draft_model_dir, spec.draft_model, self.dtype, self.device, backend, progress=False)
+
     def _allocate_kv_and_graphs(self, agree_num_blocks: Callable[[int], int] | None) -> None:
         """Sizes the KV pool (profiling on GPU, charging graph memory) and captures the decode graphs."""
         config, tp = self.config, self.tp
@@ -122,8 +149,11 @@ class ModelRunner:
             make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, config.seed,
                                                 config.model.vocab_size, config.batch_invariant),
             agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
-            compile_watch=self.compile_watch)
+            compile_watch=self.compile_watch, compile_pool=self.compile_pool,
+            extra_block_bytes=0 if self._draft_model is None else draft_block_bytes(
+                config.speculative.draft_model, self.block_size, self.dtype))
         setup = allocate_kv_and_graphs(self.kv_spec)
+        self._graph_backend = setup.graph_backend
         self.cache_config: CacheConfig = setup.cache_config
         self.kv_caches = setup.kv_caches
         self.graphs = setup.graph_runner
@@ -142,8 +172,17 @@ class ModelRunner:
         logger.info("decoder kernels: %s (%s)", self.model.kernels.name,
                     pdl_status(self.config.pdl, self.backend.pdl, self.device))
         scheduler = self.scheduler_config
-        ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
-                                       self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
+        warm_up = functools.partial(warm_up_prefill, self.model, self.sampler, self.block_size, self.scratch_block,
+                                    self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
+        warm_ups = [warm_up]
+        if self.draft is not None:  # the draft's steps take the eager prefill path's kernels at its shapes
+            warm_ups.append(functools.partial(warm_up_prefill, self.draft.model, self.sampler, self.block_size,
+                                              self.scratch_block, self.device, scheduler.max_model_len,
+                                              max_sampled_rows=scheduler.max_num_seqs))
+        if self.compile_pool is not None:
+            compile_ahead(warm_ups, self.compile_pool, "the prefill warm-up")
+        runs = [run() for run in warm_ups]
+        ran, seconds = sum(r for r, _ in runs), sum(s for _, s in runs)
         logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
                     self.compile_watch.compiles_at_startup, seconds)
         self.compile_watch.seal()

@@ -16,7 +16,7 @@ for those rows. Prefill steps run both eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,11 +218,37 @@ def mask_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return sorted_logits.masked_fill((mass_above >= p) & (p < 1.0), neg_inf)
 
 
-def finish_sampling(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """After sample_tokens: top-k / top-p rows re-drawn when the batch has any, logprobs when asked."""
+def distribution(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] float32: the distribution each row draws its token from (what sample_tokens and sample_filtered
+    draw by inverse CDF): softmax(logits / T) within the row's top-k and top-p, one-hot at the argmax on
+    greedy rows. Speculative decoding's rejection sampling compares the draft's and the model's."""
+    logits = logits.float()
+    is_greedy = batch.temperature < GREEDY_TEMPERATURE
+    scaled = logits / torch.where(is_greedy, 1.0, batch.temperature)[:, None]
+    if batch.any_filtered:
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+        scaled = torch.empty_like(scaled).scatter_(1, sorted_ids, mask_sorted(sorted_logits, batch.top_k,
+                                                                              batch.top_p))
+    one_hot = torch.zeros_like(scaled).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(is_greedy[:, None], one_hot, scaled.softmax(dim=-1))
+
+
+def draw_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the token where each row's u falls in its (unnormalized) distribution probs [B, V], which is
+    left as is."""
+    return _inverse_cdf(probs.clone(), u)
+
+
+def finish_sampling(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch,
+                    adjust: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
+    """After sample_tokens: top-k / top-p rows re-drawn when the batch has any, then `adjust` (speculative
+    decoding's rejection sampling replaces the tokens of the positions a draft model proposed for), logprobs
+    when asked."""
     if batch.any_filtered:
         filtered = (batch.top_k > 0) | (batch.top_p < 1.0)
         tokens = torch.where(filtered, sample_filtered(logits, batch), tokens)
+    if adjust is not None:
+        tokens = adjust(tokens)
     logprobs = top_ids = top_logprobs = None
     if batch.max_num_logprobs is not None:
         # Logprobs of the model's own distribution, as vLLM returns by default.
@@ -254,9 +280,10 @@ class Sampler:
         return read_settings(to_device(rows, torch.int32, self.device),
                              [seq.sampling_params.logprobs for seq in seqs], bool(filtered_rows(rows).any()))
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample from logits [B, V] (any float dtype). Device work only."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 adjust: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
+        """Sample from logits [B, V] (any float dtype). Device work only. adjust: finish_sampling's."""
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (tuple(logits.shape), batch.num_rows)
         tokens = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
         sample_rows(logits, batch.rows, tokens, self.batch_invariant)
-        return finish_sampling(logits, tokens, batch)
+        return finish_sampling(logits, tokens, batch, adjust)

@@ -16,6 +16,12 @@ and on rejection the token drawn is distributed as p restricted to the tokens ot
 is the residual max(0, p - q) / (1 - p(x)). Greedy rows accept exactly the proposals equal to the argmax. And
 since the draws use the counters a plain decode would, a seeded row gets the tokens it gets without
 speculation wherever the logits are the same (docs/ARCHITECTURE.md, "Speculative decoding").
+
+With a draft model (runner/draft.py) the proposals come with their distribution q, and a sampled row's
+proposed positions take Leviathan et al.'s rule with that q (`rejection_sample`, run as the draw's `adjust`):
+the proposal x is kept when u * q(x) < p(x) (u: the position's own uniform, as above), else the token is drawn
+from max(0, p - q), renormalised (with noise keyed apart, RESIDUAL_KEY_SALT). A rejected position's token is
+never x (its residual mass is 0), so `accept` keeps the same run. Greedy rows keep the argmax rule.
 """
 
 from __future__ import annotations
@@ -26,8 +32,14 @@ import torch
 from ostinato.contract import ScheduledSeq, SchedulerOutput, SpecCounts, StepResult
 from ostinato.runner.inputs import build_prefill_inputs, to_device
 from ostinato.runner.pending import PendingStep, from_host
-from ostinato.runner.sampler import Sampler, row_key
-from ostinato.runner.sampling_state import BLOCKS, CTR, filtered_rows, read_settings, write_settings
+from ostinato.sampling_params import GREEDY_TEMPERATURE
+from ostinato.runner.sampler import Sampler, distribution, draw_from, row_key, uniform
+from ostinato.runner.sampling_state import (BLOCKS, CTR, SamplingBatch, filtered_rows, read_settings,
+                                            write_settings)
+
+# XORed into a row's key for the residual draw of a rejected draft proposal: independent of the accept test's
+# uniform at the same counter.
+RESIDUAL_KEY_SALT = 0x6A09E667F3BCC909
 
 
 def logit_rows(seqs: tuple[ScheduledSeq, ...]) -> tuple[list[int], list[ScheduledSeq]]:
@@ -73,43 +85,99 @@ def accept(seqs: list[ScheduledSeq], drawn: list[int]) -> tuple[list[int], list[
     return kept, ids, SpecCounts(rows, proposed, accepted)
 
 
+def prefill_forward(model, prefill_graphs, out: SchedulerOutput, block_size: int, scratch_block: int,
+                    device: torch.device) -> torch.Tensor:
+    """A prefill-shaped step's final hidden states [tokens, hidden], its chunks' rows consecutive from row 0: a
+    replay of prefill_graphs when the step fits one, else eager. The verify forward and the draft's steps."""
+    replayed = prefill_graphs.run(out) if prefill_graphs is not None else None
+    if replayed is not None:
+        return replayed[0]
+    inp = build_prefill_inputs(out, block_size, scratch_block, device)
+    return model(inp.input_ids, inp.positions, inp.meta)
+
+
+def proposed_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[int]]:
+    """(the logit rows (logit_rows' order) that test a proposal, the proposal each tests), verify row after
+    verify row: row j of a verify chunk tests its proposal j + 1."""
+    rows, proposals, offset = [], [], 0
+    for seq in seqs:
+        q = len(seq.token_ids) if seq.verify else 1
+        if seq.verify:
+            rows.extend(range(offset, offset + q - 1))
+            proposals.extend(seq.token_ids[1:])
+        offset += q
+    return rows, proposals
+
+
+def rejection_sample(tokens: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor,
+                     proposals: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """tokens [R] (the draw of every logit row) with the sampled rows' proposed positions rows [P] redrawn by
+    rejection sampling against the draft's q [P, vocab] (the module docstring): the proposal where
+    u * q(x) < p(x), else a draw from max(0, p - q). p: the position's distribution (sampler.distribution,
+    under the row's settings). Greedy rows keep their argmax. Device work only."""
+    sub = SamplingBatch(len(rows), batch.rows[rows], batch.any_filtered, None, None)
+    p = distribution(logits[rows], sub)  # [P, V]
+    x = proposals[:, None]
+    keep = uniform(sub.key, sub.counter) * q.gather(1, x).squeeze(1) < p.gather(1, x).squeeze(1)
+    residual = (p - q).clamp_(min=0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q up to rounding: nothing is ever rejected there
+    residual = torch.where(empty, p, residual)
+    redrawn = draw_from(residual, uniform(sub.key ^ RESIDUAL_KEY_SALT, sub.counter))
+    drawn = torch.where(keep, proposals, redrawn)
+    greedy = sub.temperature < GREEDY_TEMPERATURE
+    out = tokens.clone()
+    out[rows] = torch.where(greedy, tokens[rows], drawn)
+    return out
+
+
 class SpecVerifier:
-    """Runs a speculative engine's steps (every step: verify rows and prompt chunks, no decode rows)."""
+    """Runs a speculative engine's steps (every step: verify rows and prompt chunks, no decode rows). drafter:
+    the draft model (runner/draft.py) that fills the proposals first; None for prompt lookup."""
 
     def __init__(self, model, prefill_graphs, block_size: int, scratch_block: int, device: torch.device,
-                 engine_seed: int):
+                 engine_seed: int, drafter=None):
         self.model, self.prefill_graphs = model, prefill_graphs
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.engine_seed = engine_seed
         self.sampler = Sampler(device, engine_seed)
+        self.drafter = drafter
 
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Run the step and read its tokens (a speculative step is synchronous: the next proposals need them)."""
         assert not out.num_decode, "a speculative step has verify rows, not decode rows"
         if not out.seqs:
             return PendingStep(StepResult([], [], []))
+        q = None
+        if self.drafter is not None:
+            proposals = self.drafter.propose(out)
+            out, q = proposals.out, proposals.q
         rows, seqs = logit_rows(out.seqs)
         hidden = self.hidden(out)
         if not seqs:  # only prompt chunks that write K/V
             return PendingStep(StepResult([], [], []))
         logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
-        drawn = self.draw(logits, seqs)
+        drawn = self.draw(logits, seqs, q)
         kept, ids, counts = accept(seqs, drawn.token_ids)
         return PendingStep(StepResult(ids, [drawn.token_ids[i] for i in kept], [drawn.tokens[i] for i in kept],
                                       spec=counts))
 
-    def draw(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> StepResult:
+    def draw(self, logits: torch.Tensor, seqs: list[ScheduledSeq], q: torch.Tensor | None = None) -> StepResult:
         """Every logit row's token (logits [rows, vocab], logit_rows' order), drawn with its chunk's settings and
-        the counter of its position, read to the host (with logprobs where asked). Seq ids are not filled in."""
-        return from_host([0] * logits.shape[0], self.sampler(logits, self.settings(seqs)).to_host())
+        the counter of its position, read to the host (with logprobs where asked). Seq ids are not filled in.
+        q: the draft's distribution of every proposal (proposed_rows' order), None for one-hot proposals."""
+        batch = self.settings(seqs)
+        adjust = None
+        if q is not None:
+            rows, proposals = proposed_rows(seqs)
+            rows_d = to_device(rows, torch.int64, self.device)
+            proposals_d = to_device(proposals, torch.int64, self.device)
+            adjust = lambda tokens: rejection_sample(tokens, logits, batch, rows_d, proposals_d, q)  # noqa: E731
+        return from_host([0] * logits.shape[0], self.sampler(logits, batch, adjust).to_host())
 
     def hidden(self, out: SchedulerOutput) -> torch.Tensor:
         """The forward's final hidden states [tokens, hidden]: a prefill-graph replay, else eager."""
-        replayed = self.prefill_graphs.run(out) if self.prefill_graphs is not None else None
-        if replayed is not None:
-            return replayed[0]
-        inp = build_prefill_inputs(out, self.block_size, self.scratch_block, self.device)
-        return self.model(inp.input_ids, inp.positions, inp.meta)
+        return prefill_forward(self.model, self.prefill_graphs, out, self.block_size, self.scratch_block,
+                               self.device)
 
     def settings(self, seqs: list[ScheduledSeq]):
         """The sampling rows of every logit row: a chunk's settings, its counter stepping one per position."""

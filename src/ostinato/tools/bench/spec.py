@@ -9,7 +9,16 @@ token ids to --output-json, so the two runs' greedy outputs can be compared (ben
 bench verify: the verify step alone (runner/spec_verify.py) at one batch size and context, for k = 0 .. --max-k
 proposed tokens per row, against the one-token decode step (the decode graph's replay, `ostinato bench`'s
 figure): the forward over k + 1 tokens per row, its logits, the draw of every position and the acceptance,
-read to the host. It needs --speculative-method (the runner then builds the verify step).
+read to the host. It needs --speculative-method (the runner then builds the verify step); with a draft model it
+times the draft's steps too.
+
+bench spec --draft-acceptance P[,P...] (with --speculative-method draft, one row per batch size and P): where a
+draft pays, as a function of how often it agrees with the model. Each batch is first generated once to learn the
+model's greedy tokens (the same with or without speculation); then, timed, each proposal the draft makes is
+replaced by the model's own token with probability P and by another token otherwise (`ForcedAcceptance`), so a
+proposal is accepted with probability P whatever the draft. The draft's steps still run and cost what they cost,
+and the output is still the model's greedy output. Prefix caching is off in this mode: the replacement finds a
+sequence's reference by its prompt, which it reads from the prompt's chunks as they are computed.
 """
 
 from __future__ import annotations
@@ -30,6 +39,15 @@ TEXTS = [
 ]
 
 
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def register(sub) -> None:
     from ostinato.cli_args import add_engine_args, int_list
 
@@ -38,6 +56,10 @@ def register(sub) -> None:
     p.add_argument("--batch-sizes", type=int_list, default=(1, 8))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--draft-acceptance", type=float_list, default=None, metavar="P[,P...]",
+                   help="with --speculative-method draft: replace each proposal by the model's own token with "
+                        "probability P (else by another token), to see the speed at a given acceptance rate; "
+                        "one row per batch size and P")
     p.set_defaults(func=run_spec)
 
     p = sub.add_parser("bench-verify", help="the verify step's cost for k = 0..max-k against a one-token step")
@@ -70,37 +92,117 @@ def timed(fn):
     return time.perf_counter() - t0, result
 
 
-def run_spec(args) -> int:
+class ForcedAcceptance:
+    """The draft model's override (runner/draft.py, DraftModel.override) for --draft-acceptance: each proposal
+    becomes the model's greedy token at its position with probability p, else a token that differs from it.
+    references: (prompt token ids, greedy output token ids) of every request that will run. A sequence's
+    prompt is read from its prompt chunks (from position 0: prefix caching must be off)."""
+
+    def __init__(self, p: float, references: list[tuple[list[int], list[int]]], vocab: int, seed: int = 0):
+        import numpy as np
+
+        self.p, self.vocab, self.rng = p, vocab, np.random.default_rng(seed)
+        self.full = {tuple(prompt): list(prompt) + list(output) for prompt, output in references}
+        self.prompt_lens = sorted({len(prompt) for prompt, _ in references})
+        self.seen: dict[int, list[int]] = {}  # seq_id -> its tokens from position 0, as its chunks came
+
+    def observe(self, out) -> None:
+        for chunk in out.seqs:
+            if not chunk.verify:
+                tokens = self.seen.setdefault(chunk.seq_id, []) if chunk.start_pos else []
+                del tokens[chunk.start_pos:]
+                tokens.extend(chunk.token_ids)
+                self.seen[chunk.seq_id] = tokens
+
+    def reference(self, seq_id: int) -> list[int] | None:
+        tokens = self.seen.get(seq_id, [])
+        for n in self.prompt_lens:
+            full = self.full.get(tuple(tokens[:n]))
+            if full is not None:
+                return full
+        return None
+
+    def __call__(self, seqs, j: int, drawn: list[int]) -> list[int]:
+        """Proposal j + 1 of each verify row (its position: the row's start_pos + 1 + j)."""
+        out = []
+        for seq, token in zip(seqs, drawn):
+            full, pos = self.reference(seq.seq_id), seq.start_pos + 1 + j
+            if full is None or pos >= len(full):
+                out.append(token)
+            elif self.rng.random() < self.p:
+                out.append(full[pos])
+            else:
+                out.append(token if token != full[pos] else (token + 1) % self.vocab)
+        return out
+
+
+def force_acceptance(llm, p: float, convs, params) -> None:
+    """Learn the model's greedy output of convs (one untimed run), then make the draft agree with it with
+    probability p."""
+    llm.engine.runner.draft.override = None
+    outs = llm.chat(convs, params)
+    references = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+    llm.engine.runner.draft.override = ForcedAcceptance(p, references, llm.engine.model_config.vocab_size)
+
+
+def spec_engine_args(args):
+    """The engine's flags, checked against --draft-acceptance (which needs a draft and no prefix caching)."""
+    from dataclasses import replace
+
     from ostinato.cli_args import engine_args_from
+    from ostinato.errors import ConfigError
+
+    engine_args = engine_args_from(args)
+    if args.draft_acceptance is None:
+        return engine_args
+    if args.speculative_method != "draft":
+        raise ConfigError("--draft-acceptance replaces a draft model's proposals: add --speculative-method draft "
+                          "--speculative-model PATH")
+    if not all(0.0 <= p <= 1.0 for p in args.draft_acceptance):
+        raise ConfigError(f"--draft-acceptance must be in [0, 1], got {args.draft_acceptance}")
+    return replace(engine_args, enable_prefix_caching=False)
+
+
+def run_spec(args) -> int:
     from ostinato.engine.llm import LLM
     from ostinato.sampling_params import SamplingParams
 
-    llm = LLM.from_engine_args(engine_args_from(args))
+    llm = LLM.from_engine_args(spec_engine_args(args))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
     for bs in args.batch_sizes:
         convs = conversations(bs)
         llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-        before = llm.engine.stats()
-        seconds, outs = timed(lambda: llm.chat(convs, params))
-        after = llm.engine.stats()
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        drafts = after.spec_decode_drafts - before.spec_decode_drafts
-        proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
-        accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
-        row = {"batch": bs, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-               "acceptance_rate": accepted / proposed if proposed else None,
-               "mean_accepted_length": 1 + accepted / drafts if drafts else None,
-               "token_ids": [o.outputs[0].token_ids for o in outs]}
-        rows.append(row)
-        spec = ("" if not proposed else f"  acceptance {row['acceptance_rate']:.2f}  mean accepted length "
-                f"{row['mean_accepted_length']:.2f}")
-        print(f"bs {bs:>3}  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s{spec}", flush=True)
+        for p in args.draft_acceptance or [None]:
+            if p is not None:
+                force_acceptance(llm, p, convs, params)
+            rows.append(timed_row(llm, convs, params, bs, p))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "speculative_method": args.speculative_method,
+                       "speculative_model": args.speculative_model,
                        "num_speculative_tokens": args.num_speculative_tokens, "rows": rows}, f, indent=2)
     return 0
+
+
+def timed_row(llm, convs, params, bs: int, forced: float | None) -> dict:
+    """One timed LLM.chat call of the batch, its tok/s and the speculation counters it moved (printed too)."""
+    before = llm.engine.stats()
+    seconds, outs = timed(lambda: llm.chat(convs, params))
+    after = llm.engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = after.spec_decode_drafts - before.spec_decode_drafts
+    proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
+    accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
+    row = {"batch": bs, "draft_acceptance": forced, "output_tokens": tokens, "seconds": seconds,
+           "tokens_per_s": tokens / seconds, "acceptance_rate": accepted / proposed if proposed else None,
+           "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+           "token_ids": [o.outputs[0].token_ids for o in outs]}
+    spec = ("" if not proposed else f"  acceptance {row['acceptance_rate']:.2f}  mean accepted length "
+            f"{row['mean_accepted_length']:.2f}")
+    forcing = "" if forced is None else f"  (forced P = {forced:g})"
+    print(f"bs {bs:>3}  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s{spec}{forcing}", flush=True)
+    return row
 
 
 def verify_step(runner, batch: int, context: int, k: int, rng: random.Random):
@@ -132,7 +234,7 @@ def run_verify(args) -> int:
     llm = LLM.from_engine_args(engine_args_from(args))
     runner = llm.engine.runner
     if getattr(runner, "verifier", None) is None:
-        raise ConfigError("bench verify times the verify step: add --speculative-method ngram")
+        raise ConfigError("bench verify times the verify step: add --speculative-method ngram (or draft)")
     with torch.inference_mode():
         eager, graph = replay_ms(runner, args.batch_size, args.context, torch.Generator().manual_seed(0),
                                  iters=args.iters, warmup=10)
