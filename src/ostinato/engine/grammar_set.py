@@ -72,6 +72,9 @@ class RowWork:
         return n if split_pays else 1
 
     def run(self, kind: str, rows: int, work: Callable[[int, int], Any]) -> None:
+        if rows == 1 or self.helpers == 0:  # nothing to split: no timing either
+            work(0, rows)
+            return
         chunks, t = self.chunks(kind, rows), self.timing(kind)
         t0 = time.perf_counter()
         if chunks == 1:
