@@ -9,8 +9,9 @@ CK is a random-weight checkpoint (benchmarks/README.md) or `smollm2-135m`: the g
 the weights, and the step's speed does not depend on them.
 
 The host's side alone, on a CPU: `--noop-forward-ms MS` replaces the forward by a no-op that acts as an asynchronous
-GPU step of MS ms (tools/bench/noop_forward.py; narrow logits, so the masking costs its launches, not a CPU pass over
-the vocabulary). The grammar work (accept, fill) is real; a constrained step slower than MS is host-bound.
+GPU step of MS ms (tools/bench/noop_forward.py). Its logits are narrow and the re-draw is an argmax, so the masking
+costs about what its launches would, not CPU passes over the vocabulary. The grammar work (accept, fill) is real; a
+constrained step slower than MS is host-bound.
 
     PYTHONPATH=src python3 benchmarks/structured/bench_structured.py --model CK --noop-forward-ms 1.0 \
         --batch-sizes 1,16,64 --no-compile

@@ -1,12 +1,13 @@
 """The matchers of the constrained sequences, and a step's grammar work on them: accepting the tokens the step
 sampled, then filling the next step's bitmasks. Both sit on the decode loop's critical path (the masks of step
-t+1 wait for the tokens of step t), so they run as few xgrammar calls as possible, split across a few persistent
-threads when the rows' work is large enough to pay for handing it over.
+t+1 wait for the tokens of step t), so they cost as little Python as possible, and are split across a few
+persistent threads when the rows' work is large enough to pay for handing it over.
 
 Why not xgrammar's own threads: BatchGrammarMatcher with more than one thread starts a new pool of threads on every
-call and joins it at the end, which costs more than filling a whole batch (a fixed ~0.3 ms a step on a 16-core
-GPU host). Its batch calls release the GIL, so the rows split into chunks, one batch call each on one thread, do
-run in parallel: the calling thread takes the first chunk, persistent helper threads the others (RowWork).
+call and joins it at the end, which costs more than filling a whole batch (a fixed ~0.3 ms a step on the H200's
+16-core host). xgrammar's calls release the GIL while they work, so chunks of rows (a one-thread batch fill, or
+one accept call a row) do run in parallel: the calling thread takes the first chunk, persistent helper threads the
+others (RowWork).
 """
 
 from __future__ import annotations

@@ -100,15 +100,18 @@ def install(engine: "LLMEngine", step_ms: float = 0.0, logits_columns: int | Non
     rows = runner.decode_batch.layout.rows  # at least max_num_seqs: the most sequences a step samples for
     runner.model = _NoOpModel(runner.model, rows, columns, token_id, fresh=logits_columns is not None)
     clock = _GpuClock(step_ms / 1000)
-    sampled = runner.decode_step.sampled
+    sampled, hidden = runner.decode_step.sampled, torch.zeros(rows, 0)
+    sampled.fill_(token_id)
 
     def replay(**inputs):
         # On a GPU the decode step (forward and sampling) is one replay: the no-op replaces all of it, and the
-        # tokens it 'samples' are the ones it writes into the step's buffer (a re-draw may have changed them).
+        # tokens it 'samples' are the ones in the step's buffer (written afresh where a grammar's re-draw may
+        # have changed them).
         n = next(iter(inputs.values())).shape[0]
         clock.forward_launched()
-        sampled[:n].fill_(token_id)
-        return runner.model.compute_logits(torch.empty(n, 0))
+        if logits_columns is not None:
+            sampled[:n].fill_(token_id)
+        return runner.model.compute_logits(hidden[:n])
 
     for graphs in (runner.graphs, runner.processor_graphs):  # without and with the logits processors
         graphs.fn = replay
