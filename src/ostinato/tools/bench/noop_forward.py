@@ -11,8 +11,8 @@ GIL as a GPU wait does). With step_ms = 0 the engine runs as fast as its host wo
 Structured outputs (grammar-constrained rows) need `logits_columns`: the no-op's logits are then that many columns
 wide (the vocabulary's first tokens: a byte-level BPE has every byte among them, so a grammar can always be
 followed), written afresh at every step as a replay writes its static logits (the grammar masking writes -inf into
-them in place), so the eager masking and re-draw after the replay cost their launches, not a CPU pass over the
-whole vocabulary that a GPU would run asynchronously. The forward of a decode step starts when it is launched (the
+them in place), so the eager masking and re-draw after the replay work on a few hundred columns, not on the whole
+vocabulary (passes that a GPU runs asynchronously). The forward of a decode step starts when it is launched (the
 replay), and its tokens are ready step_ms later, or once the host has launched the masking, whichever comes last.
 
 Used by `ostinato bench host`, and by benchmarks/online/serve_vs_offline.py (`--noop-forward`) for both
