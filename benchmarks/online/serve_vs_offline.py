@@ -279,7 +279,7 @@ def main() -> int:
         asyncio.run(_bounded_load(ns, warm_up=True))  # apart, so that the counts below are the run's alone
         pids = [server.pid, *_children(server.pid)]
         before = {pid: _thread_cpu(pid) for pid in pids}
-        steps_before = _decode_steps(ns.port)
+        steps_before, hits_before = _decode_steps(ns.port), _metric(ns.port, "prefix_cache_hits_total")
         client_cpu = time.process_time()
         if ns.profile:
             import cProfile
@@ -294,8 +294,12 @@ def main() -> int:
         steps = _decode_steps(ns.port) - steps_before
         cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
                      for pid in pids]
-        independent = _independent_client(ns) if ns.independent_client else None
-        if independent is not None:
+        summary["prefix_cache_hit_tokens"] = _metric(ns.port, "prefix_cache_hits_total") - hits_before
+        independent = None
+        if ns.independent_client:
+            hits_before = _metric(ns.port, "prefix_cache_hits_total")
+            independent = _independent_client(ns)
+            independent["prefix_cache_hit_tokens"] = _metric(ns.port, "prefix_cache_hits_total") - hits_before
             phase(f"the independent client done: {independent['completed']} requests, {independent['failed']} "
                   "failed")
     finally:
@@ -313,6 +317,8 @@ def main() -> int:
     print(f"offline CPU ms per 1k output tokens: {1e6 * offline['cpu_s'] / offline['output_tokens']:.0f}")
     for pid, line in zip(pids, cpu_lines):
         print(f"pid {pid}: {line}")
+    print(f"prompt tokens found in the prefix cache: bench serve {summary['prefix_cache_hit_tokens']:.0f}"
+          + (f", the independent client {independent['prefix_cache_hit_tokens']:.0f}" if independent else ""))
     print(f"the load generator (bench serve, this process): "
           f"{1e6 * client_cpu / max(summary['total_output_tokens'], 1):.0f} CPU ms per 1k output tokens")
     ratio = summary["output_throughput"] / offline["output_throughput"]
@@ -351,12 +357,15 @@ async def _bounded_load(ns, warm_up: bool = False) -> dict:
 
 
 def _independent_client(ns) -> dict:
-    """The same work again, loaded by benchmarks/online/aiohttp_client.py (no ostinato code) in its own process."""
+    """The same work again, loaded by benchmarks/online/aiohttp_client.py (no ostinato code) in its own process.
+    Its prompts are drawn with another seed: the same prompts as bench serve's would find all their blocks in the
+    prefix cache that run filled, and skip the prefill that bench serve and LLM.generate paid for."""
     client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aiohttp_client.py")
     try:
         res = subprocess.run([sys.executable, client, "--base-url", f"http://127.0.0.1:{ns.port}", "--json",
                               "--num-prompts", str(ns.num_prompts), "--input-len", str(ns.input_len),
-                              "--output-len", str(ns.output_len), "--max-concurrency", str(ns.max_concurrency)],
+                              "--output-len", str(ns.output_len), "--max-concurrency", str(ns.max_concurrency),
+                              "--seed", "1"],
                              stdout=subprocess.PIPE, text=True, timeout=ns.load_timeout)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"the independent client did not finish within --load-timeout {ns.load_timeout:g} s; "
