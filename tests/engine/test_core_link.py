@@ -127,3 +127,14 @@ def test_a_batching_sender_joins_what_queued_behind_a_slow_reader_in_order_and_f
     assert [m[1] for m in messages[:100]] == list(range(100)) and messages[100] == ("dead", "the last word")
     assert batches >= 1  # what queued behind the full pipe went together
     reader.close()
+
+
+def test_a_message_that_cannot_be_sent_closes_the_link_instead_of_leaving_the_reader_waiting():
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    sender = CommandSender(writer, batch=True)
+    sender.send(("stats", 1, threading.Lock()))  # a lock does not pickle
+    assert reader.poll(10), "the link stayed open: the reader would wait for ever"
+    with pytest.raises(EOFError):
+        reader.recv()
+    assert sender.broken

@@ -69,6 +69,11 @@ class CommandSender:
             except (OSError, ValueError):  # closed: the other side is gone
                 self.broken = True
                 return
+            except Exception:  # a message that cannot be pickled: close, so the other side sees the link end
+                logger.exception("%s: a message could not be sent; closing the link", self._thread.name)
+                self.broken = True
+                self._conn.close()
+                return
             if closing:
                 return
 
