@@ -290,7 +290,9 @@ def main() -> int:
         else:
             summary = asyncio.run(_bounded_load(ns))
         client_cpu = time.process_time() - client_cpu
-        phase(f"bench serve done: {summary['completed']} requests, {summary['failed']} failed")
+        phase(f"bench serve done: {summary['completed']} requests, {summary['failed']} failed; the server so far: "
+              f"{_metric(ns.port, 'num_preemptions_total'):.0f} preemptions, "
+              f"{_metric(ns.port, 'kernel_compiles_in_service_total'):.0f} kernel compiles in service")
         steps = _decode_steps(ns.port) - steps_before
         cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
                      for pid in pids]
@@ -349,11 +351,14 @@ async def _bounded_load(ns, warm_up: bool = False) -> dict:
     cfg = replace(_bench_config(ns), num_warmups=0)
     if warm_up:
         cfg = replace(cfg, num_prompts=1)
-    try:
-        return await asyncio.wait_for(run_benchmark(cfg, progress=not warm_up), ns.load_timeout)
-    except TimeoutError:
+    run = asyncio.ensure_future(run_benchmark(cfg, progress=not warm_up))
+    done, _ = await asyncio.wait({run}, timeout=ns.load_timeout)
+    if not done:  # the state first: cancelling the run closes its connections, which aborts their requests
+        state = _server_state(ns.port)
+        run.cancel()
         raise SystemExit(f"bench serve did not finish within --load-timeout {ns.load_timeout:g} s; the server "
-                         f"holds {_server_state(ns.port)}") from None
+                         f"holds {state}")
+    return run.result()
 
 
 def _independent_client(ns) -> dict:
