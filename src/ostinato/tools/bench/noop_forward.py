@@ -3,10 +3,13 @@
 `install(engine, step_ms)` leaves everything around the model as it is (scheduler, decode rows, the step's
 copies, token read-back, output processing, and in a server the IPC, HTTP and JSON work) and replaces what a
 GPU would run: every prefill and decode step "samples" one ordinary text token (the last token of " the"), so
-detokenization and streaming do real work. With step_ms > 0 a decode step behaves like an asynchronous GPU
-step of that length: launching it returns at once, its tokens are ready step_ms after the previous step's
-were (steps queue as on one GPU stream), and reading them waits until then (in time.sleep, which releases the
-GIL as a GPU wait does). With step_ms = 0 the engine runs as fast as its host work allows: the host ceiling.
+detokenization and streaming do real work. With step_ms > 0 every step that runs sequences (decode, prefill or
+both) behaves like an asynchronous GPU step of that length: launching it returns at once, its tokens are ready
+step_ms after the previous step's were (steps queue as on one GPU stream), and reading them waits until then
+(in time.sleep, which releases the GIL as a GPU wait does). A prefill step is charged like a decode step: on a
+small model a chunk of the default step budget costs about what a full decode step does, and a free prefill would
+hide what admitting prompts costs a server whose requests arrive one by one. With step_ms = 0 the engine runs as
+fast as its host work allows: the host ceiling.
 
 Used by `ostinato bench host`, and by benchmarks/online/serve_vs_offline.py (`--noop-forward`) for both
 `LLM.generate` and the server's engine core: `build_engine(args, step_ms)` is a module-level engine factory,
@@ -95,7 +98,7 @@ def install(engine: "LLMEngine", step_ms: float = 0.0) -> int:
 
         def delayed_launch(out):
             pending = launch(out)
-            if out.kind != "decode":
+            if not (out.num_decode or out.seqs):  # an idle step only drops rows: no GPU work
                 return pending
             gpu_free_at[0] = max(time.perf_counter(), gpu_free_at[0]) + delay
             return _DelayedStep(pending, gpu_free_at[0])
