@@ -3,8 +3,11 @@
 (the goal: the server within 5% of offline).
 
 Both runs use the same prompts (bench serve's random token ids), greedy, ignore_eos, exactly --output-len
-tokens each, and the same engine flags (everything after `--`). Each runs in its own process, one after the
-other, so they never share a GPU or a GIL; the load generator runs in this process.
+tokens each, and the same engine flags (everything after `--`), the step budget included: unless the flags set
+--max-num-batched-tokens, LLM.generate runs at the server's default budget, not at the offline API's own 4x larger
+one (--offline-own-budget measures that instead). Each runs in its own process, one after the other, so they never
+share a GPU or a GIL; the load generator runs in this process. Every phase is logged with its start time, bench
+serve shows its progress, and a load run past --load-timeout stops with what the server still holds.
 
 On a GPU (the measurement in docs/PERFORMANCE.md):
 
@@ -147,12 +150,50 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _decode_steps(port: int) -> int:
-    """Decode steps the server ran so far (graph + eager), from /metrics."""
+def _metric(port: int, name: str) -> float:
+    """The sum of a metric's samples (all its labels) on the server's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("ostinato:decode_steps_total{")))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"ostinato:{name}{{") or line.startswith(f"ostinato:{name} "))
+
+
+def _decode_steps(port: int) -> int:
+    """Decode steps the server ran so far (graph + eager)."""
+    return int(_metric(port, "decode_steps_total"))
+
+
+def _server_state(port: int) -> str:
+    """What the server holds now, for a load run that did not end in time."""
+    try:
+        return (f"{_metric(port, 'num_requests_running'):.0f} requests running, "
+                f"{_metric(port, 'num_requests_waiting'):.0f} waiting, {_decode_steps(port)} decode steps so far")
+    except OSError as e:
+        return f"/metrics did not answer ({e})"
+
+
+def _host_limits() -> str:
+    """The limits many concurrent connections meet: the listen backlog cap and the open-file limit."""
+    import resource
+
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            somaxconn = f.read().strip()
+    except OSError:
+        somaxconn = "?"
+    return (f"host: {os.cpu_count()} CPUs, net.core.somaxconn {somaxconn}, open files "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}")
+
+
+def _offline_argv(engine_argv: list[str]) -> list[str]:
+    """The offline run's engine flags: the server's step budget unless the flags set one, so that both sides run
+    the same policy (LLM.generate alone defaults to a 4x larger budget: docs/PERFORMANCE.md says what it buys)."""
+    if any(a == "--max-num-batched-tokens" or a.startswith("--max-num-batched-tokens=") for a in engine_argv):
+        return engine_argv
+    from ostinato.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    seqs = [int(engine_argv[i + 1]) for i, a in enumerate(engine_argv[:-1]) if a == "--max-num-seqs"]
+    return [*engine_argv, "--max-num-batched-tokens", str(max([DEFAULT_MAX_NUM_BATCHED_TOKENS, *seqs]))]
 
 
 def _wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
@@ -194,6 +235,11 @@ def main() -> int:
                    help="skip the second load run, by benchmarks/online/aiohttp_client.py, on the same server")
     p.add_argument("--summary-json", metavar="PATH",
                    help="write offline, bench serve and the independent client's figures here as one JSON object")
+    p.add_argument("--offline-own-budget", action="store_true",
+                   help="run LLM.generate at the offline API's own step budget default instead of the server's")
+    p.add_argument("--load-timeout", type=float, default=600.0,
+                   help="seconds each load run (bench serve, then the independent client) may take; past it the "
+                        "run stops and says what the server still holds")
     p.add_argument("--child", choices=["offline", "serve"], help=argparse.SUPPRESS)
     ns = p.parse_args(own)
     if ns.child == "offline":
@@ -208,34 +254,56 @@ def main() -> int:
         os.makedirs(ns.profile, exist_ok=True)
         ns.profile = os.path.abspath(ns.profile)
         me += ["--profile", ns.profile]  # the server child profiles itself and its engine core
-    res = subprocess.run([*me, "--child", "offline", "--", *engine_argv], check=True, stdout=subprocess.PIPE,
+    t0 = time.monotonic()
+
+    def phase(what: str) -> None:  # each phase timed, so a run cut short by an outer bound shows where it was
+        print(f"[{time.monotonic() - t0:6.1f} s] {what}", flush=True)
+
+    phase(_host_limits())
+    offline_argv = engine_argv if ns.offline_own_budget else _offline_argv(engine_argv)
+    phase(f"LLM.generate starts (engine flags: {' '.join(offline_argv)})")
+    res = subprocess.run([*me, "--child", "offline", "--", *offline_argv], check=True, stdout=subprocess.PIPE,
                          text=True)
     offline = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"LLM.generate: {offline['output_tokens']} tokens in {offline['duration_s']:.2f} s = "
-          f"{offline['output_throughput']:.0f} output tok/s", flush=True)
+    offline["engine_argv"] = offline_argv
+    phase(f"LLM.generate: {offline['output_tokens']} tokens in {offline['duration_s']:.2f} s = "
+          f"{offline['output_throughput']:.0f} output tok/s")
 
+    phase(f"the server starts (engine flags: {' '.join(engine_argv)})")
     server = subprocess.Popen([*me, "--child", "serve", "--", *engine_argv])
     try:
         _wait_healthy(ns.port, server, ns.startup_timeout)
-        from ostinato.tools.bench.serve import format_table, run_benchmark
+        phase("the server is ready; bench serve starts")
+        from ostinato.tools.bench.serve import format_table
 
+        asyncio.run(_bounded_load(ns, warm_up=True))  # apart, so that the counts below are the run's alone
         pids = [server.pid, *_children(server.pid)]
         before = {pid: _thread_cpu(pid) for pid in pids}
-        steps_before = _decode_steps(ns.port)
+        steps_before, hits_before = _decode_steps(ns.port), _metric(ns.port, "prefix_cache_hits_total")
         client_cpu = time.process_time()
         if ns.profile:
             import cProfile
 
             profile = cProfile.Profile()
-            summary = profile.runcall(asyncio.run, run_benchmark(_bench_config(ns)))
+            summary = profile.runcall(asyncio.run, _bounded_load(ns))
             profile.dump_stats(f"{ns.profile}/client.prof")
         else:
-            summary = asyncio.run(run_benchmark(_bench_config(ns)))
+            summary = asyncio.run(_bounded_load(ns))
         client_cpu = time.process_time() - client_cpu
+        phase(f"bench serve done: {summary['completed']} requests, {summary['failed']} failed; the server so far: "
+              f"{_metric(ns.port, 'num_preemptions_total'):.0f} preemptions, "
+              f"{_metric(ns.port, 'kernel_compiles_in_service_total'):.0f} kernel compiles in service")
         steps = _decode_steps(ns.port) - steps_before
         cpu_lines = [_cpu_report(pid, before[pid], _thread_cpu(pid), summary["total_output_tokens"])
                      for pid in pids]
-        independent = _independent_client(ns) if ns.independent_client else None
+        summary["prefix_cache_hit_tokens"] = _metric(ns.port, "prefix_cache_hits_total") - hits_before
+        independent = None
+        if ns.independent_client:
+            hits_before = _metric(ns.port, "prefix_cache_hits_total")
+            independent = _independent_client(ns)
+            independent["prefix_cache_hit_tokens"] = _metric(ns.port, "prefix_cache_hits_total") - hits_before
+            phase(f"the independent client done: {independent['completed']} requests, {independent['failed']} "
+                  "failed")
     finally:
         # uvicorn re-raises the signal once it has shut down: SIGINT's KeyboardInterrupt lets the server child's
         # `finally` blocks run (they stop the engine core and write the profiles); SIGTERM would end it there.
@@ -251,6 +319,8 @@ def main() -> int:
     print(f"offline CPU ms per 1k output tokens: {1e6 * offline['cpu_s'] / offline['output_tokens']:.0f}")
     for pid, line in zip(pids, cpu_lines):
         print(f"pid {pid}: {line}")
+    print(f"prompt tokens found in the prefix cache: bench serve {summary['prefix_cache_hit_tokens']:.0f}"
+          + (f", the independent client {independent['prefix_cache_hit_tokens']:.0f}" if independent else ""))
     print(f"the load generator (bench serve, this process): "
           f"{1e6 * client_cpu / max(summary['total_output_tokens'], 1):.0f} CPU ms per 1k output tokens")
     ratio = summary["output_throughput"] / offline["output_throughput"]
@@ -271,13 +341,40 @@ def main() -> int:
     return 0 if failed == 0 else 1
 
 
+async def _bounded_load(ns, warm_up: bool = False) -> dict:
+    """bench serve's run (with its progress bar on stderr), or its warm-up request alone, stopped after
+    --load-timeout seconds with what the server still holds."""
+    from dataclasses import replace
+
+    from ostinato.tools.bench.serve import run_benchmark
+
+    cfg = replace(_bench_config(ns), num_warmups=0)
+    if warm_up:
+        cfg = replace(cfg, num_prompts=1)
+    run = asyncio.ensure_future(run_benchmark(cfg, progress=not warm_up))
+    done, _ = await asyncio.wait({run}, timeout=ns.load_timeout)
+    if not done:  # the state first: cancelling the run closes its connections, which aborts their requests
+        state = _server_state(ns.port)
+        run.cancel()
+        raise SystemExit(f"bench serve did not finish within --load-timeout {ns.load_timeout:g} s; the server "
+                         f"holds {state}")
+    return run.result()
+
+
 def _independent_client(ns) -> dict:
-    """The same work again, loaded by benchmarks/online/aiohttp_client.py (no ostinato code) in its own process."""
+    """The same work again, loaded by benchmarks/online/aiohttp_client.py (no ostinato code) in its own process.
+    Its prompts are drawn with another seed: the same prompts as bench serve's would find all their blocks in the
+    prefix cache that run filled, and skip the prefill that bench serve and LLM.generate paid for."""
     client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aiohttp_client.py")
-    res = subprocess.run([sys.executable, client, "--base-url", f"http://127.0.0.1:{ns.port}", "--json",
-                          "--num-prompts", str(ns.num_prompts), "--input-len", str(ns.input_len),
-                          "--output-len", str(ns.output_len), "--max-concurrency", str(ns.max_concurrency)],
-                         stdout=subprocess.PIPE, text=True)
+    try:
+        res = subprocess.run([sys.executable, client, "--base-url", f"http://127.0.0.1:{ns.port}", "--json",
+                              "--num-prompts", str(ns.num_prompts), "--input-len", str(ns.input_len),
+                              "--output-len", str(ns.output_len), "--max-concurrency", str(ns.max_concurrency),
+                              "--seed", "1"],
+                             stdout=subprocess.PIPE, text=True, timeout=ns.load_timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"the independent client did not finish within --load-timeout {ns.load_timeout:g} s; "
+                         f"the server holds {_server_state(ns.port)}") from None
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

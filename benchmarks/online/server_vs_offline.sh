@@ -2,11 +2,14 @@
 # The server against LLM.generate on the same work, with default settings: 64 and 256 streams, the qwen3-0.6b and
 # llama-3.1-8b shapes (random bf16 weights), 4 requests a stream of 256 prompt and 256 output tokens (greedy,
 # ignore_eos), --max-model-len 2048 --max-num-seqs STREAMS, one run each. Each point is
-# benchmarks/online/serve_vs_offline.py: LLM.generate, then the server under `ostinato bench serve`, then under the
-# independent client benchmarks/online/aiohttp_client.py. Prints one table; logs and JSON go to $OUT.
+# benchmarks/online/serve_vs_offline.py: LLM.generate at the server's step budget, then the server under
+# `ostinato bench serve`, then under the independent client benchmarks/online/aiohttp_client.py (its own prompts, so
+# the prefix cache the first run filled does not serve it). Prints one table; logs and JSON go to $OUT, each log
+# with the time every phase began (a point cut short by an outer bound shows where it was).
 #
 #   bash benchmarks/online/server_vs_offline.sh
 #   SHAPES=qwen3-0.6b STREAMS=64 EXTRA="--max-num-batched-tokens 8192" bash benchmarks/online/server_vs_offline.sh
+#   grep -h '^\[' $OUT/*.log   # when each phase of each point began
 #
 # The server needs fastapi, uvicorn and pydantic, the client aiohttp: where they are missing, WHEELS=DIR installs
 # them from a folder of wheels (no network).
@@ -17,6 +20,7 @@ OUT=${OUT:-/tmp/server-vs-offline}
 SHAPES=${SHAPES:-"qwen3-0.6b llama-3.1-8b"}
 STREAMS=${STREAMS:-"64 256"}
 EXTRA=${EXTRA:-}
+LOAD_TIMEOUT=${LOAD_TIMEOUT:-600}  # seconds each load run may take before it stops and says what the server holds
 mkdir -p "$OUT"
 
 if ! python3 -c "import fastapi, uvicorn, pydantic, aiohttp" 2>/dev/null; then
@@ -34,7 +38,7 @@ for shape in $SHAPES; do
     echo "== $shape, $n streams" >&2
     # shellcheck disable=SC2086  # EXTRA is a list of flags
     python3 benchmarks/online/serve_vs_offline.py "$ck" --num-prompts $((4 * n)) --max-concurrency "$n" \
-      --summary-json "$OUT/$shape-$n.json" -- --max-model-len 2048 --max-num-seqs "$n" $EXTRA \
+      --summary-json "$OUT/$shape-$n.json" --load-timeout "$LOAD_TIMEOUT" -- --max-model-len 2048 --max-num-seqs "$n" $EXTRA \
       >"$OUT/$shape-$n.log" 2>&1 || echo "   failed: see $OUT/$shape-$n.log" >&2
   done
 done

@@ -175,7 +175,11 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
             drain.cancel()
             return 0
         hold.release(uvicorn_logger)
-        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else ns.port
+        # A small model can be ready before uvicorn has bound its socket (server.servers is set only then).
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        sockets = getattr(server, "servers", None) or []
+        port = sockets[0].sockets[0].getsockname()[1] if sockets else ns.port
         logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
                     async_engine.engine.graph_status)
         engine_died = asyncio.create_task(_stop_when_the_engine_dies(async_engine, server))

@@ -104,3 +104,37 @@ def test_send_never_blocks_on_a_pipe_nobody_reads():
     assert received == list(range(200))  # every message, in order
     sender.close(5)
     reader.close()
+
+
+def test_a_batching_sender_joins_what_queued_behind_a_slow_reader_in_order_and_flushes_on_close():
+    """The core's outputs: with the pipe full, the steps that queue up go as one ("batch", [...]) message once
+    there is room, in order; close() writes what is still queued (a core's last "dead" message) before it ends."""
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    sender = CommandSender(writer, batch=True)
+    for i in range(100):  # about 1 MB: most of it queues while the first messages fill the pipe
+        sender.send(("step", i, b"x" * 10_000))
+    sender.send(("dead", "the last word"))
+    closing = threading.Thread(target=sender.close, args=(10,), daemon=True)
+    closing.start()
+    messages, batches = [], 0
+    while len(messages) < 101:
+        message = reader.recv()
+        batches += message[0] == "batch"
+        messages += message[1] if message[0] == "batch" else [message]
+    closing.join(10)
+    assert not closing.is_alive()
+    assert [m[1] for m in messages[:100]] == list(range(100)) and messages[100] == ("dead", "the last word")
+    assert batches >= 1  # what queued behind the full pipe went together
+    reader.close()
+
+
+def test_a_message_that_cannot_be_sent_closes_the_link_instead_of_leaving_the_reader_waiting():
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    sender = CommandSender(writer, batch=True)
+    sender.send(("stats", 1, threading.Lock()))  # a lock does not pickle
+    assert reader.poll(10), "the link stayed open: the reader would wait for ever"
+    with pytest.raises(EOFError):
+        reader.recv()
+    assert sender.broken

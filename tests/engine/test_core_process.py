@@ -197,7 +197,7 @@ def test_each_step_is_one_message_carrying_every_request_it_advanced(args):
     message goes to the front, holding every request that got a token in it, with that step's new token ids."""
     import threading
 
-    from ostinato.engine import core_process
+    from ostinato.engine import core_loop
 
     n_requests, max_tokens = 4, 6
     stop, steps_with_outputs, messages = threading.Event(), [], []
@@ -234,16 +234,17 @@ def test_each_step_is_one_message_carrying_every_request_it_advanced(args):
     class Events:
         finished = set()
 
-        def send(self, message):
-            messages.append(message)
-            if message[0] == "step":
-                self.finished.update(item[0] for item in message[1] if item[2])
-                if len(self.finished) == n_requests:
-                    stop.set()
+        def send(self, message):  # a batch is the messages that queued while a send was in progress, in order
+            for message in message[1] if message[0] == "batch" else (message,):
+                messages.append(message)
+                if message[0] == "step":
+                    self.finished.update(item[0] for item in message[1] if item[2])
+                    if len(self.finished) == n_requests:
+                        stop.set()
 
     previous = signal.getsignal(signal.SIGINT)  # the core ignores Ctrl-C; give pytest its handler back
     try:
-        core_process._core_main(counting_engine, args, Commands(), Events())
+        core_loop.core_main(counting_engine, args, Commands(), Events())
     finally:
         signal.signal(signal.SIGINT, previous)
     steps = [m for m in messages if m[0] == "step"]

@@ -2,6 +2,7 @@
 bytes a test wants: events split across packets, keep-alive, errors, a server that closes mid-stream."""
 
 import asyncio
+import socket
 
 import pytest
 
@@ -100,3 +101,58 @@ def test_a_server_that_closes_mid_stream_is_an_error_not_a_hang():
             server.close()
 
     asyncio.run(main())
+
+
+def test_an_answer_that_arrives_a_byte_at_a_time_parses_whole():
+    """Every boundary the parser keeps state across (head, chunk-size line, chunk data, its CRLF, the last chunk)
+    split at every byte: the same events, a Content-Length body, and an extension on a chunk-size line."""
+    stream = (STREAM_HEAD + b"10;ext=1\r\ndata: {\"a\": 1}\n\n\r\n" + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    plain = b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n{\"ok\": true}"[:-1]
+
+    async def handler(reader, writer, n):
+        writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for byte in (stream if n == 1 else plain):
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.0005)  # so that the client reads most bytes alone
+        return True
+
+    async def main():
+        server, url, seen = await _serve(handler)
+        conn = Connection(url)
+        got = []
+        streamed = await conn.request("POST", "/x", b"{}", lambda e, t: got.append(e), timeout=5)
+        answer = await conn.request("GET", "/y", timeout=5)
+        conn.close()
+        server.close()
+        return streamed, answer, got, seen
+
+    streamed, answer, got, seen = asyncio.run(main())
+    assert streamed == (200, b"") and got == [b'data: {"a": 1}', b"data: [DONE]"]
+    assert answer == (200, b'{"ok": true')
+    assert seen == {"connections": 1, "requests": 2}
+
+
+def test_a_body_framed_by_the_connection_end_and_garbage_instead_of_http():
+    async def handler(reader, writer, n):
+        if n == 1:
+            writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\ndata: 2\n\n")
+        else:
+            writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        return False
+
+    async def main():
+        server, url, seen = await _serve(handler)
+        conn = Connection(url)
+        got = []
+        first = await conn.request("POST", "/x", b"{}", lambda e, t: got.append(e), timeout=5)
+        try:
+            with pytest.raises(ConnectionError, match="bad HTTP"):
+                await conn.request("POST", "/x", b"{}", lambda e, t: None, timeout=5)
+        finally:
+            server.close()
+        return first, got
+
+    first, got = asyncio.run(main())
+    assert first == (200, b"") and got == [b"data: 1", b"data: 2"]

@@ -1,9 +1,13 @@
-"""The front's side of the link to the engine core process, apart from routing its messages (core_process.py):
-a command sender that never blocks its caller, and a watchdog for a core that stops making progress.
+"""The link between the front and the engine core process, apart from routing its messages (core_process.py):
+a sender that never blocks its caller (used both ways), and a watchdog for a core that stops making progress.
 
 Why a sender thread: a pipe buffers about 64 KiB. With the core stopped (SIGSTOP, a hung driver call, a
 debugger) the commands the event loop sends (adds, aborts, stats) fill it, and the next send would block the
 event loop and with it /health. Commands go to a queue instead, and one thread writes them in order.
+The core sends its steps' outputs the same way: a front that falls behind (one event loop writing a chunk per
+stream per step) must not stall the engine's steps on a full pipe. Messages that queued up meanwhile go as one
+BATCH message (one pickle, one write), which the reader unpacks in order; the front then merges each stream's
+outputs into one chunk, so falling behind costs it less per token, not more.
 
 Why a watchdog: a core that dies closes its pipe and the front notices at once; a core that stalls closes
 nothing. The watchdog counts any message from the core as progress (a step's outputs, an answer). While work
@@ -24,15 +28,18 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 _CLOSE = object()
+BATCH = "batch"  # ("batch", [message, ...]): messages that queued while the pipe was busy, in order
 
 
 class CommandSender:
     """Writes messages to a pipe connection from its own thread, in the order `send` was called; `send` never
-    blocks. A write that fails (the core's end is closed: it died) stops the thread; the reader of the core's
-    events sees the pipe close and says why."""
+    blocks. A write that fails (the other end is closed: it died) stops the thread; the reader on the other side
+    sees the pipe close and says why. batch: messages that queued up while a write was in progress are sent as
+    one (BATCH, [...]) message."""
 
-    def __init__(self, conn, name: str = "ostinato-core-sender"):
+    def __init__(self, conn, name: str = "ostinato-core-sender", batch: bool = False):
         self._conn = conn
+        self._batch = batch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -48,13 +55,26 @@ class CommandSender:
 
     def _run(self) -> None:
         while True:
-            message = self._queue.get()
-            if message is _CLOSE:
-                return
+            messages = [self._queue.get()]
+            while self._batch and not self._queue.empty():
+                messages.append(self._queue.get())
+            closing = any(m is _CLOSE for m in messages)
+            if closing:
+                messages = messages[:next(i for i, m in enumerate(messages) if m is _CLOSE)]
             try:
-                self._conn.send(message)
-            except (OSError, ValueError):  # closed: the core is gone
+                if len(messages) == 1:
+                    self._conn.send(messages[0])
+                elif messages:
+                    self._conn.send((BATCH, messages))
+            except (OSError, ValueError):  # closed: the other side is gone
                 self.broken = True
+                return
+            except Exception:  # a message that cannot be pickled: close, so the other side sees the link end
+                logger.exception("%s: a message could not be sent; closing the link", self._thread.name)
+                self.broken = True
+                self._conn.close()
+                return
+            if closing:
                 return
 
 

@@ -6,14 +6,15 @@ the loop's per-chunk work adds to the step instead of overlapping it. Here the e
 detokenizer, stop strings) runs in a process of its own, started with `spawn` (CUDA must not be forked), and
 the server's process only parses HTTP, routes outputs and writes JSON.
 
-Protocol (pickled tuples over two one-way pipes):
+The core's loop lives in engine/core_loop.py. Protocol (pickled tuples over two one-way pipes):
 - front -> core: ("add", request_id, prompt, params) | ("abort", request_id) | ("stats", call_id) | ("stop",)
 - core -> front: ("ready", EngineInfo) | ("added", request_id, prompt_token_ids, error) |
-  ("step", outputs, now) | ("stats", call_id, EngineStats) | ("dead", cause)
+  ("step", outputs, now) | ("stats", call_id, EngineStats) | ("dead", cause) | ("batch", [message, ...])
+  (messages that queued while the front was busy, in order: the core's loop never waits on the front)
 
-Per step the core sends one message: the step's DELTA outputs (what the server asks for) without the prompt
-(sent once, with "added"). A reader thread in the front receives, rebuilds the outputs, runs the step observer
-(metrics) and hands each event loop its outputs with one `call_soon_threadsafe` per step.
+Per step the core sends one message (alone, or in a batch): the step's DELTA outputs (what the server asks for)
+without the prompt (sent once, with "added"). A reader thread in the front receives, rebuilds the outputs, runs
+the step observer (metrics) and hands each event loop its outputs with one `call_soon_threadsafe` per step.
 
 Failure: if a step raises, the core reports ("dead", cause) and exits; if the process dies outright the pipe
 closes. Either way the front marks itself dead: pending requests get EngineDeadError and /health says 503.
@@ -29,20 +30,18 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
-import queue
-import signal
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from ostinato.config import EngineArgs, ModelConfig
+from ostinato.config import EngineArgs
 from ostinato.errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from ostinato.sampling_params import SamplingParams
-from ostinato.engine.core_link import CommandSender, CoreWatchdog
-from ostinato.engine.core_logging import log_like_the_front, parent_logging
-from ostinato.engine.incident import report_step_failure
+from ostinato.engine.core_link import BATCH, CommandSender, CoreWatchdog
+from ostinato.engine.core_logging import parent_logging
+from ostinato.engine.core_loop import EngineInfo, build_engine, core_main
 from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, call_soon, deliver, settle
 from ostinato.engine.outputs import EngineStats, RequestOutput, output_from_record
 
@@ -50,85 +49,6 @@ if TYPE_CHECKING:
     from ostinato.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-def build_engine(args: EngineArgs) -> "LLMEngine":
-    """The default engine factory (a module-level function, so `spawn` can pickle it by name)."""
-    from ostinato.engine.engine import LLMEngine
-
-    return LLMEngine(args)
-
-
-# ---- the core process -------------------------------------------------------------------------------------
-def _core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, commands, events,
-               logging_setup: tuple[int, logging.Formatter | None] | None = None) -> None:
-    """The engine core's loop: apply commands between steps, step while anything is unfinished, send outputs."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us in order
-    if logging_setup is not None:
-        log_like_the_front(*logging_setup)
-    try:
-        engine = factory(args)
-    except BaseException as e:
-        events.send(("dead", f"engine start-up failed: {type(e).__name__}: {e}"))
-        return
-    # A thread blocks on the pipe so the loop checks for commands with a queue's cheap empty() instead of a
-    # poll system call (and a selector object) every step.
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_pump, args=(commands, inbox), name="ostinato-core-commands", daemon=True).start()
-    # The engine's own tokenizer and configs, so the server formats with exactly what the engine uses.
-    events.send(("ready", EngineInfo(args, engine.tokenizer, engine.model_config, engine.scheduler_config,
-                                     engine.served_model_name, engine.graph_status,
-                                     engine.generation_defaults)))
-    while True:
-        # Block for a command only when idle; otherwise take what has arrived and step.
-        while not inbox.empty() or not engine.has_unfinished():
-            message = inbox.get()
-            kind = message[0]
-            if kind == "stop":
-                return
-            if kind == "add":
-                _, request_id, prompt, params = message
-                try:
-                    prompt_token_ids = engine.add_request(request_id, prompt, params)
-                except Exception as e:  # a typed error the client gets back (InvalidRequestError, QueueFullError)
-                    events.send(("added", request_id, None, e))
-                    continue
-                events.send(("added", request_id, prompt_token_ids, None))
-            elif kind == "abort":
-                engine.abort(message[1])
-            elif kind == "stats":
-                events.send(("stats", message[1], engine.stats()))
-        try:
-            records = engine.step_records()
-        except BaseException:
-            events.send(("dead", report_step_failure(logger, "engine step failed")))
-            return
-        if records:  # plain tuples (engine/step_outputs.py); the prompt went out once, with "added"
-            events.send(("step", records, time.monotonic()))
-
-
-def _pump(commands, inbox: queue.SimpleQueue) -> None:
-    """Move commands from the pipe to the loop's queue; a closed pipe (the server is gone) stops the core."""
-    try:
-        while True:
-            inbox.put(commands.recv())
-    except (EOFError, OSError):
-        inbox.put(("stop",))
-
-
-# ---- the server's side --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the server may read of the engine, sent by the core once it is loaded (AsyncEngine.engine gives an
-    LLMEngine, which has the same attributes). graph_status is as of start-up."""
-
-    args: EngineArgs
-    tokenizer: object
-    model_config: ModelConfig
-    scheduler_config: object
-    served_model_name: str
-    graph_status: str
-    generation_defaults: dict  # the model's sampling defaults (LLMEngine.generation_defaults)
 
 
 @dataclass
@@ -177,7 +97,7 @@ class ProcessAsyncEngine:
         ctx = multiprocessing.get_context("spawn")
         commands_recv, commands = ctx.Pipe(duplex=False)
         self._events, events_send = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_core_main, name="ostinato-engine-core", daemon=True,
+        self._process = ctx.Process(target=core_main, name="ostinato-engine-core", daemon=True,
                                     args=(self._factory, self.args, commands_recv, events_send,
                                           parent_logging()))
         self._process.start()
@@ -315,19 +235,7 @@ class ProcessAsyncEngine:
             while True:
                 message = self._events.recv()
                 self._watchdog.progress()
-                kind = message[0]
-                if kind == "step":
-                    self._on_step(message[1], message[2])
-                elif kind == "added":
-                    self._on_added(*message[1:])
-                elif kind == "stats":
-                    fut = self._calls.pop(message[1], None)
-                    if fut is not None:
-                        fut.set_result(message[2])
-                elif kind == "ready":
-                    self._on_ready(message[1])
-                elif kind == "dead":
-                    self._die(message[1])
+                if not all(map(self._on_message, message[1] if message[0] == BATCH else (message,))):
                     return
         except (EOFError, OSError):
             if self._stopping:
@@ -337,6 +245,24 @@ class ProcessAsyncEngine:
                 self._die(f"the engine core process exited (exit code {self._process.exitcode})")
         finally:
             self._ready.set()
+
+    def _on_message(self, message: tuple) -> bool:
+        """Act on one message of the core; False once it said it is dead."""
+        kind = message[0]
+        if kind == "step":
+            self._on_step(message[1], message[2])
+        elif kind == "added":
+            self._on_added(*message[1:])
+        elif kind == "stats":
+            fut = self._calls.pop(message[1], None)
+            if fut is not None:
+                fut.set_result(message[2])
+        elif kind == "ready":
+            self._on_ready(message[1])
+        elif kind == "dead":
+            self._die(message[1])
+            return False
+        return True
 
     def _on_ready(self, info: EngineInfo) -> None:
         self._info = info

@@ -3,10 +3,13 @@
 `install(engine, step_ms)` leaves everything around the model as it is (scheduler, decode rows, the step's
 copies, token read-back, output processing, and in a server the IPC, HTTP and JSON work) and replaces what a
 GPU would run: every prefill and decode step "samples" one ordinary text token (the last token of " the"), so
-detokenization and streaming do real work. With step_ms > 0 a decode step behaves like an asynchronous GPU
-step of that length: launching it returns at once, its tokens are ready step_ms after the previous step's
-were (steps queue as on one GPU stream), and reading them waits until then (in time.sleep, which releases the
-GIL as a GPU wait does). With step_ms = 0 the engine runs as fast as its host work allows: the host ceiling.
+detokenization and streaming do real work. With step_ms > 0 every step that runs sequences (decode, prefill or
+both) behaves like an asynchronous GPU step of that length: launching it returns at once, its tokens are ready
+step_ms after the previous step's were (steps queue as on one GPU stream), and reading them waits until then
+(in time.sleep, which releases the GIL as a GPU wait does). A prefill step is charged like a decode step: on a
+small model a chunk of the default step budget costs about what a full decode step does, and a free prefill would
+hide what admitting prompts costs a server whose requests arrive one by one. With step_ms = 0 the engine runs as
+fast as its host work allows: the host ceiling.
 
 Structured outputs (grammar-constrained rows) need `logits_columns`: the no-op's logits are then that many columns
 wide (the vocabulary's first tokens: a byte-level BPE has every byte among them, so a grammar can always be
@@ -119,9 +122,10 @@ def install(engine: "LLMEngine", step_ms: float = 0.0, logits_columns: int | Non
         launch = runner.launch
 
         def delayed_launch(out, masks=None):
+            if not (out.num_decode or out.seqs):  # an idle step only drops rows: no GPU work
+                return launch(out) if masks is None else launch(out, masks)
+            clock.step_started()
             pending = launch(out) if masks is None else launch(out, masks)
-            if out.kind != "decode":
-                return pending
             return _DelayedStep(pending, clock.step_launched())
 
         runner.launch = delayed_launch
@@ -129,12 +133,15 @@ def install(engine: "LLMEngine", step_ms: float = 0.0, logits_columns: int | Non
 
 
 class _GpuClock:
-    """When a no-op decode step's tokens are ready, as on one GPU stream: its forward starts when it is launched
-    or when the step before it ended, and lasts `delay`; work launched after the forward (the grammar masking)
-    adds no GPU time but cannot end before it was launched."""
+    """When a no-op step's tokens are ready, as on one GPU stream: its forward starts when it is launched (a
+    decode step's at its replay) or when the step before it ended, and lasts `delay`; work launched after the
+    forward (the grammar masking) adds no GPU time but cannot end before it was launched."""
 
     def __init__(self, delay: float):
         self.delay, self._free_at, self._forward_done = delay, 0.0, 0.0
+
+    def step_started(self) -> None:
+        self.forward_launched()  # a prefill's forward; a decode replay, later in the step, starts it again
 
     def forward_launched(self) -> None:
         self._forward_done = max(time.perf_counter(), self._free_at) + self.delay

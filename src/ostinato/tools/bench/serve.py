@@ -76,6 +76,11 @@ def make_prompts(cfg: BenchConfig) -> list[str | list[int]]:
     raise ValueError(f"--dataset must be random-ids or random-text, got {cfg.dataset!r}")
 
 
+# How a streamed chunk with tokens and no usage ends, and how its choices begin, as compact JSON writes them
+# (ostinato's chunks; a server that writes otherwise gets every chunk parsed).
+_NO_USAGE, _A_CHOICE = b'"usage":null}', b'"choices":[{'
+
+
 async def _one_request(conn: Connection, cfg: BenchConfig, model: str, prompt: str | list[int]) -> RequestResult:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
@@ -87,21 +92,23 @@ async def _one_request(conn: Connection, cfg: BenchConfig, model: str, prompt: s
         nonlocal last
         if not event.startswith(b"data: ") or event == b"data: [DONE]" or result.error:
             return
-        chunk = json.loads(event[6:])
-        if "error" in chunk:
-            result.error = chunk["error"].get("message", "stream error")
-            return
-        if chunk.get("usage"):
-            result.output_tokens = chunk["usage"]["completion_tokens"]
-            result.prompt_len = chunk["usage"]["prompt_tokens"]
         # Any chunk with choices is new tokens (its text may be empty: a special token, or bytes of a character
-        # not yet complete).
-        if chunk.get("choices"):
-            if result.ttft == 0.0:
-                result.ttft = now - start
-            else:
-                result.itl.append(now - last)
-            last = now
+        # not yet complete). A compact chunk that ends without usage and has a choice needs no JSON parsing.
+        if not (event.endswith(_NO_USAGE) and _A_CHOICE in event):
+            chunk = json.loads(event[6:])
+            if "error" in chunk:
+                result.error = chunk["error"].get("message", "stream error")
+                return
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+                result.prompt_len = chunk["usage"]["prompt_tokens"]
+            if not chunk.get("choices"):
+                return
+        if result.ttft == 0.0:
+            result.ttft = now - start
+        else:
+            result.itl.append(now - last)
+        last = now
 
     try:
         status, answer = await conn.request("POST", "/v1/completions", body, on_event, timeout=cfg.timeout_s)
