@@ -72,3 +72,11 @@ def test_overlap_on_and_off_and_mixed_steps_agree(ckpt, llm):
     overlapped = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     serial = _llm(ckpt, async_scheduling=False, max_num_batched_tokens=16)  # small budget: mixed steps
     assert [o.outputs[0].token_ids for o in serial.generate(prompts, params)] == overlapped
+
+
+def test_a_complete_grammar_ends_its_sequence_even_when_eos_is_ignored(llm):
+    # ignore_eos takes the stop token out of the request's own stop ids: only the grammar's end stops the row
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, ignore_eos=True,
+                             structured_outputs=StructuredOutputs(choice=("alpha", "beta gamma"))) for s in range(3)]
+    outs = llm.generate(["hello"] * 3, params)
+    assert all(o.outputs[0].finish_reason == "stop" and o.outputs[0].text in ("alpha", "beta gamma") for o in outs)

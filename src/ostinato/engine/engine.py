@@ -272,6 +272,10 @@ class LLMEngine:
         sequence needs no text for until it ends (LLM.generate's FINAL_ONLY requests without stop strings or
         logprobs) costs two checks here: a stop token, or its length."""
         owners, taken = self._seq_owner, 0
+        # The constrained sequences' matchers advance first, in one call for the whole step: the ids of those the
+        # token ends (grammar complete, or the token refused). A finished sequence's matcher is gone already.
+        grammar_ended = self.constrained.rows.accept_tokens(result.seq_ids, result.token_ids) \
+            if self.constrained.rows else ()
         for seq_id, token_id, tok in zip(result.seq_ids, result.token_ids, result.tokens):
             owner = owners.get(seq_id)
             if owner is None or owner[1].finish_reason is not None:
@@ -283,7 +287,7 @@ class LLMEngine:
                 # and not again when a preempted sequence is recomputed; num_preemptions counts those).
                 state.first_token_time = now
                 self._prompt_tokens_total += len(state.prompt_token_ids)
-            ended = st.constrained and self._grammar_ends(seq_id, token_id)  # complete, or refused the token
+            ended = seq_id in grammar_ended
             if st.on_table and (text := st.texts[token_id]) is not None:  # a streamed token's text, looked up
                 if text:
                     st.text.pieces.append(text)
@@ -321,15 +325,6 @@ class LLMEngine:
         elif len(st.seq.output_token_ids) >= st.max_output:
             self._finish(state, st, "length")
         st.on_table = st.texts is not None and st.detok.at_boundary
-
-    def _grammar_ends(self, seq_id: int, token_id: int) -> bool:
-        """Advance the sequence's matcher; True when the sequence ends on this token: the grammar ended (the mask
-        allows a stop token only once the output is complete) or refused the token (which it never should)."""
-        rows = self.constrained.rows
-        if rows.accept(seq_id, token_id):
-            return rows.terminated(seq_id)
-        logger.warning("sequence %d: the grammar refused token %d; the sequence stops", seq_id, token_id)
-        return True
 
     def _finish(self, state: RequestState, st: SeqState, reason: str) -> None:
         if st.constrained:

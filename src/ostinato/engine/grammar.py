@@ -7,10 +7,10 @@ it with a time bound and turns a failure or a timeout into an InvalidRequestErro
 and LLM.generate call `check` before they queue a request; LLMEngine.add_request only submits, and a request whose
 grammar is still compiling waits outside the scheduler (LLMEngine), so the engine loop never waits for a compile.
 
-Matching: `GrammarSet` holds a GrammarMatcher per constrained sequence. It accepts each token the engine takes for
-that sequence, and `fill(seq_ids)` writes the bitmask of the next token for the constrained ones among a step's
-rows (xgrammar's batch fill, several threads). xgrammar is imported on first use: an engine that never sees a
-constrained request runs without it.
+Matching: `GrammarSet` (engine/grammar_set.py) holds a GrammarMatcher per constrained sequence. It accepts the
+tokens a step sampled, and `fill(seq_ids)` writes the bitmask of the next token for the constrained ones among a
+step's rows (xgrammar's batch calls, split across persistent threads when the work pays for it). xgrammar is
+imported on first use: an engine that never sees a constrained request runs without it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from ostinato.engine.grammar_set import GrammarSet
 from ostinato.errors import InvalidRequestError
 from ostinato.structured_outputs import StructuredOutputs
 
@@ -135,73 +136,6 @@ def result_of(future: Future, spec: StructuredOutputs, timeout_s: float | None =
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InvalidRequestError(f"the {spec.kind} constraint does not compile: {first_line}",
                                   param=spec.field_name) from None
-
-
-class GrammarSet:
-    """The matchers of the constrained sequences, and the bitmasks of a step's constrained rows."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self._matchers: dict[int, Any] = {}  # seq_id -> xgrammar GrammarMatcher
-        self._batch = None  # xgrammar BatchGrammarMatcher (its thread pool fills the rows)
-        self._bitmasks: dict[int, Any] = {}  # rows -> a reused int32 bitmask [rows, words]
-
-    def __bool__(self) -> bool:
-        return bool(self._matchers)
-
-    def add(self, seq_id: int, compiled) -> None:
-        import xgrammar as xgr
-
-        self._matchers[seq_id] = xgr.GrammarMatcher(compiled)
-
-    def remove(self, seq_id: int) -> None:
-        self._matchers.pop(seq_id, None)
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._matchers
-
-    def accept(self, seq_id: int, token_id: int) -> bool:
-        """Advance the sequence's matcher by its token; False when the grammar refuses it or has ended (a token
-        the mask allowed is always accepted, so False means the sequence must stop)."""
-        m = self._matchers[seq_id]
-        return not m.is_terminated() and m.accept_token(token_id)
-
-    def terminated(self, seq_id: int) -> bool:
-        return self._matchers[seq_id].is_terminated()
-
-    def fill(self, seq_ids: Sequence[int]):
-        """(positions in seq_ids of the constrained rows, their next-token bitmask [k, words] int32 on the CPU),
-        or None when none of the rows is constrained. A matcher that has ended (its stop token was sampled, the
-        row is a wasted one) is left out: its token is dropped."""
-        matchers = self._matchers
-        picked = [(i, matchers[s]) for i, s in enumerate(seq_ids) if s in matchers]
-        picked = [(i, m) for i, m in picked if not m.is_terminated()]
-        if not picked:
-            return None
-        import xgrammar as xgr
-
-        bitmask = self._bitmask(len(picked))
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher()
-        self._batch.batch_fill_next_token_bitmask([m for _, m in picked], bitmask)
-        return [i for i, _ in picked], bitmask
-
-    def _bitmask(self, rows: int):
-        # Power-of-two sizes, sliced: a handful of buffers however the batch changes. Pinned beside a GPU, so
-        # that the copy to the device does not wait for the step's forward; two per size in turn, as a step's
-        # copy may still be queued while the next step's masks are filled.
-        size = 1 << (rows - 1).bit_length()
-        bufs = self._bitmasks.get(size)
-        if bufs is None:
-            import torch
-            import xgrammar as xgr
-
-            pin = torch.cuda.is_available()
-            bufs = self._bitmasks[size] = [xgr.allocate_token_bitmask(size, self.vocab_size) for _ in range(2)]
-            if pin:
-                bufs[:] = [b.pin_memory() for b in bufs]
-        bufs.reverse()
-        return bufs[0][:rows]
 
 
 class ConstrainedRequests:

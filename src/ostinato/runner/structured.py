@@ -55,7 +55,7 @@ def constrain_decode(logits: torch.Tensor, rows: torch.Tensor, sampled: torch.Te
     if index is None:
         return
     if index is True:  # every row: drawn again in place, without copying the [n, vocab] logits
-        sample_rows(logits, rows, sampled)
+        sample_rows(logits, rows, sampled, batch_invariant)
         return
     tokens = torch.empty(index.shape[0], dtype=torch.int64, device=logits.device)
     sample_rows(logits.index_select(0, index), rows.index_select(0, index), tokens, batch_invariant)

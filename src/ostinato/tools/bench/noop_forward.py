@@ -11,6 +11,13 @@ small model a chunk of the default step budget costs about what a full decode st
 hide what admitting prompts costs a server whose requests arrive one by one. With step_ms = 0 the engine runs as
 fast as its host work allows: the host ceiling.
 
+Structured outputs (grammar-constrained rows) need `logits_columns`: the no-op's logits are then that many columns
+wide (the vocabulary's first tokens: a byte-level BPE has every byte among them, so a grammar can always be
+followed), written afresh at every step as a replay writes its static logits (the grammar masking writes -inf into
+them in place), so the eager masking and re-draw after the replay work on a few hundred columns, not on the whole
+vocabulary (passes that a GPU runs asynchronously). The forward of a decode step starts when it is launched (the
+replay), and its tokens are ready step_ms later, or once the host has launched the masking, whichever comes last.
+
 Used by `ostinato bench host`, and by benchmarks/online/serve_vs_offline.py (`--noop-forward`) for both
 `LLM.generate` and the server's engine core: `build_engine(args, step_ms)` is a module-level engine factory,
 so `functools.partial(build_engine, step_ms=...)` can be pickled into the engine core process.
@@ -31,13 +38,15 @@ if TYPE_CHECKING:
 class _NoOpModel:
     """Stands in for the decoder: hidden states are zeros, logits one-hot at `token_id` (greedy picks it)."""
 
-    def __init__(self, real, max_rows: int, vocab_size: int, token_id: int):
+    def __init__(self, real, max_rows: int, vocab_size: int, token_id: int, fresh: bool = False):
         import torch
 
         self._real = real
         self._hidden = torch.zeros(max_rows, 1)  # grows to a prefill's token count
         self._logits = torch.zeros(max_rows, vocab_size)  # one row per sequence of a step
         self._logits[:, token_id] = 1.0
+        # fresh: each call's logits in a buffer of their own, as a forward writes them (masking edits them)
+        self._fresh = torch.empty_like(self._logits) if fresh else None
 
     def __call__(self, input_ids, positions, meta):
         if input_ids.shape[0] > self._hidden.shape[0]:
@@ -47,7 +56,10 @@ class _NoOpModel:
         return self._hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden, float32: bool = True):
-        return self._logits[: hidden.shape[0]]
+        n = hidden.shape[0]
+        if self._fresh is None:
+            return self._logits[:n]
+        return self._fresh[:n].copy_(self._logits[:n])
 
     def __getattr__(self, name):  # anything else (bind_kv_caches, config) from the real model
         return getattr(self._real, name)
@@ -75,8 +87,9 @@ def text_token(tokenizer) -> int:
     return tokenizer.encode(" the", add_special_tokens=False)[-1]
 
 
-def install(engine: "LLMEngine", step_ms: float = 0.0) -> int:
-    """Replace the engine's forward (and in-graph sampling) by a no-op; returns the token it samples."""
+def install(engine: "LLMEngine", step_ms: float = 0.0, logits_columns: int | None = None) -> int:
+    """Replace the engine's forward (and in-graph sampling) by a no-op; returns the token it samples.
+    logits_columns: the no-op's logits that wide, fresh at every step (grammar-constrained rows need it)."""
     import torch
 
     runner = engine.runner
@@ -84,27 +97,58 @@ def install(engine: "LLMEngine", step_ms: float = 0.0) -> int:
         raise ConfigError("the no-op forward measures host work on CPU only: add --device cpu --dtype float32")
     token_id = text_token(engine.tokenizer)
     vocab = engine.model_config.vocab_size
+    columns = vocab if logits_columns is None else min(vocab, logits_columns)
+    if token_id >= columns:
+        raise ConfigError(f"the no-op samples token {token_id}, outside logits_columns={logits_columns}")
     rows = runner.decode_batch.layout.rows  # at least max_num_seqs: the most sequences a step samples for
-    runner.model = _NoOpModel(runner.model, rows, vocab, token_id)
-    # On a GPU the decode step (forward and sampling) is one replay: the no-op replaces all of it, and the
-    # tokens it 'sampled' are the ones its buffer holds.
-    logits = runner.model.compute_logits(torch.zeros(rows, 1))
-    runner.decode_step.sampled.fill_(token_id)
-    for graphs in (runner.graphs, runner.processor_graphs):  # without and with the logits processors
-        graphs.fn = lambda **inputs: logits[: next(iter(inputs.values())).shape[0]]
-    if step_ms > 0:
-        launch, delay = runner.launch, step_ms / 1000
-        gpu_free_at = [0.0]
+    runner.model = _NoOpModel(runner.model, rows, columns, token_id, fresh=logits_columns is not None)
+    clock = _GpuClock(step_ms / 1000)
+    sampled, hidden = runner.decode_step.sampled, torch.zeros(rows, 0)
+    sampled.fill_(token_id)
 
-        def delayed_launch(out):
-            pending = launch(out)
+    def replay(**inputs):
+        # On a GPU the decode step (forward and sampling) is one replay: the no-op replaces all of it, and the
+        # tokens it 'samples' are the ones in the step's buffer (written afresh where a grammar's re-draw may
+        # have changed them).
+        n = next(iter(inputs.values())).shape[0]
+        clock.forward_launched()
+        if logits_columns is not None:
+            sampled[:n].fill_(token_id)
+        return runner.model.compute_logits(hidden[:n])
+
+    for graphs in (runner.graphs, runner.processor_graphs):  # without and with the logits processors
+        graphs.fn = replay
+    if step_ms > 0:
+        launch = runner.launch
+
+        def delayed_launch(out, masks=None):
             if not (out.num_decode or out.seqs):  # an idle step only drops rows: no GPU work
-                return pending
-            gpu_free_at[0] = max(time.perf_counter(), gpu_free_at[0]) + delay
-            return _DelayedStep(pending, gpu_free_at[0])
+                return launch(out) if masks is None else launch(out, masks)
+            clock.step_started()
+            pending = launch(out) if masks is None else launch(out, masks)
+            return _DelayedStep(pending, clock.step_launched())
 
         runner.launch = delayed_launch
     return token_id
+
+
+class _GpuClock:
+    """When a no-op step's tokens are ready, as on one GPU stream: its forward starts when it is launched (a
+    decode step's at its replay) or when the step before it ended, and lasts `delay`; work launched after the
+    forward (the grammar masking) adds no GPU time but cannot end before it was launched."""
+
+    def __init__(self, delay: float):
+        self.delay, self._free_at, self._forward_done = delay, 0.0, 0.0
+
+    def step_started(self) -> None:
+        self.forward_launched()  # a prefill's forward; a decode replay, later in the step, starts it again
+
+    def forward_launched(self) -> None:
+        self._forward_done = max(time.perf_counter(), self._free_at) + self.delay
+
+    def step_launched(self) -> float:
+        self._free_at = max(self._forward_done, time.perf_counter())
+        return self._free_at
 
 
 def build_engine(args: "EngineArgs", step_ms: float = 0.0) -> "LLMEngine":
