@@ -134,8 +134,8 @@ class CudaGraphRunner:
         self._real_rows = self._padded_rows = 0
         self._replays_by_size: dict[int, int] = {}
         self._steps_by_batch: dict[int, int] = {}  # the server's decode_batch_size histogram
-        # Set by the caller before capture() to compile every size's Triton kernels first, in other processes
-        # (runner/compile_ahead.py): called with one step function per size, largest first.
+        # Set by the caller before capture() to compile every size's kernels first (runner/compile_ahead.py):
+        # called with one step function per size, largest first.
         self.compile_ahead: Callable[[list[Callable[[], torch.Tensor]]], Any] | None = None
 
     @classmethod

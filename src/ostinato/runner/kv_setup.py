@@ -22,8 +22,7 @@ from ostinato.config import CacheConfig, GraphConfig, ModelConfig, SchedulerConf
 from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.sampling_params import SamplingParams
-from ostinato.runner.compile_ahead import CompileAheadReport, CompileCounter, compile_ahead
-from ostinato.runner.compile_pool import CompilePool
+from ostinato.runner.compile_ahead import CompileAheadReport, compile_ahead
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
 from ostinato.runner.decode_step import DecodeStep, compare_step, processor_sizes
@@ -61,9 +60,6 @@ class KVSpec:
     # captures, which the global mode would count as an error; a host sync in the step still fails capture.
     capture_error_mode: str = "global"
     compile_watch: CompileWatch | None = None  # names a Triton compile that broke a capture (graph_backends.py)
-    # Worker processes that compile the graphs' Triton kernels before their capture (runner/compile_ahead.py);
-    # None: the capture compiles them (CPU, tensor parallelism, eager).
-    compile_pool: CompilePool | None = None
     # Bytes per block of another KV pool allocated beside this one under the same block ids (the speculative
     # draft model's, runner/draft.py): the budget pays for both.
     extra_block_bytes: int = 0
@@ -121,11 +117,10 @@ def make_graph_runner(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], enf
 def capture_both(spec: KVSpec, plain: CudaGraphRunner, with_processors: CudaGraphRunner, lines: list[str]
                  ) -> tuple[CaptureReport, CaptureReport]:
     """Capture the graphs without the logits processors, then those with them into the same static output."""
-    capture = capture_with_kernels_ahead(spec, plain, "the decode graphs", lines)
+    capture = capture_decode_graphs(spec, plain, lines)
     if plain.graphs_enabled:
         with_processors.share_output_of(plain)
-    return capture, capture_with_kernels_ahead(spec, with_processors, "the decode graphs with the logits processors",
-                                               lines)
+    return capture, capture_decode_graphs(spec, with_processors, lines)
 
 
 def make_prefill_graphs(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], progress: bool,
@@ -147,7 +142,7 @@ def _estimate_prefill_graph_bytes(spec: KVSpec, backend: CudaGraphBackend) -> in
     caches = allocate_kv_cache(spec, tmp_blocks)
     probe = make_prefill_graphs(spec, tmp_blocks, (max(spec.graph_config.prefill_sizes),), False, backend)
     try:
-        return capture_prefill_graphs(spec, probe, []).total_bytes
+        return probe.capture().total_bytes
     finally:
         del probe, caches
         gc.collect()
@@ -188,13 +183,6 @@ def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[s
     ids = torch.randint(0, spec.model_config.vocab_size, (distinct,), device=dev)
     repeat = torch.arange(size, device=dev) % distinct
     return {"batch": layout.pack(ids[repeat], pos[repeat], tables[repeat])}
-
-
-def _profile_activation_peak_kernels_ahead(spec: KVSpec) -> int:
-    """_profile_activation_peak, its prefill's Triton kernels compiled ahead first, as the graphs' are."""
-    if spec.compile_pool is not None:
-        compile_ahead([functools.partial(_profile_activation_peak, spec)], spec.compile_pool, "the memory profile")
-    return _profile_activation_peak(spec)
 
 
 def _profile_activation_peak(spec: KVSpec) -> int:
@@ -239,10 +227,9 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
     step, probe, probe_processors = make_graph_runner(spec, tmp_blocks, (largest,), False, "error", progress=False,
                                                       backend=backend)
     try:
-        report = capture_with_kernels_ahead(spec, probe, "the decode graph probe", [])
+        report = probe.capture()
         probe_processors.share_output_of(probe)
-        return report.total_bytes + capture_with_kernels_ahead(spec, probe_processors, "its processors' probe",
-                                                               []).total_bytes
+        return report.total_bytes + probe_processors.capture().total_bytes
     finally:
         del probe, probe_processors, step, caches
         gc.collect()
@@ -250,42 +237,51 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
         torch.cuda.empty_cache()
 
 
-def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device, pool: CompilePool,
-                                what: str) -> CompileAheadReport | None:
-    """The graphs' Triton kernels compiled before their capture (runner/compile_ahead.py): every size's step
-    recorded in this thread (its CUDA device and autograd mode are the capture's), the kernels compiled in
-    the pool's processes."""
-    logger.info("compiling the Triton kernels of %s ahead of their capture (%d sizes)", what, len(steps))
-    report = compile_ahead(steps, pool, what)
-    # The pass's tensors, freed but cached by the allocator, would be out of reach of the graphs' private
-    # pool: hand them back before the capture measures and allocates.
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
+def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device,
+                                watch: CompileWatch | None, marks: list[int]) -> CompileAheadReport | None:
+    """The decode graphs' kernels compiled before their capture, in threads (runner/compile_ahead.py), each
+    thread on the capturing thread's CUDA device and in its autograd mode (both are per thread: a new thread
+    starts on device 0 with grad on). Appends the watch's compile count after the pass to `marks`."""
+    # Resolved here, in the capturing thread: torch.device("cuda") has no index, which set_device refuses,
+    # and "the current device" in a new thread is device 0, whatever this thread's is.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def prepare_thread() -> None:
+        torch.cuda.set_device(index)
+
+    def as_the_capture_runs(step: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        # Not inference mode unless the capture is in it: a buffer a step creates lazily would be an inference
+        # tensor, which the capture could then not update in place.
+        def run() -> None:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                step()
+        return run
+
+    def settle() -> None:
+        # The steps' activations, freed but cached by the allocator, would be out of reach of the graphs'
+        # private pool: hand them back before the capture measures and allocates.
+        torch.cuda.synchronize(index)
+        torch.cuda.empty_cache()
+
+    logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes, cuda:%d)", len(steps), index)
+    report = compile_ahead([as_the_capture_runs(step) for step in steps], prepare_thread, synchronize=settle)
+    if watch is not None:
+        marks.append(watch.compiles)
     return report
 
 
-def capture_with_kernels_ahead(spec: KVSpec, graphs: CudaGraphRunner, what: str, lines: list[str],
-                               capture: Callable[[], CaptureReport] | None = None) -> CaptureReport:
-    """graphs.capture(), its kernels compiled ahead first where a compile pool was started (single CUDA rank);
-    what the capture still compiled itself, rather than loaded from Triton's cache, goes to `lines`."""
-    capture = capture or graphs.capture
-    if spec.compile_pool is None or not graphs.graphs_enabled:
-        return capture()
-    graphs.compile_ahead = functools.partial(compile_graph_kernels_ahead, device=spec.device,
-                                             pool=spec.compile_pool, what=what)
-    with CompileCounter() as counter:
-        report = capture()
-    lines.append(f"the capture of {what} compiled {counter.compiled} Triton kernels itself and loaded "
-                 f"{counter.loaded} from the cache")
-    return report
-
-
-def capture_prefill_graphs(spec: KVSpec, prefill: PrefillGraphs, lines: list[str]) -> CaptureReport:
-    """prefill.capture() (which words its own errors), its kernels compiled ahead as the decode graphs' are."""
-    if not prefill.enabled:
-        return prefill.capture()
-    return capture_with_kernels_ahead(spec, prefill.graphs, "the prefill graphs", lines,
-                                      capture=prefill.capture)
+def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str]) -> CaptureReport:
+    """graphs.capture(), its kernels compiled ahead first on one CUDA rank; what the capture still compiled
+    itself goes to `lines` (the start-up log)."""
+    marks: list[int] = []  # the compile count once the kernels were compiled ahead
+    if spec.device.type == "cuda" and spec.capture_error_mode == "global" and not spec.graph_config.enforce_eager:
+        graphs.compile_ahead = functools.partial(compile_graph_kernels_ahead, device=spec.device,
+                                                 watch=spec.compile_watch, marks=marks)
+    capture = graphs.capture()
+    if marks and spec.compile_watch is not None:  # what the pass missed: compiles inside the capture loop
+        lines.append(f"the capture compiled {len(spec.compile_watch.kernels_since(marks[0]))} more kernels")
+    return capture
 
 
 def check_decode_graphs(spec: KVSpec, step: DecodeStep, runners: tuple[CudaGraphRunner, ...]) -> None:
@@ -318,7 +314,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     else:
         logger.info("profiling a worst-case step to size the KV cache")
         t0 = time.perf_counter()
-        activation = _profile_activation_peak_kernels_ahead(spec)
+        activation = _profile_activation_peak(spec)
         free, total = torch.cuda.mem_get_info()
         # Everything in use now except the allocator's cached free memory: weights, CUDA context, other
         # processes. Charged as "weights" so the budget counts the whole device, as vLLM does. Read before
@@ -351,7 +347,7 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     check_decode_graphs(spec, step, (graphs, processor_graphs))
     prefill = make_prefill_graphs(spec, num_blocks, gc_cfg.prefill_sizes, spec.device.type == "cuda", backend,
                                   step.sampled)
-    prefill_capture = capture_prefill_graphs(spec, prefill, lines)
+    prefill_capture = prefill.capture()
     if prefill.enabled and not gc_cfg.skip_graph_check:
         with torch.inference_mode():
             check_prefill_graphs(prefill, spec.model, num_blocks, spec.model_config.vocab_size)

@@ -31,7 +31,6 @@ steps run eager (the GPU work dominates there), counted in the prefill step stat
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -43,8 +42,6 @@ from ostinato.contract import ScheduledSeq, SchedulerOutput, StepResult
 from ostinato.model.loader import load_model, resolve_dtype, weights_nbytes
 from ostinato.model.parallel import SINGLE_RANK, TPGroup, rank_view
 from ostinato.runner.backends import make_backend, pdl_status, pick_device  # noqa: F401 - re-exported
-from ostinato.runner.compile_ahead import compile_ahead
-from ostinato.runner.compile_pool import start_compile_pool
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_step import DecodeStep
 from ostinato.runner.draft import DraftModel, draft_block_bytes
@@ -89,8 +86,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.compile_watch.install()
         self.block_size = config.kv_pool.block_size
-        # Started before the weights load: its processes import Triton meanwhile (runner/compile_ahead.py).
-        self.compile_pool = start_compile_pool(self.device.type, tp.world_size, not self.graph_config.enforce_eager)
         self._load_model()
         self.draft = None  # --speculative-method draft: the draft model (runner/draft.py), once its pool exists
         # Loaded before the KV pool is sized, so that its weights count as memory in use.
@@ -115,9 +110,6 @@ class ModelRunner:
             drafter=self.draft)
         if cuda:
             self._warm_up()
-        if self.compile_pool is not None:
-            self.compile_pool.close()
-            self.compile_pool = None
 
     def _load_model(self) -> None:
         logger.info("loading weights from %s", self.config.model_dir)
@@ -149,7 +141,7 @@ class ModelRunner:
             make_step=lambda layout: DecodeStep(self.decode_logits, layout, self.device, config.seed,
                                                 config.model.vocab_size, config.batch_invariant),
             agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
-            compile_watch=self.compile_watch, compile_pool=self.compile_pool,
+            compile_watch=self.compile_watch,
             extra_block_bytes=0 if self._draft_model is None else draft_block_bytes(
                 config.speculative.draft_model, self.block_size, self.dtype))
         setup = allocate_kv_and_graphs(self.kv_spec)
@@ -172,17 +164,13 @@ class ModelRunner:
         logger.info("decoder kernels: %s (%s)", self.model.kernels.name,
                     pdl_status(self.config.pdl, self.backend.pdl, self.device))
         scheduler = self.scheduler_config
-        warm_up = functools.partial(warm_up_prefill, self.model, self.sampler, self.block_size, self.scratch_block,
-                                    self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
-        warm_ups = [warm_up]
+        ran, seconds = warm_up_prefill(self.model, self.sampler, self.block_size, self.scratch_block,
+                                       self.device, scheduler.max_model_len, max_sampled_rows=scheduler.max_num_seqs)
         if self.draft is not None:  # the draft's steps take the eager prefill path's kernels at its shapes
-            warm_ups.append(functools.partial(warm_up_prefill, self.draft.model, self.sampler, self.block_size,
-                                              self.scratch_block, self.device, scheduler.max_model_len,
-                                              max_sampled_rows=scheduler.max_num_seqs))
-        if self.compile_pool is not None:
-            compile_ahead(warm_ups, self.compile_pool, "the prefill warm-up")
-        runs = [run() for run in warm_ups]
-        ran, seconds = sum(r for r, _ in runs), sum(s for _, s in runs)
+            ran_draft, seconds_draft = warm_up_prefill(self.draft.model, self.sampler, self.block_size,
+                                                       self.scratch_block, self.device, scheduler.max_model_len,
+                                                       max_sampled_rows=scheduler.max_num_seqs)
+            ran, seconds = ran + ran_draft, seconds + seconds_draft
         logger.info("warmed the prefill path (%d steps, %d kernel compilations) in %.1f s", ran,
                     self.compile_watch.compiles_at_startup, seconds)
         self.compile_watch.seal()
