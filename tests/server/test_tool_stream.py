@@ -63,8 +63,8 @@ def _stream_events(template: str, deltas: list[str], tool_choice="auto", finish_
         for i, delta in enumerate(deltas):
             step["now"] = i
             last = i == len(deltas) - 1
-            yield RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, delta, [7], finish_reason if last else None)],
-                                last, 0.0)
+            completion = CompletionOutput(0, delta, [7], finish_reason if last else None)
+            yield RequestOutput("r", None, [1, 2, 3], [completion], last, 0.0)
 
     async def collect():
         return [(step["now"], json.loads(e[len("data: "):]))
@@ -98,13 +98,14 @@ def _content_steps(events) -> list[int]:
 
 
 @pytest.mark.parametrize("size", [1, 3, 8, 1000])
-@pytest.mark.parametrize("template, text", [(QWEN, t) for t in QWEN_TEXTS] + [(LLAMA, t) for t in LLAMA_TEXTS])
+@pytest.mark.parametrize("template, text", [pytest.param(QWEN, t, id=f"qwen{i}") for i, t in enumerate(QWEN_TEXTS)]
+                         + [pytest.param(LLAMA, t, id=f"llama{i}") for i, t in enumerate(LLAMA_TEXTS)])
 def test_the_assembled_stream_is_the_non_streamed_answer(template, text, size):
     events = _stream_events(template, _chunked(text, size))
     assert _assembled(chunk for _, chunk in events) == _non_streamed(template, text)
 
 
-@pytest.mark.parametrize("template", [QWEN, LLAMA])
+@pytest.mark.parametrize("template", [pytest.param(QWEN, id="qwen"), pytest.param(LLAMA, id="llama")])
 def test_a_plain_answer_streams_in_several_chunks_before_the_choice_ends(template):
     deltas = _chunked(QWEN_TEXTS[0], 6)
     steps = _content_steps(_stream_events(template, deltas))
@@ -128,7 +129,8 @@ def test_content_then_a_call_sends_content_deltas_then_one_tool_calls_delta():
     assert len(call_at) == 1 and call_at[0] == len(deltas) - 1  # sent once its </tool_call> came
     assert [s for kind, s in kinds if kind == "content"][0] < 3  # "Let me check." streamed at once
     assert kinds.index(("calls", call_at[0])) > max(i for i, (k, _) in enumerate(kinds) if k == "content")
-    call = next(c["choices"][0]["delta"]["tool_calls"][0] for _, c in events if c["choices"][0]["delta"].get("tool_calls"))
+    deltas_sent = [c["choices"][0]["delta"] for _, c in events]
+    call = next(d["tool_calls"][0] for d in deltas_sent if d.get("tool_calls"))
     assert call["index"] == 0 and call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert events[-1][1]["choices"][0]["finish_reason"] == "tool_calls"
