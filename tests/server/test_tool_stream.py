@@ -56,19 +56,24 @@ def _chunked(text: str, size: int) -> list[str]:
 def _stream_events(template: str, deltas: list[str], tool_choice="auto", finish_reason="stop"):
     """[(step, chunk)]: each chunk the stream sent, with the step whose output it followed (the last step is
     len(deltas) - 1, the one that finishes the choice)."""
-    tools = ToolRequest.of([WEATHER], tool_choice, template)
+    steps = [[CompletionOutput(0, d, [7], finish_reason if i == len(deltas) - 1 else None)]
+             for i, d in enumerate(deltas)]
+    return _run(ToolRequest.of([WEATHER], tool_choice, template), steps)
+
+
+def _run(tools, steps: list[list[CompletionOutput]], n=1, include_usage=False, report_cached=True):
+    """[(step, chunk)] of the stream of scripted engine outputs, one RequestOutput per step."""
     step = {"now": -1}
 
     async def outputs():
-        for i, delta in enumerate(deltas):
+        for i, completions in enumerate(steps):
             step["now"] = i
-            last = i == len(deltas) - 1
-            completion = CompletionOutput(0, delta, [7], finish_reason if last else None)
-            yield RequestOutput("r", None, [1, 2, 3], [completion], last, 0.0)
+            yield RequestOutput("r", None, [1, 2, 3], completions, i == len(steps) - 1, 0.0, num_cached_tokens=2)
 
     async def collect():
-        return [(step["now"], json.loads(e[len("data: "):]))
-                async for e in tool_chat_events(outputs(), "r", "m", tools, 1, False) if e.startswith("data: {")]
+        return [(step["now"], json.loads(e[len("data: "):])) async for e in
+                tool_chat_events(outputs(), "r", "m", tools, n, include_usage, report_cached)
+                if e.startswith("data: {")]
 
     return asyncio.run(collect())
 
@@ -171,3 +176,25 @@ def test_the_openai_clients_stream_assembly_reads_content_then_calls():
         "Two calls:\n\n\nand some text after them."  # the text between and after the calls
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+
+
+def test_each_of_n_choices_streams_on_its_own():
+    texts = [QWEN_TEXTS[3], QWEN_TEXTS[0]]
+    parts = [_chunked(t, 5) for t in texts]
+    steps = [[CompletionOutput(i, p[k], [7], "stop" if k == len(p) - 1 else None)
+              for i, p in enumerate(parts) if k < len(p)] for k in range(max(map(len, parts)))]
+    events = _run(ToolRequest.of([WEATHER], "auto", QWEN), steps, n=2)
+    for i, text in enumerate(texts):
+        mine = [{"choices": [c for c in chunk["choices"] if c["index"] == i]} for _, chunk in events]
+        assert _assembled(mine) == _non_streamed(QWEN, text)
+    assert [c["index"] for _, chunk in events for d in chunk["choices"] for c in d["delta"].get("tool_calls") or []] \
+        == [0, 1]  # each choice numbers its own calls
+
+
+@pytest.mark.parametrize("report_cached", [True, False])
+def test_the_usage_chunk_reports_cached_tokens_only_when_asked(report_cached):
+    steps = [[CompletionOutput(0, "Sunny.", [7, 8], "stop")]]
+    usage = _run(ToolRequest.of([WEATHER], "auto", QWEN), steps, include_usage=True,
+                 report_cached=report_cached)[-1][1]["usage"]
+    assert usage["completion_tokens"] == 2 and usage["prompt_tokens"] == 3
+    assert usage["prompt_tokens_details"] == ({"cached_tokens": 2} if report_cached else None)

@@ -31,7 +31,7 @@ from ostinato.server.tool_parsers import ToolCall, ToolParser
 
 
 async def tool_chat_events(stream: AsyncIterator, request_id: str, model: str, tools: ToolRequest, n: int,
-                           include_usage: bool) -> AsyncIterator[str]:
+                           include_usage: bool, report_cached: bool = True) -> AsyncIterator[str]:
     def chunk(choices, usage=None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
 
@@ -51,7 +51,7 @@ async def tool_chat_events(stream: AsyncIterator, request_id: str, model: str, t
     except EngineDeadError as e:
         yield stream_error(e)
     if include_usage and tokens:
-        yield chunk([], usage_of(prompt_len, sum(tokens.values()), cached))
+        yield chunk([], usage_of(prompt_len, sum(tokens.values()), cached if report_cached else None))
     yield "data: [DONE]\n\n"
 
 
