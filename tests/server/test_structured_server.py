@@ -128,7 +128,7 @@ def test_tools_auto_streamed_is_the_non_streamed_answer(server):
     (the model's own text, whichever it is: a call, an answer, or both); content comes in many deltas."""
     client = server.client()
     kwargs = dict(model=SERVED, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0.0,
-                  max_tokens=48)
+                  max_tokens=24)
     whole = client.chat.completions.create(**kwargs).choices[0]
     content, calls, finish, content_deltas = "", {}, None, 0
     for chunk in client.chat.completions.create(stream=True, **kwargs):
