@@ -121,3 +121,26 @@ def test_constraints_that_do_not_compile_are_400_naming_the_field(server, body, 
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert server.stats().num_waiting == before  # refused before it was queued
+
+
+def test_tools_auto_streamed_is_the_non_streamed_answer(server):
+    """tool_choice "auto", greedy: the official client's assembled stream has the non-streamed content and calls
+    (the model's own text, whichever it is: a call, an answer, or both); content comes in many deltas."""
+    client = server.client()
+    kwargs = dict(model=SERVED, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0.0,
+                  max_tokens=24)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content, calls, finish, content_deltas = "", {}, None, 0
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta.content or "") if delta else ""
+        content_deltas += bool(delta and delta.content)
+        for call in (delta.tool_calls or []) if delta else []:
+            calls[call.index] = (call.function.name, call.function.arguments)
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert (content or None) == whole.message.content
+    assert [calls[i] for i in sorted(calls)] == [(c.function.name, c.function.arguments)
+                                                 for c in whole.message.tool_calls or []]
+    assert finish == whole.finish_reason
+    if whole.message.content and not whole.message.tool_calls:  # SmolLM2 answers in prose here: it streams
+        assert content_deltas > 10, content_deltas

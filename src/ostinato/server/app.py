@@ -327,7 +327,8 @@ def _add_completion_routes(app: FastAPI, serving: _Serving) -> None:
         stream = await async_engine.add_request(request_id, prompt, params)
         fmt, want_logprobs = Formatter(engine.tokenizer), params.logprobs is not None
         if body.stream:
-            events = (tool_chat_events(stream, request_id, name, tools, params.n, body.include_usage_chunk)
+            events = (tool_chat_events(stream, request_id, name, tools, params.n, body.include_usage_chunk,
+                                       serving.report_cached)
                       if tools is not None else
                       chat_events(stream, request_id, name, fmt, want_logprobs, params.n, body.include_usage_chunk,
                                   serving.report_cached))

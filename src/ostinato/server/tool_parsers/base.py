@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Union
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,22 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
+# What a parser has decided about a stretch of a choice's text: content (a str) or a whole call.
+Piece = Union[str, ToolCall]
+
+
 class ToolParser(Protocol):
     name: str
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(the text outside the calls, or None when it is empty; the calls, in order). Text that only looks
         like a call (malformed JSON, no name) stays content: nothing is dropped."""
+
+    def take(self, text: str, pos: int, finished: bool) -> tuple[list[Piece], int]:
+        """Streaming: the pieces of text[pos:] that are decided (content that cannot become part of a call,
+        and whole calls), and the offset where the undecided rest begins, to be held until more text comes.
+        `text` is the choice's whole text so far; with finished, nothing is held. The content pieces, joined
+        and stripped, and the calls are what parse(text) returns."""
 
 
 def call_from_json(obj, arguments_key: str) -> ToolCall | None:
@@ -37,3 +47,12 @@ def call_from_json(obj, arguments_key: str) -> ToolCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string already
         return ToolCall(obj["name"], args)
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def partial_marker_len(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is the start of `marker` (but not all of it): the part
+    that may still become the marker when more text comes."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
