@@ -186,11 +186,16 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, bat
     out.copy_(sample_tokens(logits, s["temperature"], s["key"], s["counter"]))
 
 
+def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [B, V] in float32 divided by each row's temperature (greedy rows left as they are), the greedy
+    rows [B] bool)."""
+    is_greedy = batch.temperature < GREEDY_TEMPERATURE
+    return logits.float() / torch.where(is_greedy, 1.0, batch.temperature)[:, None], is_greedy
+
+
 def sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Like sample_tokens, after masking each row to its top-k and top-p: a sort of the vocabulary. [B]."""
-    logits = logits.float()
-    is_greedy = batch.temperature < GREEDY_TEMPERATURE
-    scaled = logits / torch.where(is_greedy, 1.0, batch.temperature)[:, None]
+    scaled, _ = _tempered(logits, batch)
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [B, V] each
     sorted_logits = mask_sorted(sorted_logits, batch.top_k, batch.top_p)
     probs = (sorted_logits - sorted_logits[:, :1]).exp_()
@@ -222,9 +227,7 @@ def distribution(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float32: the distribution each row draws its token from (what sample_tokens and sample_filtered
     draw by inverse CDF): softmax(logits / T) within the row's top-k and top-p, one-hot at the argmax on
     greedy rows. Speculative decoding's rejection sampling compares the draft's and the model's."""
-    logits = logits.float()
-    is_greedy = batch.temperature < GREEDY_TEMPERATURE
-    scaled = logits / torch.where(is_greedy, 1.0, batch.temperature)[:, None]
+    scaled, is_greedy = _tempered(logits, batch)
     if batch.any_filtered:
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
         scaled = torch.empty_like(scaled).scatter_(1, sorted_ids, mask_sorted(sorted_logits, batch.top_k,
