@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ostinato.runner.compile_ahead import compile_ahead, ends_first
+from ostinato.runner.compile_ahead import compile_ahead
 from ostinato.runner.graphs import CudaGraphRunner, RecordingGraphBackend, StaticInput
 
 COMPILE_S = 0.15
@@ -151,16 +151,6 @@ def test_every_failing_step_is_logged_as_a_warning(caplog):
     assert len(failed) == 1 and failed[0].levelname == "WARNING" and failed[0].exc_info is not None
     assert any("a step failed, left to the capture" in r.getMessage() and r.levelname == "WARNING"
                for r in caplog.records), report
-
-
-def test_the_pool_starts_the_steps_from_both_ends():
-    """The smallest and largest sizes' steps (the longest chains of compiles) start first, the middle last."""
-    assert ends_first(6) == [0, 5, 1, 4, 2, 3] and ends_first(5) == [0, 4, 1, 3, 2] and ends_first(1) == [0]
-    triton = FakeTriton()
-    report = compile_ahead(steps_for(triton, 5), workers=1, knobs=triton.knobs)
-    assert report.error is None
-    started = [s for s, k in triton.launches if k.startswith("gemv")]
-    assert started == [0, 4, 1, 3, 2]
 
 
 @pytest.mark.gpu

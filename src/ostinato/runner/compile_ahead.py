@@ -99,21 +99,6 @@ def _triton_runtime_knobs():
     return getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
-def ends_first(n: int) -> list[int]:
-    """0, n-1, 1, n-2, ...: the order the pool starts the steps in. The steps come largest size first, and a
-    step's own compiles run one after another, so the longest chains should start first: the smallest sizes'
-    (the one-row GEMVs, a specialisation per projection) and the largest sizes' (split attention plans) differ
-    most from their neighbours', while the middle sizes mostly reuse what the ends compiled."""
-    order = []
-    low, high = 0, n - 1
-    while low <= high:
-        order.append(low)
-        if high != low:
-            order.append(high)
-        low, high = low + 1, high - 1
-    return order
-
-
 def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[], None] = lambda: None,
                   workers: int = DEFAULT_WORKERS, knobs: Any = None,
                   synchronize: Callable[[], None] = lambda: None) -> CompileAheadReport | None:
@@ -147,8 +132,7 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
     knobs.jit_cache_hook, knobs.jit_post_compile_hook = before, after
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(steps))), thread_name_prefix="compile") as pool:
-            futures = {i: pool.submit(one, steps[i]) for i in ends_first(len(steps))}
-            for i, future in sorted(futures.items()):
+            for i, future in enumerate([pool.submit(one, step) for step in steps]):
                 exc = future.exception()
                 if exc is not None:
                     # Every failure is said, the first with its traceback: a failure in the thread's set-up
