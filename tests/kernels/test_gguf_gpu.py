@@ -31,6 +31,22 @@ def test_kernel_equals_dequantize_then_matmul(qtype, m, n, k):
 
 
 @needs_cuda
+@pytest.mark.parametrize("m", [12, 16, 64])
+def test_float32_gemm_rows_are_exact_not_tf32(m):
+    """float32 activations in the tensor-core GEMM rows keep fp32's mantissa: TF32 (10 bits) would be off by ~1e-3
+    relative, and the fp32 runs that must equal HF's greedy tokens (and the prefill graphs' fp32 self-check) would
+    see it."""
+    qtype = 3  # Q4_1, SmolLM2's
+    n, k = 1000, 1280
+    blocks = random_blocks("Q4_1", n, k, np.random.default_rng(m))
+    layer = GGUFLinear(qtype, torch.from_numpy(blocks).cuda(), k)
+    x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
+    ref = x.double().cpu().numpy() @ gguf_quants.dequantize(blocks, qtype).astype(np.float64).T
+    out = layer.linear(x).double().cpu().numpy()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_cuda
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_graph_replay_with_pdl_equals_eager(m):
     from ostinato.kernels.pdl import pdl_unsupported_reason

@@ -132,7 +132,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, st
 @_jit
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pdl_begin(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,14 +145,14 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, st
     pdl_wait(PDL)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                 other=0.0)
-    acc = tl.dot(x, tl.trans(w.to(x.dtype)))
+    acc = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         w = _weight_tile(w_ptr, rows, ks[None, :], n_mask[:, None] & k_mask[None, :], row_bytes, QTYPE)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -178,4 +178,8 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
     else:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
-        _gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, **common)
+        # float32 activations would default to TF32 on the tensor cores (10-bit mantissa): keep fp32 exact, as the
+        # GEMV rows and the float32 reference runs need.
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        _gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
+                           DOT_PRECISION=precision, **common)
