@@ -2,7 +2,7 @@
 less often (engine/startup_heap.py): a full collection then walks only what serving keeps alive, not torch's and
 the model's objects, whose walk paused every stream for up to 170 ms.
 
-Each test unfreezes the heap and restores the thresholds: pytest's process must keep its own collector settings.
+Each test gets pytest's collector settings back (the gc_settings_restored fixture of tests/conftest.py).
 """
 
 import gc
@@ -27,27 +27,22 @@ def _tracked_by_collections(obj) -> bool:
     return any(o is obj for o in gc.get_objects())
 
 
-def test_freezing_collects_the_start_up_garbage_exempts_what_is_alive_and_collects_young_objects_less_often():
-    gc.unfreeze()
+def test_freezing_collects_the_start_up_garbage_exempts_what_is_alive_and_collects_young_objects_less_often(
+        gc_settings_restored):
     thresholds = gc.get_threshold()
     alive, garbage = _Node(), _Node()
     garbage_ref = weakref.ref(garbage)
     del garbage  # a cycle: only the collector frees it
-    try:
-        frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
-        assert garbage_ref() is None  # freed before the freeze, not kept for good
-        assert not _tracked_by_collections(alive)
-        later = _Node()
-        assert _tracked_by_collections(later)  # what serving creates is still collected
-        assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, *thresholds[1:]) != thresholds
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)
+    frozen = freeze_startup_heap()
+    assert frozen == gc.get_freeze_count() > 0
+    assert garbage_ref() is None  # freed before the freeze, not kept for good
+    assert not _tracked_by_collections(alive)
+    later = _Node()
+    assert _tracked_by_collections(later)  # what serving creates is still collected
+    assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, *thresholds[1:]) != thresholds
 
 
-def test_the_engine_core_freezes_its_heap_once_the_engine_is_built_before_it_serves():
-    gc.unfreeze()
+def test_the_engine_core_freezes_its_heap_once_the_engine_is_built_before_it_serves(gc_settings_restored):
     seen, ready = {}, threading.Event()
 
     def factory(args):
@@ -71,12 +66,9 @@ def test_the_engine_core_freezes_its_heap_once_the_engine_is_built_before_it_ser
                 ready.set()
 
     previous = signal.getsignal(signal.SIGINT)  # the core ignores Ctrl-C; give pytest its handler back
-    thresholds = gc.get_threshold()
     try:
         core_loop.core_main(factory, None, Commands(), Events())
     finally:
         signal.signal(signal.SIGINT, previous)
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)
     assert seen["frozen_while_building"] == 0
     assert seen["engine_frozen_when_ready"] is True

@@ -21,7 +21,7 @@ def _tracked_by_collections(obj) -> bool:
     return any(o is obj for o in gc.get_objects())
 
 
-def test_the_served_engine_and_the_front_are_frozen_once_ready(tmp_path):
+def test_the_served_engine_and_the_front_are_frozen_once_ready(tmp_path, gc_settings_restored):
     from ostinato import cli, serve_command
     from ostinato.engine.engine import LLMEngine
 
@@ -54,8 +54,6 @@ def test_the_served_engine_and_the_front_are_frozen_once_ready(tmp_path):
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
-    gc.unfreeze()
-    thresholds = gc.get_threshold()
     threading.Thread(target=watch_then_stop, daemon=True).start()
     ns = cli.build_parser().parse_args(["serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
                                         "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "16",
@@ -64,7 +62,4 @@ def test_the_served_engine_and_the_front_are_frozen_once_ready(tmp_path):
         serve_command.run(ns, engine_factory=engine_factory)
     except KeyboardInterrupt:
         pass
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)
     assert seen.get("engine_frozen") is True
