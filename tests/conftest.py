@@ -49,3 +49,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def gc_settings_restored():
+    """For tests that run code which freezes the heap or sets the collector's thresholds (engine/startup_heap.py,
+    e.g. the engine core's loop run in this process): the heap starts unfrozen at Python's default young
+    threshold, and pytest's own settings come back afterwards."""
+    import gc
+
+    thresholds = gc.get_threshold()
+    gc.unfreeze()
+    gc.set_threshold(700, *thresholds[1:])
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)

@@ -20,6 +20,9 @@ alike), acting as an asynchronous GPU step of --noop-forward-ms (0: the host's c
     PYTHONPATH=src python benchmarks/online/serve_vs_offline.py /tmp/ck-tiny --noop-forward --noop-forward-ms 3 -- \\
         --device cpu --dtype float32 --max-num-seqs 64 --max-model-len 1024 --num-kv-blocks 4096
 
+Each run also prints the garbage collections the server's front and engine core ran while bench serve loaded
+them (how many of each generation, their total and longest pause): a full collection stops every stream.
+
 `--profile DIR` runs the server's event loop, its engine core and the load generator under cProfile and prints
 where each spends its time.
 """
@@ -96,6 +99,51 @@ def _profiled_engine(args, factory, path: str):
     return engine
 
 
+def _record_gc_pauses(path: str) -> None:
+    """Log every collection of Python's garbage collector in this process (when it ended, its generation, its
+    length) and write the log to `path` as JSON at exit: a full collection stops every stream of the server."""
+    import atexit
+    import gc
+
+    pauses, began = [], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((time.monotonic(), info["generation"], time.perf_counter() - began[0]))
+
+    gc.callbacks.append(on_gc)
+
+    def write() -> None:
+        with open(path, "w") as f:
+            json.dump(pauses, f)
+
+    atexit.register(write)
+
+
+def _gc_logged_engine(args, factory, path: str):
+    """Build the engine with `factory` in the engine core process, logging its collections (module-level: spawn
+    pickles it into the core process)."""
+    _record_gc_pauses(path)
+    return factory(args)
+
+
+def _gc_report(path: str, start: float, end: float) -> str:
+    """The collections a process logged between start and end (time.monotonic, one clock for all processes)."""
+    try:
+        with open(path) as f:
+            pauses = [(gen, length) for at, gen, length in json.load(f) if start <= at <= end]
+    except OSError:
+        return "no log"
+    parts = []
+    for gen in (0, 1, 2):
+        lengths = [1e3 * length for g, length in pauses if g == gen]
+        if lengths:
+            parts.append(f"gen{gen} {len(lengths)} x, {sum(lengths):.0f} ms in all, longest {max(lengths):.1f} ms")
+    return "; ".join(parts) or "none"
+
+
 def _child_serve(ns, engine_argv: list[str]) -> None:
     import functools
     import logging
@@ -113,6 +161,9 @@ def _child_serve(ns, engine_argv: list[str]) -> None:
         else build_engine
     if ns.profile and not ns.engine_thread:
         factory = functools.partial(_profiled_engine, factory=factory, path=f"{ns.profile}/core.prof")
+    _record_gc_pauses(f"{ns.gc_log}/front.json")
+    if not ns.engine_thread:
+        factory = functools.partial(_gc_logged_engine, factory=factory, path=f"{ns.gc_log}/core.json")
     profile = None
     if ns.profile:  # the server's main thread: the event loop (HTTP, JSON, streams)
         import cProfile
@@ -240,6 +291,7 @@ def main() -> int:
     p.add_argument("--load-timeout", type=float, default=600.0,
                    help="seconds each load run (bench serve, then the independent client) may take; past it the "
                         "run stops and says what the server still holds")
+    p.add_argument("--gc-log", help=argparse.SUPPRESS)  # the folder the server's processes log collections to
     p.add_argument("--child", choices=["offline", "serve"], help=argparse.SUPPRESS)
     ns = p.parse_args(own)
     if ns.child == "offline":
@@ -254,6 +306,10 @@ def main() -> int:
         os.makedirs(ns.profile, exist_ok=True)
         ns.profile = os.path.abspath(ns.profile)
         me += ["--profile", ns.profile]  # the server child profiles itself and its engine core
+    import tempfile
+
+    gc_log = tempfile.mkdtemp(prefix="serve-vs-offline-gc-")
+    me += ["--gc-log", gc_log]
     t0 = time.monotonic()
 
     def phase(what: str) -> None:  # each phase timed, so a run cut short by an outer bound shows where it was
@@ -280,7 +336,7 @@ def main() -> int:
         pids = [server.pid, *_children(server.pid)]
         before = {pid: _thread_cpu(pid) for pid in pids}
         steps_before, hits_before = _decode_steps(ns.port), _metric(ns.port, "prefix_cache_hits_total")
-        client_cpu = time.process_time()
+        client_cpu, load_began = time.process_time(), time.monotonic()
         if ns.profile:
             import cProfile
 
@@ -289,7 +345,7 @@ def main() -> int:
             profile.dump_stats(f"{ns.profile}/client.prof")
         else:
             summary = asyncio.run(_bounded_load(ns))
-        client_cpu = time.process_time() - client_cpu
+        client_cpu, load_ended = time.process_time() - client_cpu, time.monotonic()
         phase(f"bench serve done: {summary['completed']} requests, {summary['failed']} failed; the server so far: "
               f"{_metric(ns.port, 'num_preemptions_total'):.0f} preemptions, "
               f"{_metric(ns.port, 'kernel_compiles_in_service_total'):.0f} kernel compiles in service")
@@ -319,6 +375,9 @@ def main() -> int:
     print(f"offline CPU ms per 1k output tokens: {1e6 * offline['cpu_s'] / offline['output_tokens']:.0f}")
     for pid, line in zip(pids, cpu_lines):
         print(f"pid {pid}: {line}")
+    for process in ("front", "core"):  # written at their exit: after server.wait above
+        print(f"garbage collections in the server's {process} during bench serve: "
+              f"{_gc_report(f'{gc_log}/{process}.json', load_began, load_ended)}")
     print(f"prompt tokens found in the prefix cache: bench serve {summary['prefix_cache_hit_tokens']:.0f}"
           + (f", the independent client {independent['prefix_cache_hit_tokens']:.0f}" if independent else ""))
     print(f"the load generator (bench serve, this process): "

@@ -16,6 +16,7 @@ from ostinato.config import SERVER_MAX_QUEUED_REQUESTS, default_served_model_nam
 from ostinato.errors import ConfigError
 from ostinato.engine.async_engine import AsyncEngine
 from ostinato.engine.core_process import ProcessAsyncEngine, build_engine
+from ostinato.engine.startup_heap import freeze_startup_heap
 from ostinato.server import app
 from ostinato.server.limits import add_limit_args, limits_from
 from ostinato.server.middleware import read_api_keys
@@ -182,6 +183,7 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
         port = sockets[0].sockets[0].getsockname()[1] if sockets else ns.port
         logger.info("serving %s on http://%s:%d; CUDA graphs: %s", name, ns.host, port,
                     async_engine.engine.graph_status)
+        freeze_startup_heap()  # the front's start-up heap (and an engine thread's engine): startup_heap.py
         engine_died = asyncio.create_task(_stop_when_the_engine_dies(async_engine, server))
         await serving
         engine_died.cancel()

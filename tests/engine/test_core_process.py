@@ -192,7 +192,7 @@ def test_a_failed_step_kills_the_engine_and_leaks_nothing(args, capfd):
     assert "Traceback" in after and "RuntimeError: injected step failure" in after
 
 
-def test_each_step_is_one_message_carrying_every_request_it_advanced(args):
+def test_each_step_is_one_message_carrying_every_request_it_advanced(args, gc_settings_restored):
     """The core's protocol, in this process (no spawn): per engine step that gave outputs, exactly one "step"
     message goes to the front, holding every request that got a token in it, with that step's new token ids."""
     import threading

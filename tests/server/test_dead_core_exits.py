@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 from ostinato.tools.checkpoint import make_checkpoint  # noqa: E402
 
 
-def test_an_engine_thread_whose_step_raises_makes_serve_exit_non_zero(tmp_path):
+def test_an_engine_thread_whose_step_raises_makes_serve_exit_non_zero(tmp_path, gc_settings_restored):
     """--engine-thread: a step that raises also ends `serve` with exit code 1 (through the serve command's own
     code path, in this process)."""
     from ostinato import SamplingParams, cli, serve_command

@@ -24,3 +24,15 @@ def test_llm_generate_gets_the_servers_budget_unless_the_flags_set_one():
     assert offline_argv(["--max-num-seqs", str(big)])[-1] == str(big)
     for given in (["--max-num-batched-tokens", "512"], ["--max-num-batched-tokens=512"]):
         assert offline_argv(["--max-num-seqs", "8", *given]) == ["--max-num-seqs", "8", *given]
+
+
+def test_the_gc_report_counts_the_collections_logged_during_the_load_by_generation(tmp_path):
+    import json
+
+    script, path = _script(), str(tmp_path / "front.json")
+    with open(path, "w") as f:  # (ended at, generation, seconds)
+        json.dump([(9.0, 2, 0.5), (10.0, 0, 0.001), (10.5, 0, 0.003), (11.0, 2, 0.120), (13.0, 1, 0.2)], f)
+    assert script._gc_report(path, 10.0, 12.0) == ("gen0 2 x, 4 ms in all, longest 3.0 ms; "
+                                                   "gen2 1 x, 120 ms in all, longest 120.0 ms")
+    assert script._gc_report(path, 20.0, 30.0) == "none"
+    assert script._gc_report(str(tmp_path / "missing.json"), 0.0, 1.0) == "no log"

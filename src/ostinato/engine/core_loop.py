@@ -19,6 +19,7 @@ from ostinato.config import EngineArgs, ModelConfig
 from ostinato.engine.core_link import CommandSender
 from ostinato.engine.core_logging import log_like_the_front
 from ostinato.engine.incident import report_step_failure
+from ostinato.engine.startup_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from ostinato.engine.engine import LLMEngine
@@ -58,6 +59,7 @@ def core_main(factory: Callable[[EngineArgs], "LLMEngine"], args: EngineArgs, co
     except BaseException as e:
         events.send(("dead", f"engine start-up failed: {type(e).__name__}: {e}"))
         return
+    freeze_startup_heap()  # the loaded engine, out of every later collection's walk (startup_heap.py says why)
     # A thread blocks on the pipe so the loop checks for commands with a queue's cheap empty() instead of a
     # poll system call (and a selector object) every step.
     inbox: queue.SimpleQueue = queue.SimpleQueue()
