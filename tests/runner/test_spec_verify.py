@@ -8,7 +8,9 @@ import torch
 from scipy.stats import chisquare
 
 from ostinato.contract import ScheduledSeq
-from ostinato.runner.spec_verify import SpecVerifier, accept, logit_rows
+from ostinato.runner.sampling_state import BLOCKS, CTR, write_settings
+from ostinato.runner.sampler import row_key
+from ostinato.runner.spec_verify import SpecVerifier, accept, logit_rows, sampled_hidden
 from ostinato.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -40,6 +42,34 @@ def test_a_verify_row_keeps_its_draws_up_to_the_first_that_differs(drawn, kept, 
     idx, ids, counts = accept(seqs, drawn + [3])
     assert idx == kept + [3] and ids == [4] * len(kept) + [1]
     assert counts == (1, 2, accepted)
+
+
+@pytest.mark.parametrize("seqs, expected", [
+    ((verify_row(0, [5, 6]), verify_row(1, [7, 8, 9])), [0, 1, 2, 3, 4]),  # verify rows only: every row, a view
+    ((verify_row(0, [5, 6]), prompt_chunk(1, [1, 2, 3])), [0, 1, 4]),  # a prompt chunk samples its last row only
+    ((prompt_chunk(1, [1, 2], samples=False), verify_row(0, [5])), [2]),  # the rows start after a non-sampler
+])
+def test_the_sampled_hidden_states_are_the_logit_rows(seqs, expected):
+    hidden = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
+    rows, _ = logit_rows(seqs)
+    picked = sampled_hidden(hidden, rows, torch.device("cpu"))
+    assert torch.equal(picked, hidden[expected])
+    assert (picked.data_ptr() == hidden.data_ptr()) == (expected == list(range(len(expected))))
+
+
+def test_settings_give_every_position_its_chunks_row_and_its_own_counter():
+    verifier = SpecVerifier(None, None, 16, 0, torch.device("cpu"), engine_seed=3)
+    sampled = SamplingParams(temperature=0.7, top_k=5, seed=9, logprobs=2)
+    seqs = [verify_row(4, [1, 2, 3], sampled, num_generated=6), prompt_chunk(2, [7, 8]), verify_row(5, [1, 2])]
+    batch = verifier.settings(seqs)
+    expected = np.zeros((6, BLOCKS), dtype=np.int32)
+    for r, (seq, j) in enumerate([(seqs[0], 0), (seqs[0], 1), (seqs[0], 2), (seqs[1], 0), (seqs[2], 0),
+                                  (seqs[2], 1)]):
+        p = seq.sampling_params
+        write_settings(expected[r], p, row_key(p.seed, 3, seq.seq_id), seq.num_generated + j)
+    assert np.array_equal(batch.rows.numpy(), expected)
+    assert batch.rows[:, CTR].tolist() == [6, 7, 8, 0, 0, 1]
+    assert batch.any_filtered and batch.num_logprobs == (2, 2, 2, None, None, None)
 
 
 def test_a_row_without_proposals_is_one_draw_and_no_draft():

@@ -3,6 +3,7 @@
 
 import json
 import logging
+import random
 
 import pytest
 
@@ -65,6 +66,26 @@ def test_bench_spec_and_verify_report_their_figures(ckpt, tmp_path, capsys):
     assert [r["k"] for r in result["rows"]] == [0, 1, 2] and result["decode_step_ms"] > 0
     assert cli.main(["bench", "verify", str(ckpt), *ENGINE_FLAGS, "--iters", "1"]) == 2  # no speculation: refused
     assert "add --speculative-method ngram" in capsys.readouterr().err
+
+
+def test_bench_verify_profiles_each_phase_of_the_verify_step_and_restores_the_verifier(ckpt, tmp_path, capsys):
+    from ostinato.engine.llm import LLM
+    from ostinato.tools.bench.spec import verify_step
+    from ostinato.tools.bench.verify_profile import HOST_LABELS, profile_verify
+
+    verify_json = tmp_path / "verify.json"
+    assert cli.main(["bench", "verify", str(ckpt), *ENGINE_FLAGS, *SPEC, "--context", "8", "--max-k", "0",
+                     "--iters", "2", "--profile-k", "2", "--output-json", str(verify_json)]) == 0
+    host_us = json.loads(verify_json.read_text())["profile"]["host_us"]
+    assert set(host_us) == set(HOST_LABELS) and all(us > 0 for us in host_us.values())
+    assert host_us["verify: step"] > host_us["verify: forward"] + host_us["verify: sampler"]
+    assert "verify: settings rows" in capsys.readouterr().out
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=256,
+              speculative_method="ngram")
+    verifier = llm.engine.runner.verifier
+    sampler, hidden = verifier.sampler, verifier.hidden
+    profile_verify(verifier, verify_step(llm.engine.runner, 1, 8, 2, random.Random(0)), 1)
+    assert verifier.sampler is sampler and verifier.hidden == hidden and "hidden" not in verifier.__dict__
 
 
 def test_metrics_carry_the_speculation_counters(ckpt):

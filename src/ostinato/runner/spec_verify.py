@@ -59,6 +59,15 @@ def logit_rows(seqs: tuple[ScheduledSeq, ...]) -> tuple[list[int], list[Schedule
     return rows, sampled
 
 
+def sampled_hidden(hidden: torch.Tensor, rows: list[int], device: torch.device) -> torch.Tensor:
+    """The hidden states of the logit rows (logit_rows' order). When they are rows 0 .. len - 1 (every chunk a
+    verify row, all of whose positions sample: a speculative engine's steady state), a view: no index tensor
+    to build and copy to the device. Else a gather."""
+    if rows[-1] == len(rows) - 1:  # strictly ascending from >= 0 and ending at len - 1: exactly 0 .. len - 1
+        return hidden[: len(rows)]
+    return hidden[to_device(rows, torch.int64, device)]
+
+
 def accept(seqs: list[ScheduledSeq], drawn: list[int]) -> tuple[list[int], list[int], SpecCounts]:
     """(indices into `drawn` that are kept, their seq ids, the step's counts). drawn: the sampled token of every
     logit row (logit_rows' order). A verify row keeps its draws up to and including the first that differs from
@@ -155,7 +164,7 @@ class SpecVerifier:
         hidden = self.hidden(out)
         if not seqs:  # only prompt chunks that write K/V
             return PendingStep(StepResult([], [], []))
-        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        logits = self.model.compute_logits(sampled_hidden(hidden, rows, self.device))
         drawn = self.draw(logits, seqs, q)
         kept, ids, counts = accept(seqs, drawn.token_ids)
         return PendingStep(StepResult(ids, [drawn.token_ids[i] for i in kept], [drawn.tokens[i] for i in kept],
@@ -182,14 +191,14 @@ class SpecVerifier:
     def settings(self, seqs: list[ScheduledSeq]):
         """The sampling rows of every logit row: a chunk's settings, its counter stepping one per position."""
         counts = [len(s.token_ids) if s.verify else 1 for s in seqs]
-        rows = np.zeros((sum(counts), BLOCKS), dtype=np.int32)
+        per_seq = np.zeros((len(seqs), BLOCKS), dtype=np.int32)
         num_logprobs: list[int | None] = []
-        r = 0
-        for seq, q in zip(seqs, counts):
+        counters: list[int] = []
+        for row, seq, q in zip(per_seq, seqs, counts):
             p = seq.sampling_params
-            write_settings(rows[r], p, row_key(p.seed, self.engine_seed, seq.seq_id), seq.num_generated)
-            rows[r + 1: r + q] = rows[r]
-            rows[r: r + q, CTR] += np.arange(q, dtype=np.int32)
+            write_settings(row, p, row_key(p.seed, self.engine_seed, seq.seq_id), seq.num_generated)
             num_logprobs += [p.logprobs] * q
-            r += q
+            counters += range(seq.num_generated, seq.num_generated + q)
+        rows = per_seq.repeat(counts, axis=0)  # one numpy call for every position's row, not a few per sequence
+        rows[:, CTR] = counters
         return read_settings(to_device(rows, torch.int32, self.device), num_logprobs, bool(filtered_rows(rows).any()))

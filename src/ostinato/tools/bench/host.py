@@ -13,6 +13,12 @@ each `--output-kinds`: final_only is what LLM.generate asks for (one output per 
 timed as LLMEngine.step(); delta what the server streams (each step's new tokens and text), timed as the
 server's engine core runs a step: LLMEngine.step_records() and pickling the step's one message. Each point is the median of `--repeats`
 runs: the machine may be shared.
+
+`--num-speculative-tokens K` times speculative steps instead (prompt lookup, every decoding sequence a verify row:
+runner/spec_verify.py's path, its forward and logits no-ops too). The no-op repeats one token, so prompt lookup
+proposes one token per row (the run's most recent earlier occurrence is one token back) and it is accepted: each
+step verifies two positions per row and adds two tokens. Such steps are synchronous, so their host time is paid
+in full on a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ def register(sub) -> None:
     p.add_argument("--output-kinds", type=_output_kinds,
                    default=(RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA),
                    help='the requests\' output kinds, each measured (default: "final_only delta")')
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="time speculative steps instead (--speculative-method ngram, K tokens proposed per row; "
+                        "the no-op's output repeats one token, so prompt lookup proposes one and it is accepted: "
+                        "each step verifies two positions per row)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
 
@@ -97,7 +107,8 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
     from ostinato.engine.engine import LLMEngine
     from ostinato.sampling_params import SamplingParams
 
-    max_len = context + steps + 8
+    spec = (engine_kwargs or {}).get("num_speculative_tokens") or 0
+    max_len = context + (spec + 1) * (steps + 8)  # a verify step adds up to spec + 1 tokens
     block = 16
     kwargs = dict(model=model_dir, device="cpu", dtype="float32", max_model_len=max_len, max_num_seqs=batch,
                   max_num_batched_tokens=max(max_len, batch * (context + 1)),
@@ -106,7 +117,8 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
     engine = LLMEngine(EngineArgs(**kwargs))
     runner = engine.runner
     noop_forward.install(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True, output_kind=output_kind)
+    params = SamplingParams(temperature=0.0, max_tokens=max_len - context - 4, ignore_eos=True,
+                            output_kind=output_kind)
     for i in range(batch):
         engine.add_request(f"r{i}", [(i + j) % 500 + 1 for j in range(context)], params)
     while engine.scheduler.num_waiting:  # prefill everything first
@@ -151,12 +163,15 @@ def run(args) -> int:
     torch.set_num_threads(1)  # host overhead is single-threaded Python; keep the shared machine quiet
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _checkpoint(Path(tmp), max(args.contexts) + args.steps + 64)
+        spec_len = (args.num_speculative_tokens + 1) * (args.steps + 64)  # a verify step adds up to k + 1 tokens
+        model_dir = _checkpoint(Path(tmp), max(args.contexts) + spec_len)
+        spec = {} if not args.num_speculative_tokens else {
+            "speculative_method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
         for context in args.contexts:
             for bs in args.batch_sizes:
                 row = {"batch": bs, "context": context}
                 for kind in args.output_kinds:
-                    runs = [measure(model_dir, bs, context, args.steps, output_kind=kind)
+                    runs = [measure(model_dir, bs, context, args.steps, spec, output_kind=kind)
                             for _ in range(args.repeats)]
                     row[kind.value] = {"engine_us": statistics.median(r["engine_us"] for r in runs),
                                        "core_us": statistics.median(r["core_us"] for r in runs),

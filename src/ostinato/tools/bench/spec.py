@@ -10,7 +10,8 @@ bench verify: the verify step alone (runner/spec_verify.py) at one batch size an
 proposed tokens per row, against the one-token decode step (the decode graph's replay, `ostinato bench`'s
 figure): the forward over k + 1 tokens per row, its logits, the draw of every position and the acceptance,
 read to the host. It needs --speculative-method (the runner then builds the verify step); with a draft model it
-times the draft's steps too.
+times the draft's steps too. --profile-k K then profiles verify steps of K proposals: each phase's host time and
+the device kernels (tools/bench/verify_profile.py).
 
 bench spec --draft-acceptance P[,P...] (with --speculative-method draft, one row per batch size and P): where a
 draft pays, as a function of how often it agrees with the model. Each batch is first generated once to learn the
@@ -68,6 +69,9 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=512, help="tokens in the cache before each row")
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--profile-k", type=int, default=None, metavar="K",
+                   help="after the table, profile --iters verify steps of K proposals (torch.profiler): each "
+                        "phase's host time and the device kernels per step (tools/bench/verify_profile.py)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run_verify)
 
@@ -249,8 +253,16 @@ def run_verify(args) -> int:
                          "ms_per_token_all_accepted": ms / (k + 1)})
             print(f"k {k}  verify {ms:.3f} ms  x{ms / one:.2f} of a decode step  {ms / (k + 1):.3f} ms a token "
                   "when all are accepted", flush=True)
+        profiled = None
+        if args.profile_k is not None:
+            from ostinato.tools.bench.verify_profile import print_profile, profile_verify
+
+            out = verify_step(runner, args.batch_size, args.context, args.profile_k, rng)
+            profiled = profile_verify(runner.verifier, out, args.iters)
+            print_profile(args.profile_k, profiled)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "batch": args.batch_size, "context": args.context,
-                       "decode_step_ms": one, "decode_graph": graph is not None, "rows": rows}, f, indent=2)
+                       "decode_step_ms": one, "decode_graph": graph is not None, "rows": rows,
+                       "profile": profiled}, f, indent=2)
     return 0
