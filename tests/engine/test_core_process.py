@@ -197,7 +197,7 @@ def test_each_step_is_one_message_carrying_every_request_it_advanced(args, gc_se
     message goes to the front, holding every request that got a token in it, with that step's new token ids."""
     import threading
 
-    from ostinato.engine import core_loop
+    from support.core_in_process import run_core_main
 
     n_requests, max_tokens = 4, 6
     stop, steps_with_outputs, messages = threading.Event(), [], []
@@ -242,11 +242,7 @@ def test_each_step_is_one_message_carrying_every_request_it_advanced(args, gc_se
                     if len(self.finished) == n_requests:
                         stop.set()
 
-    previous = signal.getsignal(signal.SIGINT)  # the core ignores Ctrl-C; give pytest its handler back
-    try:
-        core_loop.core_main(counting_engine, args, Commands(), Events())
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    run_core_main(counting_engine, args, Commands(), Events())
     steps = [m for m in messages if m[0] == "step"]
     # One message per step that gave outputs, holding exactly the requests that step advanced (the requests
     # may join over the first steps, as the commands arrive).

@@ -6,13 +6,12 @@ Each test gets pytest's collector settings back (the gc_settings_restored fixtur
 """
 
 import gc
-import signal
 import threading
 import types
 import weakref
 
-from ostinato.engine import core_loop
 from ostinato.engine.startup_heap import YOUNG_COLLECTION_THRESHOLD, freeze_startup_heap
+from support.core_in_process import run_core_main
 
 
 class _Node:
@@ -65,10 +64,6 @@ def test_the_engine_core_freezes_its_heap_once_the_engine_is_built_before_it_ser
                 seen["engine_frozen_when_ready"] = not _tracked_by_collections(seen["engine"])
                 ready.set()
 
-    previous = signal.getsignal(signal.SIGINT)  # the core ignores Ctrl-C; give pytest its handler back
-    try:
-        core_loop.core_main(factory, None, Commands(), Events())
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    run_core_main(factory, None, Commands(), Events())
     assert seen["frozen_while_building"] == 0
     assert seen["engine_frozen_when_ready"] is True
