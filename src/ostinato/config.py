@@ -25,7 +25,8 @@ from ostinato.model_config import (  # noqa: F401 - re-exported
     QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization, default_served_model_name,
     looks_like_hub_id, quantization_label,
 )
-from ostinato.speculative_config import SpeculativeConfig, resolve_speculative, speculative_config
+from ostinato.speculative_config import (SpeculativeConfig, decode_rows_per_sequence, resolve_speculative,
+                                         speculative_config)
 
 if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the kernels
     from ostinato.kernels.decode_plan import DecodeTuning
@@ -351,7 +352,8 @@ class EngineArgs:
     def graph_config(self, device_is_cuda: bool) -> GraphConfig:
         if self.enforce_eager or not device_is_cuda:
             return GraphConfig(True, (), self.cuda_graph_fallback, self.skip_graph_check)
-        sizes = plan_capture_sizes(self.max_num_seqs, self.cuda_graph_sizes, self.max_cuda_graph_size)
+        rows = self.max_num_seqs * decode_rows_per_sequence(speculative_config(self))  # a step's most decode rows
+        sizes = plan_capture_sizes(rows, self.cuda_graph_sizes, self.max_cuda_graph_size)
         prefill = plan_prefill_graph_tokens(self._max_num_batched_tokens(), self.prefill_graph_tokens)
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
                            min(self.prefill_graph_max_seqs, self.max_num_seqs), self.mixed_step)

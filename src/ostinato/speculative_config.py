@@ -58,6 +58,13 @@ def with_draft(spec: SpeculativeConfig, draft_dir: str, draft: ModelConfig, targ
     return replace(spec, draft_model_dir=draft_dir, draft_model=draft)
 
 
+def decode_rows_per_sequence(spec: SpeculativeConfig | None) -> int:
+    """The decode-graph rows a running sequence may take in a step: one, or with speculation k + 1 (a verify
+    row's positions, flattened into decode rows: runner/verify_rows.py). The decode graphs are planned up to
+    --max-num-seqs times this."""
+    return 1 if spec is None else spec.num_speculative_tokens + 1
+
+
 def speculative_config(args) -> SpeculativeConfig | None:
     """The speculative settings of an EngineArgs (checked), or None when --speculative-method is not set."""
     method, k = args.speculative_method, args.num_speculative_tokens

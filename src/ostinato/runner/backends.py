@@ -23,13 +23,16 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device, pdl: str = "off",
-                 decode_tuning: DecodeTuning | None = None, batch_invariant: bool = False) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, pdl: str = "off", decode_tuning: DecodeTuning | None = None,
+                 batch_invariant: bool = False, verify_rows: bool = False) -> AttentionBackend:
     """The attention backend; it also carries the launch policy of the decoder's Triton kernels (`pdl`, --pdl:
     model/decoder.py reads it), because only the Triton backend's kernels keep PDL's contract (kernels/pdl.py).
     decode_tuning (RunnerConfig.decode_tuning): the Triton decode attention's launch settings; --pdl sets its
     `pdl` field. batch_invariant (--batch-invariant): the backend's invariant settings, which the decoder's kernel
-    choice follows too."""
+    choice follows too. verify_rows (speculative decoding): decode steps carry several rows of one sequence,
+    row j attending to the K/V rows 0 .. j - 1 write in the same layer (runner/spec_verify.py), so K/V are written
+    by the RoPE kernel before the attention: the fused decode_with_rope writes a row's own K/V inside the
+    attention launch, where the other rows' programs may already have read that slot."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
@@ -41,7 +44,10 @@ def make_backend(name: str, device: torch.device, pdl: str = "off",
 
         # PDL changes when a kernel starts, never what it computes, so the batch-invariant set takes it too.
         on = resolve_pdl(pdl, device)
-        tuning = TritonAttentionTuning(decode=replace(decode_tuning or DecodeTuning(), pdl=on))
+        decode = replace(decode_tuning or DecodeTuning(), pdl=on)
+        if verify_rows:
+            decode = replace(decode, apply_rope=False)
+        tuning = TritonAttentionTuning(decode=decode)
         return TritonPagedBackend(batch_invariant_tuning(tuning) if batch_invariant else tuning)
     if pdl == "on":
         raise ConfigError(f"--pdl on needs --attention-backend triton (the {name} backend's kernels are torch's); "

@@ -143,6 +143,7 @@ class DecodeBatch:
         self._num_filtered = 0  # rows with top-k or top-p
         self._num_processor_rows = 0  # rows with a logits processor on (FLAGS != 0)
         self._num_logprob_rows = 0
+        self._transient_rows = 0  # rows the last load_transient wrote (back to padding at the next)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -231,6 +232,19 @@ class DecodeBatch:
             self.dev[:size, :w].copy_(packed)
         return self.dev[:size]
 
+    def load_transient(self, rows: np.ndarray, size: int) -> torch.Tensor:
+        """Rows that no sequence holds (a speculative verify step's, runner/verify_rows.py) as rows [0, n),
+        rows [n, size) padding, copied to the device for one step; returns the device rows [0, size). Only while
+        no sequence holds a row: a speculative engine's steps never decode, so its rows are free."""
+        assert not len(self.rows), "load_transient is for a batch no sequence holds rows of"
+        n, width = rows.shape
+        self.np[:n, :width] = rows
+        if self._transient_rows > n:  # the last step's rows past this one's are padding again
+            self.np[n:self._transient_rows] = self._pad_np
+        self._transient_rows = n
+        self._width_used = max(self._width_used, width)
+        return self.copy_to_device(size)
+
     def _whole_rows(self, size: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """(numpy view of this turn's staging rows, the same as a tensor, the device rows) for `size` rows at full
         width, made once: each view a torch op makes costs the host a microsecond or more a step."""
@@ -281,6 +295,7 @@ class DecodeBatch:
         assert not len(self.rows), "reset() is for an idle engine"
         self.np[:] = self._pad_np
         self._num_processor_rows = 0
+        self._transient_rows = 0
         if self.processors is not None:
             self.processors.reset()
         self._width_used = BLOCKS + 1

@@ -76,7 +76,7 @@ class ModelRunner:
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.model, self.device)
         self.backend = make_backend(config.attention_backend, self.device, config.pdl, config.decode_tuning,
-                                    config.batch_invariant)
+                                    config.batch_invariant, verify_rows=config.speculative is not None)
         if config.batch_invariant:
             logger.info("batch-invariant mode on: a request's tokens do not depend on its batch "
                         "(docs/ARCHITECTURE.md, \"Batch-invariant mode\")")
@@ -107,7 +107,7 @@ class ModelRunner:
                 self.draft.capture_graphs(self.kv_spec, self._graph_backend)
         self.verifier = None if config.speculative is None else SpecVerifier(
             self.model, self.prefill_graphs, self.block_size, self.scratch_block, self.device, config.seed,
-            drafter=self.draft)
+            drafter=self.draft, decode_step=self.decode_step, decode_graphs=self.graphs)
         if cuda:
             self._warm_up()
 

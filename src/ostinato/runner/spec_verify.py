@@ -31,11 +31,12 @@ import torch
 
 from ostinato.contract import ScheduledSeq, SchedulerOutput, SpecCounts, StepResult
 from ostinato.runner.inputs import build_prefill_inputs, to_device
-from ostinato.runner.pending import PendingStep, from_host
+from ostinato.runner.pending import PendingStep, from_host, plain_result
 from ostinato.sampling_params import GREEDY_TEMPERATURE
-from ostinato.runner.sampler import Sampler, distribution, draw_from, row_key, uniform
+from ostinato.runner.sampler import Sampler, distribution, draw_from, finish_sampling, row_key, uniform
 from ostinato.runner.sampling_state import (BLOCKS, CTR, SamplingBatch, filtered_rows, read_settings,
                                             write_settings)
+from ostinato.runner.verify_rows import flatten_verify_rows, num_verify_rows
 
 # XORed into a row's key for the residual draw of a rejected draft proposal: independent of the accept test's
 # uniform at the same counter.
@@ -141,15 +142,22 @@ def rejection_sample(tokens: torch.Tensor, logits: torch.Tensor, batch: Sampling
 
 class SpecVerifier:
     """Runs a speculative engine's steps (every step: verify rows and prompt chunks, no decode rows). drafter:
-    the draft model (runner/draft.py) that fills the proposals first; None for prompt lookup."""
+    the draft model (runner/draft.py) that fills the proposals first; None for prompt lookup.
+
+    Two paths (`steps_by_path` counts them). "decode graph": a step of verify rows only whose rows, flattened
+    (runner/verify_rows.py), fit a captured decode graph replays it, sampling inside; the decode kernels and
+    one replay, where the prefill path launches its own kernels and samples eagerly. "prefill": every other
+    step (prompt chunks beside the verify rows, more rows than the largest graph, decode graphs off)."""
 
     def __init__(self, model, prefill_graphs, block_size: int, scratch_block: int, device: torch.device,
-                 engine_seed: int, drafter=None):
+                 engine_seed: int, drafter=None, decode_step=None, decode_graphs=None):
         self.model, self.prefill_graphs = model, prefill_graphs
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.engine_seed = engine_seed
         self.sampler = Sampler(device, engine_seed)
         self.drafter = drafter
+        self.decode_step, self.decode_graphs = decode_step, decode_graphs  # the decode graphs' DecodeStep
+        self.steps_by_path = {"decode graph": 0, "prefill": 0}
 
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Run the step and read its tokens (a speculative step is synchronous: the next proposals need them)."""
@@ -160,28 +168,59 @@ class SpecVerifier:
         if self.drafter is not None:
             proposals = self.drafter.propose(out)
             out, q = proposals.out, proposals.q
-        rows, seqs = logit_rows(out.seqs)
-        hidden = self.hidden(out)
-        if not seqs:  # only prompt chunks that write K/V
-            return PendingStep(StepResult([], [], []))
-        logits = self.model.compute_logits(sampled_hidden(hidden, rows, self.device))
-        drawn = self.draw(logits, seqs, q)
+        size = self.graph_size(out)
+        if size is not None:
+            self.steps_by_path["decode graph"] += 1
+            seqs = list(out.seqs)
+            drawn = self.replay_flattened(seqs, size, q)
+        else:
+            self.steps_by_path["prefill"] += 1
+            rows, seqs = logit_rows(out.seqs)
+            hidden = self.hidden(out)
+            if not seqs:  # only prompt chunks that write K/V
+                return PendingStep(StepResult([], [], []))
+            logits = self.model.compute_logits(sampled_hidden(hidden, rows, self.device))
+            drawn = self.draw(logits, seqs, q)
         kept, ids, counts = accept(seqs, drawn.token_ids)
         return PendingStep(StepResult(ids, [drawn.token_ids[i] for i in kept], [drawn.tokens[i] for i in kept],
                                       spec=counts))
+
+    def graph_size(self, out: SchedulerOutput) -> int | None:
+        """The decode graph the step's flattened rows replay, or None when it takes the prefill path."""
+        if self.decode_graphs is None:
+            return None
+        n = num_verify_rows(out.seqs)
+        return None if n is None else self.decode_graphs.graph_size(n)
+
+    def replay_flattened(self, seqs: list[ScheduledSeq], size: int, q: torch.Tensor | None) -> StepResult:
+        """Every verify row's positions as decode rows, one decode-graph replay of `size` rows that draws them
+        (as decode draws: each row's settings and counter), then the eager finish where a row asks for one
+        (top-k / top-p, logprobs, a draft's rejection sampling), read to the host. Seq ids are not filled in."""
+        flat = flatten_verify_rows(tuple(seqs), self.engine_seed, self.scratch_block)
+        n = len(flat)
+        rows = self.decode_step.batch.load_transient(flat.rows, size)
+        logits = self.decode_graphs.replay_filled(n)  # [n, vocab]; the tokens drawn into decode_step.sampled
+        tokens = self.decode_step.sampled[:n]
+        if q is None and flat.num_logprobs is None and not flat.any_filtered:
+            return plain_result([0] * n, tokens.tolist())
+        batch = read_settings(rows[:n], flat.num_logprobs, flat.any_filtered)
+        adjust = None if q is None else self.rejection(logits, seqs, batch, q)
+        return from_host([0] * n, finish_sampling(logits, tokens.clone(), batch, adjust).to_host())
 
     def draw(self, logits: torch.Tensor, seqs: list[ScheduledSeq], q: torch.Tensor | None = None) -> StepResult:
         """Every logit row's token (logits [rows, vocab], logit_rows' order), drawn with its chunk's settings and
         the counter of its position, read to the host (with logprobs where asked). Seq ids are not filled in.
         q: the draft's distribution of every proposal (proposed_rows' order), None for one-hot proposals."""
         batch = self.settings(seqs)
-        adjust = None
-        if q is not None:
-            rows, proposals = proposed_rows(seqs)
-            rows_d = to_device(rows, torch.int64, self.device)
-            proposals_d = to_device(proposals, torch.int64, self.device)
-            adjust = lambda tokens: rejection_sample(tokens, logits, batch, rows_d, proposals_d, q)  # noqa: E731
+        adjust = None if q is None else self.rejection(logits, seqs, batch, q)
         return from_host([0] * logits.shape[0], self.sampler(logits, batch, adjust).to_host())
+
+    def rejection(self, logits: torch.Tensor, seqs: list[ScheduledSeq], batch: SamplingBatch, q: torch.Tensor):
+        """The sampler's `adjust` that applies the draft's rejection sampling to the proposed positions."""
+        rows, proposals = proposed_rows(seqs)
+        rows_d = to_device(rows, torch.int64, self.device)
+        proposals_d = to_device(proposals, torch.int64, self.device)
+        return lambda tokens: rejection_sample(tokens, logits, batch, rows_d, proposals_d, q)
 
     def hidden(self, out: SchedulerOutput) -> torch.Tensor:
         """The forward's final hidden states [tokens, hidden]: a prefill-graph replay, else eager."""
