@@ -1,4 +1,4 @@
-"""Speculative decoding on the GPU (Triton attention, prefill-graph replays for the verify steps): fp32 greedy
+"""Speculative decoding on the GPU (Triton attention, decode-graph replays for the verify steps): fp32 greedy
 output equals plain decoding's on a random model (with an oracle proposer, so long runs are accepted) and on
 SmolLM2 (prompt lookup); graph and eager verify steps agree; bf16 stays logprob-close to plain decoding up to
 the first divergence."""
@@ -38,7 +38,8 @@ def test_fp32_greedy_equals_plain_decoding_on_graph_and_eager_verify_steps(ckpt,
     assert tokens(llm.generate(PROMPTS, GREEDY)) == want
     st = llm.engine.stats()
     assert st.spec_decode_accepted_tokens > st.spec_decode_drafts
-    assert (st.prefill_steps_graph > 0) == (not enforce_eager)  # verify steps replay prefill graphs
+    # Verify steps replay decode graphs (the prompts' prefill steps take the prefill path)
+    assert (llm.engine.runner.verifier.steps_by_path["decode graph"] > 0) == (not enforce_eager)
     assert st.kv_blocks_free == st.kv_blocks_total
 
 
@@ -53,8 +54,8 @@ def test_smollm2_ngram_fp32_greedy_equals_plain_decoding():
 
 
 def test_bf16_stays_logprob_close_to_plain_decoding(ckpt):
-    """In bf16 a verified token is computed by the prefill kernels and a decoded one by the decode kernel: their
-    logits differ in the last bits, so greedy may flip where two logits tie. Up to the first divergence every
+    """In bf16 a verified token is computed in a batch of another shape than a decoded one, RoPE in its own
+    kernel: their logits differ in the last bits, so greedy may flip where two logits tie. Up to the first divergence every
     token matches and the logprobs are close (test_gpu_e2e.close_until_divergence)."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=TOP)
     plain = make(ckpt, spec=False, dtype="bfloat16").generate(PROMPTS, params)

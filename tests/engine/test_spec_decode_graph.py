@@ -152,3 +152,15 @@ def test_decode_graphs_are_planned_for_k_plus_one_rows_a_sequence():
     plain = EngineArgs("m", max_num_seqs=8).graph_config(device_is_cuda=True)
     spec = EngineArgs("m", max_num_seqs=8, speculative_method="ngram", num_speculative_tokens=4).graph_config(True)
     assert max(plain.capture_sizes) == 8 and max(spec.capture_sizes) == 40
+
+
+def test_the_verify_profile_labels_the_decode_graph_path(ckpt):
+    import random
+
+    from ostinato.tools.bench.spec import verify_step
+    from ostinato.tools.bench.verify_profile import DECODE_GRAPH_LABELS, profile_verify
+
+    llm = graph_llm(ckpt, max_model_len=64)
+    out = verify_step(llm.engine.runner, 2, 8, 3, random.Random(0))
+    host_us = profile_verify(llm.engine.runner.verifier, out, 2)["host_us"]
+    assert set(DECODE_GRAPH_LABELS) <= set(host_us) and "verify: forward" not in host_us

@@ -158,6 +158,9 @@ class SpecVerifier:
         self.drafter = drafter
         self.decode_step, self.decode_graphs = decode_step, decode_graphs  # the decode graphs' DecodeStep
         self.steps_by_path = {"decode graph": 0, "prefill": 0}
+        # Steps of up to this many flattened rows take the decode-graph path with the decode step run eagerly
+        # where no graph holds them: `bench host` sets it, to time that path's host work on a CPU. 0 otherwise.
+        self.eager_decode_rows = 0
 
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Run the step and read its tokens (a speculative step is synchronous: the next proposals need them)."""
@@ -190,7 +193,10 @@ class SpecVerifier:
         if self.decode_graphs is None:
             return None
         n = num_verify_rows(out.seqs)
-        return None if n is None else self.decode_graphs.graph_size(n)
+        if n is None:
+            return None
+        size = self.decode_graphs.graph_size(n)
+        return n if size is None and n <= self.eager_decode_rows else size
 
     def replay_flattened(self, seqs: list[ScheduledSeq], size: int, q: torch.Tensor | None) -> StepResult:
         """Every verify row's positions as decode rows, one decode-graph replay of `size` rows that draws them

@@ -110,8 +110,10 @@ def measure(model_dir: str, batch: int, context: int, steps: int, engine_kwargs:
     spec = (engine_kwargs or {}).get("num_speculative_tokens") or 0
     max_len = context + (spec + 1) * (steps + 8)  # a verify step adds up to spec + 1 tokens
     block = 16
-    kwargs = dict(model=model_dir, device="cpu", dtype="float32", max_model_len=max_len, max_num_seqs=batch,
-                  max_num_batched_tokens=max(max_len, batch * (context + 1)),
+    # With speculation: decode rows for every verify row's k + 1 positions (the decode-graph path a GPU takes;
+    # the scheduler still runs `batch` sequences, all there are).
+    kwargs = dict(model=model_dir, device="cpu", dtype="float32", max_model_len=max_len,
+                  max_num_seqs=batch * (spec + 1), max_num_batched_tokens=max(max_len, batch * (context + 1)),
                   num_kv_blocks=batch * (-(-max_len // block)) + 1, block_size=block)
     kwargs.update(engine_kwargs or {})
     engine = LLMEngine(EngineArgs(**kwargs))

@@ -18,8 +18,10 @@ them in place), so the eager masking and re-draw after the replay work on a few 
 vocabulary (passes that a GPU runs asynchronously). The forward of a decode step starts when it is launched (the
 replay), and its tokens are ready step_ms later, or once the host has launched the masking, whichever comes last.
 
-A speculative engine's verify step (runner/spec_verify.py) calls the same no-op for its forward and its logits,
-which then have a row for every position the step samples (up to its token budget).
+A speculative engine's verify step (runner/spec_verify.py) takes the path a GPU's takes in the steady state: its
+rows flattened into decode rows, through the decode step's no-op, up to the decode rows' count (`bench host`
+gives the engine k + 1 rows a sequence). A step with prompt chunks, or more rows, calls the same no-op for its
+forward and its logits, which then have a row for every position the step samples (up to its token budget).
 
 Used by `ostinato bench host`, and by benchmarks/online/serve_vs_offline.py (`--noop-forward`) for both
 `LLM.generate` and the server's engine core: `build_engine(args, step_ms)` is a module-level engine factory,
@@ -108,8 +110,9 @@ def install(engine: "LLMEngine", step_ms: float = 0.0, logits_columns: int | Non
     # A speculative step samples every position of its verify rows: up to the step's token budget.
     logit_rows = rows if verifier is None else max(rows, engine.scheduler_config.max_num_batched_tokens)
     runner.model = _NoOpModel(runner.model, logit_rows, columns, token_id, fresh=logits_columns is not None)
-    if verifier is not None:  # the verify step runs the prefill path's forward (eager on CPU) and its logits
-        verifier.model = runner.model
+    if verifier is not None:  # the verify step's prefill path runs the no-op's forward and logits, its decode
+        verifier.model = runner.model  # path the decode step's (below), as a GPU's decode graphs would
+        verifier.eager_decode_rows = rows
     clock = _GpuClock(step_ms / 1000)
     sampled, hidden = runner.decode_step.sampled, torch.zeros(rows, 0)
     sampled.fill_(token_id)

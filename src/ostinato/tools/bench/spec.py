@@ -191,9 +191,10 @@ def run_spec(args) -> int:
 
 def timed_row(llm, convs, params, bs: int, forced: float | None) -> dict:
     """One timed LLM.chat call of the batch, its tok/s and the speculation counters it moved (printed too)."""
-    before = llm.engine.stats()
+    before, paths_before = llm.engine.stats(), verify_paths(llm.engine.runner)
     seconds, outs = timed(lambda: llm.chat(convs, params))
-    after = llm.engine.stats()
+    after, paths = llm.engine.stats(), verify_paths(llm.engine.runner)
+    paths = {path: n - paths_before[path] for path, n in paths.items()}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     drafts = after.spec_decode_drafts - before.spec_decode_drafts
     proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
@@ -201,12 +202,23 @@ def timed_row(llm, convs, params, bs: int, forced: float | None) -> dict:
     row = {"batch": bs, "draft_acceptance": forced, "output_tokens": tokens, "seconds": seconds,
            "tokens_per_s": tokens / seconds, "acceptance_rate": accepted / proposed if proposed else None,
            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
-           "token_ids": [o.outputs[0].token_ids for o in outs]}
+           "verify_steps_by_path": paths, "token_ids": [o.outputs[0].token_ids for o in outs]}
     spec = ("" if not proposed else f"  acceptance {row['acceptance_rate']:.2f}  mean accepted length "
-            f"{row['mean_accepted_length']:.2f}")
+            f"{row['mean_accepted_length']:.2f}  verify steps {describe_paths(paths)}")
     forcing = "" if forced is None else f"  (forced P = {forced:g})"
     print(f"bs {bs:>3}  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s{spec}{forcing}", flush=True)
     return row
+
+
+def verify_paths(runner) -> dict[str, int]:
+    """How many verify steps took each path so far (runner/spec_verify.py, SpecVerifier.steps_by_path); empty
+    without speculation."""
+    verifier = getattr(runner, "verifier", None)
+    return dict(verifier.steps_by_path) if verifier is not None else {}
+
+
+def describe_paths(paths: dict[str, int]) -> str:
+    return ", ".join(f"{n} {path}" for path, n in paths.items() if n) or "none"
 
 
 def verify_step(runner, batch: int, context: int, k: int, rng: random.Random):
@@ -248,11 +260,13 @@ def run_verify(args) -> int:
         rng, rows = random.Random(0), []
         for k in range(args.max_k + 1):
             out = verify_step(runner, args.batch_size, args.context, k, rng)
+            before = verify_paths(runner)
             ms = time_cuda(lambda: runner.verifier.launch(out).result(), args.iters, 10)
+            paths = {path: n - before[path] for path, n in verify_paths(runner).items()}
             rows.append({"k": k, "verify_ms": ms, "vs_decode_step": ms / one,
-                         "ms_per_token_all_accepted": ms / (k + 1)})
+                         "ms_per_token_all_accepted": ms / (k + 1), "steps_by_path": paths})
             print(f"k {k}  verify {ms:.3f} ms  x{ms / one:.2f} of a decode step  {ms / (k + 1):.3f} ms a token "
-                  "when all are accepted", flush=True)
+                  f"when all are accepted  ({describe_paths(paths)})", flush=True)
         profiled = None
         if args.profile_k is not None:
             from ostinato.tools.bench.verify_profile import print_profile, profile_verify

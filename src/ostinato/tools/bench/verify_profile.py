@@ -11,10 +11,17 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 
-# (attribute owner under the verifier, method) -> the label it is profiled under
-PHASES = (("verifier", "hidden", "verify: forward"), ("model", "compute_logits", "verify: logits"),
-          ("verifier", "settings", "verify: settings rows"), ("sampler", "__call__", "verify: sampler"))
-HOST_LABELS = ("verify: step", "verify: to_host (sync)", "verify: accept") + tuple(p[2] for p in PHASES)
+# (attribute owner under the verifier, method) -> the label it is profiled under. The prefill path's phases,
+# then the decode-graph path's (SpecVerifier.replay_flattened; its flattening is labelled in `labelled`).
+PREFILL_PHASES = (("verifier", "hidden", "verify: forward"), ("model", "compute_logits", "verify: logits"),
+                  ("verifier", "settings", "verify: settings rows"), ("sampler", "__call__", "verify: sampler"))
+DECODE_GRAPH_PHASES = (("verifier", "replay_flattened", "verify: decode-graph step"),
+                       ("batch", "load_transient", "verify: rows to the device"),
+                       ("decode_graphs", "replay_filled", "verify: decode-graph replay"))
+PHASES = PREFILL_PHASES + DECODE_GRAPH_PHASES
+DECODE_GRAPH_LABELS = tuple(p[2] for p in DECODE_GRAPH_PHASES) + ("verify: flatten rows",)
+HOST_LABELS = (("verify: step", "verify: to_host (sync)", "verify: accept") + tuple(p[2] for p in PREFILL_PHASES)
+               + DECODE_GRAPH_LABELS)
 
 
 @contextlib.contextmanager
@@ -24,8 +31,11 @@ def labelled(verifier):
 
     from ostinato.runner import sampler as sampler_module, spec_verify
 
-    owners = {"verifier": verifier, "model": verifier.model, "sampler": verifier.sampler}
+    decode_step = verifier.decode_step
+    owners = {"verifier": verifier, "model": verifier.model, "sampler": verifier.sampler,
+              "decode_graphs": verifier.decode_graphs, "batch": None if decode_step is None else decode_step.batch}
     saved_accept, saved_to_host = spec_verify.accept, sampler_module.SamplerOutput.to_host
+    saved_flatten = spec_verify.flatten_verify_rows
 
     def wrap(fn, label):
         def labelled_fn(*a, **k):
@@ -36,6 +46,8 @@ def labelled(verifier):
     patched = []
     for owner_name, method, label in PHASES:
         owner = owners[owner_name]
+        if owner is None:  # no decode graphs: that path never runs
+            continue
         if method == "__call__":  # a call on the instance looks the method up on its class: wrap a bound copy
             verifier.sampler = _Labelled(owner, wrap(owner.__call__, label))
             patched.append((verifier, "sampler", owner))
@@ -43,11 +55,13 @@ def labelled(verifier):
         patched.append((owner, method, owner.__dict__.get(method)))
         setattr(owner, method, wrap(getattr(owner, method), label))
     spec_verify.accept = wrap(saved_accept, "verify: accept")
+    spec_verify.flatten_verify_rows = wrap(saved_flatten, "verify: flatten rows")
     sampler_module.SamplerOutput.to_host = wrap(saved_to_host, "verify: to_host (sync)")
     try:
         yield
     finally:
         spec_verify.accept, sampler_module.SamplerOutput.to_host = saved_accept, saved_to_host
+        spec_verify.flatten_verify_rows = saved_flatten
         for owner, name, old in reversed(patched):
             if old is None:
                 delattr(owner, name)
