@@ -25,9 +25,16 @@ def test_bench_host_runs_at_small_sizes_and_reports_both_output_kinds(tmp_path, 
 def test_bench_host_times_speculative_steps_through_the_verify_path(tmp_path, monkeypatch):
     from ostinato.runner.spec_verify import SpecVerifier
 
-    launched = []
+    launched, paths = [], []
     launch = SpecVerifier.launch
-    monkeypatch.setattr(SpecVerifier, "launch", lambda self, out: launched.append(out) or launch(self, out))
+
+    def counted(self, out):
+        launched.append(out)
+        pending = launch(self, out)
+        paths.append(dict(self.steps_by_path))
+        return pending
+
+    monkeypatch.setattr(SpecVerifier, "launch", counted)
     out = tmp_path / "host.json"
     assert cli.main(["bench", "host", "--batch-sizes", "2", "--contexts", "8", "--steps", "3", "--repeats", "1",
                      "--output-kinds", "final_only", "--num-speculative-tokens", "3",
@@ -35,6 +42,8 @@ def test_bench_host_times_speculative_steps_through_the_verify_path(tmp_path, mo
     assert json.loads(out.read_text())["rows"][0]["final_only"]["core_us"] > 0
     verify = [c for step in launched for c in step.seqs if c.verify]
     assert verify and max(len(c.token_ids) for c in verify) == 2  # the no-op's token proposed and verified
+    # The steps of verify rows only take the decode-graph path, as on a GPU (its decode step the no-op, eager)
+    assert paths[-1]["decode graph"] >= len(launched) - 2 and paths[-1]["decode graph"] > 0
 
 
 def test_the_delta_step_is_one_pickled_message_of_every_streamed_request(tmp_path):
