@@ -1,11 +1,15 @@
 """The verify step of speculative decoding: one forward over every verify row's k + 1 tokens (and the step's
 prompt chunks), every position of a verify row sampled, and the longest run of accepted proposals kept.
 
-The forward is the prefill path's (runner/prefill_graphs.py when the step fits a captured token count, else
-eager): a verify row is a chunk whose start position is its cached context, which is what chunked prefill
-attends already (the query tokens see the paged cache before them and each other causally). So no new
-attention kernel is needed, a row without proposals is a one-token chunk (no padding, no extra KV), and the
-graph is captured per token count with the same code that runs eager.
+Two forwards (SpecVerifier). A step of verify rows only, the steady state, is flattened into decode rows
+(runner/verify_rows.py: row j of a chunk at position start + j, its counter num_generated + j) and replays the
+decode graph of their count, which samples inside as a decode step does: the decode kernels, one replay, no
+eager sampling. Any other step takes the prefill path (runner/prefill_graphs.py when it fits a captured token
+count, else eager): a verify row is a chunk whose start position is its cached context, which chunked prefill
+attends already (the query tokens see the paged cache before them and each other causally), so prompt chunks
+ride in the same forward. Both attend exactly causally and draw each position with the same settings and
+counter, so they keep the same tokens (up to the last bits of the logits, which the two kernel sets sum in other
+orders).
 
 Acceptance, one rule for greedy, sampled and seeded rows. Position j of a row (j = 0 .. k) is drawn as the
 row's next-but-j decode draw would be: its own settings, counter num_generated + j (runner/sampler.py). The
