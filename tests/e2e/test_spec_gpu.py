@@ -40,6 +40,8 @@ def test_fp32_greedy_equals_plain_decoding_on_graph_and_eager_verify_steps(ckpt,
     assert st.spec_decode_accepted_tokens > st.spec_decode_drafts
     # Verify steps replay decode graphs (the prompts' prefill steps take the prefill path)
     assert (llm.engine.runner.verifier.steps_by_path["decode graph"] > 0) == (not enforce_eager)
+    # Row j reads the K/V rows 0 .. j - 1 write in the same layer: RoPE and the K/V write stay in their own kernel
+    assert not llm.engine.runner.backend.decode_applies_rope
     assert st.kv_blocks_free == st.kv_blocks_total
 
 
