@@ -41,9 +41,10 @@ ERROR_LIMIT = 5e-2  # _scaled_mm rounds x to E4M3 too; the W8A16 kernels stay ne
 GEMV_ONE_ROW = [Fp8Tiles(8, 1024), Fp8Tiles(8, 1024, k_tiles=2), Fp8Tiles(4, 1024, k_tiles=2),
                 Fp8Tiles(8, 512, k_tiles=2), Fp8Tiles(16, 512, k_tiles=2), Fp8Tiles(8, 2048, num_warps=8),
                 Fp8Tiles(8, 1024, num_warps=8, k_tiles=2), Fp8Tiles(8, 1024, k_tiles=2, num_stages=1)]
-STREAM = [StreamTiles(bn, bk, prefetch=p) for bn, bk in ((4, 1024), (8, 1024), (8, 512), (16, 512), (4, 2048))
-          for p in (1, 2)] + [StreamTiles(8, 1024, num_warps=8), StreamTiles(16, 1024, num_warps=8)]
-STREAM_ROWS = [StreamTiles(2, 1024), StreamTiles(4, 1024), StreamTiles(4, 512, prefetch=2), StreamTiles(8, 512)]
+STREAM = [StreamTiles(bn, bk, prefetch=p) for bn, bk in ((4, 1024), (8, 1024), (16, 512), (4, 2048), (8, 2048))
+          for p in (1, 2)] + [StreamTiles(bn, bk, num_warps=8) for bn, bk in ((16, 1024), (8, 2048), (16, 2048))]
+STREAM_ROWS = [StreamTiles(2, 2048), StreamTiles(4, 2048), StreamTiles(4, 1024), StreamTiles(4, 1024, prefetch=2),
+               StreamTiles(8, 1024)]
 GEMV_ROWS = [Fp8Tiles(1, 512), Fp8Tiles(2, 512, num_warps=8, k_tiles=2)]
 MMA_FEW_ROWS = [MmaTiles(16, 32, 256), MmaTiles(16, 64, 256), MmaTiles(16, 128, 128)]
 MMA_ROWS = [MmaTiles(64, 64, 128), MmaTiles(64, 128, 128), MmaTiles(32, 64, 256)]

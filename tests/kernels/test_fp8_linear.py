@@ -128,9 +128,10 @@ def test_quantize_rows_is_per_channel_and_within_e4m3_rounding():
 
 
 def test_path_rule():
-    assert choose_fp8_path(1, 4096, 4096, False, cuda=True) == StreamTiles(4, 1024)
-    assert choose_fp8_path(1, 28672, 4096, False, cuda=True) == StreamTiles(8, 1024)
-    assert choose_fp8_path(4, 28672, 4096, False, cuda=True) == StreamTiles(4, 1024)  # one accumulator a row
+    assert choose_fp8_path(1, 4096, 4096, False, cuda=True) == StreamTiles(4, 2048)
+    assert choose_fp8_path(1, 28672, 4096, False, cuda=True) == StreamTiles(8, 2048)
+    assert choose_fp8_path(4, 28672, 4096, False, cuda=True) == StreamTiles(4, 2048)  # one accumulator a row
+    assert choose_fp8_path(1, 3072, 1024, False, cuda=True) == StreamTiles(4, 1024)
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, bf16=False), Fp8Tiles)
     assert isinstance(choose_fp8_path(1, 4096, 4098, False, cuda=True), Fp8Tiles)  # K not whole words
     assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)

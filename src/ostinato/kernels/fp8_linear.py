@@ -76,7 +76,10 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
       few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 GEMV
       keeps them in 16 bits, so it is taken only where it was measured faster.
     - m <= 4, per-row scales, bf16, k % 4 == 0: the streaming GEMV (kernels/fp8_stream.py), block_n for ~768
-      programs as the bf16 rule, at most 4 above two rows (one accumulator a row).
+      programs as the bf16 rule, at most 4 above two rows (one accumulator a row); block_k 2048 where K allows:
+      at 8 x 2048 a thread holds all 8 rows of its columns, so x (and the folded norm's work on it) is shared
+      by 8 rows, not 4 (sm_90 SASS, benchmarks/kernels/fp8_sass.py: 3.7 instructions a byte against 4.1, and
+      4.8 against 6.4 with the norm and SwiGLU folded in).
     - else m <= FP8_GEMV_MAX_ROWS on CUDA: the first W8A16 GEMV. It reads each weight byte once and needs no activation
       quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
       budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
@@ -92,7 +95,7 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     if measured is not None:
         return measured
     if m <= STREAM_MAX_ROWS and not block_scales and bf16 and k % 4 == 0:
-        return _stream_tiles(m, n)
+        return _stream_tiles(m, n, k)
     if m <= FP8_GEMV_MAX_ROWS:
         m_pad = triton.next_power_of_2(max(m, 1)) if triton is not None else m
         block_n = 1
@@ -107,11 +110,11 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     return "dequantize"
 
 
-def _stream_tiles(m: int, n: int) -> StreamTiles:
+def _stream_tiles(m: int, n: int, k: int) -> StreamTiles:
     block_n = 1
     while block_n < 8 and block_n * 2 <= n // 768:
         block_n *= 2
-    return StreamTiles(max(2, min(block_n, 4) if m > 2 else block_n), 1024)
+    return StreamTiles(max(2, min(block_n, 4) if m > 2 else block_n), 2048 if k >= 2048 else 1024)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,22 +2,28 @@
 optionally with the RMSNorm before the projection and the SwiGLU after it folded in, as the bf16 GEMV does.
 
 Why another FP8 GEMV (kernels/fp8_gemv.py is the first): that one keeps a 3-D [M_PAD, BLOCK_N, BLOCK_K]
-accumulator, and Triton lays a 3-D tensor out one element a thread. Its 16-byte weight loads are then
-re-laid out through shared memory, behind a barrier, on every K step, and the per-weight work grows to about
-six instructions a byte (sm_90 SASS of the 8B's o_proj tiles), twice the bf16 GEMV's per byte. Here every
-tensor is 2-D: one [BLOCK_N, BLOCK_K] fp32 accumulator per row of x (ROWS <= 4 of them, named), in the layout
-the weight tile loads in (16 consecutive bytes a thread), so a weight goes load -> widen -> multiply-add in
-registers, with no shared memory and no barrier in the loop.
+accumulator, and Triton lays a 3-D tensor out one element a thread. Its 16-byte weight loads are re-laid out
+through shared memory behind a barrier on every K step; compiled for sm_90 at the 8B's one-row tiles (8 x 1024)
+its loop runs 379 instructions a thread for 64 weight bytes, 5.9 a byte, in 130 registers, where the bf16 GEMV
+runs 298 for 128 bytes (2.3 a byte).
+
+Here the tile stays in the layout it loads in. The weight is read as int32 words of 4 bytes ([BLOCK_N, BLOCK_J]
+words, 4 a thread: one 16-byte load), x as int64 words of 4 values through pointers of the same shape (rows
+alike, which the compiler loads once), so x arrives in the weight's layout too; a [BLOCK_K] vector of x would
+be re-laid out through shared memory every step. Each word becomes four fp32 planes (value b of every word in
+plane b), multiplied plane by plane into one [BLOCK_N, BLOCK_J] accumulator a row of x: a quarter of the first
+GEMV's accumulator for the same tile. The same tile compiles to 262 instructions in 80 registers, no barrier
+(benchmarks/kernels/fp8_sass.py prints these counts on any machine).
 
 Bytes in flight: the loop is software-pipelined by hand. PREFETCH tiles (1 or 2) are requested ahead of the one
-being multiplied and carried in registers as raw bytes (16 registers a thread for an 8 KB tile, a quarter of
-its fp32 accumulator), so the loads of the next steps are in flight while this one is multiplied; the first
-PREFETCH + 1 tiles are requested before the PDL wait (weights are never written by a step: kernels/pdl.py).
-Triton's own pipelining (num_stages) only stages loads that feed tl.dot.
+being multiplied and carried as words (16 registers a thread for an 8 KB tile; carried as bytes they were
+unpacked and repacked every step, +70% instructions), so the next loads are in flight while this one is
+multiplied; the first PREFETCH + 1 tiles are requested before the PDL wait (weights are never written by a
+step: kernels/pdl.py). Triton's own pipelining (num_stages) only stages loads that feed tl.dot.
 
-Per-row scales only (block-scaled FP8 keeps kernels/fp8_gemv.py). Rows past N are clamped onto the last row
-(read, never stored); K is masked (K a multiple of 16 keeps the loads 16 bytes wide). One kernel per call,
-grid from shapes only: CUDA-graph safe.
+Per-row scales only (block-scaled FP8 keeps kernels/fp8_gemv.py); K a multiple of 4 and x's rows 8-byte aligned
+(stream_takes). Rows past N are clamped onto the last row (read, never stored); K is masked (a multiple of 64
+keeps every load 16 bytes wide). One kernel per call, grid from shapes only: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ class StreamTiles:
 def _fp8_planes(w, ASM: tl.constexpr):
     """int32 words of four E4M3 bytes -> four fp32 tensors of w's shape, byte b of each word in the b-th. ASM
     (sm_89+): two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 a word, what Triton's own cast emits, but on the
-    packed word; the interpreter takes the bytes apart instead."""
+    packed word (taken apart byte by byte, the word cost about 40% more instructions in the loop: sm_90 SASS);
+    the interpreter and older GPUs take the bytes apart."""
     if ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             """{ .reg .b16 a, b, f0, f1, f2, f3; .reg .b32 lo, hi;
@@ -262,6 +269,8 @@ def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     x64, res64 = _words(x, torch.int64), _words(res, torch.int64)
     nw64 = _words(norm_weight, torch.int64) if norm_weight is not None else x64
     interpreted = type(_fp8_stream_kernel).__name__ == "InterpretedFunction"
+    # cvt.rn.f16x2.e4m3x2 is sm_89 and newer; older GPUs take the plain path (Triton's own conversion)
+    asm = not interpreted and torch.cuda.get_device_capability(x.device) >= (8, 9)
     _fp8_stream_kernel[(triton.cdiv(outputs, rows_per_program),)](
         x, x64, weight.view(torch.int32), scale, bias if bias is not None else scale, out, res, res64, nw64,
         res_out, m, outputs, k, x.stride(0), x.stride(0) // 4, k // 4, out.stride(0), res.stride(0),
@@ -269,7 +278,7 @@ def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
         ROWS=m, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_k // 4, PREFETCH=tiles.prefetch,
         HAS_BIAS=bias is not None, X_MODE=X_NORM if norm is not None else X_PLAIN,
         HAS_RESIDUAL=residual is not None, K_PAD=triton.next_power_of_2(k) if norm is not None else 1, GLU=glu,
-        ASM=not interpreted, EMULATE_BF16=interpreted and x.dtype == torch.bfloat16, PDL=pdl,
+        ASM=asm, EMULATE_BF16=interpreted and x.dtype == torch.bfloat16, PDL=pdl,
         num_warps=tiles.num_warps, num_stages=1, **launch_options(pdl),
     )
     return out, residual_out
