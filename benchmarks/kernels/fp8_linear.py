@@ -51,8 +51,15 @@ MMA_ROWS = [MmaTiles(64, 64, 128), MmaTiles(64, 128, 128), MmaTiles(32, 64, 256)
 W8A8 = [W8a8Tiles(16, 512), W8a8Tiles(16, 256), W8a8Tiles(32, 256), W8a8Tiles(32, 512), W8a8Tiles(64, 256)]
 
 
-def candidates(m: int):
-    """(name, config) for what may compute m rows; config is what FP8_MEASURED would hold, or None."""
+def candidates(m: int, kernels: tuple[str, ...] = ()):
+    """(name, config) for what may compute m rows; config is what FP8_MEASURED would hold, or None. kernels:
+    only the candidates whose names start with one of these (stream, gemv, w8a8, mma, scaled_mm); all if empty."""
+    for name, config in _all_candidates(m):
+        if not kernels or name.startswith(kernels):
+            yield name, config
+
+
+def _all_candidates(m: int):
     gemv = GEMV_ONE_ROW if m == 1 else GEMV_ROWS if m <= 16 else []
     mma = MMA_FEW_ROWS if m <= 16 else MMA_ROWS
     stream = STREAM if m == 1 else STREAM_ROWS if m <= 4 else []
@@ -108,7 +115,8 @@ def _line(label: str, us: float, nbytes: int, bf16_us: float, err: float | None 
     return f"    {label:42s} {us:8.2f} us  {nbytes / us / 1e3:7.0f} GB/s  x{bf16_us / us:5.2f} of bf16 cuBLAS{err_text}"
 
 
-def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], best: list[str]) -> None:
+def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], best: list[str],
+            kernels: tuple[str, ...] = ()) -> None:
     copies = max(2, min(32, -(-256 * 2**20 // (n * k))))  # >= 256 MB of fp8 weights: reads come from HBM
     layers = fp8_layers(n, k, copies)
     dense = [layer.dequantize().to(torch.bfloat16) for layer in layers[:max(2, copies // 2)]]
@@ -127,7 +135,7 @@ def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], bes
             print(_line("bf16 GEMV (the engine's at this M)", us, bf16_bytes, bf16_us))
             row["bf16_gemv_us"] = us
         winner = None
-        for name, config in candidates(m):
+        for name, config in candidates(m, kernels):
             try:
                 us = time_graph(lambda i: call(name, config, x, layers[i], pre), copies)
                 err = _error(call(name, config, x, layers[0], pre), ref)
@@ -141,8 +149,11 @@ def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], bes
         rule = choose_fp8_path(m, n, k, False, True)
         rule_us = time_graph(lambda i: layers[i].linear(x, pdl=False), copies)
         print(_line(f"rule: {rule}", rule_us, fp8_bytes, bf16_us, _error(layers[0].linear(x), ref)))
-        row.update(rule=str(rule), rule_us=rule_us, best=winner[1], best_us=winner[0])
+        row.update(rule=str(rule), rule_us=rule_us)
         rows.append(row)
+        if winner is None:  # --kernels left no candidate at these rows
+            continue
+        row.update(best=winner[1], best_us=winner[0])
         best.append(f"    ({m}, {n}, {k}): {winner[2]!r},  # {proj}: {winner[0]:.2f} us, rule {rule_us:.2f} us, "
                     f"bf16 {bf16_us:.2f} us")
 
@@ -152,6 +163,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="llama-3.1-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--kernels", default="", help="comma-separated name prefixes of the candidates to run "
+                    "(stream, gemv, w8a8, mma, scaled_mm); default all")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []
@@ -159,7 +172,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         for proj, (n, k) in projections(SHAPES[name]).items():
             if proj != "lm_head":  # lm_head stays bf16 (model/fp8_weights.py)
-                measure(f"{name} {proj}", n, k, batches, rows, best)
+                measure(f"{name} {proj}", n, k, batches, rows, best, tuple(filter(None, args.kernels.split(","))))
                 torch.cuda.empty_cache()
     print("\ntable entries (kernels/fp8_linear.FP8_MEASURED; keep those that beat the rule):")
     print("\n".join(best))
