@@ -52,8 +52,10 @@ FP8_GEMV_MAX_ROWS = 4
 _SMALL_MMA_ROWS = 16
 Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | str
 # The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
-# the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel.
+# the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
+# SwiGLU folds at every row the streaming GEMV takes, as the bf16 fold won at 1-16 (kernels/gemv.py, choose_glu_fold).
 _NORM_FOLD_ROWS = 1
+_GLU_FOLD_ROWS = 4
 
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
@@ -167,7 +169,7 @@ class Fp8Linear(QuantizedLinear):
         return path
 
     def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
-        return isinstance(self._path(x), StreamTiles) and (not norm or x.shape[0] <= _NORM_FOLD_ROWS)
+        return isinstance(self._path(x), StreamTiles) and x.shape[0] <= (_NORM_FOLD_ROWS if norm else _GLU_FOLD_ROWS)
 
     def fused_linear(self, x: torch.Tensor, pdl: bool = False, glu: bool = False,
                      norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
