@@ -135,7 +135,9 @@ def test_path_rule():
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, bf16=False), Fp8Tiles)
     assert isinstance(choose_fp8_path(1, 4096, 4098, False, cuda=True), Fp8Tiles)  # K not whole words
     assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)
-    assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == "scaled_mm"
+    assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == MmaTiles(16, 32, 256)
+    assert choose_fp8_path(16, 4096, 4096, False, cuda=True) == MmaTiles(16, 32, 256)
+    assert choose_fp8_path(17, 4096, 4096, False, cuda=True) == "scaled_mm"
     assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # block scales, few rows
     assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == MmaTiles()  # block scales above 16 rows
     assert choose_fp8_path(64, 4096, 4100, False, cuda=True) == "dequantize"  # _scaled_mm needs K % 16 == 0
@@ -150,10 +152,10 @@ def test_path_rule():
 
 
 def test_measured_table_overrides_the_rule_at_its_exact_shape_only(monkeypatch):
-    tile = MmaTiles(16, 32, 256)
+    tile = MmaTiles(16, 128, 128)
     monkeypatch.setitem(fp8_linear.FP8_MEASURED, (16, 6144, 4096), tile)
     assert choose_fp8_path(16, 6144, 4096, False, cuda=True) == tile
-    assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == "scaled_mm"  # other rows: the rule
+    assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == MmaTiles(16, 32, 256)  # other rows: the rule
     assert choose_fp8_path(16, 6144, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # measured per-row only
     assert choose_fp8_path(16, 6144, 4096, False, cuda=False) == "dequantize"
 

@@ -50,6 +50,7 @@ _ACC_BUDGET = 8192
 # program re-reads all rows of x from L2, more bytes than the weight itself; the tensor cores take them.
 FP8_GEMV_MAX_ROWS = 4
 _SMALL_MMA_ROWS = 16
+_FEW_ROWS_MMA = MmaTiles(16, 32, 256)  # per-row scales at 5-16 rows (choose_fp8_path)
 Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | str
 # The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
 # the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
@@ -60,12 +61,8 @@ _GLU_FOLD_ROWS = 4
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
 FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
-    # Llama-3.1-8B's four projections at 16 rows, on the H200; docs/PERFORMANCE.md "Why these defaults" has the
-    # sweep's figures. (Its one-row entries named the first GEMV's tiles, measured before the streaming GEMV.)
-    (16, 6144, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
-    (16, 4096, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
-    (16, 28672, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
-    (16, 4096, 14336): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    # (Llama-3.1-8B's four projections at 16 rows measured MmaTiles(16, 32, 256) fastest, now the rule's choice at
+    # 5-16 rows; its one-row entries named the first GEMV's tiles, measured before the streaming GEMV.)
 }
 
 
@@ -85,6 +82,9 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     - else m <= FP8_GEMV_MAX_ROWS on CUDA: the first W8A16 GEMV. It reads each weight byte once and needs no activation
       quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
       budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
+    - 5-16 rows, per-row scales, bf16: the Triton W8A16 tensor-core kernel at 16 x 32 x 256 tiles, which beat
+      _scaled_mm (and its activation quantization) on all four of Llama-3.1-8B's projections at 16 rows, 1.1x
+      to 1.4x (docs/PERFORMANCE.md, "Why these defaults"); the padded rows cost it nothing below 16.
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.
@@ -105,6 +105,8 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
             block_n *= 2
         block_k = max(128, min(1024, _ACC_BUDGET // (m_pad * block_n)))
         return Fp8Tiles(block_n, block_k, k_tiles=2)
+    if not block_scales and bf16 and m <= _SMALL_MMA_ROWS:
+        return _FEW_ROWS_MMA
     if not block_scales and bf16 and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
     if block_scales and bf16:
