@@ -11,14 +11,14 @@ Scales, two layouts, both meaning W[n, k] = fp8[n, k] * scale[...]:
 
 Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before graph capture:
     stream      1-4 rows, per-row scales, bf16: the streaming W8A16 GEMV (kernels/fp8_stream.py), which also
-                takes the RMSNorm before the projection and the SwiGLU after it at one row (`folds`)
+                takes the RMSNorm before the projection (one row) and the SwiGLU after it (1-4 rows): `folds`
     gemv        a few rows otherwise (block scales, fp16/fp32 activations): the first Triton weight-only GEMV
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)
-    scaled_mm   more rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
+    mma         5-16 rows (per-row scales), or more rows with block scales, on CUDA: the Triton W8A16
+                tensor-core kernel (kernels/fp8_mma.py)
+    scaled_mm   above 16 rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
                 activations quantized per token, each row with its own scale, by one kernel (kernels/fp8_mma.py)
-    mma         more rows, block scales, on CUDA (or where FP8_MEASURED says so): the Triton tensor-core
-                kernel, W8A16 (kernels/fp8_mma.py)
     dequantize  everything else (CPU, fp32 activations, shapes _scaled_mm refuses): the
                 weight dequantized to the activation dtype for this call only, then a dense matmul. It keeps
                 no dense copy, so memory stays the FP8 bytes; it is the reference path on CPU.

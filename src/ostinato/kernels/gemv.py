@@ -41,7 +41,7 @@ X_PLAIN, X_NORM = 0, 1
 
 @_jit
 def row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps, write,
-              K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+             K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """1 / rms of each of the M rows of x (+ residual, the sum rounded to the model dtype; `write`: store that
     sum to res_out): the whole row at once, as the RMSNorm kernel (kernels/fused.py) reads it. [M_PAD] fp32."""
     offs = tl.arange(0, K_PAD)
@@ -99,7 +99,7 @@ def _gemv_kernel(
     rstd = tl.zeros([M_PAD], tl.float32)
     if X_MODE == 1:
         rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps,
-                         pid == 0, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
+                        pid == 0, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
     if PEEL_FIRST:
         x = _x_tile(x_ptr, res_ptr, stride_xm, stride_rm, offs_m, m_mask, offs_k, k_mask, rstd, nw, X_MODE,
                     HAS_RESIDUAL, EMULATE_BF16)
