@@ -60,8 +60,8 @@ class StreamTiles:
 def _fp8_planes(w, ASM: tl.constexpr):
     """int32 words of four E4M3 bytes -> four fp32 tensors of w's shape, byte b of each word in the b-th. ASM
     (sm_89+): two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 a word, what Triton's own cast emits, but on the
-    packed word (taken apart byte by byte, the word cost about 40% more instructions in the loop: sm_90 SASS);
-    the interpreter and older GPUs take the bytes apart."""
+    packed word (taken apart byte by byte, the loop runs about 30% more instructions: sm_90 SASS,
+    benchmarks/kernels/fp8_sass.py); the interpreter and older GPUs take the bytes apart."""
     if ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             """{ .reg .b16 a, b, f0, f1, f2, f3; .reg .b32 lo, hi;
@@ -128,7 +128,7 @@ def _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, row
     if X_MODE == 1:
         offs_m = tl.minimum(row, M - 1) + tl.zeros([1], tl.int32)
         return tl.sum(row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, offs_m < M,
-                                K, eps, write & (row < M), K_PAD, HAS_RESIDUAL, EMULATE_BF16), axis=0)
+                               K, eps, write & (row < M), K_PAD, HAS_RESIDUAL, EMULATE_BF16), axis=0)
     return 1.0
 
 
