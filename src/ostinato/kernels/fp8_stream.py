@@ -107,13 +107,12 @@ def _row_dot(acc, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_xm
     each step); the compiler sees the rows are alike and loads each word once."""
     r = tl.minimum(row, M - 1)
     mask = cols < K4
-    DT: tl.constexpr = x_ptr.dtype.element_ty
-    x0, x1, x2, x3 = _half_planes(x64_ptr + r * stride_xm, cols, mask, DT)
+    x0, x1, x2, x3 = _half_planes(x64_ptr + r * stride_xm, cols, mask, x_ptr.dtype.element_ty)
     if X_MODE == 1:
         r0, r1, r2, r3 = x0, x1, x2, x3  # unread without a residual
         if HAS_RESIDUAL:
-            r0, r1, r2, r3 = _half_planes(res64_ptr + r * stride_rm, cols, mask, DT)
-        n0, n1, n2, n3 = _half_planes(nw64_ptr, cols, mask, DT)
+            r0, r1, r2, r3 = _half_planes(res64_ptr + r * stride_rm, cols, mask, x_ptr.dtype.element_ty)
+        n0, n1, n2, n3 = _half_planes(nw64_ptr, cols, mask, x_ptr.dtype.element_ty)
         x0 = _normed(x0, r0, n0, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
         x1 = _normed(x1, r1, n1, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
         x2 = _normed(x2, r2, n2, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
