@@ -1,7 +1,8 @@
 """FP8 projections (kernels/fp8_linear.py) swept against bf16 on the real projection shapes: GB/s of weight read per
 candidate config, beside bf16 cuBLAS (F.linear) and, at one row, the bf16 GEMV the engine uses there.
 
-Candidates: the W8A16 GEMV (kernels/fp8_gemv.py) over tiles, K tiles a step and warps; the W8A8 few-rows kernel
+Candidates: the streaming W8A16 GEMV (kernels/fp8_stream.py, 1-4 rows) over tiles and prefetch depths; the first
+W8A16 GEMV (kernels/fp8_gemv.py) over tiles, K tiles a step and warps; the W8A8 few-rows kernel
 (kernels/fp8_w8a8.py, its activation quantization included) over tiles; the Triton tensor-core kernel
 (kernels/fp8_mma.py) over tiles; torch._scaled_mm after the one-kernel per-token quantization, after the
 torch-ops quantization it replaced, and alone (the quantization's share); and what choose_fp8_path picks (`rule`).
@@ -11,7 +12,7 @@ if they beat the rule.
 Timing as benchmarks/kernels/gemv.py (a CUDA graph over enough weight copies to defeat L2, median per call, no
 PDL on either side); every output is checked against F.linear(x, the dequantized W) in fp32 (relative error;
 a config over 5e-2 is reported and never picked). Default: the 8B's qkv, o, gate_up and down at 1, 16 and 64
-rows, well under a minute on an H200, most of it Triton compiling:
+rows, about a minute on an H200, most of it Triton compiling:
 
     PYTHONPATH=src python3 benchmarks/kernels/fp8_linear.py [--shapes llama-3.1-8b] [--batches 1,16,64] [--json out.json]
 """
@@ -30,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, MmaTiles, W8a8Tiles, choose_fp8_path,  # noqa: E402
-                                         fp8_gemv, fp8_mma, fp8_w8a8, quantize_per_token, quantize_rows,
-                                         quantize_tokens)
+from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, MmaTiles, StreamTiles, W8a8Tiles,  # noqa: E402
+                                         choose_fp8_path, fp8_gemv, fp8_mma, fp8_stream, fp8_w8a8,
+                                         quantize_per_token, quantize_rows, quantize_tokens)
 from ostinato.kernels.gemv import choose_gemv_tiles, gemv_linear  # noqa: E402
 
 ERROR_LIMIT = 5e-2  # _scaled_mm rounds x to E4M3 too; the W8A16 kernels stay near 4e-3 (bf16 output)
@@ -40,16 +41,29 @@ ERROR_LIMIT = 5e-2  # _scaled_mm rounds x to E4M3 too; the W8A16 kernels stay ne
 GEMV_ONE_ROW = [Fp8Tiles(8, 1024), Fp8Tiles(8, 1024, k_tiles=2), Fp8Tiles(4, 1024, k_tiles=2),
                 Fp8Tiles(8, 512, k_tiles=2), Fp8Tiles(16, 512, k_tiles=2), Fp8Tiles(8, 2048, num_warps=8),
                 Fp8Tiles(8, 1024, num_warps=8, k_tiles=2), Fp8Tiles(8, 1024, k_tiles=2, num_stages=1)]
+STREAM = [StreamTiles(bn, bk, prefetch=p) for bn, bk in ((4, 1024), (8, 1024), (16, 512), (4, 2048), (8, 2048))
+          for p in (1, 2)] + [StreamTiles(bn, bk, num_warps=8) for bn, bk in ((16, 1024), (8, 2048), (16, 2048))]
+STREAM_ROWS = [StreamTiles(2, 2048), StreamTiles(4, 2048), StreamTiles(4, 1024), StreamTiles(4, 1024, prefetch=2),
+               StreamTiles(8, 1024)]
 GEMV_ROWS = [Fp8Tiles(1, 512), Fp8Tiles(2, 512, num_warps=8, k_tiles=2)]
 MMA_FEW_ROWS = [MmaTiles(16, 32, 256), MmaTiles(16, 64, 256), MmaTiles(16, 128, 128)]
 MMA_ROWS = [MmaTiles(64, 64, 128), MmaTiles(64, 128, 128), MmaTiles(32, 64, 256)]
 W8A8 = [W8a8Tiles(16, 512), W8a8Tiles(16, 256), W8a8Tiles(32, 256), W8a8Tiles(32, 512), W8a8Tiles(64, 256)]
 
 
-def candidates(m: int):
-    """(name, config) for what may compute m rows; config is what FP8_MEASURED would hold, or None."""
+def candidates(m: int, kernels: tuple[str, ...] = ()):
+    """(name, config) for what may compute m rows; config is what FP8_MEASURED would hold, or None. kernels:
+    only the candidates whose names start with one of these (stream, gemv, w8a8, mma, scaled_mm); all if empty."""
+    for name, config in _all_candidates(m):
+        if not kernels or name.startswith(kernels):
+            yield name, config
+
+
+def _all_candidates(m: int):
     gemv = GEMV_ONE_ROW if m == 1 else GEMV_ROWS if m <= 16 else []
     mma = MMA_FEW_ROWS if m <= 16 else MMA_ROWS
+    stream = STREAM if m == 1 else STREAM_ROWS if m <= 4 else []
+    yield from ((f"stream bn{t.block_n} bk{t.block_k} p{t.prefetch} w{t.num_warps}", t) for t in stream)
     yield from ((f"gemv bn{t.block_n} bk{t.block_k} kt{t.k_tiles} w{t.num_warps} s{t.num_stages}", t) for t in gemv)
     yield from ((f"w8a8 bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} (+quant)", t) for t in W8A8)
     if m > 1:
@@ -77,6 +91,8 @@ def _scaled_mm(xq, xs, layer):
 
 def call(name: str, config, x: torch.Tensor, layer: Fp8Linear, pre: tuple) -> torch.Tensor:
     """One call of candidate `name` on layer (pre: x quantized once, for "alone")."""
+    if isinstance(config, StreamTiles):
+        return fp8_stream(x, layer.weight, layer.weight_scale, None, config)[0]
     if isinstance(config, Fp8Tiles):
         return fp8_gemv(x, layer.weight, layer.weight_scale, None, config)
     if isinstance(config, MmaTiles):
@@ -99,7 +115,8 @@ def _line(label: str, us: float, nbytes: int, bf16_us: float, err: float | None 
     return f"    {label:42s} {us:8.2f} us  {nbytes / us / 1e3:7.0f} GB/s  x{bf16_us / us:5.2f} of bf16 cuBLAS{err_text}"
 
 
-def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], best: list[str]) -> None:
+def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], best: list[str],
+            kernels: tuple[str, ...] = ()) -> None:
     copies = max(2, min(32, -(-256 * 2**20 // (n * k))))  # >= 256 MB of fp8 weights: reads come from HBM
     layers = fp8_layers(n, k, copies)
     dense = [layer.dequantize().to(torch.bfloat16) for layer in layers[:max(2, copies // 2)]]
@@ -118,7 +135,7 @@ def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], bes
             print(_line("bf16 GEMV (the engine's at this M)", us, bf16_bytes, bf16_us))
             row["bf16_gemv_us"] = us
         winner = None
-        for name, config in candidates(m):
+        for name, config in candidates(m, kernels):
             try:
                 us = time_graph(lambda i: call(name, config, x, layers[i], pre), copies)
                 err = _error(call(name, config, x, layers[0], pre), ref)
@@ -132,8 +149,11 @@ def measure(proj: str, n: int, k: int, batches: list[int], rows: list[dict], bes
         rule = choose_fp8_path(m, n, k, False, True)
         rule_us = time_graph(lambda i: layers[i].linear(x, pdl=False), copies)
         print(_line(f"rule: {rule}", rule_us, fp8_bytes, bf16_us, _error(layers[0].linear(x), ref)))
-        row.update(rule=str(rule), rule_us=rule_us, best=winner[1], best_us=winner[0])
+        row.update(rule=str(rule), rule_us=rule_us)
         rows.append(row)
+        if winner is None:  # --kernels left no candidate at these rows
+            continue
+        row.update(best=winner[1], best_us=winner[0])
         best.append(f"    ({m}, {n}, {k}): {winner[2]!r},  # {proj}: {winner[0]:.2f} us, rule {rule_us:.2f} us, "
                     f"bf16 {bf16_us:.2f} us")
 
@@ -143,6 +163,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="llama-3.1-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--kernels", default="", help="comma-separated name prefixes of the candidates to run "
+                    "(stream, gemv, w8a8, mma, scaled_mm); default all")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []
@@ -150,7 +172,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         for proj, (n, k) in projections(SHAPES[name]).items():
             if proj != "lm_head":  # lm_head stays bf16 (model/fp8_weights.py)
-                measure(f"{name} {proj}", n, k, batches, rows, best)
+                measure(f"{name} {proj}", n, k, batches, rows, best, tuple(filter(None, args.kernels.split(","))))
                 torch.cuda.empty_cache()
     print("\ntable entries (kernels/fp8_linear.FP8_MEASURED; keep those that beat the rule):")
     print("\n".join(best))

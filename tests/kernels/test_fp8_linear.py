@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 from ostinato.kernels import fp8_linear  # noqa: E402
 from ostinato.kernels.fp8_linear import (FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX, Fp8Linear, Fp8Tiles,  # noqa: E402
                                          MmaTiles, choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma,
-                                         W8a8Tiles, fp8_w8a8, quantize_per_token, quantize_rows, quantize_tokens)
+                                         StreamTiles, W8a8Tiles, fp8_w8a8, quantize_per_token, quantize_rows,
+                                         quantize_tokens)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -127,27 +128,34 @@ def test_quantize_rows_is_per_channel_and_within_e4m3_rounding():
 
 
 def test_path_rule():
-    assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True), Fp8Tiles)
+    assert choose_fp8_path(1, 4096, 4096, False, cuda=True) == StreamTiles(4, 2048)
+    assert choose_fp8_path(1, 28672, 4096, False, cuda=True) == StreamTiles(8, 2048)
+    assert choose_fp8_path(4, 28672, 4096, False, cuda=True) == StreamTiles(4, 2048)  # one accumulator a row
+    assert choose_fp8_path(1, 3072, 1024, False, cuda=True) == StreamTiles(4, 1024)
+    assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, bf16=False), Fp8Tiles)
+    assert isinstance(choose_fp8_path(1, 4096, 4098, False, cuda=True), Fp8Tiles)  # K not whole words
     assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)
-    assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == "scaled_mm"
+    assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == MmaTiles(16, 32, 256)
+    assert choose_fp8_path(16, 4096, 4096, False, cuda=True) == MmaTiles(16, 32, 256)
+    assert choose_fp8_path(17, 4096, 4096, False, cuda=True) == "scaled_mm"
     assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # block scales, few rows
     assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == MmaTiles()  # block scales above 16 rows
     assert choose_fp8_path(64, 4096, 4100, False, cuda=True) == "dequantize"  # _scaled_mm needs K % 16 == 0
     assert choose_fp8_path(64, 4096, 4096, False, cuda=True, bf16=False) == "dequantize"
     assert choose_fp8_path(1, 4096, 4096, False, cuda=False) == "dequantize"
     for m in range(1, FP8_GEMV_MAX_ROWS + 1):  # the accumulator stays within the register budget at every row count
-        tiles = choose_fp8_path(m, 6144, 4096, False, cuda=True)
+        tiles = choose_fp8_path(m, 6144, 4096, True, cuda=True)
         assert triton_next_pow2(m) * tiles.block_n * tiles.block_k <= 8192
     # one row: as many bytes in flight a step as the bf16 GEMV's 8 x 1024 tile of two-byte weights
-    tiles = choose_fp8_path(1, 6144, 4096, False, cuda=True)
+    tiles = choose_fp8_path(1, 6144, 4096, True, cuda=True)
     assert tiles.block_n * tiles.block_k * tiles.k_tiles == 8 * 1024 * 2
 
 
 def test_measured_table_overrides_the_rule_at_its_exact_shape_only(monkeypatch):
-    tile = MmaTiles(16, 32, 256)
+    tile = MmaTiles(16, 128, 128)
     monkeypatch.setitem(fp8_linear.FP8_MEASURED, (16, 6144, 4096), tile)
     assert choose_fp8_path(16, 6144, 4096, False, cuda=True) == tile
-    assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == "scaled_mm"  # other rows: the rule
+    assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == MmaTiles(16, 32, 256)  # other rows: the rule
     assert choose_fp8_path(16, 6144, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # measured per-row only
     assert choose_fp8_path(16, 6144, 4096, False, cuda=False) == "dequantize"
 
@@ -155,8 +163,11 @@ def test_measured_table_overrides_the_rule_at_its_exact_shape_only(monkeypatch):
 def test_measured_entries_are_configs_the_kernels_take():
     """FP8_MEASURED is filled by hand from the sweep's output: each entry must be a config its kernel accepts."""
     for (m, n, k), config in fp8_linear.FP8_MEASURED.items():
-        if isinstance(config, Fp8Tiles):
-            assert m <= 16 and config.k_tiles in (1, 2) and triton_next_pow2(m) * config.block_n * config.block_k <= 16384
+        if isinstance(config, StreamTiles):
+            assert m <= 4 and config.prefetch in (1, 2) and config.block_k % 4 == 0
+        elif isinstance(config, Fp8Tiles):
+            assert m <= 16 and config.k_tiles in (1, 2)
+            assert triton_next_pow2(m) * config.block_n * config.block_k <= 16384
         elif isinstance(config, MmaTiles):
             assert min(config.block_m, config.block_n, config.block_k) >= 16
         elif isinstance(config, W8a8Tiles):

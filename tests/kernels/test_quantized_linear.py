@@ -1,4 +1,5 @@
-"""The decoder's kernel sets hand a QuantizedLinear its input through its own `linear`, and fold nothing into it."""
+"""The decoder's kernel sets hand a QuantizedLinear its input through its own `linear`, and fold nothing into it
+unless its format says it does (QuantizedLinear.folds; FP8's fold: tests/kernels/test_fp8_stream.py)."""
 
 import torch
 
@@ -40,7 +41,7 @@ def test_triton_path_calls_the_layers_own_linear_with_pdl():
     assert layer.calls == [True, True]
 
 
-def test_nothing_folds_into_a_quantized_projection():
+def test_nothing_folds_into_a_quantized_projection_by_default():
     layer = RowScaledInt8(torch.randn(64, 32))
     x = torch.randn(2, 32).to(torch.bfloat16)
     assert not folds_glu(x, layer)

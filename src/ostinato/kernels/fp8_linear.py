@@ -10,12 +10,15 @@ Scales, two layouts, both meaning W[n, k] = fp8[n, k] * scale[...]:
     per block   scale [cdiv(N, bn), cdiv(K, bk)]: block-scaled FP8 (`weight_block_size`, `weight_scale_inv`)
 
 Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before graph capture:
-    gemv        a few rows: the Triton weight-only GEMV (kernels/fp8_gemv.py: fp8 weights, 16-bit activations,
-                fp32 accumulation), launched with PDL as the bf16 GEMV (kernels/gemv.py)
-    scaled_mm   more rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
+    stream      1-4 rows, per-row scales, bf16: the streaming W8A16 GEMV (kernels/fp8_stream.py), which also
+                takes the RMSNorm before the projection (one row) and the SwiGLU after it (1-4 rows): `folds`
+    gemv        a few rows otherwise (block scales, fp16/fp32 activations): the first Triton weight-only GEMV
+                (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
+                as the bf16 GEMV (kernels/gemv.py)
+    mma         5-16 rows (per-row scales), or more rows with block scales, on CUDA: the Triton W8A16
+                tensor-core kernel (kernels/fp8_mma.py)
+    scaled_mm   above 16 rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
                 activations quantized per token, each row with its own scale, by one kernel (kernels/fp8_mma.py)
-    mma         more rows, block scales, on CUDA (or where FP8_MEASURED says so): the Triton tensor-core
-                kernel, W8A16 (kernels/fp8_mma.py)
     dequantize  everything else (CPU, fp32 activations, shapes _scaled_mm refuses): the
                 weight dequantized to the activation dtype for this call only, then a dense matmul. It keeps
                 no dense copy, so memory stays the FP8 bytes; it is the reference path on CPU.
@@ -28,13 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv
+from ostinato.kernels.fp8_stream import MAX_ROWS as STREAM_MAX_ROWS
+from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes
 from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma, quantize_tokens
 from ostinato.kernels.fp8_w8a8 import W8a8Tiles, fp8_w8a8
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.triton_optional import triton
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Tiles", "MmaTiles", "choose_fp8_path", "dequantize_fp8",
-           "fp8_gemv", "fp8_mma", "fp8_w8a8", "quantize_per_token", "quantize_rows", "quantize_tokens", "W8a8Tiles"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Tiles", "MmaTiles", "StreamTiles", "choose_fp8_path",
+           "dequantize_fp8", "fp8_gemv", "fp8_mma", "fp8_stream", "fp8_w8a8", "quantize_per_token", "quantize_rows",
+           "quantize_tokens", "W8a8Tiles"]
 
 
 # The GEMV's accumulator is M_PAD * block_n * block_k fp32 values over 128 threads: 8192 is 64 registers a
@@ -44,20 +50,19 @@ _ACC_BUDGET = 8192
 # program re-reads all rows of x from L2, more bytes than the weight itself; the tensor cores take them.
 FP8_GEMV_MAX_ROWS = 4
 _SMALL_MMA_ROWS = 16
-Fp8Path = Fp8Tiles | MmaTiles | W8a8Tiles | str
+_FEW_ROWS_MMA = MmaTiles(16, 32, 256)  # per-row scales at 5-16 rows (choose_fp8_path)
+Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | str
+# The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
+# the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
+# SwiGLU folds at every row the streaming GEMV takes, as the bf16 fold won at 1-16 (kernels/gemv.py, choose_glu_fold).
+_NORM_FOLD_ROWS = 1
+_GLU_FOLD_ROWS = 4
 
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
 FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
-    # Llama-3.1-8B's o, gate_up and down at one row (qkv: the rule's tiles tie), and all four at 16 rows, on the
-    # H200; docs/PERFORMANCE.md "Why these defaults" has the sweep's figures.
-    (1, 4096, 4096): Fp8Tiles(block_n=8, block_k=1024, num_warps=4, k_tiles=1, num_stages=3),
-    (1, 28672, 4096): Fp8Tiles(block_n=16, block_k=512, num_warps=4, k_tiles=2, num_stages=3),
-    (1, 4096, 14336): Fp8Tiles(block_n=8, block_k=1024, num_warps=4, k_tiles=1, num_stages=3),
-    (16, 6144, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
-    (16, 4096, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
-    (16, 28672, 4096): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
-    (16, 4096, 14336): MmaTiles(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    # (Llama-3.1-8B's four projections at 16 rows measured MmaTiles(16, 32, 256) fastest, now the rule's choice at
+    # 5-16 rows; its one-row entries named the first GEMV's tiles, measured before the streaming GEMV.)
 }
 
 
@@ -69,9 +74,17 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there does the W8A8
       few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 GEMV
       keeps them in 16 bits, so it is taken only where it was measured faster.
-    - m <= FP8_GEMV_MAX_ROWS on CUDA: the W8A16 GEMV. It reads each weight byte once and needs no activation
+    - m <= 4, per-row scales, bf16, k % 4 == 0: the streaming GEMV (kernels/fp8_stream.py), block_n for ~768
+      programs as the bf16 rule, at most 4 above two rows (one accumulator a row); block_k 2048 where K allows:
+      at 8 x 2048 a thread holds all 8 rows of its columns, so x (and the folded norm's work on it) is shared
+      by 8 rows, not 4 (sm_90 SASS, benchmarks/kernels/fp8_sass.py: 3.7 instructions a byte against 4.1, and
+      4.8 against 6.4 with the norm and SwiGLU folded in).
+    - else m <= FP8_GEMV_MAX_ROWS on CUDA: the first W8A16 GEMV. It reads each weight byte once and needs no activation
       quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
       budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
+    - 5-16 rows, per-row scales, bf16: the Triton W8A16 tensor-core kernel at 16 x 32 x 256 tiles, which beat
+      _scaled_mm (and its activation quantization) on all four of Llama-3.1-8B's projections at 16 rows, 1.1x
+      to 1.4x (docs/PERFORMANCE.md, "Why these defaults"); the padded rows cost it nothing below 16.
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.
@@ -83,6 +96,8 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     measured = FP8_MEASURED.get((m, n, k)) if not block_scales and bf16 else None
     if measured is not None:
         return measured
+    if m <= STREAM_MAX_ROWS and not block_scales and bf16 and k % 4 == 0:
+        return _stream_tiles(m, n, k)
     if m <= FP8_GEMV_MAX_ROWS:
         m_pad = triton.next_power_of_2(max(m, 1)) if triton is not None else m
         block_n = 1
@@ -90,11 +105,20 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
             block_n *= 2
         block_k = max(128, min(1024, _ACC_BUDGET // (m_pad * block_n)))
         return Fp8Tiles(block_n, block_k, k_tiles=2)
+    if not block_scales and bf16 and m <= _SMALL_MMA_ROWS:
+        return _FEW_ROWS_MMA
     if not block_scales and bf16 and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
     if block_scales and bf16:
         return MmaTiles(16, 64, 128) if m <= _SMALL_MMA_ROWS else MMA_TILE
     return "dequantize"
+
+
+def _stream_tiles(m: int, n: int, k: int) -> StreamTiles:
+    block_n = 1
+    while block_n < 8 and block_n * 2 <= n // 768:
+        block_n *= 2
+    return StreamTiles(max(2, min(block_n, 4) if m > 2 else block_n), 2048 if k >= 2048 else 1024)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,10 +161,29 @@ class Fp8Linear(QuantizedLinear):
         self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def _path(self, x: torch.Tensor) -> Fp8Path:
         m, k = x.shape
         cuda = x.is_cuda and triton is not None
         path = choose_fp8_path(m, self.out_features, k, self.block is not None, cuda, x.dtype == torch.bfloat16)
+        if isinstance(path, StreamTiles) and not stream_takes(x, self.weight):
+            # x's rows not word-aligned (a view): the first GEMV, which the rule gives block-scaled weights
+            return choose_fp8_path(m, self.out_features, k, True, cuda, x.dtype == torch.bfloat16)
+        return path
+
+    def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
+        return isinstance(self._path(x), StreamTiles) and x.shape[0] <= (_NORM_FOLD_ROWS if norm else _GLU_FOLD_ROWS)
+
+    def fused_linear(self, x: torch.Tensor, pdl: bool = False, glu: bool = False,
+                     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        path = self._path(x)
+        assert isinstance(path, StreamTiles), "fused_linear only where folds(x)"
+        return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, glu, norm)
+
+    def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        path = self._path(x)
+        if isinstance(path, StreamTiles):
+            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl)[0]
         if isinstance(path, Fp8Tiles):
             return fp8_gemv(x.contiguous(), self.weight, self.weight_scale, self.bias, path, self.block, pdl)
         if isinstance(path, MmaTiles):

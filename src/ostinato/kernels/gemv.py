@@ -40,8 +40,8 @@ X_PLAIN, X_NORM = 0, 1
 
 
 @_jit
-def _row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps, write,
-              K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps, write,
+             K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """1 / rms of each of the M rows of x (+ residual, the sum rounded to the model dtype; `write`: store that
     sum to res_out): the whole row at once, as the RMSNorm kernel (kernels/fused.py) reads it. [M_PAD] fp32."""
     offs = tl.arange(0, K_PAD)
@@ -98,8 +98,8 @@ def _gemv_kernel(
     pdl_wait(PDL)
     rstd = tl.zeros([M_PAD], tl.float32)
     if X_MODE == 1:
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps,
-                         pid == 0, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
+        rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, m_mask, K, eps,
+                        pid == 0, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
     if PEEL_FIRST:
         x = _x_tile(x_ptr, res_ptr, stride_xm, stride_rm, offs_m, m_mask, offs_k, k_mask, rstd, nw, X_MODE,
                     HAS_RESIDUAL, EMULATE_BF16)
@@ -264,7 +264,8 @@ def small_batch_linear(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = Fals
     (model/parallel.py), which on one rank is an nn.Linear too. glu: silu(gate) * up of the (gate | up)
     projection, folded into the kernel; only where folds_glu(x, layer) said so."""
     if isinstance(layer, QuantizedLinear):
-        assert not glu, "folds_glu never folds the activation into a quantized projection"
+        if glu:  # only where folds_glu said the format's kernel folds it
+            return layer.fused_linear(x, pdl=pdl, glu=True)[0]
         return layer.linear(x, pdl=pdl)
     tiles = _triton_tiles(x, layer, pdl)
     if isinstance(tiles, GemvTiles):
@@ -303,7 +304,10 @@ def choose_glu_fold(m: int, n: int, k: int, pdl: bool = False) -> bool:
 
 def folds_glu(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> bool:
     """Whether small_batch_linear (and small_batch_norm_linear, where the norm folds) may take glu=True for
-    layer(x), x [M, K]: choose_glu_fold says so and the GEMV or the few-rows kernel computes the projection."""
+    layer(x), x [M, K]: choose_glu_fold says so and the GEMV or the few-rows kernel computes the projection;
+    for a quantized projection, where its format's kernel folds at these rows (QuantizedLinear.folds)."""
+    if isinstance(layer, QuantizedLinear):
+        return layer.out_features % 2 == 0 and layer.folds(x)
     if _triton_tiles(x, layer, pdl) is None:  # cuBLAS's, or no Triton kernel may take it (_takes)
         return False
     m, n, k = x.shape[0], layer.weight.shape[0], x.shape[1]
@@ -320,10 +324,20 @@ def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm
     Why the peel: every program of the fold first passes over the whole row for its 1/rms; with the first
     weight tile requested before the PDL wait, that pass overlaps the weight read instead of delaying it. On
     Llama-3.1-8B (K 4096) the fold without the peel made the step slower, with it faster (docs/PERFORMANCE.md,
-    "Why these defaults")."""
+    "Why these defaults"). A quantized projection folds where its format says it does (QuantizedLinear.folds)."""
+    if isinstance(layer, QuantizedLinear):
+        return _quantized_norm_linear(x, residual, norm_weight, eps, layer, pdl, glu)
     tiles = _layer_tiles(x, layer, pdl)
     if tiles is None or x.shape[1] > NORM_FOLD_MAX_K or norm_weight.dtype != x.dtype \
             or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):
         return None
     return gemv_norm_linear(x, residual, norm_weight, eps, layer.weight, layer.bias, replace(tiles, peel_first=True),
                             pdl=pdl, glu=glu)
+
+
+def _quantized_norm_linear(x, residual, norm_weight, eps, layer, pdl, glu):
+    """small_batch_norm_linear for a QuantizedLinear: its fused_linear where folds(x) and a row fits, else None."""
+    if not layer.folds(x, norm=True) or x.shape[1] > NORM_FOLD_MAX_K or norm_weight.dtype != x.dtype \
+            or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):
+        return None
+    return layer.fused_linear(x, pdl=pdl, glu=glu, norm=(residual, norm_weight, eps))

@@ -3,7 +3,9 @@
 A quantized projection keeps its weight on the device in the checkpoint's own encoding and computes
 y = x @ W^T (+ bias) from it, so that a decode step reads the quantized bytes, not a bf16 copy. The decoder
 does not know the formats: its kernel sets (kernels/fused.py) hand any QuantizedLinear its input through
-`linear`, and never fold a norm or the SwiGLU activation into it. Each format lives in its own module and
+`linear`; a format whose few-rows kernel can also take the RMSNorm before the projection and the SwiGLU after
+it says so through `folds` and computes them in `fused_linear` (FP8); the others keep the default, no fold,
+and the decoder launches the norm and the activation apart. Each format lives in its own module and
 subclasses this one; its reference is `dequantize`, against which the tests check its kernels in float64.
 """
 
@@ -33,6 +35,21 @@ class QuantizedLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes a forward reads for the weight (data and scales): what the bandwidth floor is computed from."""
+        raise NotImplementedError
+
+    def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
+        """Whether fused_linear takes these rows x [M, K]: for a (gate | up) projection silu(gate) * up after
+        it, and with `norm` also the norm before it, in the projection's own kernel. Shapes and dtypes only
+        (fixed before graph capture). Default: never."""
+        return False
+
+    def fused_linear(self, x: torch.Tensor, pdl: bool = False, glu: bool = False,
+                     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where folds(x): (y, next residual). glu: y is silu(gate) * up [M, N / 2] of a (gate | up) weight.
+        norm (residual or None, norm_weight [K], eps): x is first rmsnorm(x + residual) * norm_weight, and the
+        next residual x + residual (x without one) comes back second (None without norm): kernels/gemv.py's
+        gemv_norm_linear contract."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""What the few-rows GEMVs compile to on sm_90, without a GPU: registers, shared memory, and the innermost loop's
+SASS (instructions a thread a weight byte, and the opcode mix), for the first FP8 GEMV (kernels/fp8_gemv.py), the
+streaming FP8 GEMV (kernels/fp8_stream.py) and the bf16 GEMV (kernels/gemv.py) at the 8B's one-row tiles.
+
+Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
+re-laying data out through shared memory; both show in the SASS, which Triton's bundled ptxas and nvdisasm
+produce on any machine. Pointers, strides, N and K are compiled as multiples of 16, as the JIT specializes them
+at the real shapes. Static counts, not timings: a loop's instructions run once per K step per thread.
+
+    PYTHONPATH=src python3 benchmarks/kernels/fp8_sass.py [--out DIR]   (DIR keeps the .sass and .ttgir files)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ostinato.kernels import fp8_gemv, fp8_stream, gemv
+
+TARGET = GPUTarget("cuda", 90, 32)
+_NVIDIA_BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+
+
+def _compile(fn, signature: dict, constants: dict, num_warps: int = 4, num_stages: int = 1):
+    sig = dict(signature, **{name: "constexpr" for name in constants})
+    aligned = [n for n, t in signature.items() if t.startswith("*") or n.startswith("stride") or n in ("N", "K")]
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()},
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _tool(name: str, *args: str) -> str:
+    return subprocess.run([os.path.join(_NVIDIA_BIN, name), *args], capture_output=True, text=True, check=True).stdout
+
+
+def _innermost_loop(sass: str) -> collections.Counter:
+    """Opcodes between the shortest backward branch's target label and the branch (the K loop)."""
+    lines = sass.splitlines()
+    loops = []
+    for i, line in enumerate(lines):
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            back = [j for j in range(i + 1, len(lines)) if f"`({label.group(1)})" in lines[j] and "BRA" in lines[j]]
+            if back and back[0] - i > 4:
+                loops.append((i, back[0]))
+    start, end = min(loops, key=lambda span: span[1] - span[0])
+    ops = collections.Counter()
+    for line in lines[start:end + 1]:
+        op = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if op:
+            ops[op.group(1)] += 1
+    return ops
+
+
+def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_dir: str) -> None:
+    path = os.path.join(out_dir, name.replace(" ", "_"))
+    with open(path + ".cubin", "wb") as f:
+        f.write(compiled.asm["cubin"])
+    with open(path + ".ttgir", "w") as f:
+        f.write(compiled.asm["ttgir"])
+    sass = _tool("nvdisasm", "-c", path + ".cubin")
+    with open(path + ".sass", "w") as f:
+        f.write(sass)
+    regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
+    ops = _innermost_loop(sass)
+    total = sum(ops.values())
+    per_byte = total / (weight_bytes_per_step / threads)
+    print(f"{name:44s} regs {regs:>3s}  smem {compiled.metadata.shared:6d} B  loop {total:4d} instr "
+          f"({per_byte:.2f} a weight byte)  {dict(ops.most_common(9))}")
+
+
+FP8_GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16",
+                "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
+                "stride_om": "i32"}
+STREAM_SIG = {"x_ptr": "*bf16", "x64_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*fp32", "b_ptr": "*fp32",
+              "out_ptr": "*bf16", "res_ptr": "*bf16", "res64_ptr": "*i64", "nw64_ptr": "*i64", "res_out_ptr": "*bf16",
+              "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_x64": "i32", "stride_wn": "i32",
+              "stride_om": "i32", "stride_rm": "i32", "stride_r64": "i32", "stride_rom": "i32", "eps": "fp32"}
+GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
+            "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+            "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_rom": "i32", "eps": "fp32"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="folder for the .sass / .ttgir files (default: a temporary one)")
+    args = ap.parse_args()
+    out_dir = args.out or tempfile.mkdtemp(prefix="fp8_sass_")
+    os.makedirs(out_dir, exist_ok=True)
+    tile = 8 * 1024  # the 8B's one-row tiles: 8 rows by 1024 inputs a K step
+    report("bf16 GEMV 8x1024", _compile(gemv._gemv_kernel, GEMV_SIG, dict(
+        M_PAD=1, BLOCK_N=8, BLOCK_K=1024, HAS_BIAS=False, PEEL_FIRST=False, PDL=True, X_MODE=0, HAS_RESIDUAL=False,
+        K_PAD=1, EMULATE_BF16=False, GLU=False), num_stages=3), 2 * tile, 128, out_dir)
+    report("first FP8 GEMV 8x1024", _compile(fp8_gemv._fp8_gemv_kernel, FP8_GEMV_SIG, dict(
+        M_PAD=1, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, EVEN_K=True, HAS_BIAS=False, BLOCK_SCALES=False, SCALE_BN=1,
+        SCALE_BK=1, PDL=True), num_stages=3), tile, 128, out_dir)
+    for prefetch in (1, 2):
+        for asm in (True, False):
+            report(f"stream FP8 GEMV 8x1024 p{prefetch}{'' if asm else ' (no PTX cvt)'}",
+                   _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
+                       ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=prefetch, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False,
+                       K_PAD=1, GLU=False, ASM=asm, EMULATE_BF16=False, PDL=True)), tile, 128, out_dir)
+    report("stream FP8 GEMV 8x1024 p1, norm + SwiGLU", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
+        ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=1, HAS_RESIDUAL=True, K_PAD=4096,
+        GLU=True, ASM=True, EMULATE_BF16=False, PDL=True)), tile, 128, out_dir)
+    report("stream FP8 GEMV 4x1024 p1, 4 rows", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
+        ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False, K_PAD=1,
+        GLU=False, ASM=True, EMULATE_BF16=False, PDL=True)), tile // 2, 128, out_dir)
+    print(f"(files in {out_dir})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The streaming W8A16 GEMV for FP8 (E4M3) weights at 1-4 rows: y = x @ (W_fp8 * scale)^T (+ b), fp32 sums,
+optionally with the RMSNorm before the projection and the SwiGLU after it folded in, as the bf16 GEMV does.
+
+Why another FP8 GEMV (kernels/fp8_gemv.py is the first): that one keeps a 3-D [M_PAD, BLOCK_N, BLOCK_K]
+accumulator, and Triton lays a 3-D tensor out one element a thread. Its 16-byte weight loads are re-laid out
+through shared memory behind a barrier on every K step; compiled for sm_90 at the 8B's one-row tiles (8 x 1024)
+its loop runs 379 instructions a thread for 64 weight bytes, 5.9 a byte, in 130 registers, where the bf16 GEMV
+runs 298 for 128 bytes (2.3 a byte).
+
+Here the tile stays in the layout it loads in. The weight is read as int32 words of 4 bytes ([BLOCK_N, BLOCK_J]
+words, 4 a thread: one 16-byte load), x as int64 words of 4 values through pointers of the same shape (rows
+alike, which the compiler loads once), so x arrives in the weight's layout too; a [BLOCK_K] vector of x would
+be re-laid out through shared memory every step. Each word becomes four fp32 planes (value b of every word in
+plane b), multiplied plane by plane into one [BLOCK_N, BLOCK_J] accumulator a row of x: a quarter of the first
+GEMV's accumulator for the same tile. The same tile compiles to 262 instructions in 80 registers, no barrier
+(benchmarks/kernels/fp8_sass.py prints these counts on any machine).
+
+Bytes in flight: the loop is software-pipelined by hand. PREFETCH tiles (1 or 2) are requested ahead of the one
+being multiplied and carried as words (16 registers a thread for an 8 KB tile; carried as bytes they were
+unpacked and repacked every step, +70% instructions), so the next loads are in flight while this one is
+multiplied; the first PREFETCH + 1 tiles are requested before the PDL wait (weights are never written by a
+step: kernels/pdl.py). Triton's own pipelining (num_stages) only stages loads that feed tl.dot.
+
+Per-row scales only (block-scaled FP8 keeps kernels/fp8_gemv.py); K a multiple of 4 and x's rows 8-byte aligned
+(stream_takes). Rows past N are clamped onto the last row (read, never stored); K is masked (a multiple of 64
+keeps every load 16 bytes wide). One kernel per call, grid from shapes only: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
+
+if triton is not None:  # the torch path needs none of these
+    from ostinato.kernels.gemv import X_NORM, X_PLAIN, row_rstd
+    from ostinato.kernels.rope_tile import round_like
+    from ostinato.kernels.linear_epilogue import glu_rows, store_glu
+else:
+    X_NORM, X_PLAIN = 1, 0
+
+MAX_ROWS = 4  # one named accumulator a row
+
+
+@dataclass(frozen=True)
+class StreamTiles:
+    """block_n weight rows by block_k inputs per K step; prefetch: K steps requested ahead (1 or 2)."""
+
+    block_n: int
+    block_k: int
+    prefetch: int = 1
+    num_warps: int = 4
+
+
+@_jit
+def _fp8_planes(w, ASM: tl.constexpr):
+    """int32 words of four E4M3 bytes -> four fp32 tensors of w's shape, byte b of each word in the b-th. ASM
+    (sm_89+): two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 a word, what Triton's own cast emits, but on the
+    packed word (taken apart byte by byte, the loop runs about 30% more instructions: sm_90 SASS,
+    benchmarks/kernels/fp8_sass.py); the interpreter and older GPUs take the bytes apart."""
+    if ASM:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            """{ .reg .b16 a, b, f0, f1, f2, f3; .reg .b32 lo, hi;
+            mov.b32 {a, b}, $4;
+            cvt.rn.f16x2.e4m3x2 lo, a; cvt.rn.f16x2.e4m3x2 hi, b;
+            mov.b32 {f0, f1}, lo; mov.b32 {f2, f3}, hi;
+            cvt.f32.f16 $0, f0; cvt.f32.f16 $1, f1; cvt.f32.f16 $2, f2; cvt.f32.f16 $3, f3; }""",
+            "=r,=r,=r,=r,r", [w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        u = w.to(tl.uint32, bitcast=True)
+        p0 = (u & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        p1 = ((u >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        p2 = ((u >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        p3 = (u >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return p0, p1, p2, p3
+
+
+@_jit
+def _half_planes(ptr, cols, mask, DT: tl.constexpr):
+    """int64 words of four 16-bit values (dtype DT) at ptr + cols -> four fp32 tensors, value b in the b-th."""
+    u = tl.load(ptr + cols, mask=mask, other=0).to(tl.uint64, bitcast=True)
+    p0 = (u & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+    p1 = ((u >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+    p2 = ((u >> 32) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+    p3 = (u >> 48).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+    return p0, p1, p2, p3
+
+
+@_jit
+def _normed(x, r, nw, rstd, x_ptr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One plane of rmsnorm(x [+ r]) * nw in the unfused kernels' rounding order (kernels/gemv.py's _x_tile)."""
+    if HAS_RESIDUAL:
+        x = round_like(x + r, x_ptr, EMULATE_BF16)
+    return round_like(round_like(x * rstd, x_ptr, EMULATE_BF16) * nw, x_ptr, EMULATE_BF16)
+
+
+@_jit
+def _row_dot(acc, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_xm, stride_rm, row, M, cols, K4,
+             rstd, X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """acc + the four weight planes times row `row` of what multiplies W (x, or its norm with X_NORM) at the
+    int64 words cols, [BLOCK_N, BLOCK_J]. x is loaded through pointers of the weight tile's shape, rows alike,
+    so it comes in the weight tile's layout (a [BLOCK_J] vector would be re-laid out through shared memory
+    each step); the compiler sees the rows are alike and loads each word once."""
+    r = tl.minimum(row, M - 1)
+    mask = cols < K4
+    x0, x1, x2, x3 = _half_planes(x64_ptr + r * stride_xm, cols, mask, x_ptr.dtype.element_ty)
+    if X_MODE == 1:
+        r0, r1, r2, r3 = x0, x1, x2, x3  # unread without a residual
+        if HAS_RESIDUAL:
+            r0, r1, r2, r3 = _half_planes(res64_ptr + r * stride_rm, cols, mask, x_ptr.dtype.element_ty)
+        n0, n1, n2, n3 = _half_planes(nw64_ptr, cols, mask, x_ptr.dtype.element_ty)
+        x0 = _normed(x0, r0, n0, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
+        x1 = _normed(x1, r1, n1, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
+        x2 = _normed(x2, r2, n2, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
+        x3 = _normed(x3, r3, n3, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
+    return acc + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+
+
+@_jit
+def _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, row, M, K, eps, write,
+              X_MODE: tl.constexpr, K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """1 / rms of row `row` (a scalar) with the norm folded in (program 0 stores its residual sum), else 1."""
+    if X_MODE == 1:
+        offs_m = tl.minimum(row, M - 1) + tl.zeros([1], tl.int32)
+        return tl.sum(row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, offs_m < M,
+                               K, eps, write & (row < M), K_PAD, HAS_RESIDUAL, EMULATE_BF16), axis=0)
+    return 1.0
+
+
+@_jit
+def _store_row(out_ptr, y, s, b_ptr, w_index, offs_n, pid, row, M, N, stride_om, HAS_BIAS: tl.constexpr,
+               BLOCK_N: tl.constexpr, GLU: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Row `row`'s sums y [BLOCK_N] times the weight rows' scales s (+ bias), stored (GLU: as silu(gate) * up)."""
+    y = y * s
+    if HAS_BIAS:
+        y += tl.load(b_ptr + w_index).to(tl.float32)
+    offs_m = row + tl.zeros([1], tl.int32)
+    if GLU:
+        cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        store_glu(out_ptr, y[None, :], offs_m, cols, (offs_m < M)[:, None] & (cols < N)[None, :], stride_om, 1,
+                  BLOCK_N, EMULATE_BF16)
+    else:
+        row_ok = offs_n * 0 + row < M  # a tensor: the interpreter takes no Python bool in a mask
+        tl.store(out_ptr + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=(offs_n < N) & row_ok)
+
+
+@_jit
+def _w_words(w_rows, j0, offs_j, K4):
+    """The [BLOCK_N, BLOCK_J] tile of int32 weight words at j0 + offs_j (zeros past the row: a prefetch past the
+    end reads nothing)."""
+    js = j0 + offs_j
+    return tl.load(w_rows + js[None, :], mask=(js < K4)[None, :], other=0)
+
+
+@_jit
+def _fp8_stream_kernel(
+    x_ptr, x64_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res64_ptr, nw64_ptr, res_out_ptr,
+    M, N, K, stride_xm, stride_x64, stride_wn, stride_om, stride_rm, stride_r64, stride_rom, eps,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr,
+    GLU: tl.constexpr, ASM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    K4 = K // 4  # words a row: w_ptr holds int32 words of 4 weights, x64_ptr (res64, nw64) int64 words of 4 values
+    offs_n, w_index = glu_rows(pid, N, BLOCK_N, GLU)  # each row's output; its row of W
+    if GLU:
+        w_index = tl.minimum(w_index, 2 * N - 1)  # rows past the end read the last row, never stored
+    else:
+        w_index = tl.minimum(w_index, N - 1)
+    w_rows = w_ptr + w_index.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    offs_j = tl.arange(0, BLOCK_J)
+    w_next = _w_words(w_rows, 0, offs_j, K4)  # the pipeline's head, requested before the wait
+    w_after = w_next
+    if PREFETCH == 2:
+        w_after = _w_words(w_rows, BLOCK_J, offs_j, K4)
+    pdl_wait(PDL)
+    rstd0 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 0, M, K, eps, pid == 0,
+                      X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
+    rstd1, rstd2, rstd3 = rstd0, rstd0, rstd0
+    if ROWS > 1:
+        rstd1 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 1, M, K, eps, pid == 0,
+                          X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
+    if ROWS > 2:
+        rstd2 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 2, M, K, eps, pid == 0,
+                          X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
+    if ROWS > 3:
+        rstd3 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 3, M, K, eps, pid == 0,
+                          X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_J], tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    for j0 in range(0, K4, BLOCK_J):
+        w = w_next
+        if PREFETCH == 2:
+            w_next = w_after
+            w_after = _w_words(w_rows, j0 + 2 * BLOCK_J, offs_j, K4)
+        else:
+            w_next = _w_words(w_rows, j0 + BLOCK_J, offs_j, K4)
+        cols = j0 + offs_j[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # [BLOCK_N, BLOCK_J], rows alike
+        w0, w1, w2, w3 = _fp8_planes(w, ASM)
+        acc0 = _row_dot(acc0, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 0, M,
+                        cols, K4, rstd0, X_MODE, HAS_RESIDUAL, EMULATE_BF16)
+        if ROWS > 1:
+            acc1 = _row_dot(acc1, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 1,
+                            M, cols, K4, rstd1, X_MODE, HAS_RESIDUAL, EMULATE_BF16)
+        if ROWS > 2:
+            acc2 = _row_dot(acc2, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 2,
+                            M, cols, K4, rstd2, X_MODE, HAS_RESIDUAL, EMULATE_BF16)
+        if ROWS > 3:
+            acc3 = _row_dot(acc3, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 3,
+                            M, cols, K4, rstd3, X_MODE, HAS_RESIDUAL, EMULATE_BF16)
+    s = tl.load(s_ptr + w_index)
+    _store_row(out_ptr, tl.sum(acc0, axis=1), s, b_ptr, w_index, offs_n, pid, 0, M, N, stride_om, HAS_BIAS,
+               BLOCK_N, GLU, EMULATE_BF16)
+    if ROWS > 1:
+        _store_row(out_ptr, tl.sum(acc1, axis=1), s, b_ptr, w_index, offs_n, pid, 1, M, N, stride_om, HAS_BIAS,
+                   BLOCK_N, GLU, EMULATE_BF16)
+    if ROWS > 2:
+        _store_row(out_ptr, tl.sum(acc2, axis=1), s, b_ptr, w_index, offs_n, pid, 2, M, N, stride_om, HAS_BIAS,
+                   BLOCK_N, GLU, EMULATE_BF16)
+    if ROWS > 3:
+        _store_row(out_ptr, tl.sum(acc3, axis=1), s, b_ptr, w_index, offs_n, pid, 3, M, N, stride_om, HAS_BIAS,
+                   BLOCK_N, GLU, EMULATE_BF16)
+
+
+def stream_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fp8_stream may compute x @ weight^T: 1-4 rows of 16-bit x, K a multiple of 4 (the kernel reads
+    4 values a word), x's rows and storage 8-byte aligned."""
+    m, k = x.shape
+    return 1 <= m <= MAX_ROWS and k % 4 == 0 and x.dtype in (torch.bfloat16, torch.float16) \
+        and x.stride(-1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0 and weight.is_contiguous()
+
+
+def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [.., K] tensor (K contiguous) as words of 4 values (int32 for fp8, int64 for 16-bit), same memory."""
+    return t.view(dtype)
+
+
+def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               tiles: StreamTiles, pdl: bool = False, glu: bool = False,
+               norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [M, K] @ (weight [N, K] fp8 * scale [N] float32)^T (+ bias) -> [M, N] in x's dtype, and the next
+    residual (None without `norm`); stream_takes(x, weight) must hold.
+    glu: weight is (gate | up) [2I, K]; the output is silu(gate) * up [M, I] (block_n then counts weight rows).
+    norm: (residual or None, norm_weight [K], eps): x is first replaced by rmsnorm(x + residual) * norm_weight,
+    kernels/gemv.py's gemv_norm_linear contract; the second result is then x + residual (x itself without one).
+    pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert stream_takes(x, weight) and weight.shape == (n, k) and scale.shape == (n,)
+    assert scale.dtype == torch.float32 and 1 <= tiles.prefetch <= 2 and tiles.block_k % 4 == 0
+    assert not glu or (n % 2 == 0 and tiles.block_n >= 2)
+    outputs, rows_per_program = (n // 2, tiles.block_n // 2) if glu else (n, tiles.block_n)
+    out = torch.empty(m, outputs, device=x.device, dtype=x.dtype)
+    residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1 and residual.stride(0) % 4 == 0
+    residual_out = None if norm is None else x if residual is None else torch.empty_like(x)
+    if n == 0:
+        return out, residual_out
+    res = residual if residual is not None else x  # unread placeholders where the mode has none
+    res_out = residual_out if residual_out is not None else x
+    x64, res64 = _words(x, torch.int64), _words(res, torch.int64)
+    nw64 = _words(norm_weight, torch.int64) if norm_weight is not None else x64
+    interpreted = type(_fp8_stream_kernel).__name__ == "InterpretedFunction"
+    # cvt.rn.f16x2.e4m3x2 is sm_89 and newer; older GPUs take the plain path (Triton's own conversion)
+    asm = not interpreted and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    _fp8_stream_kernel[(triton.cdiv(outputs, rows_per_program),)](
+        x, x64, weight.view(torch.int32), scale, bias if bias is not None else scale, out, res, res64, nw64,
+        res_out, m, outputs, k, x.stride(0), x.stride(0) // 4, k // 4, out.stride(0), res.stride(0),
+        res.stride(0) // 4, res_out.stride(0), eps,
+        ROWS=m, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_k // 4, PREFETCH=tiles.prefetch,
+        HAS_BIAS=bias is not None, X_MODE=X_NORM if norm is not None else X_PLAIN,
+        HAS_RESIDUAL=residual is not None, K_PAD=triton.next_power_of_2(k) if norm is not None else 1, GLU=glu,
+        ASM=asm, EMULATE_BF16=interpreted and x.dtype == torch.bfloat16, PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=1, **launch_options(pdl),
+    )
+    return out, residual_out

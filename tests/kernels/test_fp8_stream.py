@@ -1,0 +1,142 @@
+"""The streaming FP8 GEMV (kernels/fp8_stream.py) against a float64 dequantize-then-matmul reference: plain, with
+the RMSNorm before it folded in (against fused.py's torch reference norm, then the reference matmul), and with
+the SwiGLU after it folded in; ragged N, K past one tile and not a multiple of it, 1-4 rows, both prefetch depths.
+CPU: under TRITON_INTERPRET=1 (tests/conftest.py), which takes the kernel's plain byte-unpacking path; the GPU
+test runs the inline-PTX conversion at a real shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from ostinato.kernels import fp8_linear, fused  # noqa: E402
+from ostinato.kernels.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize_fp8  # noqa: E402
+from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes  # noqa: E402
+from ostinato.kernels.fused_ref import fused_add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(m, n, k, dtype, seed, bias=False):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return w, scale, x, b
+
+
+def _reference(x, w, scale, b):
+    return F.linear(x.double(), dequantize_fp8(w, scale, None).double(), None if b is None else b.double())
+
+
+def _dev(*tensors):
+    return [None if t is None else t.to(DEVICE) for t in tensors]
+
+
+def _close(out, ref, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+# N not a multiple of block_n; K inside one tile, across several, and not a multiple of a tile (the last words
+# masked, also in the prefetch past the end).
+@pytest.mark.parametrize("m,n,k,tiles,bias", [
+    (1, 37, 96, StreamTiles(4, 32), False),
+    (1, 37, 100, StreamTiles(4, 64, prefetch=2), True),
+    (2, 21, 264, StreamTiles(8, 64), True),
+    (3, 19, 128, StreamTiles(2, 32, prefetch=2), False),
+    (4, 9, 68, StreamTiles(8, 16), True),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stream_matches_float64_reference(m, n, k, tiles, bias, dtype):
+    w, scale, x, b = _case(m, n, k, dtype, m * 1000 + n + k, bias)
+    out, residual = fp8_stream(*_dev(x, w, scale, b), tiles)
+    assert out.shape == (m, n) and out.dtype == dtype and residual is None
+    _close(out, _reference(x, w, scale, b), dtype)
+
+
+@pytest.mark.parametrize("m,with_residual", [(1, True), (3, True), (2, False)])
+def test_stream_with_the_norm_folded_in(m, with_residual):
+    n, k, dtype = 23, 136, torch.bfloat16
+    w, scale, x, _ = _case(m, n, k, dtype, 7 + m)
+    gen = torch.Generator().manual_seed(11)
+    residual = torch.randn(m, k, generator=gen).to(dtype) if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    out, residual_out = fp8_stream(*_dev(x, w, scale), None, StreamTiles(4, 32),
+                                   norm=(*_dev(residual, norm_weight), 1e-6))
+    if with_residual:
+        normed, expect_residual = fused_add_rms_norm_ref(x, residual, norm_weight, 1e-6)
+        torch.testing.assert_close(residual_out.cpu(), expect_residual, rtol=0, atol=0)
+    else:
+        normed, expect_residual = rms_norm_ref(x, norm_weight, 1e-6), x
+        assert residual_out.data_ptr() == _dev(x)[0].data_ptr() or torch.equal(residual_out.cpu(), x)
+    _close(out, _reference(normed, w, scale, None), dtype)
+
+
+@pytest.mark.parametrize("m,n", [(1, 2 * 21), (4, 2 * 8)])
+def test_stream_with_the_glu_folded_in(m, n):
+    k, dtype = 96, torch.bfloat16
+    w, scale, x, b = _case(m, n, k, dtype, 3 + m, bias=True)
+    out, _ = fp8_stream(*_dev(x, w, scale, b), StreamTiles(8, 32), glu=True)
+    assert out.shape == (m, n // 2)
+    gate_up = _reference(x, w, scale, b).to(dtype)  # the projection's output as the unfused path stores it
+    ref = silu_and_mul_ref(gate_up).double()
+    _close(out, ref, dtype)
+
+
+def test_stream_takes_only_what_it_can_read_as_words():
+    w = torch.zeros(8, 64, dtype=FP8_DTYPE)
+    assert stream_takes(torch.zeros(4, 64, dtype=torch.bfloat16), w)
+    assert not stream_takes(torch.zeros(5, 64, dtype=torch.bfloat16), w)  # more rows than accumulators
+    assert not stream_takes(torch.zeros(1, 62, dtype=torch.bfloat16), torch.zeros(8, 62, dtype=FP8_DTYPE))
+    assert not stream_takes(torch.zeros(1, 64, dtype=torch.float32), w)
+    assert not stream_takes(torch.zeros(2, 66, dtype=torch.bfloat16)[:, 1:65], w)  # rows not word-aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4])
+def test_stream_at_a_real_shape_with_pdl(m):
+    w, scale, x, _ = _case(m, 4096, 4096, torch.bfloat16, m)
+    out, _ = fp8_stream(*_dev(x, w, scale), None, StreamTiles(8, 1024), pdl=True)
+    _close(out, _reference(x, w, scale, None), torch.bfloat16)
+
+
+def _fp8_layer(n, k, seed):
+    w, scale, _, _ = _case(1, n, k, torch.bfloat16, seed)
+    layer = Fp8Linear(k, n, bias=False)
+    layer.weight.data.copy_(w)
+    layer.weight_scale.data.copy_(scale)
+    return layer.to(DEVICE)
+
+
+@pytest.mark.parametrize("m,launches", [(1, []), (2, ["norm"])])
+def test_kernel_set_folds_the_norm_and_the_activation_into_an_fp8_projection(m, launches, monkeypatch):
+    """DecoderKernels.norm_then_glu on an Fp8Linear (gate | up): at one row the norm, the projection and the
+    activation are one kernel; at two the norm is its own kernel and the activation still folds. The values are
+    the unfused path's: the torch norm, the dequantized weight in float64, the torch activation. (On CPU the
+    rule gives the dequantize path, so the streaming tiles are forced.)"""
+    monkeypatch.setattr(fp8_linear, "choose_fp8_path", lambda m, n, k, *args, **kw: StreamTiles(4, 32))
+    launched = []
+    counting = dataclasses.replace(
+        fused.TRITON_KERNELS, silu_and_mul=lambda t: launched.append("silu") or fused.silu_and_mul(t),
+        fused_add_rms_norm=lambda *a: launched.append("norm") or fused.fused_add_rms_norm(*a))
+    layer = _fp8_layer(2 * 24, 64, m)
+    gen = torch.Generator().manual_seed(m)
+    x, residual = (torch.randn(m, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(torch.bfloat16)
+    act, new_residual = counting.norm_then_glu(*_dev(x, residual, norm_weight), 1e-6, layer)
+    assert launched == launches
+    normed, expect_residual = fused_add_rms_norm_ref(x, residual, norm_weight, 1e-6)
+    gate_up = _reference(normed, layer.weight.cpu(), layer.weight_scale.cpu(), None).to(torch.bfloat16)
+    torch.testing.assert_close(new_residual.cpu(), expect_residual, rtol=0, atol=0)
+    _close(act, silu_and_mul_ref(gate_up).double(), torch.bfloat16)
