@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ostinato.runner.compile_ahead import compile_ahead
+from ostinato.kernels.deferred_launch import launch
+from ostinato.runner.compile_ahead import DeferredCompiles, compile_ahead
 from ostinato.runner.graphs import CudaGraphRunner, RecordingGraphBackend, StaticInput
 
 COMPILE_S = 0.15
@@ -151,6 +152,88 @@ def test_every_failing_step_is_logged_as_a_warning(caplog):
     assert len(failed) == 1 and failed[0].levelname == "WARNING" and failed[0].exc_info is not None
     assert any("a step failed, left to the capture" in r.getMessage() and r.levelname == "WARNING"
                for r in caplog.records), report
+
+
+class FakeKernel:
+    """A Triton kernel of FakeTriton: launched through kernels/deferred_launch.py, or built by its warm-up."""
+
+    def __init__(self, triton: FakeTriton, name: str, step_id: int = -1, fail: bool = False):
+        self.triton, self.name, self.step_id, self.fail = triton, name, step_id, fail
+        self.warmups: list[tuple[str, tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.triton.launch(self.step_id, self.name)
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((threading.current_thread().name, args, kwargs))
+        if self.fail:
+            raise RuntimeError("no such specialisation")
+        knobs = self.triton.knobs
+        if knobs.jit_cache_hook is not None and knobs.jit_cache_hook(key=self.name, repr=self.name, fn=None):
+            return
+        time.sleep(COMPILE_S)
+        with self.triton.lock:
+            self.triton.compiles += 1
+            self.triton.cache.add(self.name)
+        if knobs.jit_post_compile_hook is not None:
+            knobs.jit_post_compile_hook(key=self.name, repr=self.name, fn=None)
+
+
+def test_a_deferred_launch_is_built_once_per_specialisation_on_a_prepared_thread():
+    triton = FakeTriton()
+    prepared = []
+    kernel = FakeKernel(triton, "gemv")
+    sink = DeferredCompiles(4, lambda: prepared.append(threading.current_thread().name))
+    rows = torch.zeros(64, dtype=torch.bfloat16)
+    for m, x, block in [(2, rows, 4), (3, rows, 4),  # 2 and 3: the same class (neither 1 nor a multiple of 16)
+                        (16, rows, 4), (1, rows, 4), (3, rows[1:], 4),  # another class; a misaligned address
+                        (3, rows, 8), (3, rows.float(), 4)]:  # another constexpr; another dtype
+        sink(kernel, (1,), (x, m), {"BLOCK": block})
+    assert sink.finish() == (6, None)
+    aligned_bf16_block4 = [args[1] for _, args, kwargs in kernel.warmups if args[0] is rows and kwargs["BLOCK"] == 4]
+    assert sorted(aligned_bf16_block4) == [1, 2, 16]
+    assert {thread for thread, _, _ in kernel.warmups} <= set(prepared) and prepared
+    assert all(thread.startswith("compile_warmup") for thread in prepared)
+
+
+def deferred_steps(triton: FakeTriton, n: int, per_step: int):
+    def step(i):
+        def run():
+            for j in range(per_step):  # one step's kernels, each its own specialisation
+                out = torch.ones(2)
+                launch(FakeKernel(triton, f"linear[{i}.{j}]", i), (1,), (out, j + 2), {}, (out,))
+                assert not out.any()  # zeroed, as the launch was handed over
+            triton.launch(i, "sample")  # launched as ever, compiled in the step
+        return run
+    return [step(i) for i in range(n)]
+
+
+def test_one_step_s_deferred_launches_compile_side_by_side():
+    """What a step launches through deferred_launch is not run but built on the compile threads, all at once:
+    the step does not wait for each in turn."""
+    triton = FakeTriton()
+    t0 = time.perf_counter()
+    report = compile_ahead(deferred_steps(triton, 2, per_step=6), workers=2, knobs=triton.knobs, compile_threads=12)
+    seconds = time.perf_counter() - t0
+    assert report.error is None and report.warmups == 12 and report.compile_threads == 12
+    assert report.compiles == triton.compiles >= 13  # 12 warm-ups and "sample" at least once
+    assert seconds < 5 * COMPILE_S  # in turn, each step's six compiles alone would take 6 x COMPILE_S
+    assert sorted(triton.launches) == [(0, "sample"), (1, "sample")]  # the deferred ones never ran
+    assert "12 launches built as warm-ups on 12 threads" in report.summary()
+
+
+def test_a_failing_warm_up_is_reported_and_left_to_the_capture(caplog):
+    triton = FakeTriton()
+    bad = FakeKernel(triton, "bad", fail=True)
+
+    def step():
+        out = torch.ones(1)
+        launch(bad, (1,), (out,), {}, (out,))
+
+    with caplog.at_level("WARNING", logger="ostinato.runner.compile_ahead"):
+        report = compile_ahead([step, step], workers=2, knobs=triton.knobs, compile_threads=2)
+    assert report.error == "RuntimeError: no such specialisation" and report.warmups == 1
+    assert "a kernel's warm-up failed, left to the capture" in caplog.text
 
 
 @pytest.mark.gpu

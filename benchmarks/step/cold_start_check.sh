@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A first start on a machine (empty Triton cache) against a later one, on the llama-3.2-1b and llama-3.1-8b shapes:
+# the decode graphs' capture time, what was compiled ahead of it (runner/compile_ahead.py) and what the capture
+# still compiled, where the compile time went (benchmarks/step/compile_times.py's "##" lines), and the warm start's
+# step times (bs 1 and 64), to set beside docs/PERFORMANCE.md's. Then the GPU tests of the compile-ahead pass.
+#
+#     OUT=/tmp/cold bash benchmarks/step/cold_start_check.sh     # full logs under $OUT
+#
+# The checkpoints are random weights at the public shapes (compile and capture do not depend on the values),
+# made once with make-checkpoint (the 8B about 16 GB on disk, about a minute).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=src
+OUT=${OUT:-/tmp/cold-start}
+mkdir -p "$OUT"
+
+for shape in llama-3.2-1b llama-3.1-8b; do
+    ck=/tmp/ck-$shape
+    [ -f "$ck/config.json" ] || python3 -m ostinato make-checkpoint "$ck" --shape "$shape" --dtype bfloat16 --quiet
+    cache=$(mktemp -d)  # empty: the first start on this machine; the second run finds it filled
+    for start in cold warm; do
+        log="$OUT/$shape-$start.log"
+        TRITON_CACHE_DIR=$cache python3 benchmarks/step/compile_times.py bench "$ck" --max-model-len 1024 \
+            --gpu-memory-utilization 0.5 --batch-sizes 1,64 --context 512 --no-hf --iters 20 >"$log" 2>&1
+        echo "== $shape, $start start (exit $?)"
+        grep -E "kernels ahead|captured [0-9]+ CUDA graphs|the capture compiled|warm-up failed|step [0-9]+ of [0-9]+ failed" \
+            "$log" | sed -E 's/^.*(INFO|WARNING)[^A-Za-z]*//' | cut -c1-200
+        grep -E "^## (COMPILES|KERNEL)" "$log" | head -9
+        grep -E "^## SLOW" "$log" | head -5
+        [ "$start" = warm ] && grep -E "^bs " "$log"
+    done
+done
+
+echo "== GPU tests: the capture compiles nothing the pass missed; deferred launches on CUDA"
+python3 -m pytest -q -p no:cacheprovider tests/runner/test_compile_ahead.py tests/kernels/test_deferred_launch.py \
+    tests/kernels/test_triton_attention.py -k "compile_ahead or deferred or cold_start" 2>&1 | tail -5
