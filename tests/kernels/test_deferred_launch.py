@@ -1,6 +1,7 @@
 """kernels/deferred_launch.py: inside a compile-ahead pass, the GEMV and the few-rows linear hand their launch over
 (the kernel and its exact arguments) and zero what they would have written, touching nothing else; outside one they
-compute as ever. (The decode attention's: tests/kernels/test_triton_attention.py.)"""
+compute as ever. (The decode attention's: tests/kernels/test_triton_attention.py; the sampling kernels':
+tests/kernels/test_sampling_kernel.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ostinato.kernels import deferred_launch, gemv, skinny  # noqa: E402
+from ostinato.kernels import deferred_launch, fused, gemv, skinny  # noqa: E402
 from ostinato.kernels.deferred_launch import compiling_instead  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,3 +76,29 @@ def test_the_few_rows_linear_hands_its_launch_over():
     (kernel, _, args, kwargs), = sink.launches
     assert kernel is skinny._skinny_kernel and args[3] is out and kwargs["M_PAD"] == 16 and not out.any()
     torch.testing.assert_close(skinny.skinny_linear(x, w, None, tiles), x @ w.T, rtol=1e-4, atol=1e-3)
+
+
+def test_the_norm_and_the_activation_hand_their_launches_over():
+    x, residual, weight = _rows(3, 64, 6), _rows(3, 64, 7), torch.ones(64, device=DEVICE)
+    x_before, residual_before = x.clone(), residual.clone()
+    sink = Sink()
+    with compiling_instead(sink):
+        normed, summed = fused.fused_add_rms_norm(x, residual, weight, 1e-6)
+        activated = fused.silu_and_mul(x)
+    assert [kernel for kernel, *_ in sink.launches] == [fused._rms_norm_kernel, fused._silu_and_mul_kernel]
+    assert not normed.any() and not summed.any() and not activated.any()
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_the_rotary_embedding_hands_its_launch_over_and_leaves_the_cache():
+    tokens, heads, kv_heads, dim = 2, 4, 2, 16
+    qkv = _rows(tokens, (heads + 2 * kv_heads) * dim, 8).view(tokens, heads + 2 * kv_heads, dim)
+    cos_sin = _rows(32, 2 * dim, 9)
+    k_cache = torch.full((2, 16, kv_heads, dim), 7.0, device=DEVICE)
+    v_cache = k_cache.clone()
+    sink = Sink()
+    with compiling_instead(sink):
+        q = fused.qk_norm_rope_write_kv(qkv, None, None, cos_sin, torch.tensor([3, 5], device=DEVICE), heads,
+                                        kv_heads, 1e-6, k_cache, v_cache, torch.tensor([0, 17], device=DEVICE))
+    assert [kernel for kernel, *_ in sink.launches] == [fused._qk_norm_rope_kernel]
+    assert q.shape == (tokens, heads, dim) and not q.any() and k_cache.eq(7).all() and v_cache.eq(7).all()

@@ -12,8 +12,8 @@ compiles run side by side (Triton's compiler spends most of its time in MLIR, LL
 
 Still, a step waits for each of its compiles before it reaches its next kernel, so one step's compiles ran in
 sequence (the batch-1 step's five GEMV specialisations). The launches that say what they write
-(kernels/deferred_launch.py: the GEMV, the few-rows linear, the decode attention) are therefore not run in the
-pass: each distinct specialisation goes, with the launch's own arguments, to a pool of compile threads (one per
+(kernels/deferred_launch.py: the linears, the decode attention, the norms, the sampling kernels) are therefore
+not run in the pass: each distinct specialisation goes, with the launch's own arguments, to a pool of compile threads (one per
 CPU: a compile holds no device memory) as a Triton warm-up, which builds the kernel the capture's launch looks
 up, and the step goes on at once over zeroed outputs.
 
