@@ -4,6 +4,7 @@ hangs the pool nor stops the others; and the graph runner hands it one step per 
 
 import threading
 import time
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -133,14 +134,20 @@ def test_the_threads_run_on_the_capturing_thread_s_device_and_autograd_mode(monk
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
+    kernel = FakeKernel(FakeTriton(), "gemv")
+    kernel.warmup = lambda *args, grid, **kwargs: ran.append(("warm-up on", threads.get(threading.get_ident())))
+
     def step():
         ran.append((threads.get(threading.get_ident()), torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
-        return torch.zeros(1)
+        out = torch.ones(1)
+        launch(kernel, (1,), (out,), {}, (out,))  # a deferred launch: built on a pool thread, on cuda:3 too
+        return out
 
     with torch.no_grad():
         report = compile_graph_kernels_ahead([step] * 5, torch.device("cuda"), None, [])
     assert report is not None and report.error is None, report
-    assert ran == [(3, False, False)] * 5
+    assert sorted(ran, key=str) == [("warm-up on", 3)] + [(3, False, False)] * 5
+    assert list(kernel.device_caches) == [3] and report.warmups == 1
     assert "failed" not in caplog.text
 
 
@@ -160,6 +167,8 @@ class FakeKernel:
     def __init__(self, triton: FakeTriton, name: str, step_id: int = -1, fail: bool = False):
         self.triton, self.name, self.step_id, self.fail = triton, name, step_id, fail
         self.warmups: list[tuple[str, tuple, dict]] = []
+        self.binders: list[str] = []  # the threads that built a device's binder (Triton: on first use)
+        self.device_caches = defaultdict(lambda: self.binders.append(threading.current_thread().name))
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.triton.launch(self.step_id, self.name)
@@ -183,13 +192,14 @@ def test_a_deferred_launch_is_built_once_per_specialisation_on_a_prepared_thread
     triton = FakeTriton()
     prepared = []
     kernel = FakeKernel(triton, "gemv")
-    sink = DeferredCompiles(4, lambda: prepared.append(threading.current_thread().name))
+    sink = DeferredCompiles(4, lambda: prepared.append(threading.current_thread().name), 0)
     rows = torch.zeros(64, dtype=torch.bfloat16)
     for m, x, block in [(2, rows, 4), (3, rows, 4),  # 2 and 3: the same class (neither 1 nor a multiple of 16)
                         (16, rows, 4), (1, rows, 4), (3, rows[1:], 4),  # another class; a misaligned address
                         (3, rows, 8), (3, rows.float(), 4)]:  # another constexpr; another dtype
         sink(kernel, (1,), (x, m), {"BLOCK": block})
     assert sink.finish() == (6, None)
+    assert kernel.binders == [threading.current_thread().name] and list(kernel.device_caches) == [0]
     aligned_bf16_block4 = [args[1] for _, args, kwargs in kernel.warmups if args[0] is rows and kwargs["BLOCK"] == 4]
     assert sorted(aligned_bf16_block4) == [1, 2, 16]
     assert {thread for thread, _, _ in kernel.warmups} <= set(prepared) and prepared
@@ -213,7 +223,8 @@ def test_one_step_s_deferred_launches_compile_side_by_side():
     the step does not wait for each in turn."""
     triton = FakeTriton()
     t0 = time.perf_counter()
-    report = compile_ahead(deferred_steps(triton, 2, per_step=6), workers=2, knobs=triton.knobs, compile_threads=12)
+    report = compile_ahead(deferred_steps(triton, 2, per_step=6), workers=2, knobs=triton.knobs,
+                           deferred=DeferredCompiles(12, lambda: None, 0))
     seconds = time.perf_counter() - t0
     assert report.error is None and report.warmups == 12 and report.compile_threads == 12
     assert report.compiles == triton.compiles >= 13  # 12 warm-ups and "sample" at least once
@@ -231,7 +242,8 @@ def test_a_failing_warm_up_is_reported_and_left_to_the_capture(caplog):
         launch(bad, (1,), (out,), {}, (out,))
 
     with caplog.at_level("WARNING", logger="ostinato.runner.compile_ahead"):
-        report = compile_ahead([step, step], workers=2, knobs=triton.knobs, compile_threads=2)
+        report = compile_ahead([step, step], workers=2, knobs=triton.knobs,
+                               deferred=DeferredCompiles(2, lambda: None, 0))
     assert report.error == "RuntimeError: no such specialisation" and report.warmups == 1
     assert "a kernel's warm-up failed, left to the capture" in caplog.text
 

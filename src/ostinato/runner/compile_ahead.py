@@ -137,14 +137,16 @@ def _hashable(value: Any) -> Hashable:
 
 class DeferredCompiles:
     """Where the steps' deferred launches go (kernels/deferred_launch.py): each distinct specialisation built once,
-    as Triton's warm-up of that launch (compiled, not run), in a pool of threads."""
+    as Triton's warm-up of that launch (compiled, not run), in a pool of threads. device: the CUDA device index
+    the pool's threads are on (prepare_thread sets it)."""
 
-    def __init__(self, threads: int, prepare_thread: Callable[[], None]) -> None:
-        self.threads = threads
+    def __init__(self, threads: int, prepare_thread: Callable[[], None], device: int) -> None:
+        self.threads, self.device = threads, device
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compile_warmup",
                                         initializer=prepare_thread)
         self._lock = threading.Lock()
         self._seen: set[Hashable] = set()
+        self._kernels: set[int] = set()
         self._futures: list[Future] = []
 
     def __call__(self, kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
@@ -154,7 +156,19 @@ class DeferredCompiles:
             if key in self._seen:
                 return
             self._seen.add(key)
+            if id(kernel) not in self._kernels:
+                self._kernels.add(id(kernel))
+                self._build_binder(kernel)
             self._futures.append(self._pool.submit(kernel.warmup, *args, grid=grid, **kwargs))
+
+    def _build_binder(self, kernel: Any) -> None:
+        """Triton builds a kernel's per-device launch binder, which holds its compiled specialisations, on the
+        first launch or warm-up, in a dict it fills unlocked: two warm-ups of a new kernel at once on the pool
+        could each build one, and the one overwritten would take its compiled kernel with it (the capture would
+        then build that one again). So it is built here first, once per kernel, in the step's thread."""
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:
+            caches[self.device]  # noqa: B018  (a defaultdict: the lookup builds it)
 
     def finish(self) -> tuple[int, str | None]:
         """Wait for every warm-up; returns (warm-ups run, the first failure as text, if any)."""
@@ -180,12 +194,11 @@ def _triton_runtime_knobs():
 def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[], None] = lambda: None,
                   workers: int = DEFAULT_WORKERS, knobs: Any = None,
                   synchronize: Callable[[], None] = lambda: None,
-                  compile_threads: int = 0) -> CompileAheadReport | None:
+                  deferred: DeferredCompiles | None = None) -> CompileAheadReport | None:
     """Run each of `steps` once in a pool of `workers` threads, device work one thread at a time, Triton's
     compiles side by side (module docstring). prepare_thread runs first in each thread (the CUDA device and
     grad mode are per thread); synchronize after all steps. knobs: Triton's runtime knobs (found when None).
-    compile_threads > 0: the steps' deferred launches are built as warm-ups on that many threads of their own
-    (DeferredCompiles); 0 runs them. Returns None where it does not apply (no Triton hooks, fewer than two
+    deferred: where the steps' deferred launches go (built as warm-ups on threads of their own); None runs them. Returns None where it does not apply (no Triton hooks, fewer than two
     steps): the capture compiles."""
     knobs = knobs if knobs is not None else _triton_runtime_knobs()
     hooks = ("jit_cache_hook", "jit_post_compile_hook")
@@ -205,8 +218,6 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
     def after(**kwargs):
         turns.after_compile()
         return previous_after(**kwargs) if previous_after is not None else None
-
-    deferred = DeferredCompiles(compile_threads, prepare_thread) if compile_threads > 0 else None
 
     def one(step):
         prepare_thread()
@@ -239,7 +250,7 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
     finally:
         knobs.jit_cache_hook, knobs.jit_post_compile_hook = previous_before, previous_after
     report = CompileAheadReport(len(steps), compiles.value, time.perf_counter() - t0, workers, error, warmups,
-                                compile_threads)
+                                deferred.threads if deferred is not None else 0)
     logger.log(logging.INFO if error is None else logging.WARNING, report.summary())
     return report
 
