@@ -24,7 +24,7 @@ for shape in llama-3.2-1b llama-3.1-8b; do
             --gpu-memory-utilization 0.5 --batch-sizes 1,64 --context 512 --no-hf --iters 20 >"$log" 2>&1
         echo "== $shape, $start start (exit $?)"
         grep -E "kernels ahead|captured [0-9]+ CUDA graphs|the capture compiled|warm-up failed|step [0-9]+ of [0-9]+ failed" \
-            "$log" | sed -E 's/^.*(INFO|WARNING)[^A-Za-z]*//' | cut -c1-200
+            "$log" | sed -E 's/^.*(INFO|WARNING)[^A-Za-z]*//' | cut -c1-600
         grep -E "^## (COMPILES|KERNEL)" "$log" | head -9
         grep -E "^## SLOW" "$log" | head -5
         [ "$start" = warm ] && grep -E "^bs " "$log"

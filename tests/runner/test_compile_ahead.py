@@ -166,6 +166,7 @@ class FakeKernel:
 
     def __init__(self, triton: FakeTriton, name: str, step_id: int = -1, fail: bool = False):
         self.triton, self.name, self.step_id, self.fail = triton, name, step_id, fail
+        self.__name__ = name  # as a JITFunction's: the log names the kernels built
         self.warmups: list[tuple[str, tuple, dict]] = []
         self.binders: list[str] = []  # the threads that built a device's binder (Triton: on first use)
         self.device_caches = defaultdict(lambda: self.binders.append(threading.current_thread().name))
@@ -198,7 +199,7 @@ def test_a_deferred_launch_is_built_once_per_specialisation_on_a_prepared_thread
                         (16, rows, 4), (1, rows, 4), (3, rows[1:], 4),  # another class; a misaligned address
                         (3, rows, 8), (3, rows.float(), 4)]:  # another constexpr; another dtype
         sink(kernel, (1,), (x, m), {"BLOCK": block})
-    assert sink.finish() == (6, None)
+    assert sink.finish() == ((("gemv", 6),), None)
     assert kernel.binders == [threading.current_thread().name] and list(kernel.device_caches) == [0]
     aligned_bf16_block4 = [args[1] for _, args, kwargs in kernel.warmups if args[0] is rows and kwargs["BLOCK"] == 4]
     assert sorted(aligned_bf16_block4) == [1, 2, 16]
@@ -230,7 +231,7 @@ def test_one_step_s_deferred_launches_compile_side_by_side():
     assert report.compiles == triton.compiles >= 13  # 12 warm-ups and "sample" at least once
     assert seconds < 5 * COMPILE_S  # in turn, each step's six compiles alone would take 6 x COMPILE_S
     assert sorted(triton.launches) == [(0, "sample"), (1, "sample")]  # the deferred ones never ran
-    assert "12 launches built as warm-ups on 12 threads" in report.summary()
+    assert "12 launches built as warm-ups on 12 threads: linear[0.0] 1, " in report.summary()
 
 
 def test_a_failing_warm_up_is_reported_and_left_to_the_capture(caplog):

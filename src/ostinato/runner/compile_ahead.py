@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -52,10 +53,12 @@ class CompileAheadReport:
     workers: int
     error: str | None = None  # the first step failure, if any (the capture meets it again and reports it)
     warmups: int = 0  # distinct deferred launches built as Triton warm-ups (within `compiles`)
+    warmed: tuple[tuple[str, int], ...] = ()  # (kernel, its warm-ups), most first
     compile_threads: int = 0  # the pool that built them
 
     def summary(self) -> str:
-        warmups = (f"; {self.warmups} launches built as warm-ups on {self.compile_threads} threads"
+        kernels = ", ".join(f"{name} {count}" for name, count in self.warmed)
+        warmups = (f"; {self.warmups} launches built as warm-ups on {self.compile_threads} threads: {kernels}"
                    if self.compile_threads else "")
         line = (f"compiled {self.compiles} kernels ahead for {self.steps} graph sizes in {self.seconds:.2f} s "
                 f"({self.workers} step threads{warmups})")
@@ -147,7 +150,7 @@ class DeferredCompiles:
         self._lock = threading.Lock()
         self._seen: set[Hashable] = set()
         self._kernels: set[int] = set()
-        self._futures: list[Future] = []
+        self._futures: list[tuple[str, Future]] = []
 
     def __call__(self, kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
         key = (id(kernel), tuple(map(specialisation_class, args)),
@@ -159,7 +162,7 @@ class DeferredCompiles:
             if id(kernel) not in self._kernels:
                 self._kernels.add(id(kernel))
                 self._build_binder(kernel)
-            self._futures.append(self._pool.submit(kernel.warmup, *args, grid=grid, **kwargs))
+            self._futures.append((_kernel_name(kernel), self._pool.submit(kernel.warmup, *args, grid=grid, **kwargs)))
 
     def _build_binder(self, kernel: Any) -> None:
         """Triton builds a kernel's per-device launch binder, which holds its compiled specialisations, on the
@@ -170,17 +173,22 @@ class DeferredCompiles:
         if caches is not None:
             caches[self.device]  # noqa: B018  (a defaultdict: the lookup builds it)
 
-    def finish(self) -> tuple[int, str | None]:
-        """Wait for every warm-up; returns (warm-ups run, the first failure as text, if any)."""
+    def finish(self) -> tuple[tuple[tuple[str, int], ...], str | None]:
+        """Wait for every warm-up; returns ((kernel, its warm-ups) most first, the first failure as text, if
+        any)."""
         self._pool.shutdown(wait=True)
         error = None
-        for future in self._futures:
+        for _, future in self._futures:
             exc = future.exception()
             if exc is not None:
                 logger.warning("compiling ahead: a kernel's warm-up failed, left to the capture: %s: %s",
                                type(exc).__name__, exc, exc_info=exc if error is None else None)
                 error = error or f"{type(exc).__name__}: {exc}"[:300]
-        return len(self._futures), error
+        return tuple(Counter(name for name, _ in self._futures).most_common()), error
+
+
+def _kernel_name(kernel: Any) -> str:
+    return getattr(getattr(kernel, "fn", kernel), "__name__", type(kernel).__name__)
 
 
 def _triton_runtime_knobs():
@@ -229,7 +237,7 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
 
     t0 = time.perf_counter()
     error = None
-    warmups = 0
+    warmed: tuple[tuple[str, int], ...] = ()
     workers = max(1, min(workers, len(steps)))
     knobs.jit_cache_hook, knobs.jit_post_compile_hook = before, after
     try:
@@ -244,12 +252,13 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
                                    exc_info=exc if error is None else None)
                     error = error or f"{type(exc).__name__}: {exc}"[:300]
         if deferred is not None:
-            warmups, warmup_error = deferred.finish()
+            warmed, warmup_error = deferred.finish()
             error = error or warmup_error
         synchronize()
     finally:
         knobs.jit_cache_hook, knobs.jit_post_compile_hook = previous_before, previous_after
-    report = CompileAheadReport(len(steps), compiles.value, time.perf_counter() - t0, workers, error, warmups,
+    report = CompileAheadReport(len(steps), compiles.value, time.perf_counter() - t0, workers, error,
+                                sum(count for _, count in warmed), warmed,
                                 deferred.threads if deferred is not None else 0)
     logger.log(logging.INFO if error is None else logging.WARNING, report.summary())
     return report
