@@ -169,6 +169,7 @@ class FakeKernel:
         self.__name__ = name  # as a JITFunction's: the log names the kernels built
         self.warmups: list[tuple[str, tuple, dict]] = []
         self.binders: list[str] = []  # the threads that built a device's binder (Triton: on first use)
+        self.compiled: list[SimpleNamespace] = []  # what each warm-up built; its launcher built (loaded_on) or not
         self.device_caches = defaultdict(lambda: self.binders.append(threading.current_thread().name))
 
     def __getitem__(self, grid):
@@ -178,15 +179,19 @@ class FakeKernel:
         self.warmups.append((threading.current_thread().name, args, kwargs))
         if self.fail:
             raise RuntimeError("no such specialisation")
+        compiled = SimpleNamespace(loaded_on=[])
+        compiled._init_handles = lambda: compiled.loaded_on.append(threading.current_thread().name)
+        self.compiled.append(compiled)
         knobs = self.triton.knobs
         if knobs.jit_cache_hook is not None and knobs.jit_cache_hook(key=self.name, repr=self.name, fn=None):
-            return
+            return None
         time.sleep(COMPILE_S)
         with self.triton.lock:
             self.triton.compiles += 1
             self.triton.cache.add(self.name)
         if knobs.jit_post_compile_hook is not None:
             knobs.jit_post_compile_hook(key=self.name, repr=self.name, fn=None)
+        return compiled
 
 
 def test_a_deferred_launch_is_built_once_per_specialisation_on_a_prepared_thread():
@@ -201,6 +206,8 @@ def test_a_deferred_launch_is_built_once_per_specialisation_on_a_prepared_thread
         sink(kernel, (1,), (x, m), {"BLOCK": block})
     assert sink.finish() == ((("gemv", 6),), None)
     assert kernel.binders == [threading.current_thread().name] and list(kernel.device_caches) == [0]
+    # Each built kernel's launcher built and loaded right after it, on the same pool thread.
+    assert [compiled.loaded_on for compiled in kernel.compiled] == [[thread] for thread, _, _ in kernel.warmups]
     aligned_bf16_block4 = [args[1] for _, args, kwargs in kernel.warmups if args[0] is rows and kwargs["BLOCK"] == 4]
     assert sorted(aligned_bf16_block4) == [1, 2, 16]
     assert {thread for thread, _, _ in kernel.warmups} <= set(prepared) and prepared

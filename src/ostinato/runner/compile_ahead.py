@@ -13,9 +13,10 @@ compiles run side by side (Triton's compiler spends most of its time in MLIR, LL
 Still, a step waits for each of its compiles before it reaches its next kernel, so one step's compiles ran in
 sequence (the batch-1 step's five GEMV specialisations). The launches that say what they write
 (kernels/deferred_launch.py: the linears, the decode attention, the norms, the sampling kernels) are therefore
-not run in the pass: each distinct specialisation goes, with the launch's own arguments, to a pool of compile threads (one per
-CPU: a compile holds no device memory) as a Triton warm-up, which builds the kernel the capture's launch looks
-up, and the step goes on at once over zeroed outputs.
+not run in the pass: each distinct specialisation goes, with the launch's own arguments, to a pool of compile
+threads (one per CPU: a compile holds no device memory) as a Triton warm-up, which builds the kernel the
+capture's launch looks up (and its launcher, which Triton would otherwise build at the first launch), and the
+step goes on at once over zeroed outputs.
 
 Not used (the capture compiles as before) off CUDA, without Triton or its two hooks, and under tensor
 parallelism, whose steps hold collectives that every rank must issue in the same order. Any failure here is
@@ -162,7 +163,7 @@ class DeferredCompiles:
             if id(kernel) not in self._kernels:
                 self._kernels.add(id(kernel))
                 self._build_binder(kernel)
-            self._futures.append((_kernel_name(kernel), self._pool.submit(kernel.warmup, *args, grid=grid, **kwargs)))
+            self._futures.append((_kernel_name(kernel), self._pool.submit(_build, kernel, grid, args, kwargs)))
 
     def _build_binder(self, kernel: Any) -> None:
         """Triton builds a kernel's per-device launch binder, which holds its compiled specialisations, on the
@@ -185,6 +186,16 @@ class DeferredCompiles:
                                type(exc).__name__, exc, exc_info=exc if error is None else None)
                 error = error or f"{type(exc).__name__}: {exc}"[:300]
         return tuple(Counter(name for name, _ in self._futures).most_common()), error
+
+
+def _build(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Triton's warm-up of the launch (the compile), then what Triton otherwise does at the kernel's first launch:
+    its launcher, a C extension built with the host compiler on a cold cache, and the binary's load onto the
+    device. Done here, these run side by side too, and not one after another in the capture loop."""
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    load = getattr(compiled, "_init_handles", None)
+    if callable(load):
+        load()
 
 
 def _kernel_name(kernel: Any) -> str:
