@@ -25,7 +25,13 @@ for shape in llama-3.2-1b llama-3.1-8b; do
         echo "== $shape, $start start (exit $?)"
         grep -E "kernels ahead|captured [0-9]+ CUDA graphs|the capture compiled|warm-up failed|step [0-9]+ of [0-9]+ failed" \
             "$log" | sed -E 's/^.*(INFO|WARNING)[^A-Za-z]*//' | cut -c1-600
-        grep -E "^## (COMPILES|KERNEL)" "$log" | head -9
+        grep -E "^## (COMPILES|C MODULES)" "$log"
+        grep -E "^## KERNEL" "$log" | head -8
+        # Per kind of thread (compile_warmup: the warm-ups; compile: the steps; MainThread: in line): how many
+        # compiles and C modules, their summed time, and the span from the first start to the last end.
+        grep -E "^## T " "$log" | awk '{t = $5; sub(/_[0-9]+$/, "", t); n[t]++; s[t] += $4
+            if (!(t in b) || $3 < b[t]) b[t] = $3; if ($3 + $4 > e[t]) e[t] = $3 + $4}
+            END {for (t in n) printf "## BY THREAD %-16s n=%3d sum=%6.2f s from %6.2f to %6.2f s\n", t, n[t], s[t], b[t], e[t]}'
         grep -E "^## SLOW" "$log" | head -5
         [ "$start" = warm ] && grep -E "^bs " "$log"
     done
