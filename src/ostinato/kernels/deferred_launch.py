@@ -13,8 +13,8 @@ device.
 
 Only launches whose callers name every tensor the kernel writes that a later op reads go through here: the
 GEMV, the few-rows linear, the decode attention, the RMSNorm, the SwiGLU activation, the q/k norm and rotary
-embedding, the two sampling kernels and the penalties. Kernels that write into a cache (the new token's K/V) or update a tensor
-in place leave it as it was, which only the pass's own later reads see.
+embedding, the two sampling kernels and the penalties. What a kernel writes into a cache (the new token's K/V) or
+updates in place stays as it was, which only the pass's own later reads see.
 """
 
 from __future__ import annotations

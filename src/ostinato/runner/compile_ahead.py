@@ -29,8 +29,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -53,9 +53,10 @@ class CompileAheadReport:
     seconds: float
     workers: int
     error: str | None = None  # the first step failure, if any (the capture meets it again and reports it)
-    warmups: int = 0  # distinct deferred launches built as Triton warm-ups (within `compiles`)
+    warmups: int = 0  # distinct deferred launches handed to Triton's warm-up
     warmed: tuple[tuple[str, int], ...] = ()  # (kernel, its warm-ups), most first
     compile_threads: int = 0  # the pool that built them
+    warmup_error: str | None = None  # the first warm-up failure, if any (the capture compiles that kernel)
 
     def summary(self) -> str:
         kernels = ", ".join(f"{name} {count}" for name, count in self.warmed)
@@ -63,7 +64,11 @@ class CompileAheadReport:
                    if self.compile_threads else "")
         line = (f"compiled {self.compiles} kernels ahead for {self.steps} graph sizes in {self.seconds:.2f} s "
                 f"({self.workers} step threads{warmups})")
-        return line if self.error is None else f"{line}; a step failed, left to the capture: {self.error}"
+        if self.error is not None:
+            line += f"; a step failed, left to the capture: {self.error}"
+        if self.warmup_error is not None:
+            line += f"; a warm-up failed, left to the capture: {self.warmup_error}"
+        return line
 
 
 class DeviceTurns:
@@ -217,14 +222,14 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
     """Run each of `steps` once in a pool of `workers` threads, device work one thread at a time, Triton's
     compiles side by side (module docstring). prepare_thread runs first in each thread (the CUDA device and
     grad mode are per thread); synchronize after all steps. knobs: Triton's runtime knobs (found when None).
-    deferred: where the steps' deferred launches go (built as warm-ups on threads of their own); None runs them. Returns None where it does not apply (no Triton hooks, fewer than two
-    steps): the capture compiles."""
+    deferred: where the steps' deferred launches go (built as warm-ups on threads of their own); None runs them.
+    Returns None where it does not apply (no Triton hooks, fewer than two steps): the capture compiles."""
     knobs = knobs if knobs is not None else _triton_runtime_knobs()
     hooks = ("jit_cache_hook", "jit_post_compile_hook")
     if knobs is None or not all(hasattr(knobs, hook) for hook in hooks) or len(steps) < 2:
         return None
     turns = DeviceTurns()
-    compiles = _Counter()
+    compiles = _SharedCount()
     previous_before, previous_after = knobs.jit_cache_hook, knobs.jit_post_compile_hook
 
     def before(**kwargs):
@@ -249,6 +254,7 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
     t0 = time.perf_counter()
     error = None
     warmed: tuple[tuple[str, int], ...] = ()
+    warmup_error = None
     workers = max(1, min(workers, len(steps)))
     knobs.jit_cache_hook, knobs.jit_post_compile_hook = before, after
     try:
@@ -264,18 +270,18 @@ def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[
                     error = error or f"{type(exc).__name__}: {exc}"[:300]
         if deferred is not None:
             warmed, warmup_error = deferred.finish()
-            error = error or warmup_error
         synchronize()
     finally:
         knobs.jit_cache_hook, knobs.jit_post_compile_hook = previous_before, previous_after
     report = CompileAheadReport(len(steps), compiles.value, time.perf_counter() - t0, workers, error,
                                 sum(count for _, count in warmed), warmed,
-                                deferred.threads if deferred is not None else 0)
-    logger.log(logging.INFO if error is None else logging.WARNING, report.summary())
+                                deferred.threads if deferred is not None else 0, warmup_error)
+    failed = error is not None or warmup_error is not None
+    logger.log(logging.WARNING if failed else logging.INFO, report.summary())
     return report
 
 
-class _Counter:
+class _SharedCount:
     """A count that several threads add to."""
 
     def __init__(self) -> None:
