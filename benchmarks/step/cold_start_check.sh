@@ -39,4 +39,5 @@ done
 
 echo "== GPU tests: the capture compiles nothing the pass missed; deferred launches on CUDA"
 python3 -m pytest -q -p no:cacheprovider tests/runner/test_compile_ahead.py tests/kernels/test_deferred_launch.py \
-    tests/kernels/test_triton_attention.py -k "compile_ahead or deferred or cold_start" 2>&1 | tail -5
+    tests/kernels/test_triton_attention.py tests/kernels/test_fused_kernels.py tests/kernels/test_sampling_kernel.py \
+    -k "compile_ahead or deferred or cold_start or whole_model" 2>&1 | tail -5
