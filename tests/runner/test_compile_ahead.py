@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ostinato.kernels.deferred_launch import launch
-from ostinato.runner.compile_ahead import DeferredCompiles, compile_ahead
+from ostinato.runner.compile_ahead import MAX_COMPILE_THREADS, DeferredCompiles, compile_ahead, default_compile_threads
 from ostinato.runner.graphs import CudaGraphRunner, RecordingGraphBackend, StaticInput
 
 COMPILE_S = 0.15
@@ -212,6 +212,14 @@ def test_a_deferred_launch_is_built_once_per_specialisation_on_a_prepared_thread
     assert sorted(aligned_bf16_block4) == [1, 2, 16]
     assert {thread for thread, _, _ in kernel.warmups} <= set(prepared) and prepared
     assert all(thread.startswith("compile_warmup") for thread in prepared)
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (16, 16), (128, MAX_COMPILE_THREADS)])
+def test_one_compile_thread_per_cpu_the_process_may_use(monkeypatch, cpus, threads):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert default_compile_threads() == threads
 
 
 def deferred_steps(triton: FakeTriton, n: int, per_step: int):

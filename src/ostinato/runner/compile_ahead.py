@@ -112,12 +112,18 @@ class DeviceTurns:
             self._take()
 
 
+# A start-up builds a few dozen distinct specialisations, and each compile in flight holds its own compiler state
+# (host memory): more threads than this would not shorten the pass on a many-core host.
+MAX_COMPILE_THREADS = 32
+
+
 def default_compile_threads() -> int:
-    """One compile thread per CPU this process may run on."""
+    """One compile thread per CPU this process may run on, at most MAX_COMPILE_THREADS."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_COMPILE_THREADS))
 
 
 def specialisation_class(value: Any) -> Hashable:
