@@ -1,6 +1,8 @@
 """runner/compile_ahead.py on CPU, through a stand-in for Triton's two compile hooks: compiles overlap, device
 work never does, each step keeps its order, hooks set before are chained and put back, a failing step neither
-hangs the pool nor stops the others; and the graph runner hands it one step per size before it captures."""
+hangs the pool nor stops the others; and the graph runner hands it one step per size before it captures. Deferred
+launches (kernels/deferred_launch.py) are built once per specialisation, side by side, on prepared threads, each
+with its launcher, and a failed warm-up is reported apart."""
 
 import threading
 import time
