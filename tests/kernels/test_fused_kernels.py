@@ -468,6 +468,22 @@ def test_model_with_triton_kernels_matches_torch_kernels(checkpoints, family, de
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_whole_model_runs_with_its_launches_deferred(checkpoints, family, device):
+    """In a compile-ahead pass (kernels/deferred_launch.py) the model's Triton kernels are handed over, not run,
+    and the forward goes through on their zeroed outputs: finite logits, no error in the torch ops between."""
+    from ostinato.kernels.deferred_launch import compiling_instead
+
+    model = load(checkpoints, family, torch.bfloat16, device)  # bf16: the small-batch linears take the decode rows
+    handed = set()
+    with compiling_instead(lambda kernel, grid, args, kwargs: handed.add(kernel.fn.__name__)):
+        logits = run_steps(model, fused.TRITON_KERNELS, torch.bfloat16, device, [torch.arange(5), torch.arange(3)],
+                           decode_steps=2)
+    assert all(torch.isfinite(step).all() for step in logits)
+    assert {"_rms_norm_kernel", "_qk_norm_rope_kernel", "_gemv_kernel"} <= handed, handed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_folded_norms_give_the_logits_of_separate_kernels(checkpoints, family, device, monkeypatch):
     """Decode at batch 1, where the small-batch GEMV takes the projections and the norms fold into them
     (kernels/gemv.py), against the same kernels launched apart: bit for bit under the interpreter; on the GPU

@@ -101,6 +101,20 @@ def test_greedy_rows_take_the_first_index_of_a_max_split_across_chunks():
     assert got.tolist() == [70, 64, 599, 0] == logits.argmax(-1).tolist()
 
 
+def test_in_a_compile_ahead_pass_both_kernels_are_handed_over_and_the_tokens_are_zeros():
+    """kernels/deferred_launch.py: not run, and the token ids zeroed (in range), where the kernel would have
+    written them."""
+    from ostinato.kernels.deferred_launch import compiling_instead
+
+    handed = []
+    logits = torch.randn(4, 600, generator=torch.Generator().manual_seed(3))
+    zeros = torch.zeros(4, dtype=torch.int64)
+    with compiling_instead(lambda kernel, grid, args, kwargs: handed.append(kernel)):
+        got = _kernel(logits, _rows(torch.zeros(4), zeros, zeros), ROW_COLUMNS, block=64, chunk_max=128)
+    assert handed == [sampling_kernel._sample_chunk_kernel, sampling_kernel._sample_pick_kernel]
+    assert got.tolist() == [0, 0, 0, 0]  # not the -1 the output held before
+
+
 def test_the_device_hash_is_sampler_uniform():
     # The pick kernel hashes key and counter itself: a draw whose u sits between two chunks' cumulative masses
     # only lands right if its u equals uniform()'s. Here every token has the same mass, so the drawn index is

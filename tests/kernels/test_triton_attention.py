@@ -249,6 +249,21 @@ def test_decode_zero_context_row_gives_zeros_not_nan(device, splits):
     torch.testing.assert_close(out[1:].cpu().double(), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_in_a_compile_ahead_pass_hands_its_launch_over_and_writes_zeros(device, splits):
+    """kernels/deferred_launch.py: the split kernel is handed over, not run, and its output is zeros (an
+    unwritten output would be whatever the allocator held)."""
+    from ostinato.kernels import decode_attention
+    from ostinato.kernels.deferred_launch import compiling_instead
+
+    handed = []
+    with compiling_instead(lambda kernel, grid, args, kwargs: handed.append((kernel, grid, kwargs["SPLIT"]))):
+        out, ref = run_decode(device, torch.float32, [1, 17, 40], 2, backend=backend_with(splits=splits, block_n=16))
+    assert handed == [(decode_attention._decode_split_kernel, (3, 2, splits), splits > 1)]
+    assert not out.any() and ref.abs().sum() > 0
+
+
 def _only_seq(cache: PagedCache, seq: int) -> PagedCache:
     view = PagedCache.__new__(PagedCache)
     view.__dict__.update(cache.__dict__)

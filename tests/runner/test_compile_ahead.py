@@ -1,15 +1,19 @@
 """runner/compile_ahead.py on CPU, through a stand-in for Triton's two compile hooks: compiles overlap, device
 work never does, each step keeps its order, hooks set before are chained and put back, a failing step neither
-hangs the pool nor stops the others; and the graph runner hands it one step per size before it captures."""
+hangs the pool nor stops the others; and the graph runner hands it one step per size before it captures. Deferred
+launches (kernels/deferred_launch.py) are built once per specialisation, side by side, on prepared threads, each
+with its launcher, and a failed warm-up is reported apart."""
 
 import threading
 import time
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ostinato.runner.compile_ahead import compile_ahead
+from ostinato.kernels.deferred_launch import launch
+from ostinato.runner.compile_ahead import MAX_COMPILE_THREADS, DeferredCompiles, compile_ahead, default_compile_threads
 from ostinato.runner.graphs import CudaGraphRunner, RecordingGraphBackend, StaticInput
 
 COMPILE_S = 0.15
@@ -132,14 +136,20 @@ def test_the_threads_run_on_the_capturing_thread_s_device_and_autograd_mode(monk
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
+    kernel = FakeKernel(FakeTriton(), "gemv")
+    kernel.warmup = lambda *args, grid, **kwargs: ran.append(("warm-up on", threads.get(threading.get_ident())))
+
     def step():
         ran.append((threads.get(threading.get_ident()), torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
-        return torch.zeros(1)
+        out = torch.ones(1)
+        launch(kernel, (1,), (out,), {}, (out,))  # a deferred launch: built on a pool thread, on cuda:3 too
+        return out
 
     with torch.no_grad():
         report = compile_graph_kernels_ahead([step] * 5, torch.device("cuda"), None, [])
     assert report is not None and report.error is None, report
-    assert ran == [(3, False, False)] * 5
+    assert sorted(ran, key=str) == [("warm-up on", 3)] + [(3, False, False)] * 5
+    assert list(kernel.device_caches) == [3] and report.warmups == 1
     assert "failed" not in caplog.text
 
 
@@ -151,6 +161,112 @@ def test_every_failing_step_is_logged_as_a_warning(caplog):
     assert len(failed) == 1 and failed[0].levelname == "WARNING" and failed[0].exc_info is not None
     assert any("a step failed, left to the capture" in r.getMessage() and r.levelname == "WARNING"
                for r in caplog.records), report
+
+
+class FakeKernel:
+    """A Triton kernel of FakeTriton: launched through kernels/deferred_launch.py, or built by its warm-up."""
+
+    def __init__(self, triton: FakeTriton, name: str, step_id: int = -1, fail: bool = False):
+        self.triton, self.name, self.step_id, self.fail = triton, name, step_id, fail
+        self.__name__ = name  # as a JITFunction's: the log names the kernels built
+        self.warmups: list[tuple[str, tuple, dict]] = []
+        self.binders: list[str] = []  # the threads that built a device's binder (Triton: on first use)
+        self.compiled: list[SimpleNamespace] = []  # what each warm-up built; its launcher built (loaded_on) or not
+        self.device_caches = defaultdict(lambda: self.binders.append(threading.current_thread().name))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.triton.launch(self.step_id, self.name)
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((threading.current_thread().name, args, kwargs))
+        if self.fail:
+            raise RuntimeError("no such specialisation")
+        compiled = SimpleNamespace(loaded_on=[])
+        compiled._init_handles = lambda: compiled.loaded_on.append(threading.current_thread().name)
+        self.compiled.append(compiled)
+        knobs = self.triton.knobs
+        if knobs.jit_cache_hook is not None and knobs.jit_cache_hook(key=self.name, repr=self.name, fn=None):
+            return None
+        time.sleep(COMPILE_S)
+        with self.triton.lock:
+            self.triton.compiles += 1
+            self.triton.cache.add(self.name)
+        if knobs.jit_post_compile_hook is not None:
+            knobs.jit_post_compile_hook(key=self.name, repr=self.name, fn=None)
+        return compiled
+
+
+def test_a_deferred_launch_is_built_once_per_specialisation_on_a_prepared_thread():
+    triton = FakeTriton()
+    prepared = []
+    kernel = FakeKernel(triton, "gemv")
+    sink = DeferredCompiles(4, lambda: prepared.append(threading.current_thread().name), 0)
+    rows = torch.zeros(64, dtype=torch.bfloat16)
+    for m, x, block in [(2, rows, 4), (3, rows, 4),  # 2 and 3: the same class (neither 1 nor a multiple of 16)
+                        (16, rows, 4), (1, rows, 4), (3, rows[1:], 4),  # another class; a misaligned address
+                        (3, rows, 8), (3, rows.float(), 4)]:  # another constexpr; another dtype
+        sink(kernel, (1,), (x, m), {"BLOCK": block})
+    assert sink.finish() == ((("gemv", 6),), None)
+    assert kernel.binders == [threading.current_thread().name] and list(kernel.device_caches) == [0]
+    # Each built kernel's launcher built and loaded right after it, on the same pool thread.
+    assert [compiled.loaded_on for compiled in kernel.compiled] == [[thread] for thread, _, _ in kernel.warmups]
+    aligned_bf16_block4 = [args[1] for _, args, kwargs in kernel.warmups if args[0] is rows and kwargs["BLOCK"] == 4]
+    assert sorted(aligned_bf16_block4) == [1, 2, 16]
+    assert {thread for thread, _, _ in kernel.warmups} <= set(prepared) and prepared
+    assert all(thread.startswith("compile_warmup") for thread in prepared)
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (16, 16), (128, MAX_COMPILE_THREADS)])
+def test_one_compile_thread_per_cpu_the_process_may_use(monkeypatch, cpus, threads):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert default_compile_threads() == threads
+
+
+def deferred_steps(triton: FakeTriton, n: int, per_step: int):
+    def step(i):
+        def run():
+            for j in range(per_step):  # one step's kernels, each its own specialisation
+                out = torch.ones(2)
+                launch(FakeKernel(triton, f"linear[{i}.{j}]", i), (1,), (out, j + 2), {}, (out,))
+                assert not out.any()  # zeroed, as the launch was handed over
+            triton.launch(i, "sample")  # launched as ever, compiled in the step
+        return run
+    return [step(i) for i in range(n)]
+
+
+def test_one_step_s_deferred_launches_compile_side_by_side():
+    """What a step launches through deferred_launch is not run but built on the compile threads, all at once:
+    the step does not wait for each in turn."""
+    triton = FakeTriton()
+    t0 = time.perf_counter()
+    report = compile_ahead(deferred_steps(triton, 2, per_step=6), workers=2, knobs=triton.knobs,
+                           deferred=DeferredCompiles(12, lambda: None, 0))
+    seconds = time.perf_counter() - t0
+    assert report.error is None and report.warmups == 12 and report.compile_threads == 12
+    assert report.compiles == triton.compiles >= 13  # 12 warm-ups and "sample" at least once
+    assert seconds < 5 * COMPILE_S  # in turn, each step's six compiles alone would take 6 x COMPILE_S
+    assert sorted(triton.launches) == [(0, "sample"), (1, "sample")]  # the deferred ones never ran
+    assert "12 launches built as warm-ups on 12 threads: linear[0.0] 1, " in report.summary()
+
+
+def test_a_failing_warm_up_is_reported_and_left_to_the_capture(caplog):
+    triton = FakeTriton()
+    bad = FakeKernel(triton, "bad", fail=True)
+
+    def step():
+        out = torch.ones(1)
+        launch(bad, (1,), (out,), {}, (out,))
+
+    with caplog.at_level("WARNING", logger="ostinato.runner.compile_ahead"):
+        report = compile_ahead([step, step], workers=2, knobs=triton.knobs,
+                               deferred=DeferredCompiles(2, lambda: None, 0))
+    assert report.error is None and report.warmup_error == "RuntimeError: no such specialisation"
+    assert report.warmups == 1
+    assert "a kernel's warm-up failed, left to the capture" in caplog.text
+    assert any("a warm-up failed, left to the capture: RuntimeError" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)
 
 
 @pytest.mark.gpu
@@ -178,6 +294,6 @@ def test_a_cold_start_compiles_the_graph_kernels_ahead_and_the_capture_none(tmp_
     ahead = re.search(r"compiled (\d+) kernels ahead for (\d+) graph sizes", r.stderr)
     # One line per decode graph set: without the logits processors, and with them.
     more = re.findall(r"the capture compiled (\d+) more kernels", r.stderr)
-    assert "a step failed" not in r.stderr, said
+    assert "a step failed" not in r.stderr and "a warm-up failed" not in r.stderr, said
     assert ahead and int(ahead[1]) > 0 and int(ahead[2]) > 1, said
     assert more == ["0", "0"], said

@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.kernels import deferred_launch
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.split_counters import SplitCounters
 from ostinato.kernels.decode_plan import DecodeRope, DecodeTuning, choose_num_splits
@@ -369,17 +370,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         eps, stride_cs = rope.eps, rope.cos_sin_cache.stride(0)
     else:
         rope_args, eps, stride_cs, norm = (q,) * 5, 0.0, 0, False  # unread placeholders
-    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+    # Deferred (kernels/deferred_launch.py) it writes nothing: neither `out` (zeroed) nor the new token's K/V,
+    # which only this pass's own later reads would see.
+    deferred_launch.launch(_decode_split_kernel, (num_seqs, num_kv_heads, splits), (
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_max, part_sum, arrivals, *rope_args,
         scale * LOG2E, splits, eps, tuning.late_trigger_programs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+    ), dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=pad_dim(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=splits > 1, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
         PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, **dot_settings(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch_options(tuning.pdl),
-    )
+    ), (out,))
     return out

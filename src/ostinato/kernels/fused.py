@@ -46,6 +46,7 @@ from dataclasses import fields
 import torch
 
 from ostinato.errors import ConfigError
+from ostinato.kernels import deferred_launch
 from ostinato.kernels.decoder_kernels import DecoderKernels
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.gemv import folds_glu, small_batch_linear, small_batch_norm_linear
@@ -214,12 +215,13 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         return out, residual_out
     r, r_out = (residual, residual_out) if residual is not None else (x, out)  # unread placeholders
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(num_tokens,)](
+    deferred_launch.launch(_rms_norm_kernel, (num_tokens,), (
         x, r, weight, out, r_out,
         x.stride(0), r.stride(0), out.stride(0), r_out.stride(0), eps,
+    ), dict(
         N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block), PDL=pdl, **flags,
         **launch_options(pdl),
-    )
+    ), (out,) if residual_out is None else (out, residual_out))
     return out, residual_out
 
 
@@ -250,10 +252,9 @@ def silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     if num_tokens == 0:
         return out
     block = min(_SILU_BLOCK, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), I=inter, BLOCK=block, num_warps=4, PDL=pdl, **flags,
-        **launch_options(pdl),
-    )
+    deferred_launch.launch(_silu_and_mul_kernel, (num_tokens, triton.cdiv(inter, block)), (
+        gate_up, out, gate_up.stride(0), out.stride(0),
+    ), dict(I=inter, BLOCK=block, num_warps=4, PDL=pdl, **flags, **launch_options(pdl)), (out,))
     return out
 
 
@@ -316,15 +317,16 @@ def _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, nu
     # qk_norm_rope's in the last bit; with one tile both forms round alike, to the bit.
     block_h = min(triton.next_power_of_2(qk_heads), max(1, _ROPE_ELEMENTS // head_dim_pad))
     weights = (q_weight, k_weight) if qk_norm else (heads, heads)  # unread placeholders without qk-norm
-    _qk_norm_rope_kernel[(num_tokens, triton.cdiv(grid_heads, block_h))](
+    deferred_launch.launch(_qk_norm_rope_kernel, (num_tokens, triton.cdiv(grid_heads, block_h)), (
         heads, *weights, cos_sin_cache, positions, out, k_cache, v_cache, slot_mapping,
         heads.stride(0), heads.stride(1), out.stride(0), out.stride(1), cos_sin_cache.stride(0),
         *(k_cache.stride()[:3] if kv_write is not None else (0, 0, 0)), eps,
+    ), dict(
         NUM_HEADS=num_heads, NUM_QK_HEADS=qk_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h, QK_NORM=qk_norm, WRITE_KV=kv_write is not None,
         BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4, PDL=pdl, **flags,
         **launch_options(pdl),
-    )
+    ), (out,))
     return out
 
 

@@ -27,7 +27,7 @@ from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
-from ostinato.kernels import skinny
+from ostinato.kernels import deferred_launch, skinny
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.rope_tile import round_like
@@ -189,16 +189,18 @@ def _launch(x, k, weight, bias, tiles, out_dtype, pdl, x_mode=X_PLAIN, residual=
         return out
     res = residual if residual is not None else x  # unread placeholders where the mode has none
     res_out = residual_out if residual_out is not None else x
-    _gemv_kernel[(triton.cdiv(n, outputs_per_program),)](
+    written = (out,) if residual_out is None or residual is None else (out, residual_out)
+    deferred_launch.launch(_gemv_kernel, (triton.cdiv(n, outputs_per_program),), (
         x, weight, bias if bias is not None else weight, out, res,
         norm_weight if norm_weight is not None else weight, res_out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
+    ), dict(
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
         PEEL_FIRST=tiles.peel_first, PDL=pdl, X_MODE=x_mode, HAS_RESIDUAL=residual is not None,
         K_PAD=triton.next_power_of_2(k) if x_mode == X_NORM else 1,
         EMULATE_BF16=_interpreted() and x.dtype == torch.bfloat16, GLU=glu,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
-    )
+    ), written)
     return out
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ostinato.kernels import deferred_launch
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 _BLOCK = 2048
@@ -83,6 +84,8 @@ def apply(logits: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, column
     assert rows.dtype == torch.int32 and rows.stride(-1) == 1 and counts.dtype == torch.int32
     if b == 0:
         return
-    _penalties_kernel[(b,)](logits, logits.stride(0), rows, rows.stride(0), counts, counts.stride(0), vocab,
-                            **columns, PENALTY_BIT=bits["PENALTY"], MINP_BIT=bits["MINP"], COUNT_MASK=count_mask,
-                            BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=8)
+    # In place: deferred (kernels/deferred_launch.py), the logits stay as they came.
+    deferred_launch.launch(_penalties_kernel, (b,), (
+        logits, logits.stride(0), rows, rows.stride(0), counts, counts.stride(0), vocab,
+    ), dict(**columns, PENALTY_BIT=bits["PENALTY"], MINP_BIT=bits["MINP"], COUNT_MASK=count_mask,
+            BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=8), ())

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.kernels import deferred_launch
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
@@ -192,10 +193,10 @@ def sample(logits: torch.Tensor, rows: torch.Tensor, columns: RowColumns, out: t
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty(b, plan.num_chunks, dtype=torch.int32, device=logits.device)
     common = (vocab, plan.chunk, plan.num_chunks, greedy_below)
-    _sample_chunk_kernel[(b, plan.num_chunks)](
+    deferred_launch.launch(_sample_chunk_kernel, (b, plan.num_chunks), (
         logits, logits.stride(0), rows, rows.stride(0), part_max, part_sum, part_arg, *common,
-        TEMP=columns.temperature, BLOCK=plan.block, num_warps=4)
-    _sample_pick_kernel[(b,)](
+    ), dict(TEMP=columns.temperature, BLOCK=plan.block, num_warps=4), (part_max, part_sum, part_arg))
+    deferred_launch.launch(_sample_pick_kernel, (b,), (
         logits, logits.stride(0), rows, rows.stride(0), part_max, part_sum, part_arg, out, *common,
-        CTR=columns.counter, TEMP=columns.temperature, KEY_LO=columns.key_lo, KEY_HI=columns.key_hi,
-        CHUNKS_PAD=triton.next_power_of_2(plan.num_chunks), BLOCK=plan.block, num_warps=4)
+    ), dict(CTR=columns.counter, TEMP=columns.temperature, KEY_LO=columns.key_lo, KEY_HI=columns.key_hi,
+            CHUNKS_PAD=triton.next_power_of_2(plan.num_chunks), BLOCK=plan.block, num_warps=4), (out,))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.kernels import deferred_launch
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
@@ -114,14 +115,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     m_pad = max(16, triton.next_power_of_2(m))
     blocks = triton.cdiv(n * rows_per_output, tiles.block_n)
-    _skinny_kernel[(blocks,)](
+    deferred_launch.launch(_skinny_kernel, (blocks,), (
         x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
+    ), dict(
         M_PAD=m_pad, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         HAS_BIAS=bias is not None, PDL=pdl, **dot_settings(x.dtype),  # fp32 exact; bf16 upcast when interpreted
         GLU=glu, EMULATE_BF16=KERNELS_INTERPRETED and x.dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl),
-    )
+    ), (out,))
     return out
 
 

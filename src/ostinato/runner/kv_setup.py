@@ -22,7 +22,8 @@ from ostinato.config import CacheConfig, GraphConfig, ModelConfig, SchedulerConf
 from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.sampling_params import SamplingParams
-from ostinato.runner.compile_ahead import CompileAheadReport, compile_ahead
+from ostinato.runner.compile_ahead import (CompileAheadReport, DeferredCompiles, compile_ahead,
+                                           default_compile_threads)
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
 from ostinato.runner.decode_step import DecodeStep, compare_step, processor_sizes
@@ -265,7 +266,9 @@ def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device:
         torch.cuda.empty_cache()
 
     logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes, cuda:%d)", len(steps), index)
-    report = compile_ahead([as_the_capture_runs(step) for step in steps], prepare_thread, synchronize=settle)
+    deferred = DeferredCompiles(default_compile_threads(), prepare_thread, index)
+    report = compile_ahead([as_the_capture_runs(step) for step in steps], prepare_thread, synchronize=settle,
+                           deferred=deferred)
     if watch is not None:
         marks.append(watch.compiles)
     return report
