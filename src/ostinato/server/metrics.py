@@ -132,9 +132,10 @@ class StepHistogram(Collector):
     """A latency histogram observed by one thread (the one that sees the engine's steps) and collected at scrape
     time, with no lock per observation.
 
-    Why not prometheus_client's Histogram: it locks its sum and its bucket on every observation, ~3 us, and the
-    inter-token histogram is observed for every stream every step. In the server that ran on the front's reader
-    thread, holding the GIL that the front's event loop needs to write the same steps' chunks. A scrape reads
+    Why not prometheus_client's Histogram: it locks its sum and a bucket on every observation, and the
+    inter-token histogram is observed for every stream every step. That made ServerMetrics.on_step the largest
+    part of the front reader thread's work per stream per step (benchmarks/online/front_reader_cost.py), done
+    holding the GIL that the front's event loop needs to write the same steps' chunks. A scrape reads
     the counts as they stand: an observation made meanwhile may be in the buckets and not yet in the sum. It
     writes _bucket, _count and _sum, and no _created sample (the time the histogram was made).
     """
