@@ -77,15 +77,15 @@ async def run(ns) -> dict:
             async with gate:
                 return await _one(session, url, model, prompt, ns.output_len)
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(limited(p) for p in prompts))
-        duration = time.perf_counter() - start
+        duration, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     done = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in done)
     return {"client": "aiohttp", "completed": len(done), "failed": len(results) - len(done),
             "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
             "duration_s": duration, "output_tokens": tokens, "output_throughput": tokens / duration,
-            "chunks": sum(len(r["itl"]) + 1 for r in done),
+            "chunks": sum(len(r["itl"]) + 1 for r in done), "cpu_s": cpu,
             "ttft_ms": _percentiles([r["ttft"] for r in done]),
             "tpot_ms": _percentiles([r["tpot"] for r in done if r["tpot"] is not None]),
             "itl_ms": _percentiles([g for r in done for g in r["itl"]])}

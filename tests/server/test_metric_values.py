@@ -101,3 +101,47 @@ def test_preemptions_and_token_counters_under_a_full_cache(checkpoint):
     assert m["ostinato:prompt_tokens_total"] == 3 * PROMPT_LEN
     assert m["ostinato:generation_tokens_total"] == 3 * params.max_tokens
     assert m["ostinato:kv_cache_usage_perc"] == 0
+
+
+
+def test_latency_histograms_count_each_gap_in_the_bucket_of_its_bound():
+    """on_step with chosen step times: each inter-token gap lands in the first bucket whose bound it does not
+    exceed, and count and sum are the gaps'; TTFT and end-to-end from the same steps."""
+    from ostinato.engine.outputs import CompletionOutput, RequestOutput
+
+    def output(request_id, finished, arrival):
+        completion = CompletionOutput(0, "a", [1], "length" if finished else None, None)
+        return RequestOutput(request_id, None, [1], [completion], finished, arrival, None, None, 0)
+
+    metrics = ServerMetrics("m")
+    # Request a arrives at 0.0 and gets tokens at 0.5, 0.5015, 0.5045, 0.5445 (gaps of 1.5, 3 and 40 ms) and
+    # ends at 1.0 (a gap of 455.5 ms); b arrives at 0.9 and gets its first token at 1.0.
+    for now in (0.5, 0.5015, 0.5045, 0.5445):
+        metrics.on_step([output("a", False, 0.0)], now)
+    metrics.on_step([output("a", True, 0.0), output("b", False, 0.9)], 1.0)
+    families = {fam.name: fam for fam in text_string_to_metric_families(metrics.render(None)[0].decode())}
+
+    def samples(name):
+        return {(s.name[len(name) + 1:], s.labels.get("le")): s.value for s in families[name].samples}
+
+    itl = samples("ostinato:inter_token_latency_seconds")
+    for le, expected in (("0.001", 0), ("0.002", 1), ("0.004", 2), ("0.025", 2), ("0.05", 3), ("0.4", 3),
+                         ("0.5", 4), ("+Inf", 4)):
+        assert itl[("bucket", le)] == expected, le
+    assert itl[("count", None)] == 4 and itl[("sum", None)] == pytest.approx(1.0 - 0.5)
+    ttft = samples("ostinato:time_to_first_token_seconds")
+    assert ttft[("count", None)] == 2 and ttft[("sum", None)] == pytest.approx(0.5 + 0.1)
+    assert (ttft[("bucket", "0.08")], ttft[("bucket", "0.25")], ttft[("bucket", "0.5")]) == (0, 1, 2)
+    e2e = samples("ostinato:e2e_request_latency_seconds")
+    assert (e2e[("count", None)], e2e[("bucket", "0.8")], e2e[("bucket", "1.0")]) == (1, 0, 1)
+
+
+def test_a_value_equal_to_a_bound_counts_in_that_bound_s_bucket():
+    from ostinato.server.metrics import StepHistogram
+
+    histogram = StepHistogram("h", "a histogram", (0.25, 0.5, 1.0), "m")
+    for value in (0.25, 0.5, 0.75, 2.0):
+        histogram.observe(value)
+    (family,) = histogram.collect()
+    buckets = {s.labels["le"]: s.value for s in family.samples if s.name == "h_bucket"}
+    assert buckets == {"0.25": 1, "0.5": 2, "1.0": 3, "+Inf": 4}

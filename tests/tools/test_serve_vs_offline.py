@@ -36,3 +36,16 @@ def test_the_gc_report_counts_the_collections_logged_during_the_load_by_generati
                                                    "gen2 1 x, 120 ms in all, longest 120.0 ms")
     assert script._gc_report(path, 20.0, 30.0) == "none"
     assert script._gc_report(str(tmp_path / "missing.json"), 0.0, 1.0) == "no log"
+
+
+def test_front_reader_cost_times_each_piece_of_the_readers_work(capsys):
+    """A smoke of benchmarks/online/front_reader_cost.py at a small size: each piece is timed and printed."""
+    path = SCRIPT.parent / "front_reader_cost.py"
+    spec = importlib.util.spec_from_file_location("front_reader_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--streams", "4", "--steps", "2", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "unpickle the step's message", "output_from_record", "ServerMetrics.on_step"]
+    assert all("us per record" in line for line in lines)

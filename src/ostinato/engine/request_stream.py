@@ -52,12 +52,18 @@ class RequestStream:
         self._owner = owner
         # Items: RequestOutput, an exception to raise, or ENDED (aborted: stop iterating). Event-loop only.
         self._items: deque = deque()
-        self._ready = asyncio.Event()
+        # The reader's future while it waits for an item: a stream has one reader, and a bare future is
+        # cheaper to wake than an asyncio.Event, which a streamed request pays for every step.
+        self._waiter: asyncio.Future | None = None
 
     # Called on the event loop (scheduled from the engine thread).
     def _put(self, item) -> None:
         self._items.append(item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a reader cancelled while it waited left its future cancelled
+                waiter.set_result(None)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -66,8 +72,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = self.loop.create_future()
+            await self._waiter
         item = self._items.popleft()
         if isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
             # Several outputs queued up (an exception or the end stays queued for the next call).

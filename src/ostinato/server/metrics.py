@@ -2,7 +2,7 @@
 
 Two kinds:
 - Latency histograms (TTFT, inter-token, end-to-end) observed per step on the engine thread, through
-  AsyncEngine's StepObserver hook; prometheus_client metrics are thread-safe.
+  AsyncEngine's StepObserver hook (StepHistogram: one writer, no lock per observation).
 - Engine counters and gauges (queue sizes, KV usage, token totals, graph vs eager decode steps, ...) read
   from `engine.stats()` at scrape time and exposed by a custom collector, so they are never stale and the
   engine keeps no second copy of its counters.
@@ -13,9 +13,10 @@ one process.
 
 from __future__ import annotations
 
-from typing import Iterator
+from bisect import bisect_left
+from typing import Iterator, Sequence
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -117,6 +118,45 @@ class _EngineStatsCollector(Collector):
         yield decode_batch_size_histogram(name, s.decode_batch_sizes, s.max_num_seqs)
 
 
+def _cumulative_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, int]]:
+    """Prometheus buckets (le, observations <= le) from per-bucket counts; counts has one more entry than
+    bounds, the observations above every bound (+Inf)."""
+    buckets, seen = [], 0
+    for le, count in zip([*map(floatToGoString, bounds), "+Inf"], counts):  # le="8.0", as Histogram writes it
+        seen += count
+        buckets.append((le, seen))
+    return buckets
+
+
+class StepHistogram(Collector):
+    """A latency histogram observed by one thread (the one that sees the engine's steps) and collected at scrape
+    time, with no lock per observation.
+
+    Why not prometheus_client's Histogram: it locks its sum and a bucket on every observation, and the
+    inter-token histogram is observed for every stream every step. That made ServerMetrics.on_step the largest
+    part of the front reader thread's work per stream per step (benchmarks/online/front_reader_cost.py), done
+    holding the GIL that the front's event loop needs to write the same steps' chunks. A scrape reads
+    the counts as they stand: an observation made meanwhile may be in the buckets and not yet in the sum. It
+    writes _bucket, _count and _sum, and no _created sample (the time the histogram was made).
+    """
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float], model_name: str):
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self._bounds = tuple(bounds)
+        self._counts = [0] * (len(self._bounds) + 1)  # per bucket, not cumulative; the last is above every bound
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1  # value == bound counts in that bound's bucket (le)
+        self._sum += value
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        family.add_metric([self.model_name], _cumulative_buckets(self._bounds, list(self._counts)),
+                          sum_value=self._sum)
+        yield family
+
+
 def decode_batch_size_histogram(model_name: str, steps_by_batch: dict[int, int], max_num_seqs: int) -> Metric:
     """`ostinato:decode_batch_size`: sequences per decode step, one observation per step (graph or eager).
 
@@ -124,12 +164,8 @@ def decode_batch_size_histogram(model_name: str, steps_by_batch: dict[int, int],
     `ostinato advise --from-metrics` turns into CUDA-graph capture sizes for the server's next start."""
     hist = HistogramMetricFamily(PREFIX + "decode_batch_size", "Sequences in each decode step (one observation "
                                  "per step; a bucket per batch size).", labels=["model_name"])
-    top = max([max_num_seqs, *steps_by_batch])
-    buckets, seen = [], 0
-    for size in range(1, top + 1):
-        seen += steps_by_batch.get(size, 0)
-        buckets.append((floatToGoString(size), seen))  # le="8.0", as Histogram writes its bounds
-    buckets.append(("+Inf", seen))
+    sizes = range(1, max([max_num_seqs, *steps_by_batch]) + 1)
+    buckets = _cumulative_buckets(sizes, [*(steps_by_batch.get(size, 0) for size in sizes), 0])
     hist.add_metric([model_name], buckets, sum_value=sum(n * c for n, c in steps_by_batch.items()))
     return hist
 
@@ -139,15 +175,16 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between steps that gave a request "
-                             "new tokens.", labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.ttft = StepHistogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
+                                  TTFT_BUCKETS, model_name)
+        self.itl = StepHistogram(PREFIX + "inter_token_latency_seconds", "Time between steps that gave a request "
+                                 "new tokens.", ITL_BUCKETS, model_name)
+        self.e2e = StepHistogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+                                 E2E_BUCKETS, model_name)
+        for histogram in (self.ttft, self.itl, self.e2e):
+            self.registry.register(histogram)
         self._success = Counter(PREFIX + "request_success", "Requests that ended, by finish reason.",
-                                labels + ["finished_reason"], registry=self.registry)
+                                ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name
         self._engine = _EngineStatsCollector(model_name)
         self.registry.register(self._engine)
