@@ -252,24 +252,25 @@ class TensorParallelRunner:
         return self._failure
 
     def shutdown(self) -> None:
-        """Stop every worker (idempotent): a stop message, then SIGTERM, then SIGKILL."""
+        """Stop every worker (idempotent): a stop message, the process group torn down beside the workers tearing
+        down theirs, then each worker given time to exit before SIGTERM and SIGKILL.
+
+        Why in this order: NCCL tears a communicator down together with its peers. Rank 0 used to kill the workers
+        first and destroy its group after, alone, and on two H200s it waited in destroy_process_group forever."""
         if self._closed:
             return
         self._closed = True
         channel = getattr(self, "channel", None)
+        stopped = False
         if channel is not None and self._failure is None:
             try:
                 channel.send(("stop",))
+                stopped = True
             except Exception:  # noqa: BLE001 - a worker already gone
                 pass
-        _stop_processes(self._workers, wait=5.0)
-        import torch.distributed as dist
-
-        if self._owns_group and dist.is_initialized():
-            try:  # frees the group, so that this process can start another tensor-parallel engine
-                dist.destroy_process_group()
-            except Exception as e:  # noqa: BLE001 - after an abort the group may be half torn down
-                logger.debug("destroy_process_group: %s", e)
+        if self._owns_group:  # frees the group, so that this process can start another tensor-parallel engine
+            _destroy_group(GROUP_TEARDOWN_S if stopped else FAILED_TEARDOWN_S)
+        _stop_processes(self._workers, wait=5.0, grace=WORKER_EXIT_S if stopped else 0.0)
 
     # ---- the rest of the Runner protocol (runner/protocol.py): rank 0's runner's ---------------------------
     cache_config = _of_rank0("cache_config")
@@ -316,7 +317,49 @@ def _group_exists() -> bool:
     return dist.is_initialized()
 
 
-def _stop_processes(workers: list[_Worker], wait: float = 2.0) -> None:
+# Seconds rank 0 waits for its group's teardown beside stopped workers (then aborts it), for that teardown after a
+# failure (the group was aborted already), and for a stopped worker to exit by itself before SIGTERM.
+GROUP_TEARDOWN_S = 20.0
+FAILED_TEARDOWN_S = 5.0
+WORKER_EXIT_S = 10.0
+
+
+def _destroy_group(timeout: float) -> None:
+    """destroy_process_group, bounded: run on a thread, and the group aborted if it has not returned in `timeout`
+    (a peer that died mid-teardown must not hold rank 0 for ever)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - after an abort the group may be half torn down
+            logger.debug("destroy_process_group: %s", e)
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="tp-group-teardown", daemon=True).start()
+    if done.wait(timeout):
+        return
+    logger.warning("tensor parallelism: the process group's teardown took over %.0f s; aborting it", timeout)
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as e:  # noqa: BLE001 - best effort: the process can still exit
+        logger.warning("could not abort the process group: %s", e)
+
+
+def _stop_processes(workers: list[_Worker], wait: float = 2.0, grace: float = 0.0) -> None:
+    """Each worker given `grace` seconds to exit by itself (it was told to stop), then SIGTERM, `wait` seconds,
+    SIGKILL."""
+    deadline = time.monotonic() + grace
+    for w in workers:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
     for w in workers:
         if w.proc.poll() is None:
             w.proc.terminate()
