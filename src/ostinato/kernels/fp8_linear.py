@@ -61,11 +61,8 @@ _GLU_FOLD_ROWS = 4
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
 FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
-    # Llama-3.1-8B's qkv, o and gate_up at one row on the H200: 4 x 1024 tiles beat the rule's 8 x 2048 (or
-    # 4 x 2048) by 14%, 6% and 3%; down ties with the rule. docs/PERFORMANCE.md "Why these defaults" has the sweep.
-    (1, 6144, 4096): StreamTiles(block_n=4, block_k=1024, prefetch=1, num_warps=4),
-    (1, 4096, 4096): StreamTiles(block_n=4, block_k=1024, prefetch=1, num_warps=4),
-    (1, 28672, 4096): StreamTiles(block_n=4, block_k=1024, prefetch=1, num_warps=4),
+    # (Llama-3.1-8B's four projections at 16 rows measured MmaTiles(16, 32, 256) fastest, now the rule's choice at
+    # 5-16 rows; its one-row entries named the first GEMV's tiles, measured before the streaming GEMV.)
 }
 
 
