@@ -62,7 +62,9 @@ _GLU_FOLD_ROWS = 4
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
 FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
     # (Llama-3.1-8B's four projections at 16 rows measured MmaTiles(16, 32, 256) fastest, now the rule's choice at
-    # 5-16 rows; its one-row entries named the first GEMV's tiles, measured before the streaming GEMV.)
+    # 5-16 rows; its one-row entries named the first GEMV's tiles, measured before the streaming GEMV.) The sweep
+    # times each projection without the norm and SwiGLU folds, which qkv and gate_up carry at one row, so its
+    # one-row winners there are not entered until a sweep with the folds confirms them in a whole step.
 }
 
 
