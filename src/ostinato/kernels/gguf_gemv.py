@@ -9,8 +9,11 @@ the 32 bytes of a chunk, 16-byte loads), its scales once per group ([BLOCK_N, GR
 bytes). The bytes unpack in registers into *pieces* of PIECE weights that are contiguous in K (Q4_K: low nibbles
 -> weights 64c..64c+31, high nibbles -> 64c+32..): x is loaded at those columns, so W is never reordered.
 Modes (MODE), one kernel:
-    - GEMV_ONE (M = 1) and GEMV (a few rows): fp32 products summed over each piece, accumulated per (row, group)
-      across K and summed over the groups once at the end.
+    - GEMV (a few rows): per row of x, fp32 products summed over each piece, accumulated per (row of W, group, row
+      of x) across K and summed over the groups once at the end. x is loaded at the piece's own shape (every row
+      of W reads the same columns, from L1) so that it shares the code bytes' register layout: a [GROUPS, PIECE]
+      tile of x gets a layout of its own, and converting it each step goes through shared memory at several
+      times the bytes the step reads from HBM.
     - GEMM (more rows, prefill): each piece, rounded to the activation dtype, feeds tl.dot (tensor cores).
 With PDL (kernels/pdl.py) the kernel lets its dependent launch at once and waits before its K loop: the loop
 reads weights and activations together. Grids come from shapes only: CUDA-graph safe.
@@ -28,7 +31,7 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 GEMV_MAX_ROWS = 8
-GEMV_ONE, GEMV, GEMM = 0, 1, 2
+GEMV, GEMM = 0, 1
 # Per type: (GROUP_K weights a group, PIECE weights a piece, pieces a group).
 GROUPING = {Q8_0: (32, 32, 1), Q4_0: (32, 16, 2), Q4_1: (32, 16, 2), Q4_K: (64, 32, 2), Q5_K: (64, 32, 2),
             Q6_K: (64, 16, 4)}
@@ -45,14 +48,14 @@ class GGUFTiles:
     num_warps: int = 4
     num_stages: int = 3
 
-    def mode(self, m: int) -> int:
-        return GEMM if self.block_m >= 16 else (GEMV_ONE if m == 1 else GEMV)
+    def mode(self) -> int:
+        return GEMM if self.block_m >= 16 else GEMV
 
 
 def choose_tiles(qtype: int, m: int, n: int, k: int) -> GGUFTiles:
     """Tiles from shapes only (fixed before capture). GEMV rows: ~1024 weights of a row per K step, as the bf16
-    GEMV's BLOCK_K (kernels/gemv.py); half that at several rows, whose [rows, block_n, groups, piece] products
-    live in registers. GEMM rows: 64 columns of K per tensor-core dot."""
+    GEMV's BLOCK_K (kernels/gemv.py); half that at several rows, each of which costs the
+    step another pass over the decoded weights. GEMM rows: 64 columns of K per tensor-core dot."""
     group_k, piece, _ = GROUPING[qtype]
     if m <= GEMV_MAX_ROWS:
         block_n = 4 if n >= 4096 else 2
@@ -91,16 +94,20 @@ def _scale_min_k4(sc_ptr, s, mask):
 
 
 @_jit
-def _use(acc, w, ks, x_ptr, stride_xm, offs_m, m_mask, K, MODE: tl.constexpr, PRECISION: tl.constexpr):
+def _use(acc, w, ks, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE: tl.constexpr, PRECISION: tl.constexpr):
     """acc plus the piece w [BLOCK_N, GROUPS, PIECE] (fp32 weights) times x's columns ks [GROUPS, PIECE]."""
     k_mask = ks < K
-    if MODE == 0:  # GEMV_ONE: acc [BLOCK_N, GROUPS]
-        x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :, :], axis=2)
-    elif MODE == 1:  # GEMV: acc [BLOCK_M, BLOCK_N, GROUPS]
-        x = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + ks[None, :, :],
-                    mask=m_mask[:, None, None] & k_mask[None, :, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w[None, :, :, :] * x[:, None, :, :], axis=3)
+    if MODE == 0:  # GEMV: acc [BLOCK_N, GROUPS, BLOCK_M]
+        rows: tl.constexpr = acc.shape[2]
+        at_w = ks[None, :, :] + tl.zeros([w.shape[0], 1, 1], tl.int32)  # x's columns at w's shape
+        for m in tl.static_range(rows):
+            x_mask = k_mask[None, :, :] & (tl.full([1, 1, 1], m, tl.int32) < M)
+            x = tl.load(x_ptr + m * stride_xm + at_w, mask=x_mask, other=0.0).to(tl.float32)
+            part = tl.sum(w * x, axis=2)[:, :, None]
+            if rows == 1:
+                acc += part
+            else:
+                acc += tl.where(tl.arange(0, rows)[None, None, :] == m, part, 0.0)
     else:  # GEMM: acc [BLOCK_M, BLOCK_N]
         width: tl.constexpr = w.shape[1] * w.shape[2]
         cols = tl.reshape(ks, [width])
@@ -112,45 +119,45 @@ def _use(acc, w, ks, x_ptr, stride_xm, offs_m, m_mask, K, MODE: tl.constexpr, PR
 
 
 @_jit
-def _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, K,
+def _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, M, K,
           QTYPE: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
     """acc plus groups g2 [GROUPS, 1] of the rows at row [BLOCK_N, 1, 1] (mask [BLOCK_N, GROUPS, 1]: row and
-    group in range) times x. l2 [1, PIECE]: a byte's place in its group's code vector."""
+    group in range; tl.load broadcasts it over a group's bytes, so it stays constant along them and the byte
+    loads can be vectors) times x. l2 [1, PIECE]: a byte's place in its group's code vector."""
     g = g2[None, :, :]  # [1, GROUPS, 1]
     l = l2[None, :, :]  # [1, 1, PIECE]
-    wmask = mask & (l >= 0)
     if QTYPE == 8:  # Q8_0: a group is a block
         blk = row + g * 34
-        w = _f16(blk, mask) * _i8(blk + 2 + l, wmask)
-        acc = _use(acc, w, g2 * 32 + l2, x_ptr, stride_xm, offs_m, m_mask, K, MODE, PRECISION)
+        w = _f16(blk, mask) * _i8(blk + 2 + l, mask)
+        acc = _use(acc, w, g2 * 32 + l2, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
     elif QTYPE == 2 or QTYPE == 3:  # Q4_0, Q4_1: a group is a block; low nibbles weights 0..15, high 16..31
         if QTYPE == 2:
             blk = row + g * 18
-            q = _u8(blk + 2 + l, wmask)
+            q = _u8(blk + 2 + l, mask)
             d = _f16(blk, mask)
             lo = d * ((q & 15).to(tl.float32) - 8.0)
             hi = d * ((q >> 4).to(tl.float32) - 8.0)
         else:
             blk = row + g * 20
-            q = _u8(blk + 4 + l, wmask)
+            q = _u8(blk + 4 + l, mask)
             d = _f16(blk, mask)
             mn = _f16(blk + 2, mask)
             lo = d * (q & 15).to(tl.float32) + mn
             hi = d * (q >> 4).to(tl.float32) + mn
-        acc = _use(acc, lo, g2 * 32 + l2, x_ptr, stride_xm, offs_m, m_mask, K, MODE, PRECISION)
-        acc = _use(acc, hi, g2 * 32 + 16 + l2, x_ptr, stride_xm, offs_m, m_mask, K, MODE, PRECISION)
+        acc = _use(acc, lo, g2 * 32 + l2, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, hi, g2 * 32 + 16 + l2, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
     elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: a group is chunk c of super-block sb (sub-blocks 2c, 2c+1)
         sb = g // 4
         c = g % 4
         if QTYPE == 12:
             blk = row + sb * 144
-            q = _u8(blk + 16 + 32 * c + l, wmask)
+            q = _u8(blk + 16 + 32 * c + l, mask)
             lo = q & 15
             hi = q >> 4
         else:
             blk = row + sb * 176
-            q = _u8(blk + 48 + 32 * c + l, wmask)
-            qh = _u8(blk + 16 + l, wmask)  # bit 2c: the low nibble's fifth bit, 2c + 1: the high one's
+            q = _u8(blk + 48 + 32 * c + l, mask)
+            qh = _u8(blk + 16 + l, mask)  # bit 2c: the low nibble's fifth bit, 2c + 1: the high one's
             lo = (q & 15) | (((qh >> (2 * c)) & 1) << 4)
             hi = (q >> 4) | (((qh >> (2 * c + 1)) & 1) << 4)
         d = _f16(blk, mask)
@@ -158,17 +165,17 @@ def _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, K,
         sc0, mn0 = _scale_min_k4(blk + 4, 2 * c, mask)
         sc1, mn1 = _scale_min_k4(blk + 4, 2 * c + 1, mask)
         acc = _use(acc, d * sc0 * lo.to(tl.float32) - dmin * mn0, g2 * 64 + l2, x_ptr, stride_xm, offs_m, m_mask,
-                   K, MODE, PRECISION)
+                   M, K, MODE, PRECISION)
         acc = _use(acc, d * sc1 * hi.to(tl.float32) - dmin * mn1, g2 * 64 + 32 + l2, x_ptr, stride_xm, offs_m,
-                   m_mask, K, MODE, PRECISION)
+                   m_mask, M, K, MODE, PRECISION)
     else:  # Q6_K: a group is half h of super-block sb, columns 16u..16u+15 of its four quarters t
         sb = g // 4
         h = (g // 2) % 2
         u = g % 2
         blk = row + sb * 210
-        qa = _u8(blk + 64 * h + 16 * u + l, wmask)  # quarters 0 (low nibbles) and 2 (high)
-        qb = _u8(blk + 64 * h + 16 * u + 32 + l, wmask)  # quarters 1 and 3
-        qh = _u8(blk + 128 + 32 * h + 16 * u + l, wmask)  # two high bits for each quarter
+        qa = _u8(blk + 64 * h + 16 * u + l, mask)  # quarters 0 (low nibbles) and 2 (high)
+        qb = _u8(blk + 64 * h + 16 * u + 32 + l, mask)  # quarters 1 and 3
+        qh = _u8(blk + 128 + 32 * h + 16 * u + l, mask)  # two high bits for each quarter
         d = _f16(blk + 208, mask)
         sc = blk + 192 + 8 * h + u  # quarter t's int8 scale at sc + 2t
         ks = (g2 // 2) * 128 + (g2 % 2) * 16 + l2
@@ -176,10 +183,10 @@ def _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, K,
         q1 = ((qb & 15) | (((qh >> 2) & 3) << 4)).to(tl.float32) - 32.0
         q2 = ((qa >> 4) | (((qh >> 4) & 3) << 4)).to(tl.float32) - 32.0
         q3 = ((qb >> 4) | (((qh >> 6) & 3) << 4)).to(tl.float32) - 32.0
-        acc = _use(acc, d * _i8(sc, mask) * q0, ks, x_ptr, stride_xm, offs_m, m_mask, K, MODE, PRECISION)
-        acc = _use(acc, d * _i8(sc + 2, mask) * q1, ks + 32, x_ptr, stride_xm, offs_m, m_mask, K, MODE, PRECISION)
-        acc = _use(acc, d * _i8(sc + 4, mask) * q2, ks + 64, x_ptr, stride_xm, offs_m, m_mask, K, MODE, PRECISION)
-        acc = _use(acc, d * _i8(sc + 6, mask) * q3, ks + 96, x_ptr, stride_xm, offs_m, m_mask, K, MODE, PRECISION)
+        acc = _use(acc, d * _i8(sc, mask) * q0, ks, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, d * _i8(sc + 2, mask) * q1, ks + 32, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, d * _i8(sc + 4, mask) * q2, ks + 64, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, d * _i8(sc + 6, mask) * q3, ks + 96, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
     return acc
 
 
@@ -189,17 +196,14 @@ def _gguf_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, st
                  GROUPS: tl.constexpr, GROUP_K: tl.constexpr, PIECE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PDL: tl.constexpr, PRECISION: tl.constexpr):
     pdl_begin(PDL)
-    if MODE == 2:
+    if MODE == 1:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if MODE == 0:
-            acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS], tl.float32)
+        acc = tl.zeros([BLOCK_N, GROUPS, BLOCK_M], tl.float32)
     m_mask = offs_m < M
     n_mask = offs_n < N
     row = w_ptr + offs_n.to(tl.int64)[:, None, None] * row_bytes
@@ -209,17 +213,19 @@ def _gguf_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, st
     for g0 in range(0, n_groups, GROUPS):
         g2 = g0 + tl.arange(0, GROUPS)[:, None]
         mask = n_mask[:, None, None] & (g2 < n_groups)[None, :, :]
-        acc = _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, K, QTYPE, MODE, PRECISION)
-    if MODE == 0:
-        y = tl.sum(acc, axis=1)[None, :]
-    elif MODE == 1:
-        y = tl.sum(acc, axis=2)
-    else:
+        acc = _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, M, K, QTYPE, MODE, PRECISION)
+    if MODE == 1:
         y = acc
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+    else:  # [BLOCK_N, BLOCK_M]: stored transposed
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
 
 
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
@@ -234,10 +240,10 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
     if m == 0:
         return
     tiles = tiles or choose_tiles(qtype, m, n, k)
-    mode = tiles.mode(m)
+    mode = tiles.mode()
     assert mode == GEMM or tiles.block_m >= m, f"GEMV tiles hold {tiles.block_m} rows, not {m}"
     group_k, piece, _ = GROUPING[qtype]
-    grid = (triton.cdiv(n, tiles.block_n),) if mode != GEMM else (triton.cdiv(m, tiles.block_m),
+    grid = (triton.cdiv(n, tiles.block_n),) if mode == GEMV else (triton.cdiv(m, tiles.block_m),
                                                                   triton.cdiv(n, tiles.block_n))
     # float32 activations would default to TF32 on the tensor cores (10-bit mantissa): keep fp32 exact, as the
     # GEMV rows and the float32 reference runs need.
