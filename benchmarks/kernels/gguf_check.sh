@@ -3,8 +3,10 @@
 # under 10 minutes on one H200 (default all, in this order):
 #   tests    the gpu-marked GGUF kernel tests (and the CPU ones, now on CUDA)
 #   kernels  the GGUF kernels beside bf16 at Llama-3.1-8B's projection shapes, batch 1/8/64
-#   make     random llama-3.1-8b checkpoints: bf16 folder, Q8_0 and Q4_K_M GGUF files (under CK)
-#   bench    `ostinato bench` of the three at batch 1/8/64 (floors count the bytes actually read)
+#   sweep    (not in the default) the GGUF kernels' tile settings (gguf_linear.py --sweep), Q4_K and Q6_K, 1 and 8 rows
+#   make     random llama-3.1-8b checkpoints: bf16 folder, Q8_0 and Q4_K_M GGUF files (under CK; MODELS picks,
+#            default "bf16 Q8_0 Q4_K_M"; Q8_0 quantizes 8B floats with the gguf library, minutes)
+#   bench    `ostinato bench` of those at batch 1/8/64 (floors count the bytes actually read)
 #   load     start-up time and peak host memory: Q4_K_M first start, cached start, then --gguf-dequantize
 #            (that converts to a 32 GB float32 folder: the bf16 folder is removed first for the disk)
 #   smollm2  the real SmolLM2: Q4_1 blocks vs the dequantized folder, graph vs eager, vs HF (logprob-close)
@@ -12,6 +14,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ostinato-gguf}; mkdir -p "$OUT"
 CK=${CK:-/tmp/ck-gguf}
 STEPS=${STEPS:-tests kernels make bench load smollm2}
+MODELS=${MODELS:-bf16 Q8_0 Q4_K_M}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export OSTINATO_CACHE_DIR=${OSTINATO_CACHE_DIR:-$CK/cache}
 SHAPE=llama-3.1-8b
@@ -30,17 +33,25 @@ if has kernels; then
   timeout 590 python3 benchmarks/kernels/gguf_linear.py --batches 1 8 64 --json "$OUT/gguf_linear.json" 2>&1 \
     | tail -80 | tee "$OUT/gguf_linear.log"
 fi
+if has sweep; then
+  timeout 400 python3 benchmarks/kernels/gguf_linear.py --sweep --types Q4_K Q6_K --batches 1 8 2>&1 \
+    | tee "$OUT/gguf_sweep.log" | grep -E "^##|^   |WRONG|failed"
+fi
+model_path() { if [ "$1" = bf16 ]; then echo "$CK/bf16"; else echo "$CK/$1/model.gguf"; fi; }
 if has make; then
-  [ -d "$CK/bf16" ] || python3 -m ostinato.cli make-checkpoint "$CK/bf16" --shape $SHAPE --dtype bfloat16 --quiet
-  for T in Q4_K_M Q8_0; do
-    [ -f "$CK/$T/model.gguf" ] || python3 -m ostinato.cli make-checkpoint "$CK/$T" --shape $SHAPE --format gguf \
-      --gguf-type $T --quiet
+  for T in $MODELS; do
+    if [ "$T" = bf16 ]; then
+      [ -d "$CK/bf16" ] || python3 -m ostinato.cli make-checkpoint "$CK/bf16" --shape $SHAPE --dtype bfloat16 --quiet
+    else
+      [ -f "$CK/$T/model.gguf" ] || python3 -m ostinato.cli make-checkpoint "$CK/$T" --shape $SHAPE --format gguf \
+        --gguf-type $T --quiet
+    fi
   done
   ls -la "$CK"/*/model.gguf | tee "$OUT/make.log"
 fi
 if has bench; then
-  for M in "$CK/bf16" "$CK/Q8_0/model.gguf" "$CK/Q4_K_M/model.gguf"; do
-    name=$(basename "$(dirname "$M")"); [ "$M" = "$CK/bf16" ] && name=bf16
+  for name in $MODELS; do
+    M=$(model_path "$name")
     timeout 590 python3 -m ostinato.cli bench "$M" --max-model-len 2048 --gpu-memory-utilization 0.6 \
       --batch-sizes "1 8 64" --context 512 --no-hf --output-json "$OUT/bench_$name.json" 2>&1 | tail -12 \
       | tee "$OUT/bench_$name.log"

@@ -4,8 +4,11 @@ type's blocks and scales, or the bf16 weight) and that over the H200's measured 
 
 Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to defeat L2, median per call.
 Each GGUF call is checked against the dequantized weight's F.linear (relative error printed).
+--sweep instead times each candidate tile setting (gguf_gemv.GGUFTiles) over the four projections and prints, per
+type and batch, the settings by total time beside choose_tiles's own pick: the table choose_tiles is read off.
 
     PYTHONPATH=src python3 benchmarks/kernels/gguf_linear.py [--types Q8_0 Q4_K Q6_K] [--batches 1 8 64] [--json F]
+    PYTHONPATH=src python3 benchmarks/kernels/gguf_linear.py --sweep --types Q4_K Q6_K Q8_0 --batches 1 8 64
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
+from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFLinear  # noqa: E402
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
@@ -38,8 +42,11 @@ def main() -> int:
     ap.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time candidate tile settings instead")
     args = ap.parse_args()
     pdl = pdl_unsupported_reason(torch.device("cuda")) is None
+    if args.sweep:
+        return sweep(args.types, args.batches, pdl)
     rows = []
     for name, n, k in SHAPES:
         copies_bf16 = max(2, 2 * L2_BYTES // (n * k * 2) + 1)
@@ -70,6 +77,70 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def candidates(qtype: int, m: int) -> list[GGUFTiles]:
+    """Tile settings worth timing at m rows: GEMV ones (block_n rows of W, weights of a row per K step, 4 or 8
+    warps) up to GEMV_MAX_ROWS, tensor-core ones (64 or 128 columns of K a step) from GEMV_MAX_ROWS on."""
+    group_k, piece, _ = GROUPING[qtype]
+    out = []
+    if m == 1:
+        out += [GGUFTiles(1, bn, step // group_k, warps) for bn in (2, 4, 8) for step in (1024, 2048)
+                for warps in (4, 8)]
+    elif m <= GEMV_MAX_ROWS:
+        out += [GGUFTiles(triton_pow2(m), bn, step // group_k, warps) for bn in (2, 4) for step in (256, 512)
+                for warps in (4, 8)]
+    if m == GEMV_MAX_ROWS:
+        out += [GGUFTiles(16, bn, max(1, step // piece)) for bn in (64, 128) for step in (64, 128)]
+    elif m > GEMV_MAX_ROWS:
+        out += [GGUFTiles(bm, bn, max(1, 64 // piece), warps) for bm in (32, 64) for bn in (64, 128)
+                for warps in (4, 8)]
+    return out
+
+
+def triton_pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
+    for type_name in types:
+        qtype = BY_NAME[type_name]
+        layers = []
+        for _, n, k in SHAPES:
+            blocks = torch.from_numpy(random_blocks(type_name, n, k, np.random.default_rng(0))).cuda()
+            copies = max(2, 2 * L2_BYTES // blocks.numel() + 1)
+            layers.append((n, k, [blocks.clone() for _ in range(copies)]))
+        nbytes = sum(copies[0].numel() for _, _, copies in layers)
+        for m in batches:
+            default = choose_tiles(qtype, m, SHAPES[0][1], SHAPES[0][2])
+            results = []
+            n0, k0, copies0 = layers[0]
+            x0 = torch.randn(m, k0, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x0, GGUFLinear(qtype, copies0[0], k0).dequantize().to(torch.bfloat16)).float()
+            for tiles in candidates(qtype, m) + [default]:
+                try:
+                    out0 = torch.empty(m, n0, device="cuda", dtype=torch.bfloat16)
+                    gguf_linear_into(x0, copies0[0], qtype, None, out0, pdl, tiles)
+                    err = ((out0.float() - ref).norm() / ref.norm()).item()
+                    total = sum(_time_tiles(qtype, m, n, k, copies, tiles, pdl) for n, k, copies in layers)
+                except Exception as e:  # a setting the compiler refuses (registers, shared memory): skip it
+                    print(f"{type_name} rows {m} {tiles}: failed, {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                results.append((total, tiles))
+                print(f"{type_name} rows {m} {tiles}: {total:.1f} us for the 4 projections, rel. error {err:.1e}"
+                      f"{'' if err < 2e-2 else '  WRONG'}", flush=True)
+            results.sort(key=lambda r: r[0])
+            print(f"## {type_name} rows {m}: choose_tiles {default} -> "
+                  f"{[r[0] for r in results if r[1] == default][0]:.1f} us; best:")
+            for total, tiles in results[:4]:
+                print(f"   {total:7.1f} us  {nbytes / (total * 1e-6) / HBM_READ_BYTES_PER_S:.2f} of HBM  {tiles}")
+    return 0
+
+
+def _time_tiles(qtype, m, n, k, copies, tiles, pdl):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    return time_graph(lambda i: gguf_linear_into(x, copies[i], qtype, None, out, pdl, tiles), len(copies))
 
 
 def _row(proj, m, type_name, nbytes, us):

@@ -49,6 +49,23 @@ def test_kernel_equals_dequantize_then_matmul(qtype, m):
     np.testing.assert_allclose(torch_path.double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
+@pytest.mark.parametrize("m,tiles", [(1, (1, 2, 1, 4)), (1, (1, 8, 4, 8)), (5, (8, 4, 2, 4)), (8, (16, 64, 1, 4)),
+                                     (20, (32, 16, 2, 8))], ids=lambda v: str(v))
+def test_every_tile_setting_covers_all_of_k_and_n(qtype, m, tiles):
+    """The sweep's settings (benchmarks/kernels/gguf_linear.py --sweep) besides choose_tiles's: one group a K step
+    (many steps, the last ragged), more rows of W than N, the GEMM's narrowest dot."""
+    from ostinato.kernels.gguf_gemv import GGUFTiles, gguf_linear_into
+
+    n, k = 5, 3 * 256
+    blocks = _blocks(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    out = torch.empty(m, n)
+    gguf_linear_into(x, torch.from_numpy(blocks), qtype, None, out, tiles=GGUFTiles(*tiles))
+    ref = _reference(x, blocks, qtype)
+    np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
 def test_concat_of_mixed_types_writes_each_shards_columns():
     from gguf.constants import GGMLQuantizationType as T
 

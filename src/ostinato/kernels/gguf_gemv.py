@@ -1,185 +1,255 @@
 """Triton kernels that read GGUF blocks (kernels/gguf_linear.py gives the formats) and decode them in registers.
 
-Why: the decode step of a quantized model should read the quantized bytes once, not a bf16 copy of them.
+Why: the decode step of a quantized model should read the quantized bytes once, at HBM speed, not a bf16 copy.
 
-One tile decoder (`_weight_tile`) serves both kernels: for a [BLOCK_N, BLOCK_K] tile of W it computes each
-weight's byte address from its (row, column) — block = column // block size, then the type's position of the
-weight inside its block — loads the bytes it needs and the block's fp16 scales (two bytes each, bitcast), and
-returns the float32 weights. Neighbouring weights share their block's scales and bytes, which come from L1.
-    - `_gemv_kernel` (M <= GEMV_MAX_ROWS): as kernels/gemv.py, a program owns BLOCK_N outputs for all rows and
-      walks K; fp32 products accumulated elementwise and summed once at the end.
-    - `_gemm_kernel` (more rows, prefill): the decoded tile rounded to the activation dtype feeds tl.dot
-      (tensor cores), [BLOCK_M, BLOCK_N] outputs per program.
-Both launch with PDL when asked (kernels/pdl.py): the first weight tile is decoded before the wait (weights are
-never written by the step), activations read after it. Grids come from shapes only: CUDA-graph safe.
+How a program reads W: by whole blocks, as llama.cpp's mat-vec kernels do. K is cut into *groups* (GROUP_K
+weights: a Q8_0/Q4_0/Q4_1 block, a 64-weight chunk of a Q4_K/Q5_K super-block, a quarter of a Q6_K one); a K
+step takes GROUPS groups of BLOCK_N rows and loads each group's code bytes as one contiguous [PIECE] vector (Q4_K:
+the 32 bytes of a chunk, 16-byte loads), its scales once per group ([BLOCK_N, GROUPS, 1], broadcast over the
+bytes). The bytes unpack in registers into *pieces* of PIECE weights that are contiguous in K (Q4_K: low nibbles
+-> weights 64c..64c+31, high nibbles -> 64c+32..): x is loaded at those columns, so W is never reordered.
+Modes (MODE), one kernel:
+    - GEMV (a few rows): per row of x, fp32 products summed over each piece, accumulated per (row of W, group, row
+      of x) across K and summed over the groups once at the end. x is loaded at the piece's own shape (every row
+      of W reads the same columns, from L1) so that it shares the code bytes' register layout: a [GROUPS, PIECE]
+      tile of x gets a layout of its own, and converting it each step goes through shared memory at several
+      times the bytes the step reads from HBM.
+    - GEMM (more rows, prefill): each piece, rounded to the activation dtype, feeds tl.dot (tensor cores).
+With PDL (kernels/pdl.py) the kernel lets its dependent launch at once and waits before its K loop: the loop
+reads weights and activations together. Grids come from shapes only: CUDA-graph safe.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0  # noqa: F401
+from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 GEMV_MAX_ROWS = 8
+GEMV, GEMM = 0, 1
+# Per type: (GROUP_K weights a group, PIECE weights a piece, pieces a group).
+GROUPING = {Q8_0: (32, 32, 1), Q4_0: (32, 16, 2), Q4_1: (32, 16, 2), Q4_K: (64, 32, 2), Q5_K: (64, 32, 2),
+            Q6_K: (64, 16, 4)}
+
+
+@dataclass(frozen=True)
+class GGUFTiles:
+    """A program's share: block_m rows of x (the GEMV modes: all of them, padded) by block_n rows of W, K walked
+    groups groups (GROUPING) at a time."""
+
+    block_m: int
+    block_n: int
+    groups: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def mode(self) -> int:
+        return GEMM if self.block_m >= 16 else GEMV
+
+
+def choose_tiles(qtype: int, m: int, n: int, k: int) -> GGUFTiles:
+    """Tiles from shapes only (fixed before capture). GEMV rows: ~1024 weights of a row per K step, as the bf16
+    GEMV's BLOCK_K (kernels/gemv.py); half that at several rows, each of which costs the
+    step another pass over the decoded weights. GEMM rows: 64 columns of K per tensor-core dot."""
+    group_k, piece, _ = GROUPING[qtype]
+    if m <= GEMV_MAX_ROWS:
+        block_n = 4 if n >= 4096 else 2
+        groups = 1024 // group_k if m == 1 else 512 // group_k
+        return GGUFTiles(triton.next_power_of_2(m), block_n, groups)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return GGUFTiles(block_m, 64, max(1, 64 // piece))
 
 
 @_jit
-def _byte(ptr, mask):
+def _u8(ptr, mask):
     return tl.load(ptr, mask=mask, other=0).to(tl.int32)
 
 
 @_jit
-def _f16_at(ptr, mask):
-    """The little-endian fp16 at ptr (a uint8 pointer), as float32."""
-    v = (_byte(ptr, mask) | (_byte(ptr + 1, mask) << 8)).to(tl.uint16)
-    return v.to(tl.float16, bitcast=True).to(tl.float32)
+def _i8(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
 
 
 @_jit
-def _int8_at(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+def _f16(ptr, mask):
+    """The fp16 at ptr, a uint8 pointer: every fp16 field of every type sits at an even offset of an even-sized
+    block in an even-sized row, so it is one aligned 2-byte load."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
 
 @_jit
 def _scale_min_k4(sc_ptr, s, mask):
     """Sub-block s's six-bit (scale, min) from the 12 packed bytes at sc_ptr (ggml's get_scale_min_k4)."""
-    a = _byte(sc_ptr + s, mask)  # q[s]
-    b = _byte(sc_ptr + s + 4, mask)  # q[s + 4]
-    c = _byte(sc_ptr + tl.where(s >= 4, s - 4, s), mask)  # q[s - 4]
+    a = _u8(sc_ptr + s, mask)  # q[s]
+    b = _u8(sc_ptr + s + 4, mask)  # q[s + 4]
+    c = _u8(sc_ptr + tl.where(s >= 4, s - 4, s), mask)  # q[s - 4]
     sc = tl.where(s < 4, a & 63, (b & 15) | ((c >> 6) << 4))
     mn = tl.where(s < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @_jit
-def _weight_tile(w_ptr, rows, ks, mask, row_bytes, QTYPE: tl.constexpr):
-    """W[rows, ks] in float32: rows [BLOCK_N, 1] int64, ks [1, BLOCK_K], mask their [BLOCK_N, BLOCK_K] bounds."""
-    row = w_ptr + rows * row_bytes
-    if QTYPE == 8:  # Q8_0
-        base = row + (ks // 32) * 34
-        w = _f16_at(base, mask) * _int8_at(base + 2 + ks % 32, mask)
-    elif QTYPE == 2 or QTYPE == 3:  # Q4_0, Q4_1
-        j = ks % 32
-        if QTYPE == 2:
-            base = row + (ks // 32) * 18
-            q = (_byte(base + 2 + j % 16, mask) >> ((j // 16) * 4)) & 15
-            w = _f16_at(base, mask) * (q.to(tl.float32) - 8.0)
-        else:
-            base = row + (ks // 32) * 20
-            q = (_byte(base + 4 + j % 16, mask) >> ((j // 16) * 4)) & 15
-            w = _f16_at(base, mask) * q.to(tl.float32) + _f16_at(base + 2, mask)
-    elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: chunk c of 64, half h of it, l in the half
-        j = ks % 256
-        c = j // 64
-        h = (j % 64) // 32
-        l = j % 32
-        if QTYPE == 12:
-            base = row + (ks // 256) * 144
-            q = (_byte(base + 16 + 32 * c + l, mask) >> (4 * h)) & 15
-        else:
-            base = row + (ks // 256) * 176
-            q = (_byte(base + 48 + 32 * c + l, mask) >> (4 * h)) & 15
-            q += ((_byte(base + 16 + l, mask) >> (2 * c + h)) & 1) * 16
-        sc, mn = _scale_min_k4(base + 4, 2 * c + h, mask)
-        w = _f16_at(base, mask) * sc * q.to(tl.float32) - _f16_at(base + 2, mask) * mn
-    else:  # Q6_K: half h of 128, quarter t of 32, l in the quarter
-        base = row + (ks // 256) * 210
-        j = ks % 256
-        h = j // 128
-        t = (j % 128) // 32
-        l = j % 32
-        lo = (_byte(base + 64 * h + 32 * (t % 2) + l, mask) >> (4 * (t // 2))) & 15
-        hi = (_byte(base + 128 + 32 * h + l, mask) >> (2 * t)) & 3
-        q = (lo | (hi << 4)).to(tl.float32) - 32.0
-        w = _f16_at(base + 208, mask) * _int8_at(base + 192 + 8 * h + 2 * t + l // 16, mask) * q
-    return w
-
-
-@_jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
-                 QTYPE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    rows = offs_n.to(tl.int64)[:, None]
-    k_mask = offs_k < K
-    w = _weight_tile(w_ptr, rows, offs_k[None, :], n_mask[:, None] & k_mask[None, :], row_bytes, QTYPE)
-    pdl_wait(PDL)  # the first tile's decode above overlaps the kernel before; activations only after
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0).to(tl.float32)
-    acc = x[:, None, :] * w[None, :, :]  # [M_PAD, BLOCK_N, BLOCK_K]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        w = _weight_tile(w_ptr, rows, ks[None, :], n_mask[:, None] & k_mask[None, :], row_bytes, QTYPE)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
-    y = tl.sum(acc, axis=2)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-@_jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
-                 QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pdl_begin(PDL)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows = offs_n.to(tl.int64)[:, None]
-    k_mask = offs_k < K
-    w = _weight_tile(w_ptr, rows, offs_k[None, :], n_mask[:, None] & k_mask[None, :], row_bytes, QTYPE)
-    pdl_wait(PDL)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0)
-    acc = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        w = _weight_tile(w_ptr, rows, ks[None, :], n_mask[:, None] & k_mask[None, :], row_bytes, QTYPE)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
+def _use(acc, w, ks, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE: tl.constexpr, PRECISION: tl.constexpr):
+    """acc plus the piece w [BLOCK_N, GROUPS, PIECE] (fp32 weights) times x's columns ks [GROUPS, PIECE]."""
+    k_mask = ks < K
+    if MODE == 0:  # GEMV: acc [BLOCK_N, GROUPS, BLOCK_M]
+        rows: tl.constexpr = acc.shape[2]
+        at_w = ks[None, :, :] + tl.zeros([w.shape[0], 1, 1], tl.int32)  # x's columns at w's shape
+        for m in tl.static_range(rows):
+            x_mask = k_mask[None, :, :] & (tl.full([1, 1, 1], m, tl.int32) < M)
+            x = tl.load(x_ptr + m * stride_xm + at_w, mask=x_mask, other=0.0).to(tl.float32)
+            part = tl.sum(w * x, axis=2)[:, :, None]
+            if rows == 1:
+                acc += part
+            else:
+                acc += tl.where(tl.arange(0, rows)[None, None, :] == m, part, 0.0)
+    else:  # GEMM: acc [BLOCK_M, BLOCK_N]
+        width: tl.constexpr = w.shape[1] * w.shape[2]
+        cols = tl.reshape(ks, [width])
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
                     other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        wt = tl.reshape(w, [w.shape[0], width]).to(x.dtype)
+        acc = tl.dot(x, tl.trans(wt), acc, input_precision=PRECISION)
+    return acc
+
+
+@_jit
+def _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, M, K,
+          QTYPE: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
+    """acc plus groups g2 [GROUPS, 1] of the rows at row [BLOCK_N, 1, 1] (mask [BLOCK_N, GROUPS, 1]: row and
+    group in range; tl.load broadcasts it over a group's bytes, so it stays constant along them and the byte
+    loads can be vectors) times x. l2 [1, PIECE]: a byte's place in its group's code vector."""
+    g = g2[None, :, :]  # [1, GROUPS, 1]
+    l = l2[None, :, :]  # [1, 1, PIECE]
+    if QTYPE == 8:  # Q8_0: a group is a block
+        blk = row + g * 34
+        w = _f16(blk, mask) * _i8(blk + 2 + l, mask)
+        acc = _use(acc, w, g2 * 32 + l2, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+    elif QTYPE == 2 or QTYPE == 3:  # Q4_0, Q4_1: a group is a block; low nibbles weights 0..15, high 16..31
+        if QTYPE == 2:
+            blk = row + g * 18
+            q = _u8(blk + 2 + l, mask)
+            d = _f16(blk, mask)
+            lo = d * ((q & 15).to(tl.float32) - 8.0)
+            hi = d * ((q >> 4).to(tl.float32) - 8.0)
+        else:
+            blk = row + g * 20
+            q = _u8(blk + 4 + l, mask)
+            d = _f16(blk, mask)
+            mn = _f16(blk + 2, mask)
+            lo = d * (q & 15).to(tl.float32) + mn
+            hi = d * (q >> 4).to(tl.float32) + mn
+        acc = _use(acc, lo, g2 * 32 + l2, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, hi, g2 * 32 + 16 + l2, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: a group is chunk c of super-block sb (sub-blocks 2c, 2c+1)
+        sb = g // 4
+        c = g % 4
+        if QTYPE == 12:
+            blk = row + sb * 144
+            q = _u8(blk + 16 + 32 * c + l, mask)
+            lo = q & 15
+            hi = q >> 4
+        else:
+            blk = row + sb * 176
+            q = _u8(blk + 48 + 32 * c + l, mask)
+            qh = _u8(blk + 16 + l, mask)  # bit 2c: the low nibble's fifth bit, 2c + 1: the high one's
+            lo = (q & 15) | (((qh >> (2 * c)) & 1) << 4)
+            hi = (q >> 4) | (((qh >> (2 * c + 1)) & 1) << 4)
+        d = _f16(blk, mask)
+        dmin = _f16(blk + 2, mask)
+        sc0, mn0 = _scale_min_k4(blk + 4, 2 * c, mask)
+        sc1, mn1 = _scale_min_k4(blk + 4, 2 * c + 1, mask)
+        acc = _use(acc, d * sc0 * lo.to(tl.float32) - dmin * mn0, g2 * 64 + l2, x_ptr, stride_xm, offs_m, m_mask,
+                   M, K, MODE, PRECISION)
+        acc = _use(acc, d * sc1 * hi.to(tl.float32) - dmin * mn1, g2 * 64 + 32 + l2, x_ptr, stride_xm, offs_m,
+                   m_mask, M, K, MODE, PRECISION)
+    else:  # Q6_K: a group is half h of super-block sb, columns 16u..16u+15 of its four quarters t
+        sb = g // 4
+        h = (g // 2) % 2
+        u = g % 2
+        blk = row + sb * 210
+        qa = _u8(blk + 64 * h + 16 * u + l, mask)  # quarters 0 (low nibbles) and 2 (high)
+        qb = _u8(blk + 64 * h + 16 * u + 32 + l, mask)  # quarters 1 and 3
+        qh = _u8(blk + 128 + 32 * h + 16 * u + l, mask)  # two high bits for each quarter
+        d = _f16(blk + 208, mask)
+        sc = blk + 192 + 8 * h + u  # quarter t's int8 scale at sc + 2t
+        ks = (g2 // 2) * 128 + (g2 % 2) * 16 + l2
+        q0 = ((qa & 15) | ((qh & 3) << 4)).to(tl.float32) - 32.0
+        q1 = ((qb & 15) | (((qh >> 2) & 3) << 4)).to(tl.float32) - 32.0
+        q2 = ((qa >> 4) | (((qh >> 4) & 3) << 4)).to(tl.float32) - 32.0
+        q3 = ((qb >> 4) | (((qh >> 6) & 3) << 4)).to(tl.float32) - 32.0
+        acc = _use(acc, d * _i8(sc, mask) * q0, ks, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, d * _i8(sc + 2, mask) * q1, ks + 32, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, d * _i8(sc + 4, mask) * q2, ks + 64, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+        acc = _use(acc, d * _i8(sc + 6, mask) * q3, ks + 96, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
+    return acc
+
+
+@_jit
+def _gguf_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
+                 QTYPE: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUPS: tl.constexpr, GROUP_K: tl.constexpr, PIECE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr, PRECISION: tl.constexpr):
+    pdl_begin(PDL)
+    if MODE == 1:
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N, GROUPS, BLOCK_M], tl.float32)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    row = w_ptr + offs_n.to(tl.int64)[:, None, None] * row_bytes
+    l2 = tl.arange(0, PIECE)[None, :]
+    n_groups = K // GROUP_K
+    pdl_wait(PDL)
+    for g0 in range(0, n_groups, GROUPS):
+        g2 = g0 + tl.arange(0, GROUPS)[:, None]
+        mask = n_mask[:, None, None] & (g2 < n_groups)[None, :, :]
+        acc = _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, M, K, QTYPE, MODE, PRECISION)
+    if MODE == 1:
+        y = acc
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+    else:  # [BLOCK_N, BLOCK_M]: stored transposed
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
 
 
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
-                     out: torch.Tensor, pdl: bool = False) -> None:
+                     out: torch.Tensor, pdl: bool = False, tiles: GGUFTiles | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
-    slice of a wider tensor (its rows strided, its columns contiguous). One kernel; none at M = 0."""
+    slice of a wider tensor (its rows strided, its columns contiguous). One kernel; none at M = 0. tiles:
+    choose_tiles's unless given (the benchmark's sweep)."""
     m, k = x.shape
     n = blocks.shape[0]
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.shape == (m, n) and out.stride(-1) == 1
     assert qtype in KERNEL_TYPES, f"no GGUF kernel for ggml type {qtype}"
     if m == 0:
         return
-    common = dict(QTYPE=qtype, HAS_BIAS=bias is not None, PDL=pdl, **launch_options(pdl))
-    args = (x, blocks, bias if bias is not None else x, out, m, n, k, blocks.shape[1], x.stride(0), out.stride(0))
-    if m <= GEMV_MAX_ROWS:
-        block_n = 4 if n >= 4096 else 2
-        _gemv_kernel[(triton.cdiv(n, block_n),)](*args, M_PAD=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n,
-                                                BLOCK_K=256 if m <= 2 else 128, num_warps=4, **common)
-    else:
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
-        # float32 activations would default to TF32 on the tensor cores (10-bit mantissa): keep fp32 exact, as the
-        # GEMV rows and the float32 reference runs need.
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        _gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
-                           DOT_PRECISION=precision, **common)
+    tiles = tiles or choose_tiles(qtype, m, n, k)
+    mode = tiles.mode()
+    assert mode == GEMM or tiles.block_m >= m, f"GEMV tiles hold {tiles.block_m} rows, not {m}"
+    group_k, piece, _ = GROUPING[qtype]
+    grid = (triton.cdiv(n, tiles.block_n),) if mode == GEMV else (triton.cdiv(m, tiles.block_m),
+                                                                  triton.cdiv(n, tiles.block_n))
+    # float32 activations would default to TF32 on the tensor cores (10-bit mantissa): keep fp32 exact, as the
+    # GEMV rows and the float32 reference runs need.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _gguf_kernel[grid](x, blocks, bias if bias is not None else x, out, m, n, k, blocks.shape[1], x.stride(0),
+                       out.stride(0), QTYPE=qtype, MODE=mode, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                       GROUPS=tiles.groups, GROUP_K=group_k, PIECE=piece, HAS_BIAS=bias is not None, PDL=pdl,
+                       PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                       **launch_options(pdl))
