@@ -352,8 +352,8 @@ class EngineArgs:
     def graph_config(self, device_is_cuda: bool) -> GraphConfig:
         if self.enforce_eager or not device_is_cuda:
             return GraphConfig(True, (), self.cuda_graph_fallback, self.skip_graph_check)
-        rows = self.max_num_seqs * decode_rows_per_sequence(speculative_config(self))  # a step's most decode rows
-        sizes = plan_capture_sizes(rows, self.cuda_graph_sizes, self.max_cuda_graph_size)
+        sizes = plan_capture_sizes(self.max_num_seqs, self.cuda_graph_sizes, self.max_cuda_graph_size,
+                                   decode_rows_per_sequence(speculative_config(self)))
         prefill = plan_prefill_graph_tokens(self._max_num_batched_tokens(), self.prefill_graph_tokens)
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
                            min(self.prefill_graph_max_seqs, self.max_num_seqs), self.mixed_step)

@@ -39,19 +39,23 @@ def plan_capture_sizes(
     max_num_seqs: int,
     cuda_graph_sizes: Sequence[int] | None = None,
     max_cuda_graph_size: int | None = None,
+    rows_per_sequence: int = 1,
 ) -> tuple[int, ...]:
     """The batch sizes to capture, ascending.
 
     Default: 1, 2, 4, then steps of 8 up to min(max_cuda_graph_size or 256, max_num_seqs), that cap
     included. An explicit list is sorted and deduplicated; sizes above max_num_seqs (a decode batch never
     has more sequences) or above max_cuda_graph_size are dropped with a WARNING saying why.
+    rows_per_sequence: the decode rows a sequence may take in a step (k + 1 with speculation,
+    speculative_config.decode_rows_per_sequence); the largest decode batch is max_num_seqs times it.
     """
     if max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
     if max_cuda_graph_size is not None and max_cuda_graph_size < 1:
         raise ConfigError(f"--max-cuda-graph-size must be >= 1, got {max_cuda_graph_size}")
+    max_rows = max_num_seqs * rows_per_sequence
     if cuda_graph_sizes is None:
-        return default_capture_sizes(max_num_seqs, max_cuda_graph_size or 256)
+        return default_capture_sizes(max_rows, max_cuda_graph_size or 256)
 
     sizes = tuple(cuda_graph_sizes)
     bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
@@ -59,8 +63,9 @@ def plan_capture_sizes(
         raise ConfigError(f"--cuda-graph-sizes must be positive integers, got {list(sizes)}")
     kept, dropped = [], []
     for size in sorted(set(sizes)):
-        if size > max_num_seqs:
-            dropped.append(f"{size} (above --max-num-seqs {max_num_seqs}: no decode batch is that large)")
+        if size > max_rows:
+            per_seq = "" if rows_per_sequence == 1 else f" x {rows_per_sequence} verify positions a sequence"
+            dropped.append(f"{size} (above --max-num-seqs {max_num_seqs}{per_seq}: no decode batch is that large)")
         elif max_cuda_graph_size is not None and size > max_cuda_graph_size:
             dropped.append(f"{size} (above --max-cuda-graph-size {max_cuda_graph_size})")
         else:

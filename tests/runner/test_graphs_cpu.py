@@ -97,6 +97,13 @@ def test_explicit_sizes_sorted_deduplicated_and_filtered_with_a_reason(caplog):
     assert "600 (above --max-num-seqs 64" in text and "48 (above --max-cuda-graph-size 32)" in text
 
 
+def test_speculation_plans_graphs_for_every_verify_position_of_every_sequence(caplog):
+    assert plan_capture_sizes(8, rows_per_sequence=5)[-1] == 40  # 8 sequences x (k = 4) + 1 rows
+    with caplog.at_level(logging.WARNING, logger="ostinato.runner.graphs"):
+        assert plan_capture_sizes(8, [1, 40, 48], rows_per_sequence=5) == (1, 40)
+    assert "48 (above --max-num-seqs 8 x 5 verify positions a sequence" in caplog.text
+
+
 @pytest.mark.parametrize("sizes, match", [([512], "none of --cuda-graph-sizes"), ([0, 4], "positive"),
                                           ([], "positive"), ([True], "positive")])
 def test_unusable_explicit_sizes(sizes, match):
