@@ -139,3 +139,18 @@ def test_the_offline_api_defaults_to_the_larger_step_budget_and_keeps_a_given_on
     # The engine itself (the server's) keeps the latency-minded default.
     args = EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
     assert args.scheduler_config(given.engine.model_config).max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def test_seeded_top_k_and_top_p_rows_draw_the_same_tokens_after_a_preemption(tmp_path_factory):
+    """A recomputed sequence draws its next token in a prefill step, with counter num_generated; every other
+    token comes from a decode step, whose top-k / top-p re-draw must use the same counter for it (on a CPU the
+    decode rows it reads are the very rows the step advances)."""
+    prompts = [[5, 6, 7, 8, 9, 5], [1, 2, 3, 1], list(range(10, 30)), [7, 7, 7], [3, 4, 5, 6], [9, 8, 7, 9]]
+    params = [SamplingParams(temperature=0.8, seed=s, top_k=5, top_p=0.95 if s % 2 else 1.0, max_tokens=20,
+                             ignore_eos=True) for s in range(len(prompts))]
+    roomy = tiny_llm(tmp_path_factory, "preempt-ckpt", num_kv_blocks=64, max_model_len=64, block_size=4)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    tight = tiny_llm(tmp_path_factory, "preempt-ckpt", num_kv_blocks=20, max_model_len=64, block_size=4)
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == want
+    assert tight.engine.stats().num_preemptions > 0
+    _assert_clean(tight)

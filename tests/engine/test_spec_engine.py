@@ -141,6 +141,25 @@ def test_seeded_rows_give_the_tokens_and_logprobs_of_plain_decoding(ckpt, plain)
     assert llm.engine.stats().spec_decode_accepted_tokens > 0
 
 
+FILTERED = [SamplingParams(temperature=0.8, seed=7, top_k=5, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=8, top_p=0.9, max_tokens=16, ignore_eos=True, logprobs=1)]
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "ngram"])
+def test_seeded_top_k_and_top_p_rows_give_the_tokens_of_plain_decoding(ckpt, plain, proposer):
+    """Verify position j re-draws a filtered row with counter num_generated + j, the counter plain decoding's
+    re-draw after the replay uses for the same token. The oracle's runs are accepted over many positions; prompt
+    lookup's proposals are checked and (with these samples) rejected."""
+    want = tokens(plain[0].generate(PROMPTS[:2], FILTERED))
+    llm = with_oracle(make(ckpt), PROMPTS[:2], want) if proposer == "oracle" else make(ckpt)
+    assert tokens(llm.generate(PROMPTS[:2], FILTERED)) == want
+    st = llm.engine.stats()
+    assert st.spec_decode_draft_tokens > 0
+    if proposer == "oracle":
+        assert st.spec_decode_accepted_tokens > st.spec_decode_drafts  # runs longer than one token were accepted
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize("params, param", [
     (SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
     (SamplingParams(logit_bias={3: 1.0}), "logit_bias"),

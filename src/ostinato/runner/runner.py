@@ -353,16 +353,20 @@ class ModelRunner:
 
     def _decode_tokens(self, n: int, rows: torch.Tensor, logits: torch.Tensor, masks: GrammarMasks | None
                        ) -> PendingStep:
-        """The decode rows' tokens are in step.sampled[:n] (logits [n, vocab]): advance the rows, finish the
-        sampling where asked, and start the tokens' way to the host."""
+        """The decode rows' tokens are in step.sampled[:n] (logits [n, vocab]): finish the sampling where
+        asked, advance the rows, and start the tokens' way to the host."""
         batch, step = self.decode_batch, self.decode_step
         seq_ids = list(batch.rows.seq_ids)
         if masks is not None:  # constrained rows: masked and drawn again, eagerly after the replay
             constrain_decode(logits, rows, step.sampled[:n], seq_ids, masks, self.config.batch_invariant)
-        batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
+        sampled = None
         if batch.needs_finish:  # top-k / top-p rows, or logprobs asked: eager work on the static logits
+            # Before advance: the re-draw reads the rows' counters, and on a CPU the device rows are the host
+            # rows advance moves on, so after it a top-k / top-p row would draw with its next token's counter.
             # A clone, not a view: the next step's replay overwrites step.sampled before these are read.
             sampled = finish_sampling(logits, step.sampled[:n].clone(), batch.sampling(rows[:n]))
+        batch.advance(n)  # next step: one position on, feeding placeholders for these tokens
+        if sampled is not None:
             step.sampled[:n].copy_(sampled.token_ids)  # the next step's placeholders read the final tokens
             return PendingStep(seq_ids=seq_ids, sampled=sampled)
         if self._sampled_np is not None:  # CPU: the step ran, its tokens are in host memory already
