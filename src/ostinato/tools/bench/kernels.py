@@ -23,8 +23,8 @@ from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, replay_ms, rows_lo
 KERNEL_CLASSES = (
     ("attention", ("_decode_split_kernel",)),
     ("kv write", ("_write_kv_kernel",)),
-    ("projections", ("_gemv_kernel", "_skinny_kernel", "_fp8_mma_kernel", "_w8a8_kernel", "gemm", "gemv", "nvjet",
-                     "cutlass", "xmma", "splitk", "cublas")),
+    ("projections", ("_gemv_kernel", "_skinny_kernel", "_fp8_mma_kernel", "_fp8_stream_kernel", "_w8a8_kernel",
+                     "_gguf_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("fp8 activation quantization", ("_quantize_tokens_kernel",)),
     ("norms", ("_rms_norm_kernel",)),
     ("q/k norm + rope", ("_qk_norm_rope_kernel",)),
