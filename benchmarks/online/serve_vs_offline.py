@@ -156,7 +156,8 @@ def _child_serve(ns, engine_argv: list[str]) -> None:
     logging.basicConfig(level="WARNING")
     serve_ns = build_parser().parse_args(["--log-level", "WARNING", "serve", ns.model, "--port", str(ns.port),
                                           "--host", "127.0.0.1", *engine_argv]
-                                         + (["--engine-thread"] if ns.engine_thread else []))
+                                         + (["--engine-thread"] if ns.engine_thread else [])
+                                         + ["--loop", ns.server_loop])
     factory = functools.partial(noop_forward.build_engine, step_ms=ns.noop_forward_ms) if ns.noop_forward \
         else build_engine
     if ns.profile and not ns.engine_thread:
@@ -278,6 +279,8 @@ def main() -> int:
                    help="with --noop-forward: each step sleeps this long, like a GPU forward (e.g. 3.5)")
     p.add_argument("--engine-thread", action="store_true",
                    help="serve with the engine on a thread of the server's process (serve --engine-thread)")
+    p.add_argument("--server-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="the server's event loop (serve --loop)")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile the server's event loop (DIR/front.prof), its engine core (DIR/core.prof) and "
                         "the load generator (DIR/client.prof), and print where each spends its time")
@@ -437,6 +440,9 @@ def _independent_client(ns) -> dict:
     except subprocess.TimeoutExpired:
         raise SystemExit(f"the independent client did not finish within --load-timeout {ns.load_timeout:g} s; "
                          f"the server holds {_server_state(ns.port)}") from None
+    if res.returncode != 0:
+        raise SystemExit(f"the independent client exited {res.returncode} (its error is above; it needs aiohttp); "
+                         "--no-independent-client skips it")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

@@ -61,6 +61,9 @@ def register(subparsers) -> None:
                    help="on SIGTERM or Ctrl-C, let requests in flight finish for at most S seconds, then end the "
                         f"rest with an error event; /health says 503 draining meanwhile (default: "
                         f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="the front's event loop: uvloop (libuv, in C) writes each streamed chunk with less CPU "
+                        "than asyncio's own loop; auto takes uvloop where it is installed (default: auto)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of in its own process "
                         "(slower: the engine and the HTTP work then share one GIL)")
@@ -91,6 +94,19 @@ def api_keys_from(ns: argparse.Namespace) -> list[str]:
     if not keys and os.environ.get("OSTINATO_API_KEY"):
         keys.append(os.environ["OSTINATO_API_KEY"])
     return keys
+
+
+def event_loop_factory(choice: str):
+    """The loop factory for --loop: uvloop's where asked for or, with auto, installed; None for asyncio's own."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError("--loop uvloop: uvloop is not installed (pip install uvloop), or use --loop asyncio")
+        return None
+    return uvloop.new_event_loop
 
 
 class HoldUntilReady(logging.Filter):
@@ -159,7 +175,8 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
     uvicorn_logger.addFilter(hold)
 
     async def main() -> int:
-        logger.info("loading %s; until it is ready /health answers 503", args.model)
+        logger.info("loading %s; until it is ready /health answers 503 (event loop: %s)", args.model,
+                    type(asyncio.get_running_loop()).__module__.split(".")[0])
         async_engine.start()
         serving = asyncio.create_task(server.serve())
         drain = asyncio.create_task(server.drain(async_engine))
@@ -192,8 +209,10 @@ def run(ns: argparse.Namespace, engine_factory=build_engine) -> int:
             return 1 if server.engine_died is not None else 0
         return 1 if engine_died.done() and not engine_died.cancelled() else 0
 
+    loop_factory = event_loop_factory(ns.loop)
     try:
-        return asyncio.run(main())
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(main())
     finally:
         uvicorn_logger.removeFilter(hold)
         async_engine.shutdown()

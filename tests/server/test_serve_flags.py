@@ -44,3 +44,21 @@ def test_the_readme_states_the_defaults():
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert "`--engine-stall-timeout` seconds (60)" in readme
     assert "`--engine-kill-timeout` (120)" in readme and "`--shutdown-timeout` seconds (20" in readme
+
+
+def test_the_event_loop_is_uvloop_where_installed_and_asyncio_on_request():
+    import uvloop
+
+    assert parse().loop == "auto"
+    assert serve_command.event_loop_factory("auto") is uvloop.new_event_loop
+    assert serve_command.event_loop_factory("uvloop") is uvloop.new_event_loop
+    assert serve_command.event_loop_factory("asyncio") is None
+
+
+def test_without_uvloop_auto_falls_back_and_asking_for_it_says_what_to_do(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    assert serve_command.event_loop_factory("auto") is None
+    with pytest.raises(ConfigError, match="pip install uvloop.*--loop asyncio"):
+        serve_command.event_loop_factory("uvloop")

@@ -55,7 +55,7 @@ def test_serve_shows_the_core_start_up_and_announces_running_once_ready(ckpt):
 
     kv_cache = first("ostinato.runner.kv_setup: KV cache: 16 blocks")  # logged by the engine core process
     first("no CUDA device: decode runs eager")
-    loading = first("until it is ready /health answers 503")
+    loading = first("until it is ready /health answers 503 (event loop: uvloop)")  # a dependency on Linux
     ready = first("ostinato.server.app: serving ")
     running = first("Uvicorn running on http://127.0.0.1:")
     assert loading < kv_cache < running and ready - 1 <= running <= ready + 1, text
