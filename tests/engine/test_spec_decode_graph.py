@@ -101,11 +101,13 @@ def test_seeded_and_logprobs_rows_give_the_tokens_of_plain_decoding(ckpt, plain)
 
 
 def test_top_k_and_top_p_rows_draw_as_on_the_prefill_path(ckpt, plain):
-    """Re-drawn after the replay as the prefill path draws them: the same tokens whichever path verified."""
+    """Re-drawn after the replay as the prefill path draws them: the same tokens whichever path verified, and
+    those of plain decoding."""
     params = [SamplingParams(temperature=0.8, seed=7, top_k=5, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=8, top_p=0.9, max_tokens=16, ignore_eos=True)]
     reference = tokens(plain[0].generate(PROMPTS[:2], params))
     want = tokens(with_oracle(make(ckpt), PROMPTS[:2], reference).generate(PROMPTS[:2], params))
+    assert want == reference
     llm = with_oracle(graph_llm(ckpt), PROMPTS[:2], reference)
     assert tokens(llm.generate(PROMPTS[:2], params)) == want
     assert llm.engine.stats().spec_decode_accepted_tokens > 0 and paths(llm)["decode graph"] > 0
