@@ -241,6 +241,54 @@ def test_oversized_headers_get_the_error_body(server):
     probe(server)
 
 
+def test_each_request_on_a_kept_alive_connection_has_its_own_head_bound_and_timer(server, engine):
+    """On one connection: three heads of 10 KB, each sent in two pieces, answer (the bound, 16 KB, is per head,
+    not per connection); a stream that outlasts --header-timeout (1 s here) is not cut by the head timer, and the
+    connection then serves the next request; a head over the bound still gets 431."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(10)
+        for _ in range(3):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 5_000)
+            time.sleep(0.05)  # the server reads the head in two pieces
+            sock.sendall(b"a" * 5_000 + b"\r\n\r\n")
+            assert _read_response(sock)[0] == 200
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 60, "min_tokens": 60, "temperature": 0,
+                           "stream": True}).encode()
+        engine.delay = 0.03  # 60 tokens: about 2 s of streaming
+        try:
+            t0 = time.monotonic()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            status, streamed = _read_response(sock)
+        finally:
+            engine.delay = 0.0
+        assert status == 200 and b"data: [DONE]" in streamed and time.monotonic() - t0 > 1.5
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(sock)[0] == 200
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (LIMITS.max_header_bytes + 100)
+                     + b"\r\n\r\n")
+        assert _read_response(sock)[0] == 431
+
+
+def _read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """One HTTP/1.1 response from a kept-alive connection: its status and body (by Content-Length, or chunked)."""
+    def more() -> bytes:
+        got = sock.recv(65536)
+        assert got, f"the server closed the connection mid-response, after {data + body!r:.300}"
+        return got
+
+    data = body = b""
+    while b"\r\n\r\n" not in data:
+        data += more()
+    head, body = data.split(b"\r\n\r\n", 1)
+    status = int(head.split(b" ", 2)[1])
+    length = [int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    while (len(body) < length[0]) if length else not body.endswith(b"\r\n0\r\n\r\n"):
+        body += more()
+    return status, body
+
+
 def _read_until_closed(sock: socket.socket, seconds: float) -> bytes:
     sock.settimeout(seconds)
     data = b""

@@ -37,7 +37,7 @@ class ServerLimits:
     max_stop: int = 16  # stop strings per request; also the count of stop_token_ids
     max_stop_len: int = 256  # characters per stop string
     max_logprobs: int = 20
-    max_header_bytes: int = 16 * 1024  # request line and headers (h11's receive buffer)
+    max_header_bytes: int = 16 * 1024  # request line and headers (server/http.py counts them)
     timeout_keep_alive: float = 5.0
     header_timeout: float = 10.0
     body_timeout: float = 30.0
