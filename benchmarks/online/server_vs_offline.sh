@@ -23,12 +23,12 @@ EXTRA=${EXTRA:-}
 LOAD_TIMEOUT=${LOAD_TIMEOUT:-600}  # seconds each load run may take before it stops and says what the server holds
 mkdir -p "$OUT"
 
-if ! python3 -c "import fastapi, uvicorn, pydantic, aiohttp" 2>/dev/null; then
+if ! python3 -c "import fastapi, uvicorn, httptools, uvloop, pydantic, aiohttp" 2>/dev/null; then
   if [ -z "${WHEELS:-}" ]; then
-    echo "fastapi, uvicorn, pydantic or aiohttp is missing: set WHEELS=DIR (a folder of their wheels)" >&2
+    echo "fastapi, uvicorn, httptools, uvloop, pydantic or aiohttp is missing: set WHEELS=DIR (a folder of their wheels)" >&2
     exit 1
   fi
-  python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn pydantic aiohttp
+  python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn httptools uvloop pydantic aiohttp
 fi
 
 for shape in $SHAPES; do
