@@ -283,7 +283,8 @@ def _read_response(sock: socket.socket) -> tuple[int, bytes]:
         data += more()
     head, body = data.split(b"\r\n\r\n", 1)
     status = int(head.split(b" ", 2)[1])
-    length = [int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    length = [int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+              if line.lower().startswith(b"content-length:")]
     while (len(body) < length[0]) if length else not body.endswith(b"\r\n0\r\n\r\n"):
         body += more()
     return status, body

@@ -7,8 +7,8 @@
   error body (uvicorn sends plain text). httptools itself buffers a header without bound until it is complete,
   so the head's bytes are counted here as they arrive.
 
-httptools (llhttp, in C) rather than h11: h11's Python state machine cost a streamed chunk about a third of the
-front's event-loop time (docs/PERFORMANCE.md, "The server against offline").
+httptools (llhttp, in C) rather than h11: with h11, whose state machine is Python, the front's event loop spent about a
+third more CPU per streamed token (docs/PERFORMANCE.md, "The server against offline").
 """
 
 from __future__ import annotations
