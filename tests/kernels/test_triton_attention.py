@@ -299,6 +299,60 @@ def test_split_launches_take_their_own_warps_and_pipeline_depth():
     assert [tuning.launch_for(splits, 512, 132) for splits in (1, 2, 16)] == [(2, 3), (2, 3), (2, 3)]
 
 
+# merge_tile_for_max_splits: the merge tile sized for max_splits (32 here, so every split count below pads past
+# its own power of two), lanes past the split count masked; a merge chunk of 8 slices makes the 20-way split loop.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim,group,splits,chunk_elems", [(64, 1, 2, 8192), (64, 2, 7, 8192),
+                                                               (128, 4, 20, 4 * 128 * 8)])
+def test_a_merge_tile_sized_for_max_splits_gives_the_reference(device, head_dim, group, splits, chunk_elems):
+    backend = backend_with(splits=splits, block_n=16, max_splits=32, merge_tile_for_max_splits=True,
+                           merge_chunk_elems=chunk_elems)
+    out, ref = run_decode(device, torch.float32, [1, 16, 17, 33, 400], group, num_kv_heads=2, head_dim=head_dim,
+                          backend=backend)
+    assert_close_to_reference(out, ref, torch.float32)
+    assert not backend.split_counters.get(out.device, 0).any()
+
+
+def split_launch_keys(tuning: DecodeTuning, batches, num_kv_heads: int, group: int, head_dim: int, max_context: int):
+    """What Triton keys a compile of the decode kernel by (its constexprs and launch options, and the ==1 / %16
+    specialisation of its int arguments) for each split launch a capture at these batch sizes makes, on a
+    132-SM GPU: the launches handed to a compile-ahead pass (kernels/deferred_launch.py), not run."""
+    from unittest import mock
+
+    from ostinato.kernels import decode_attention
+    from ostinato.kernels.deferred_launch import compiling_instead
+    from ostinato.kernels.split_counters import SplitCounters
+
+    keys = set()
+
+    def sink(kernel, grid, args, kwargs):
+        if kwargs["SPLIT"]:
+            ints = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int) and not isinstance(a, bool))
+            keys.add((tuple(sorted(kwargs.items())), ints))
+
+    block_size = 16
+    k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim)
+    with mock.patch.object(decode_attention, "num_sms", lambda device: 132), compiling_instead(sink):
+        for b in batches:
+            q = torch.zeros(b, num_kv_heads * group, head_dim)
+            tables = torch.zeros(b, max_context // block_size, dtype=torch.int32)
+            decode_attention.paged_decode(q, k_cache, k_cache, tables, torch.ones(b, dtype=torch.int32), 0.125,
+                                          group, tuning, SplitCounters())
+    return keys
+
+
+def test_a_merge_tile_sized_for_max_splits_compiles_one_kernel_where_each_split_count_compiled_its_own():
+    """The batch sizes a capture plans up to 64, with llama-3.1-8b's heads and an 8,192-token table: batches 1,
+    2, 4, 8 and 16 split 64, 33, 16, 8 and 4 ways to fill the GPU, and the larger ones 4 ways with the unsplit
+    warps and stages (no program scans over max_keys_per_program keys): six compiles, as many as a cold start
+    of the 8B compiled on the H200. With the merge tile sized for max_splits, the first five share one but for
+    the int argument num_splits (a multiple of 16 or not): three."""
+    batches = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    shape = dict(num_kv_heads=8, group=4, head_dim=128, max_context=8192)
+    assert len(split_launch_keys(DecodeTuning(), batches, **shape)) == 6
+    assert len(split_launch_keys(DecodeTuning(merge_tile_for_max_splits=True), batches, **shape)) == 3
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_with_the_chosen_split_count_at_batch_one(device):
     # Batch 1 is where splitting matters; the CPU pretends to have 4 SMs, so this splits 8 ways.

@@ -358,7 +358,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         part_out = part_max = part_sum = out  # unused: the kernel writes `out` directly
     arrivals = counters.get(q.device, num_seqs * num_kv_heads) if splits > 1 else out  # unused unsplit
-    splits_pad = triton.next_power_of_2(splits)
+    splits_pad = triton.next_power_of_2(tuning.merge_slices(splits))
     merge_group = triton.next_power_of_2(group)
     # Merge tile [merge_group, chunk, head_dim_pad] of at most merge_chunk_elems fp32 (DecodeTuning says why).
     merge_chunk = max(1, min(splits_pad, tuning.merge_chunk_elems // (merge_group * head_dim_pad)))

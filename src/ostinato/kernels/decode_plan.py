@@ -46,6 +46,12 @@ class DecodeTuning:
         Batch 1 at a context of 4096 or more runs 64 slices, 8 round trips at 4096 elements (group 4, head_dim
         128) and 4 at 8192. Fewer round trips win at long contexts and cost a few registers at short ones;
         16384 spills.
+    merge_tile_for_max_splits: size every split launch's merge tile (SPLITS_PAD, MERGE_CHUNK) for max_splits
+        rather than for its own split count, lanes past the split count masked. The split count then changes
+        no compile-time constant, so a shape's split launches share one compiled kernel, where each split count
+        otherwise compiles its own (a cold start compiles them one after another in the capture's critical
+        path). Off: what it costs a launch of few splits (a wider merge tile, hence more registers) has not
+        been measured on a GPU.
     split_num_stages: num_stages of a launch that splits the context to fill idle SMs (launch_for).
         Such a launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
         on their latency; software pipelining then only adds a prologue. An unsplit launch, whose programs walk
@@ -66,6 +72,7 @@ class DecodeTuning:
     split_num_warps: int = 4
     split_num_stages: int = 1
     merge_chunk_elems: int = 8192
+    merge_tile_for_max_splits: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -78,6 +85,10 @@ class DecodeTuning:
             raise ConfigError(f"decode splits must be >= 1 or None, got {self.splits}")
         if self.late_trigger_programs < 0:
             raise ConfigError(f"decode late_trigger_programs must be >= 0, got {self.late_trigger_programs}")
+
+    def merge_slices(self, splits: int) -> int:
+        """The slice count a launch of `splits` slices sizes its merge tile for (merge_tile_for_max_splits)."""
+        return max(splits, self.max_splits) if self.merge_tile_for_max_splits and splits > 1 else splits
 
     def launch_for(self, splits: int, batch_programs: int, num_sms: int) -> tuple[int, int]:
         """(num_warps, num_stages) of a launch of `splits` slices whose batch alone makes `batch_programs`
