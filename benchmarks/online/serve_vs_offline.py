@@ -309,9 +309,12 @@ def main() -> int:
         os.makedirs(ns.profile, exist_ok=True)
         ns.profile = os.path.abspath(ns.profile)
         me += ["--profile", ns.profile]  # the server child profiles itself and its engine core
+    import atexit
+    import shutil
     import tempfile
 
     gc_log = tempfile.mkdtemp(prefix="serve-vs-offline-gc-")
+    atexit.register(shutil.rmtree, gc_log, True)  # however the run ends (its reports read it before)
     me += ["--gc-log", gc_log]
     t0 = time.monotonic()
 
