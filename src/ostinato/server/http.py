@@ -90,13 +90,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(_raw_error(status, reason, message))
         self.transport.close()
 
-    def _no_response_in_progress(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+    def _waiting_for_head(self) -> bool:
+        """A head is awaited, no response of ours is being written and the connection is open."""
+        no_response = self.cycle is None or self.cycle.response_complete
+        return self._awaiting_head and no_response and not self.transport.is_closing()
 
     def _watch_head(self) -> None:
         """Arm the timer while a head is awaited and no response is being written (once per head, so trickled
         bytes do not extend it); disarm it once the head has arrived."""
-        waiting = self._awaiting_head and self._no_response_in_progress() and not self.transport.is_closing()
+        waiting = self._waiting_for_head()
         if waiting and self._head_timer is None:
             self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
         elif not waiting:
@@ -109,7 +111,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if not self._awaiting_head or not self._no_response_in_progress() or self.transport.is_closing():
+        if not self._waiting_for_head():
             return
         self.transport.write(_raw_error(408, "Request Timeout", "the request line and headers did not arrive "
                                         f"within {self.header_timeout:g} s; send them at once"))
