@@ -3,7 +3,8 @@ projection shapes, per type, at a few batch sizes: microseconds per call, GB/s o
 type's blocks and scales, or the bf16 weight) and that over the H200's measured HBM read bandwidth.
 
 Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to defeat L2, median per call.
-Each GGUF call is checked against the dequantized weight's F.linear (relative error printed).
+Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). Above GEMV_MAX_ROWS
+the rows "TYPE" take gguf_gemv.GEMM_PATH's way and "TYPE fused" the tensor-core GEMM that decodes in the kernel.
 --sweep instead times each candidate tile setting (gguf_gemv.GGUFTiles) over the four projections and prints, per
 type and batch, the settings by total time beside choose_tiles's own pick: the table choose_tiles is read off.
 
@@ -68,6 +69,8 @@ def main() -> int:
                 err = ((layers[0].linear(x, pdl=pdl).float() - ref).norm() / ref.norm()).item()
                 us = time_graph(lambda i: layers[i].linear(x, pdl=pdl), copies)
                 rows.append({**_row(name, m, type_name, layers[0].weight_bytes(), us), "rel_err": err})
+                if m > GEMV_MAX_ROWS:
+                    rows.append(_fused_row(name, m, type_name, layers, x, ref, pdl))
     print("| projection | rows | type | us | GB/s | of HBM | rel. error |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
@@ -77,6 +80,18 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _fused_row(name, m, type_name, layers, x, ref, pdl) -> dict:
+    """The tensor-core GEMM that decodes inside the kernel (choose_tiles's GEMM tiles), beside GEMM_PATH's way."""
+    n, k = layers[0].out_features, layers[0].in_features
+    tiles = choose_tiles(layers[0].qtype, m, n, k)
+    out = torch.empty(m, n, device="cuda", dtype=x.dtype)
+    gguf_linear_into(x, layers[0].blocks, layers[0].qtype, None, out, pdl, tiles)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    us = time_graph(lambda i: gguf_linear_into(x, layers[i].blocks, layers[i].qtype, None, out, pdl, tiles),
+                    len(layers))
+    return {**_row(name, m, f"{type_name} fused", layers[0].weight_bytes(), us), "rel_err": err}
 
 
 def candidates(qtype: int, m: int) -> list[GGUFTiles]:

@@ -1,5 +1,6 @@
 """GGUF blocks kept quantized: the torch dequantizers equal the `gguf` library's, and the Triton kernels (GEMV at
-a few rows, tensor-core GEMM above) equal its dequantize-then-matmul in float64, for every type with a kernel."""
+a few rows; above, the dense slices multiplied by torch.mm, or the tensor-core GEMM) equal its
+dequantize-then-matmul in float64, for every type with a kernel."""
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def test_torch_dequantize_equals_the_gguf_library(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
-@pytest.mark.parametrize("m", [1, 3, 11])  # GEMV (1, 3 rows: ragged M_PAD) and the tensor-core GEMM (11)
+@pytest.mark.parametrize("m", [1, 3, 11])  # GEMV (1, 3 rows: ragged M_PAD) and GEMM_PATH's (11)
 def test_kernel_equals_dequantize_then_matmul(qtype, m):
     block = KERNEL_TYPES[qtype][1]
     n, k = 5, 2 * 256 + (block if block == 32 else 256)  # ragged: N not a tile multiple, K not of BLOCK_K
@@ -64,6 +65,39 @@ def test_every_tile_setting_covers_all_of_k_and_n(qtype, m, tiles):
     gguf_linear_into(x, torch.from_numpy(blocks), qtype, None, out, tiles=GGUFTiles(*tiles))
     ref = _reference(x, blocks, qtype)
     np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
+def test_dequantize_kernel_equals_the_gguf_library(qtype):
+    """Every weight, N not a multiple of the kernel's rows, K ragged against its groups a program."""
+    from ostinato.kernels.gguf_gemv import gguf_dequantize_into
+
+    n, k = 11, 3 * 256 + (32 if KERNEL_TYPES[qtype][1] == 32 else 0)
+    blocks = _blocks(qtype, n, k, seed=3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.full((n, k), float("nan"), device=dev)
+    gguf_dequantize_into(torch.from_numpy(blocks).to(dev), qtype, out)
+    np.testing.assert_allclose(out.cpu().numpy(), gguf_quants.dequantize(blocks, qtype), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
+def test_dequantized_gemm_in_slices_writes_only_its_columns(qtype, monkeypatch):
+    """GEMM_PATH "dequant" with a scratch of 64 rows: W made in three slices (the last short), each multiplied
+    into its columns of a wider output, the bias added per slice; the columns beside stay untouched."""
+    from ostinato.kernels import gguf_gemv
+
+    n, k = 150, 256
+    monkeypatch.setattr(gguf_gemv, "DEQUANT_SCRATCH_BYTES", 64 * k * 4)
+    blocks = _blocks(qtype, n, k, seed=4)
+    bias = torch.randn(n)
+    x = torch.randn(gguf_gemv.GEMV_MAX_ROWS + 1, k)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    wide = torch.full((x.shape[0], n + 7), -5.0, device=dev)
+    gguf_gemv.gguf_linear_into(x.to(dev), torch.from_numpy(blocks).to(dev), qtype, bias.to(dev), wide[:, 3:3 + n])
+    wide = wide.cpu()
+    ref = _reference(x, blocks, qtype) + bias.double().numpy()
+    np.testing.assert_allclose(wide[:, 3:3 + n].double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert (wide[:, :3] == -5).all() and (wide[:, 3 + n:] == -5).all()
 
 
 def test_concat_of_mixed_types_writes_each_shards_columns():

@@ -15,6 +15,8 @@ Modes (MODE), one kernel:
       tile of x gets a layout of its own, and converting it each step goes through shared memory at several
       times the bytes the step reads from HBM.
     - GEMM (more rows, prefill): each piece, rounded to the activation dtype, feeds tl.dot (tensor cores).
+    - DEQUANT: each piece is stored, rounded to the activation dtype, into a dense weight (GEMM_PATH_DEQUANT
+      below: a slice of W at a time, then cuBLAS).
 With PDL (kernels/pdl.py) the kernel lets its dependent launch at once and waits before its K loop: the loop
 reads weights and activations together. Grids come from shapes only: CUDA-graph safe.
 """
@@ -31,7 +33,17 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 GEMV_MAX_ROWS = 8
-GEMV, GEMM = 0, 1
+GEMV, GEMM, DEQUANT = 0, 1, 2
+# Above GEMV_MAX_ROWS, how the product is made: "fused" decodes each weight inside a tensor-core GEMM (GEMM mode);
+# "dequant" decodes a slice of W's rows into a dense scratch of the activation dtype and multiplies it with
+# torch.mm (cuBLAS). Why the second: the fused GEMM decodes every weight once per BLOCK_M rows of x, into a layout
+# tl.dot then converts through shared memory, and runs far below cuBLAS; the dense slice costs one write and one
+# read of 2 bytes a weight, which cuBLAS's speed repays from a few rows on. The figures: docs/PERFORMANCE.md.
+GEMM_PATH = "dequant"
+# The dense scratch of GEMM_PATH "dequant" holds at most this many bytes (whole rows, at least 64): W is made in
+# slices of that many rows, so a large projection (gate|up, lm_head) never needs its whole dense copy.
+DEQUANT_SCRATCH_BYTES = 64 << 20
+DEQUANT_BLOCK_N = 8
 # Per type: (GROUP_K weights a group, PIECE weights a piece, pieces a group).
 GROUPING = {Q8_0: (32, 32, 1), Q4_0: (32, 16, 2), Q4_1: (32, 16, 2), Q4_K: (64, 32, 2), Q5_K: (64, 32, 2),
             Q6_K: (64, 16, 4)}
@@ -95,9 +107,14 @@ def _scale_min_k4(sc_ptr, s, mask):
 
 @_jit
 def _use(acc, w, ks, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE: tl.constexpr, PRECISION: tl.constexpr):
-    """acc plus the piece w [BLOCK_N, GROUPS, PIECE] (fp32 weights) times x's columns ks [GROUPS, PIECE]."""
+    """acc plus the piece w [BLOCK_N, GROUPS, PIECE] (fp32 weights) times x's columns ks [GROUPS, PIECE]. In
+    DEQUANT mode x is the dense weight being written instead: w stored at its rows offs_m (W's rows, [BLOCK_N],
+    in range where m_mask), columns ks; acc is returned as it came."""
     k_mask = ks < K
-    if MODE == 0:  # GEMV: acc [BLOCK_N, GROUPS, BLOCK_M]
+    if MODE == 2:
+        at = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm + ks[None, :, :]
+        tl.store(at, w.to(x_ptr.dtype.element_ty), mask=m_mask[:, None, None] & k_mask[None, :, :])
+    elif MODE == 0:  # GEMV: acc [BLOCK_N, GROUPS, BLOCK_M]
         rows: tl.constexpr = acc.shape[2]
         at_w = ks[None, :, :] + tl.zeros([w.shape[0], 1, 1], tl.int32)  # x's columns at w's shape
         for m in tl.static_range(rows):
@@ -228,16 +245,67 @@ def _gguf_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, row_bytes, stride_xm, st
                  mask=n_mask[:, None] & m_mask[None, :])
 
 
+@_jit
+def _gguf_dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, stride_om, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         GROUPS: tl.constexpr, GROUP_K: tl.constexpr, PIECE: tl.constexpr):
+    """out [N, K] (the activation dtype) = the weights of the GGUF rows [N, row_bytes]; a program takes BLOCK_N
+    rows, GROUPS groups at a time (grid: rows, then K in slices of GROUPS groups)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    row = w_ptr + offs_n.to(tl.int64)[:, None, None] * row_bytes
+    n_groups = K // GROUP_K
+    g2 = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]
+    mask = n_mask[:, None, None] & (g2 < n_groups)[None, :, :]
+    nothing = tl.zeros([1], tl.float32)
+    _step(nothing, row, mask, g2, tl.arange(0, PIECE)[None, :], out_ptr, stride_om, offs_n, n_mask, N, K, QTYPE, 2,
+          "ieee")
+
+
+def gguf_dequantize_into(blocks: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """out [N, K] (rows may be strided) = the weights of the GGUF rows blocks [N, row_bytes] of qtype, in out's
+    dtype. One kernel; none at N = 0."""
+    n, k = out.shape
+    assert blocks.is_contiguous() and blocks.shape[0] == n and out.stride(-1) == 1
+    if n == 0:
+        return
+    group_k, piece, _ = GROUPING[qtype]
+    groups = max(1, 256 // group_k)
+    grid = (triton.cdiv(n, DEQUANT_BLOCK_N), triton.cdiv(k // group_k, groups))
+    _gguf_dequant_kernel[grid](blocks, out, n, k, blocks.shape[1], out.stride(0), QTYPE=qtype,
+                               BLOCK_N=DEQUANT_BLOCK_N, GROUPS=groups, GROUP_K=group_k, PIECE=piece, num_warps=4)
+
+
+def gguf_matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
+                            out: torch.Tensor) -> None:
+    """out [M, N] = x @ W^T (+ bias) by GEMM_PATH "dequant": W's rows decoded a slice at a time into one dense
+    scratch of x's dtype (at most DEQUANT_SCRATCH_BYTES), each slice multiplied by torch.mm into its columns."""
+    m, k = x.shape
+    n = blocks.shape[0]
+    rows = max(64, DEQUANT_SCRATCH_BYTES // (k * x.element_size()) // 64 * 64)
+    scratch = torch.empty(min(rows, n), k, device=x.device, dtype=x.dtype)
+    for start in range(0, n, rows):
+        w = scratch[:min(rows, n - start)]
+        gguf_dequantize_into(blocks[start:start + w.shape[0]], qtype, w)
+        cols = out[:, start:start + w.shape[0]]
+        torch.mm(x, w.t(), out=cols)
+        if bias is not None:
+            cols += bias[start:start + w.shape[0]]
+
+
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
                      out: torch.Tensor, pdl: bool = False, tiles: GGUFTiles | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
-    slice of a wider tensor (its rows strided, its columns contiguous). One kernel; none at M = 0. tiles:
-    choose_tiles's unless given (the benchmark's sweep)."""
+    slice of a wider tensor (its rows strided, its columns contiguous). Up to GEMV_MAX_ROWS rows one kernel, above
+    them GEMM_PATH's way; nothing at M = 0. tiles: choose_tiles's unless given (the benchmark's sweep; given tiles
+    always run the one kernel, the GEMM mode from 16 rows)."""
     m, k = x.shape
     n = blocks.shape[0]
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.shape == (m, n) and out.stride(-1) == 1
     assert qtype in KERNEL_TYPES, f"no GGUF kernel for ggml type {qtype}"
     if m == 0:
+        return
+    if tiles is None and m > GEMV_MAX_ROWS and GEMM_PATH == "dequant":
+        gguf_matmul_dequantized(x, blocks, qtype, bias, out)
         return
     tiles = tiles or choose_tiles(qtype, m, n, k)
     mode = tiles.mode()

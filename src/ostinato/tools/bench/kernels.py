@@ -25,6 +25,7 @@ KERNEL_CLASSES = (
     ("kv write", ("_write_kv_kernel",)),
     ("projections", ("_gemv_kernel", "_skinny_kernel", "_fp8_mma_kernel", "_fp8_stream_kernel", "_w8a8_kernel",
                      "_gguf_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("gguf slices dequantized for cuBLAS", ("_gguf_dequant_kernel",)),
     ("fp8 activation quantization", ("_quantize_tokens_kernel",)),
     ("norms", ("_rms_norm_kernel",)),
     ("q/k norm + rope", ("_qk_norm_rope_kernel",)),
