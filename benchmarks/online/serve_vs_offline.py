@@ -3,10 +3,10 @@
 (the goal: the server within 5% of offline).
 
 Both runs use the same prompts (bench serve's random token ids), greedy, ignore_eos, exactly --output-len
-tokens each, and the same engine flags (everything after `--`), the step budget included: unless the flags set
---max-num-batched-tokens, LLM.generate runs at the server's default budget, not at the offline API's own 4x larger
-one (--offline-own-budget measures that instead). Each runs in its own process, one after the other, so they never
-share a GPU or a GIL; the load generator runs in this process. Every phase is logged with its start time, bench
+tokens each, and the same engine flags (everything after `--`), the step policy included: unless the flags set
+--max-prefill-tokens-while-decoding, LLM.generate runs with the server's default cap, not uncapped as the offline
+API defaults to (--offline-own-policy measures that instead). Each runs in its own process, one after the other,
+so they never share a GPU or a GIL; the load generator runs in this process. Every phase is logged with its start time, bench
 serve shows its progress, and a load run past --load-timeout stops with what the server still holds.
 
 On a GPU (the measurement in docs/PERFORMANCE.md):
@@ -41,14 +41,11 @@ import urllib.request
 
 
 def _child_offline(ns, engine_argv: list[str]) -> None:
-    from ostinato.cli_args import add_engine_args, engine_args_from
     from ostinato.engine.llm import LLM
     from ostinato.sampling_params import SamplingParams
     from ostinato.tools.bench.serve import make_prompts
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    llm = LLM.from_engine_args(engine_args_from(p.parse_args([ns.model, *engine_argv])))
+    llm = LLM.from_engine_args(_offline_engine_args(ns.model, engine_argv, ns.offline_own_policy))
     if ns.noop_forward:
         from ostinato.tools.bench import noop_forward
 
@@ -61,7 +58,24 @@ def _child_offline(ns, engine_argv: list[str]) -> None:
     duration, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     print(json.dumps({"output_tokens": tokens, "duration_s": duration, "output_throughput": tokens / duration,
-                      "cpu_s": cpu}))
+                      "cpu_s": cpu,
+                      "prefill_tokens_while_decoding": llm.engine.scheduler_config.max_prefill_tokens_while_decoding}))
+
+
+def _offline_engine_args(model: str, engine_argv: list[str], own_policy: bool):
+    """The offline run's EngineArgs from the server's flags. Unless own_policy or the flags set it, with the
+    server's cap on a decoding step's prompt tokens, so both sides run one step policy (LLM alone leaves the
+    step uncapped: docs/PERFORMANCE.md says what each buys)."""
+    from dataclasses import replace
+
+    from ostinato.cli_args import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = engine_args_from(p.parse_args([model, *engine_argv]))
+    if own_policy or args.max_prefill_tokens_while_decoding is not None:
+        return args
+    return replace(args, max_prefill_tokens_while_decoding=args.prefill_tokens_while_decoding())
 
 
 def _thread_cpu(pid: int) -> dict[int, float]:
@@ -237,17 +251,6 @@ def _host_limits() -> str:
             f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}")
 
 
-def _offline_argv(engine_argv: list[str]) -> list[str]:
-    """The offline run's engine flags: the server's step budget unless the flags set one, so that both sides run
-    the same policy (LLM.generate alone defaults to a 4x larger budget: docs/PERFORMANCE.md says what it buys)."""
-    if any(a == "--max-num-batched-tokens" or a.startswith("--max-num-batched-tokens=") for a in engine_argv):
-        return engine_argv
-    from ostinato.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
-
-    seqs = [int(engine_argv[i + 1]) for i, a in enumerate(engine_argv[:-1]) if a == "--max-num-seqs"]
-    return [*engine_argv, "--max-num-batched-tokens", str(max([DEFAULT_MAX_NUM_BATCHED_TOKENS, *seqs]))]
-
-
 def _wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -289,8 +292,9 @@ def main() -> int:
                    help="skip the second load run, by benchmarks/online/aiohttp_client.py, on the same server")
     p.add_argument("--summary-json", metavar="PATH",
                    help="write offline, bench serve and the independent client's figures here as one JSON object")
-    p.add_argument("--offline-own-budget", action="store_true",
-                   help="run LLM.generate at the offline API's own step budget default instead of the server's")
+    p.add_argument("--offline-own-policy", action="store_true",
+                   help="run LLM.generate at the offline API's own default (no cap on a decoding step's prompt "
+                        "tokens) instead of the server's step policy")
     p.add_argument("--load-timeout", type=float, default=600.0,
                    help="seconds each load run (bench serve, then the independent client) may take; past it the "
                         "run stops and says what the server still holds")
@@ -322,14 +326,14 @@ def main() -> int:
         print(f"[{time.monotonic() - t0:6.1f} s] {what}", flush=True)
 
     phase(_host_limits())
-    offline_argv = engine_argv if ns.offline_own_budget else _offline_argv(engine_argv)
-    phase(f"LLM.generate starts (engine flags: {' '.join(offline_argv)})")
-    res = subprocess.run([*me, "--child", "offline", "--", *offline_argv], check=True, stdout=subprocess.PIPE,
+    phase(f"LLM.generate starts (engine flags: {' '.join(engine_argv)})")
+    res = subprocess.run([*me, "--child", "offline", "--", *engine_argv], check=True, stdout=subprocess.PIPE,
                          text=True)
     offline = json.loads(res.stdout.strip().splitlines()[-1])
-    offline["engine_argv"] = offline_argv
+    offline["engine_argv"] = engine_argv
     phase(f"LLM.generate: {offline['output_tokens']} tokens in {offline['duration_s']:.2f} s = "
-          f"{offline['output_throughput']:.0f} output tok/s")
+          f"{offline['output_throughput']:.0f} output tok/s (a decoding step carried at most "
+          f"{offline['prefill_tokens_while_decoding']} prompt tokens)")
 
     phase(f"the server starts (engine flags: {' '.join(engine_argv)})")
     server = subprocess.Popen([*me, "--child", "serve", "--", *engine_argv])

@@ -2,7 +2,7 @@
 # The server against LLM.generate on the same work, with default settings: 64 and 256 streams, the qwen3-0.6b and
 # llama-3.1-8b shapes (random bf16 weights), 4 requests a stream of 256 prompt and 256 output tokens (greedy,
 # ignore_eos), --max-model-len 2048 --max-num-seqs STREAMS, one run each. Each point is
-# benchmarks/online/serve_vs_offline.py: LLM.generate at the server's step budget, then the server under
+# benchmarks/online/serve_vs_offline.py: LLM.generate at the server's step policy, then the server under
 # `ostinato bench serve`, then under the independent client benchmarks/online/aiohttp_client.py (its own prompts, so
 # the prefix cache the first run filled does not serve it). Prints one table; logs and JSON go to $OUT, each log
 # with the time every phase began (a point cut short by an outer bound shows where it was).

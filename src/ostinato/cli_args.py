@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ostinato.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_GRAPH_MAX_SEQS, MIXED_STEPS, OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_GRAPH_MAX_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS, MIXED_STEPS,
     PDL_MODES, EngineArgs, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
 )
 from ostinato.errors import ConfigError
@@ -48,12 +48,18 @@ def _queue_bound_help(default: int | None) -> str:
             "unbounded under a full KV cache)")
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
+def _prefill_cap_default(offline: bool) -> str:
+    if offline:
+        return "the step budget, no cap, as the offline API's"
+    return (f"the largest prefill graph, {DEFAULT_PREFILL_GRAPH_TOKENS[-1]} tokens unless --prefill-graph-tokens "
+            "says, less --max-num-seqs, and at least half that graph")
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False, runs_llm: bool = False,
                     max_queued_requests: int | None = None) -> None:
-    """The engine flags. offline: a command that runs LLM in-process (generate), whose step budget default is
-    the offline API's and which has no use for the server's flags (they are left out). max_queued_requests: the
-    command's default bound of the waiting queue (`serve`'s is config.SERVER_MAX_QUEUED_REQUESTS, the others'
-    none)."""
+    """The engine flags. offline: a command that runs LLM in-process (generate): the server's flags are left out.
+    runs_llm (implied by offline): the command runs the LLM API, uncapped prompt chunks by default (step_policy.py).
+    max_queued_requests: the waiting queue's default bound (`serve`'s: config.SERVER_MAX_QUEUED_REQUESTS)."""
     p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
                                  "a hub id such as Qwen/Qwen3-0.6B (from the HF cache, or downloaded), or a "
                                  "short name: smollm2-135m")
@@ -69,12 +75,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"tokens per step, decode rows and prefill chunks together (default max("
-                        f"{OFFLINE_MAX_NUM_BATCHED_TOKENS if offline else DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
-                        "--max-num-seqs)): a longer prompt is prefilled in chunks while running sequences decode")
+                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, --max-num-seqs)): a longer prompt is prefilled in chunks "
+                        "while running sequences decode")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                    help="most prompt tokens a step that also decodes running sequences carries, so a stream's "
-                        "next token waits behind at most N prompt tokens (default: what the step budget leaves; "
-                        "a step with nothing to decode always fills the budget)")
+                        "next token waits behind at most N prompt tokens (default: "
+                        f"{_prefill_cap_default(offline or runs_llm)}; a step with nothing to decode always fills "
+                        "the budget)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-kv-blocks", type=int, default=None,

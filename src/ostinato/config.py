@@ -21,6 +21,9 @@ from ostinato.config_readers import (  # noqa: F401 - re-exported: callers impor
     plan_capture_sizes, plan_prefill_graph_tokens, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
 )
 from ostinato.errors import ConfigError
+from ostinato.step_policy import (  # noqa: F401 - DEFAULT_MAX_NUM_BATCHED_TOKENS re-exported
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, prefill_tokens_while_decoding, step_budget,
+)
 from ostinato.model_config import (  # noqa: F401 - re-exported
     QUANT_METHODS, SUPPORTED_ARCHITECTURES, ModelConfig, WeightQuantization, default_served_model_name,
     looks_like_hub_id, quantization_label,
@@ -33,12 +36,6 @@ if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the ker
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# The offline API (LLM, and so `bench throughput`) defaults to a larger step budget, as vLLM's LLM class does:
-# a batch job wants throughput, not the gap between one stream's tokens. At 8192, prefix caching + chunking
-# cost nano-vllm's workload nothing measurable, while the server's 2048 cost a few percent (smaller steps: more
-# mixed steps; docs/PERFORMANCE.md, "Why these defaults"). A prompt longer than the budget is still chunked.
-OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 # `ostinato serve` bounds its waiting queue by default (sequences: a request with n counts n); the offline API
 # and the tools leave it unbounded, as a batch job queues all its prompts at once. 256 is the default
 # --max-num-seqs: one more full batch may wait behind the running one, so a queued request starts within about
@@ -69,9 +66,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_queued_requests: int | None = None
-    # Prompt tokens a step that also decodes may carry (None: what the budget leaves). A running stream then
-    # waits behind at most this many prompt tokens, while a step with nothing to decode still prefills the
-    # whole budget (docs/PERFORMANCE.md, "Why these defaults").
+    # Prompt tokens a step that also decodes may carry (None: what the budget leaves; EngineArgs resolves the
+    # default, step_policy.py says why).
     max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
@@ -80,7 +76,7 @@ class SchedulerConfig:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         cap = self.max_prefill_tokens_while_decoding
         if cap is not None and cap < 1:
-            raise ConfigError(f"--max-prefill-tokens-while-decoding must be >= 1 (or unset: the step budget), "
+            raise ConfigError(f"--max-prefill-tokens-while-decoding must be >= 1 (or unset: the default), "
                               f"got {cap}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every decode row runs every step and counts against the budget; a prompt is prefilled in chunks of
@@ -204,7 +200,7 @@ class EngineArgs:
     skip_graph_check: bool = False
     served_model_name: str | None = None
     max_queued_requests: int | None = None
-    max_prefill_tokens_while_decoding: int | None = None  # SchedulerConfig's
+    max_prefill_tokens_while_decoding: int | None = None  # SchedulerConfig's (None: its default rule)
     tokenizer: str | None = None
     revision: str | None = None  # branch, tag or commit of a hub id (ORG/NAME); None: the repository's main
     # A GGUF file converted once to a float32 folder and run in --dtype, instead of run in its own blocks.
@@ -325,16 +321,20 @@ class EngineArgs:
             )
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            # Chunked prefill: a step's tokens (decode rows + prefill chunks). The default trades a little prefill
-            # efficiency for running decodes that never wait behind more than ~2k prompt tokens.
-            max_num_batched_tokens=self._max_num_batched_tokens(),
+            # Chunked prefill: a step's tokens, and the prompt tokens of a step that also decodes (step_policy.py).
+            max_num_batched_tokens=self.step_budget(),
             max_model_len=max_len,
             max_queued_requests=self.max_queued_requests,
-            max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
+            max_prefill_tokens_while_decoding=self.prefill_tokens_while_decoding(),
         )
 
-    def _max_num_batched_tokens(self) -> int:
-        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+    def step_budget(self) -> int:
+        return step_budget(self.max_num_batched_tokens, self.max_num_seqs)
+
+    def prefill_tokens_while_decoding(self) -> int:
+        """The flag, or the engine's (the server's) default (step_policy.py)."""
+        return prefill_tokens_while_decoding(self.max_prefill_tokens_while_decoding, self.max_num_seqs,
+                                             self.step_budget(), self.prefill_graph_tokens)
 
     def quantized(self, model: ModelConfig) -> ModelConfig:
         """The checkpoint's ModelConfig with --quantization applied: a dense checkpoint marked to be quantized
@@ -354,7 +354,7 @@ class EngineArgs:
             return GraphConfig(True, (), self.cuda_graph_fallback, self.skip_graph_check)
         sizes = plan_capture_sizes(self.max_num_seqs, self.cuda_graph_sizes, self.max_cuda_graph_size,
                                    decode_rows_per_sequence(speculative_config(self)))
-        prefill = plan_prefill_graph_tokens(self._max_num_batched_tokens(), self.prefill_graph_tokens)
+        prefill = plan_prefill_graph_tokens(self.step_budget(), self.prefill_graph_tokens)
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
                            min(self.prefill_graph_max_seqs, self.max_num_seqs), self.mixed_step)
 

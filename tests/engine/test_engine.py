@@ -128,17 +128,31 @@ def test_n_completions_and_logprobs(llm):
     _assert_clean(llm)
 
 
-def test_the_offline_api_defaults_to_the_larger_step_budget_and_keeps_a_given_one(llm, tmp_path):
-    from ostinato.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineArgs
+def test_the_server_caps_a_decoding_steps_prompt_tokens_the_offline_api_does_not_and_given_values_stay(
+        llm, tmp_path):
+    from ostinato.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_GRAPH_TOKENS, EngineArgs
 
-    assert llm.engine.scheduler_config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    largest = DEFAULT_PREFILL_GRAPH_TOKENS[-1]
+    offline = llm.engine.scheduler_config
+    budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, offline.max_num_seqs)
+    assert (offline.max_num_batched_tokens, offline.max_prefill_tokens_while_decoding) == (budget, budget)
     make_checkpoint(tmp_path, shape="tiny", family="llama", seed=1)
     given = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64,
-                max_num_seqs=4, max_num_batched_tokens=32)
-    assert given.engine.scheduler_config.max_num_batched_tokens == 32
-    # The engine itself (the server's) keeps the latency-minded default.
-    args = EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
-    assert args.scheduler_config(given.engine.model_config).max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+                max_num_seqs=4, max_num_batched_tokens=32, max_prefill_tokens_while_decoding=8)
+    assert (given.engine.scheduler_config.max_num_batched_tokens,
+            given.engine.scheduler_config.max_prefill_tokens_while_decoding) == (32, 8)
+    # The engine's own defaults (the server's): the same budget, the cap leaving the decode rows room in the
+    # largest prefill graph, and at least half that graph where many sequences decode.
+    model_config = given.engine.model_config
+    for seqs, cap in ((64, largest - 64), (256, largest // 2), (1024, largest // 2)):
+        server = EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=seqs)
+        sched = server.scheduler_config(model_config)
+        assert (sched.max_num_batched_tokens, sched.max_prefill_tokens_while_decoding) == (
+            max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs), cap)
+    # The largest prefill graph the flags leave sets it: graphs of at most 128 tokens, room for 128 - 4 prompt ones.
+    small = EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4,
+                       prefill_graph_tokens=(64, 128))
+    assert small.scheduler_config(model_config).max_prefill_tokens_while_decoding == 124
 
 
 def test_seeded_top_k_and_top_p_rows_draw_the_same_tokens_after_a_preemption(tmp_path_factory):

@@ -217,13 +217,14 @@ def test_generate_help_shows_the_offline_defaults_and_no_server_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
-    assert "(default max(8192, --max-num-seqs))" in text and "2048" not in text
+    assert "(default max(8192, --max-num-seqs))" in text and "(default: the step budget, no cap" in text
     assert "--served-model-name" not in text and "--max-queued-requests" not in text
     assert "per prompt (default: 32)" in text and "0 is greedy (default: 0.0)" in text
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     served = " ".join(capsys.readouterr().out.split())
-    assert "(default max(2048, --max-num-seqs))" in served and "--served-model-name" in served
+    assert "(default max(8192, --max-num-seqs))" in served and "--served-model-name" in served
+    assert "(default: the largest prefill graph, 512 tokens" in served and "no cap" not in served
 
 
 def test_version_prints_the_installed_version(capsys):

@@ -1,9 +1,8 @@
-"""benchmarks/online/serve_vs_offline.py compares the server and LLM.generate at one step budget."""
+"""benchmarks/online/serve_vs_offline.py runs LLM.generate at the server's step policy, and reports the garbage
+collections during a load run."""
 
 import importlib.util
 from pathlib import Path
-
-from ostinato.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "online" / "serve_vs_offline.py"
 
@@ -15,15 +14,15 @@ def _script():
     return module
 
 
-def test_llm_generate_gets_the_servers_budget_unless_the_flags_set_one():
-    offline_argv = _script()._offline_argv
-    assert DEFAULT_MAX_NUM_BATCHED_TOKENS != OFFLINE_MAX_NUM_BATCHED_TOKENS  # else there is nothing to align
-    assert offline_argv(["--max-num-seqs", "64"]) == [
-        "--max-num-seqs", "64", "--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS)]
-    big = 2 * DEFAULT_MAX_NUM_BATCHED_TOKENS  # the server's budget is at least --max-num-seqs
-    assert offline_argv(["--max-num-seqs", str(big)])[-1] == str(big)
-    for given in (["--max-num-batched-tokens", "512"], ["--max-num-batched-tokens=512"]):
-        assert offline_argv(["--max-num-seqs", "8", *given]) == ["--max-num-seqs", "8", *given]
+def test_llm_generate_gets_the_servers_cap_unless_the_flags_set_one_or_its_own_policy_is_asked(tmp_path):
+    from ostinato.config import DEFAULT_PREFILL_GRAPH_TOKENS
+
+    engine_args = _script()._offline_engine_args
+    largest = DEFAULT_PREFILL_GRAPH_TOKENS[-1]
+    assert engine_args("m", ["--max-num-seqs", "64"], False).max_prefill_tokens_while_decoding == largest - 64
+    assert engine_args("m", ["--max-num-seqs", "64", "--max-prefill-tokens-while-decoding", "96"],
+                       False).max_prefill_tokens_while_decoding == 96
+    assert engine_args("m", ["--max-num-seqs", "64"], True).max_prefill_tokens_while_decoding is None
 
 
 def test_the_gc_report_counts_the_collections_logged_during_the_load_by_generation(tmp_path):

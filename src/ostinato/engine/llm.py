@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ostinato.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from ostinato.config import EngineArgs
 from ostinato.errors import ConfigError, InvalidRequestError
 from ostinato.sampling_params import RequestOutputKind, SamplingParams, with_defaults
 from ostinato.engine.chat_prompt import render_chat
@@ -18,8 +18,9 @@ class LLM:
     """Loads a model (HF folder, GGUF file or short name, e.g. "smollm2-135m") and generates for batches of
     prompts or conversations with continuous batching.
 
-    engine_args are EngineArgs fields (dtype, max_model_len, max_num_seqs, enforce_eager, ...). Unless given,
-    max_num_batched_tokens is OFFLINE_MAX_NUM_BATCHED_TOKENS (8192; the server's default is 2048): see config.py.
+    engine_args are EngineArgs fields (dtype, max_model_len, max_num_seqs, enforce_eager, ...), with the server's
+    defaults but one: unless given, max_prefill_tokens_while_decoding is the whole step budget (no cap), where the
+    server caps it (step_policy.py says why).
     """
 
     def __init__(self, model: str, **engine_args):
@@ -147,7 +148,8 @@ class LLM:
 
 
 def _offline(args: EngineArgs) -> EngineArgs:
-    """The offline API's step budget where the caller left it unset (config.OFFLINE_MAX_NUM_BATCHED_TOKENS)."""
-    if args.max_num_batched_tokens is not None:
+    """The offline API's step policy where the caller left it unset: a step that decodes may carry as many prompt
+    tokens as the budget leaves (step_policy.py)."""
+    if args.max_prefill_tokens_while_decoding is not None:
         return args
-    return replace(args, max_num_batched_tokens=max(OFFLINE_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs))
+    return replace(args, max_prefill_tokens_while_decoding=args.step_budget())
