@@ -1,5 +1,5 @@
 """`ostinato serve`'s start-up log, as a user reads it on the terminal: the engine core's INFO lines (KV cache,
-CUDA graphs) appear, and uvicorn's "running" line comes only once the model is ready.
+CUDA graphs, the step policy) appear, and uvicorn's "running" line comes only once the model is ready.
 
 The server runs as a real `ostinato serve` process on a tiny checkpoint on CPU, stopped with SIGINT."""
 
@@ -55,6 +55,8 @@ def test_serve_shows_the_core_start_up_and_announces_running_once_ready(ckpt):
 
     kv_cache = first("ostinato.runner.kv_setup: KV cache: 16 blocks")  # logged by the engine core process
     first("no CUDA device: decode runs eager")
+    # The server's step policy, resolved: 256 sequences (the default) leave half the 512-token prefill graph.
+    first("steps: up to 256 sequences, 8192 tokens a step; a step that also decodes carries at most 256 prompt tokens")
     loading = first("until it is ready /health answers 503 (event loop: uvloop)")  # a dependency on Linux
     ready = first("ostinato.server.app: serving ")
     running = first("Uvicorn running on http://127.0.0.1:")

@@ -49,6 +49,11 @@ class LLMEngine:
         self.served_model_name = config.served_model_name
         self.eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self.generation_defaults = dict(config.generation_defaults)  # what unset request fields take
+        sched = self.scheduler_config
+        logger.info("steps: up to %d sequences, %d tokens a step; a step that also decodes carries at most %d "
+                    "prompt tokens (--max-num-seqs, --max-num-batched-tokens, --max-prefill-tokens-while-decoding)",
+                    sched.max_num_seqs, sched.max_num_batched_tokens,
+                    sched.max_prefill_tokens_while_decoding or sched.max_num_batched_tokens)
         if self.generation_defaults:
             logger.info("sampling defaults from %s: %s (a request's own values win; --generation-config vllm "
                         "ignores the file)", config.generation_defaults_source,
