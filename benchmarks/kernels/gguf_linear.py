@@ -4,7 +4,8 @@ type's blocks and scales, or the bf16 weight) and that over the H200's measured 
 
 Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to defeat L2, median per call.
 Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). Above GEMV_MAX_ROWS
-the rows "TYPE" take gguf_gemv.GEMM_PATH's way and "TYPE fused" the tensor-core GEMM that decodes in the kernel.
+the rows "TYPE" take gguf_linear_into's dense slices and cuBLAS, "TYPE fused" the tensor-core GEMM that decodes in
+the kernel.
 --sweep instead times each candidate tile setting (gguf_gemv.GGUFTiles) over the four projections and prints, per
 type and batch, the settings by total time beside choose_tiles's own pick: the table choose_tiles is read off.
 
@@ -83,7 +84,7 @@ def main() -> int:
 
 
 def _fused_row(name, m, type_name, layers, x, ref, pdl) -> dict:
-    """The tensor-core GEMM that decodes inside the kernel (choose_tiles's GEMM tiles), beside GEMM_PATH's way."""
+    """The tensor-core GEMM that decodes inside the kernel (choose_tiles's GEMM tiles), beside the dense slices."""
     n, k = layers[0].out_features, layers[0].in_features
     tiles = choose_tiles(layers[0].qtype, m, n, k)
     out = torch.empty(m, n, device="cuda", dtype=x.dtype)

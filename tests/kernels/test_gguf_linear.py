@@ -30,7 +30,7 @@ def test_torch_dequantize_equals_the_gguf_library(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
-@pytest.mark.parametrize("m", [1, 3, 11])  # GEMV (1, 3 rows: ragged M_PAD) and GEMM_PATH's (11)
+@pytest.mark.parametrize("m", [1, 3, 11])  # GEMV (1, 3 rows: ragged M_PAD) and the dense slices (11)
 def test_kernel_equals_dequantize_then_matmul(qtype, m):
     block = KERNEL_TYPES[qtype][1]
     n, k = 5, 2 * 256 + (block if block == 32 else 256)  # ragged: N not a tile multiple, K not of BLOCK_K
@@ -82,7 +82,7 @@ def test_dequantize_kernel_equals_the_gguf_library(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
 def test_dequantized_gemm_in_slices_writes_only_its_columns(qtype, monkeypatch):
-    """GEMM_PATH "dequant" with a scratch of 64 rows: W made in three slices (the last short), each multiplied
+    """The dense slices above GEMV_MAX_ROWS with a scratch of 64 rows: W made in three slices (the last short), each multiplied
     into its columns of a wider output, the bias added per slice; the columns beside stay untouched."""
     from ostinato.kernels import gguf_gemv
 

@@ -15,8 +15,8 @@ Modes (MODE), one kernel:
       tile of x gets a layout of its own, and converting it each step goes through shared memory at several
       times the bytes the step reads from HBM.
     - GEMM (more rows, prefill): each piece, rounded to the activation dtype, feeds tl.dot (tensor cores).
-    - DEQUANT: each piece is stored, rounded to the activation dtype, into a dense weight (GEMM_PATH_DEQUANT
-      below: a slice of W at a time, then cuBLAS).
+    - DEQUANT: each piece is stored, rounded to the activation dtype, into a dense weight (gguf_linear_into above
+      GEMV_MAX_ROWS: a slice of W at a time, then cuBLAS).
 With PDL (kernels/pdl.py) the kernel lets its dependent launch at once and waits before its K loop: the loop
 reads weights and activations together. Grids come from shapes only: CUDA-graph safe.
 """
@@ -34,14 +34,14 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 GEMV_MAX_ROWS = 8
 GEMV, GEMM, DEQUANT = 0, 1, 2
-# Above GEMV_MAX_ROWS, how the product is made: "fused" decodes each weight inside a tensor-core GEMM (GEMM mode);
-# "dequant" decodes a slice of W's rows into a dense scratch of the activation dtype and multiplies it with
-# torch.mm (cuBLAS). Why the second: the fused GEMM decodes every weight once per BLOCK_M rows of x, into a layout
-# tl.dot then converts through shared memory, and runs far below cuBLAS; the dense slice costs one write and one
-# read of 2 bytes a weight, which cuBLAS's speed repays from a few rows on. The figures: docs/PERFORMANCE.md.
-GEMM_PATH = "dequant"
-# The dense scratch of GEMM_PATH "dequant" holds at most this many bytes (whole rows, at least 64): W is made in
-# slices of that many rows, so a large projection (gate|up, lm_head) never needs its whole dense copy.
+# Above GEMV_MAX_ROWS the product is not made by the GEMM mode (each weight decoded inside a tensor-core GEMM) but
+# by decoding a slice of W's rows into a dense scratch of the activation dtype and multiplying it with torch.mm
+# (cuBLAS). Why: the GEMM mode decodes every weight once per BLOCK_M rows of x, into a layout tl.dot then converts
+# through shared memory, and runs far below cuBLAS; the dense slice costs one write and one read of 2 bytes a
+# weight, which cuBLAS's speed repays from a few rows on. The figures: docs/PERFORMANCE.md. The GEMM mode stays
+# for given tiles (the benchmark times it beside the dense slices).
+# The dense scratch holds at most this many bytes (whole rows, at least 64): W is made in slices of that many
+# rows, so a large projection (gate|up, lm_head) never needs its whole dense copy.
 DEQUANT_SCRATCH_BYTES = 64 << 20
 DEQUANT_BLOCK_N = 8
 # Per type: (GROUP_K weights a group, PIECE weights a piece, pieces a group).
@@ -277,7 +277,7 @@ def gguf_dequantize_into(blocks: torch.Tensor, qtype: int, out: torch.Tensor) ->
 
 def gguf_matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
                             out: torch.Tensor) -> None:
-    """out [M, N] = x @ W^T (+ bias) by GEMM_PATH "dequant": W's rows decoded a slice at a time into one dense
+    """out [M, N] = x @ W^T (+ bias) above GEMV_MAX_ROWS: W's rows decoded a slice at a time into one dense
     scratch of x's dtype (at most DEQUANT_SCRATCH_BYTES), each slice multiplied by torch.mm into its columns."""
     m, k = x.shape
     n = blocks.shape[0]
@@ -296,7 +296,7 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
                      out: torch.Tensor, pdl: bool = False, tiles: GGUFTiles | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
     slice of a wider tensor (its rows strided, its columns contiguous). Up to GEMV_MAX_ROWS rows one kernel, above
-    them GEMM_PATH's way; nothing at M = 0. tiles: choose_tiles's unless given (the benchmark's sweep; given tiles
+    them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0. tiles: choose_tiles's unless given (the benchmark's sweep; given tiles
     always run the one kernel, the GEMM mode from 16 rows)."""
     m, k = x.shape
     n = blocks.shape[0]
@@ -304,7 +304,7 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
     assert qtype in KERNEL_TYPES, f"no GGUF kernel for ggml type {qtype}"
     if m == 0:
         return
-    if tiles is None and m > GEMV_MAX_ROWS and GEMM_PATH == "dequant":
+    if tiles is None and m > GEMV_MAX_ROWS:
         gguf_matmul_dequantized(x, blocks, qtype, bias, out)
         return
     tiles = tiles or choose_tiles(qtype, m, n, k)
