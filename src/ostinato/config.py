@@ -19,6 +19,7 @@ from ostinato.config_readers import (  # noqa: F401 - re-exported: callers impor
     read_generation_defaults,
     DEFAULT_PREFILL_GRAPH_MAX_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS, MIXED_STEPS, PDL_MODES, default_capture_sizes,
     plan_capture_sizes, plan_prefill_graph_tokens, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
+    warn_dropped_prefill_graph_tokens,
 )
 from ostinato.errors import ConfigError
 from ostinato.step_policy import (  # noqa: F401 - DEFAULT_MAX_NUM_BATCHED_TOKENS re-exported
@@ -355,6 +356,7 @@ class EngineArgs:
         sizes = plan_capture_sizes(self.max_num_seqs, self.cuda_graph_sizes, self.max_cuda_graph_size,
                                    decode_rows_per_sequence(speculative_config(self)))
         prefill = plan_prefill_graph_tokens(self.step_budget(), self.prefill_graph_tokens)
+        warn_dropped_prefill_graph_tokens(self.prefill_graph_tokens, prefill, self.step_budget())
         return GraphConfig(False, sizes, self.cuda_graph_fallback, self.skip_graph_check, prefill,
                            min(self.prefill_graph_max_seqs, self.max_num_seqs), self.mixed_step)
 

@@ -96,19 +96,23 @@ PDL_MODES = ("auto", "on", "off")  # --pdl (kernels/pdl.py)
 def plan_prefill_graph_tokens(max_num_batched_tokens: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
     """The prefill token counts to capture, ascending. Default: DEFAULT_PREFILL_GRAPH_TOKENS below the step's
     token budget, plus the budget itself when it is within the largest (a step never holds more tokens, and a
-    chunk that fills the budget then replays unpadded). Given sizes above the budget are dropped with a
-    WARNING (no step holds that many tokens); an empty tuple turns prefill graphs off."""
+    chunk that fills the budget then replays unpadded). Given sizes above the budget are dropped (no step holds
+    that many tokens; warn_dropped_prefill_graph_tokens says so); an empty tuple turns prefill graphs off. Pure:
+    the step policy plans them too (step_policy.py), and the capture's plan warns once."""
     if given is None:
         sizes = [s for s in DEFAULT_PREFILL_GRAPH_TOKENS if s < max_num_batched_tokens]
         if max_num_batched_tokens <= DEFAULT_PREFILL_GRAPH_TOKENS[-1]:
             sizes.append(max_num_batched_tokens)
         return tuple(sorted(set(sizes)))
-    kept = tuple(sorted({s for s in given if s <= max_num_batched_tokens}))
-    dropped = sorted({s for s in given if s > max_num_batched_tokens})
+    return tuple(sorted({s for s in given if s <= max_num_batched_tokens}))
+
+
+def warn_dropped_prefill_graph_tokens(given: Sequence[int] | None, planned: Sequence[int], budget: int) -> None:
+    """A WARNING naming the given --prefill-graph-tokens that plan_prefill_graph_tokens dropped."""
+    dropped = sorted(set(given or ()) - set(planned))
     if dropped:
         logger.warning("not capturing prefill graphs for --prefill-graph-tokens %s: above "
-                       "--max-num-batched-tokens %d, no step holds that many tokens", dropped, max_num_batched_tokens)
-    return kept
+                       "--max-num-batched-tokens %d, no step holds that many tokens", dropped, budget)
 
 
 def read_prefill_graph_tokens(text: str) -> tuple[int, ...]:

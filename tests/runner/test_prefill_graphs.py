@@ -273,6 +273,18 @@ def test_prefill_graph_token_plan():
     args = EngineArgs("m", max_num_batched_tokens=192, max_num_seqs=8, prefill_graph_max_seqs=32)
     gc = args.graph_config(device_is_cuda=True)
     assert gc.prefill_sizes == (16, 32, 48, 64, 96, 128, 192) and gc.prefill_max_seqs == 8
+
+
+def test_given_prefill_graph_sizes_above_the_budget_are_dropped_with_one_warning(caplog):
+    """The capture's plan warns; the step policy, which plans the same sizes for its cap, does not again."""
+    args = EngineArgs("m", max_num_batched_tokens=100, max_num_seqs=8, prefill_graph_tokens=(8, 64, 128, 256))
+    with caplog.at_level("WARNING", logger="ostinato.config"):
+        assert args.prefill_tokens_while_decoding() == 64 - 8
+        assert not caplog.records
+        assert args.graph_config(device_is_cuda=True).prefill_sizes == (8, 64)
+    assert [r.getMessage() for r in caplog.records] == [
+        "not capturing prefill graphs for --prefill-graph-tokens [128, 256]: above --max-num-batched-tokens 100, "
+        "no step holds that many tokens"]
     assert EngineArgs("m", prefill_graph_tokens="none").graph_config(True).prefill_sizes == ()
     assert EngineArgs("m", enforce_eager=True).graph_config(True).prefill_sizes == ()
 
