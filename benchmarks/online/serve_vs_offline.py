@@ -6,8 +6,8 @@ Both runs use the same prompts (bench serve's random token ids), greedy, ignore_
 tokens each, and the same engine flags (everything after `--`), the step policy included: unless the flags set
 --max-prefill-tokens-while-decoding, LLM.generate runs with the server's default cap, not uncapped as the offline
 API defaults to (--offline-own-policy measures that instead). Each runs in its own process, one after the other,
-so they never share a GPU or a GIL; the load generator runs in this process. Every phase is logged with its start time, bench
-serve shows its progress, and a load run past --load-timeout stops with what the server still holds.
+so they never share a GPU or a GIL; the load generator runs in this process. Every phase is logged with its start
+time, bench serve shows its progress, and a load run past --load-timeout stops with what the server still holds.
 
 On a GPU (the measurement in docs/PERFORMANCE.md):
 
@@ -73,9 +73,9 @@ def _offline_engine_args(model: str, engine_argv: list[str], own_policy: bool):
     p = argparse.ArgumentParser()
     add_engine_args(p)
     args = engine_args_from(p.parse_args([model, *engine_argv]))
-    if own_policy or args.max_prefill_tokens_while_decoding is not None:
+    if own_policy:
         return args
-    return replace(args, max_prefill_tokens_while_decoding=args.prefill_tokens_while_decoding())
+    return replace(args, max_prefill_tokens_while_decoding=args.prefill_tokens_while_decoding())  # given, or the rule
 
 
 def _thread_cpu(pid: int) -> dict[int, float]:
@@ -267,6 +267,8 @@ def _wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
 
 
 def main() -> int:
+    from ostinato.serve_command import EVENT_LOOPS
+
     argv = sys.argv[1:]
     engine_argv = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
@@ -282,7 +284,7 @@ def main() -> int:
                    help="with --noop-forward: each step sleeps this long, like a GPU forward (e.g. 3.5)")
     p.add_argument("--engine-thread", action="store_true",
                    help="serve with the engine on a thread of the server's process (serve --engine-thread)")
-    p.add_argument("--server-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+    p.add_argument("--server-loop", choices=EVENT_LOOPS, default="auto",
                    help="the server's event loop (serve --loop)")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile the server's event loop (DIR/front.prof), its engine core (DIR/core.prof) and "

@@ -29,6 +29,7 @@ DEFAULT_STALL_TIMEOUT_S = 60.0  # a step, or a compile in service, is far shorte
 DEFAULT_KILL_TIMEOUT_S = 120.0
 # The drain, the engine's stop and uvicorn's last grace fit in Kubernetes' default 30 s before its SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # --loop (event_loop_factory)
 
 
 def register(subparsers) -> None:
@@ -61,7 +62,7 @@ def register(subparsers) -> None:
                    help="on SIGTERM or Ctrl-C, let requests in flight finish for at most S seconds, then end the "
                         f"rest with an error event; /health says 503 draining meanwhile (default: "
                         f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
-    p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+    p.add_argument("--loop", choices=EVENT_LOOPS, default="auto",
                    help="the front's event loop: uvloop (libuv, in C) writes each streamed chunk with less CPU "
                         "than asyncio's own loop; auto takes uvloop where it is installed (default: auto)")
     p.add_argument("--engine-thread", action="store_true",

@@ -82,8 +82,9 @@ def test_dequantize_kernel_equals_the_gguf_library(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
 def test_dequantized_gemm_in_slices_writes_only_its_columns(qtype, monkeypatch):
-    """The dense slices above GEMV_MAX_ROWS with a scratch of 64 rows: W made in three slices (the last short), each multiplied
-    into its columns of a wider output, the bias added per slice; the columns beside stay untouched."""
+    """The dense slices above GEMV_MAX_ROWS with a scratch of 64 rows: W made in three slices (the last short),
+    each multiplied into its columns of a wider output, the bias added per slice; the columns beside stay
+    untouched."""
     from ostinato.kernels import gguf_gemv
 
     n, k = 150, 256

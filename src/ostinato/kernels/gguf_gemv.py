@@ -296,8 +296,8 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
                      out: torch.Tensor, pdl: bool = False, tiles: GGUFTiles | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
     slice of a wider tensor (its rows strided, its columns contiguous). Up to GEMV_MAX_ROWS rows one kernel, above
-    them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0. tiles: choose_tiles's unless given (the benchmark's sweep; given tiles
-    always run the one kernel, the GEMM mode from 16 rows)."""
+    them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0. tiles: choose_tiles's unless given
+    (the benchmark's sweep; given tiles always run the one kernel, the GEMM mode from 16 rows)."""
     m, k = x.shape
     n = blocks.shape[0]
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.shape == (m, n) and out.stride(-1) == 1
