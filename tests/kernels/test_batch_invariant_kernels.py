@@ -35,7 +35,7 @@ def test_gemm_matches_float64(dtype):
     x = torch.randn(37, 72, generator=gen).to(dtype)
     w = torch.randn(40, 72, generator=gen).to(dtype)
     b = torch.randn(40, generator=gen).to(dtype)
-    out = invariant_gemm(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), tiles=InvariantTiles(16, 16, 16))
+    out = invariant_gemm(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), tiles=InvariantTiles(16, 16))
     ref = F.linear(x.double(), w.double(), b.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * 72 ** 0.5)
@@ -65,31 +65,34 @@ def test_gemm_row_is_the_same_in_every_batch(dtype):
         assert torch.equal(out, alone)
 
 
-# 40 outputs, K 72: 3 N tiles, 5 K tiles. "split": 5 splits, in parallel at every row count tested; "unsplit":
-# one; "parallel then serial": 3 splits, in parallel up to 2 row tiles (32 rows), one after another from 3.
-SPLIT_TILES = {"split": InvariantTiles(16, 16, 16, min_split_k_tiles=1),
-               "unsplit": InvariantTiles(16, 16, 16, split_programs=1),
-               "parallel then serial": InvariantTiles(16, 16, 16, split_programs=9, min_split_k_tiles=1)}
+# 40 outputs, K 72: 3 N tiles, 5 K tiles, row tiles of 16. "split": 5 splits, in parallel at every row count
+# tested; "unsplit": one; "parallel then serial": 3 splits, in parallel up to 2 row tiles (32 rows), one after
+# another from 3; "wider row tiles": as "split", the row tile 16, 32 or 64 by the row count.
+_SMALL = dict(block_n=16, block_k=16, max_row_tile=16)
+SPLIT_TILES = {"split": InvariantTiles(**_SMALL, min_split_k_tiles=1),
+               "unsplit": InvariantTiles(**_SMALL, split_programs=1),
+               "parallel then serial": InvariantTiles(**_SMALL, split_programs=9, min_split_k_tiles=1),
+               "wider row tiles": InvariantTiles(**{**_SMALL, "max_row_tile": 64}, min_split_k_tiles=1)}
 
 
 def test_split_depends_on_n_and_k_only():
     """The K split of the default tiles at a small model's decode projections, and none where N alone gives
     enough programs (the lm_head); whole K tiles per split, at least min_split_k_tiles, none left empty."""
-    assert invariant_split(1024, 2048) == (8, 256)  # o_proj of a 1024-wide model: 16 N tiles alone
-    assert invariant_split(1024, 3072) == (12, 256)
-    assert invariant_split(4096, 1024) == (4, 256)
+    assert invariant_split(1024, 2048) == (4, 512)  # o_proj of a 1024-wide model: 16 N tiles alone
+    assert invariant_split(1024, 3072) == (6, 512)
+    assert invariant_split(4096, 1024) == (2, 512)
     assert invariant_split(6144, 1024) == (2, 512)
     assert invariant_split(1024, 2048, InvariantTiles(min_split_k_tiles=1)) == (16, 128)
     assert invariant_split(151936, 1024) == (1, 1024)
     for n, k in [(70, 200), (40, 72), (4096, 14336), (100, 65)]:
         splits, per = invariant_split(n, k)
-        assert per % 64 == 0 and (splits - 1) * per < k <= splits * per
+        assert per % 128 == 0 and (splits - 1) * per < k <= splits * per
 
 
 @pytest.mark.parametrize("case", list(SPLIT_TILES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_row_is_the_same_for_every_row_count(case, dtype):
-    """A row alone, then last after 1, 15, 16 and 39 other rows (one and several row tiles), and first before
+    """A row alone, then last after 1, 15, 16, 39 and 79 other rows (one and several row tiles), and first before
     padding rows of zeros, with a bias, in the dtype and in fp32 (the logits): bitwise equal, split or not,
     splits in parallel or one after another; and close to float64."""
     tiles = SPLIT_TILES[case]
@@ -97,11 +100,12 @@ def test_gemm_row_is_the_same_for_every_row_count(case, dtype):
     k, n = 72, 40
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    x = torch.randn(40, k, generator=gen).to(dtype).to(DEVICE)
-    assert invariant_split(n, k, tiles)[0] == {"split": 5, "unsplit": 1, "parallel then serial": 3}[case]
+    x = torch.randn(80, k, generator=gen).to(dtype).to(DEVICE)
+    assert invariant_split(n, k, tiles)[0] == {"split": 5, "unsplit": 1, "parallel then serial": 3,
+                                               "wider row tiles": 5}[case]
     for out_dtype in (None, torch.float32):
         alone = invariant_gemm(x[:1], w, b, out_dtype=out_dtype, tiles=tiles)[0]
-        for m in (2, 16, 17, 40):
+        for m in (2, 16, 17, 40, 80):
             rows = torch.cat([x[1:m], x[:1]])  # the row last, after m - 1 others
             assert torch.equal(invariant_gemm(rows, w, b, out_dtype=out_dtype, tiles=tiles)[m - 1], alone), m
         padded = torch.cat([x[:1], torch.zeros(20, k, dtype=dtype, device=DEVICE)])
@@ -211,20 +215,24 @@ def test_torch_decode_row_equals_the_prefill_row_at_its_position():
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
                                  (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)])
 def test_gemm_8b_and_06b_shapes_row_invariant_and_close_to_cublas(n, k):
-    """The 8B's and Qwen3-0.6B's qkv, o, gate_up, down and lm_head (split over K or not): a row alone equals
-    itself among 7, 64, 300 and 1100 rows (bf16, fp32 logits for the lm_head), launched with PDL too, and the
-    GEMM is as close to cuBLAS as two fp32 accumulations are. Split shapes take the parallel launch at one row
-    and the serial one from a few row tiles on (at 1100 rows for every shape here): the bits must not change."""
+    """The 8B's and Qwen3-0.6B's qkv, o, gate_up, down and lm_head (split over K or not): the rows of an 1100-row
+    call equal themselves computed in calls of 1 to 300 rows from two offsets (bf16, fp32 logits for the
+    lm_head), launched with PDL too, and the GEMM is as close to cuBLAS as two fp32 accumulations are. The row
+    counts cover each row tile (16, 32 and 64 MMA columns), the first weight tile loaded before the PDL wait (up
+    to 16 rows) and not, and split shapes' parallel launch (few row tiles) and serial one (1100 rows): the bits
+    must not change."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * k ** -0.5
     out_dtype = torch.float32 if n in (128256, 151936) else None
     x = torch.randn(1100, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-    alone = invariant_gemm(x[5:6], w, out_dtype=out_dtype)[0]
-    for m in (7, 64, 300, 1100):
-        assert torch.equal(invariant_gemm(x[:m], w, out_dtype=out_dtype)[5], alone), m
-    if pdl_unsupported_reason(x.device) is None:
-        assert torch.equal(invariant_gemm(x[:64], w, out_dtype=out_dtype, pdl=True)[5], alone)
-    torch.testing.assert_close(invariant_gemm(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    full = invariant_gemm(x, w, out_dtype=out_dtype)
+    pdl_options = (False, True) if pdl_unsupported_reason(x.device) is None else (False,)
+    for m in (1, 2, 7, 16, 17, 33, 64, 65, 300):
+        for start in (0, 5):
+            for pdl in pdl_options:
+                part = invariant_gemm(x[start:start + m], w, out_dtype=out_dtype, pdl=pdl)
+                assert torch.equal(part, full[start:start + m]), (m, start, pdl)
+    torch.testing.assert_close(full.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_quantized_projection_is_refused_with_a_clear_error():

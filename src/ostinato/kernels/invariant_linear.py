@@ -6,24 +6,27 @@ kernel also pads M to a power of two, which changes its tl.dot tile). So a reque
 last bit with the number of rows beside it, and in bf16 a greedy tie flips. Under --batch-invariant every
 projection and the lm_head run through `invariant_linear` instead.
 
-Algorithm (Triton, CUDA): a program owns a [BLOCK_M, BLOCK_N] output tile. K is cut into `splits` equal
-ranges, the count chosen from N and K alone (`invariant_split`: enough programs to fill the GPU at one row
-tile, which a small model's decode projections are not unsplit: 1024 outputs are 16 programs). Each split is
-summed from zero in BLOCK_K steps, acc += tl.dot(x tile, W tile) in fp32, and the tile is split 0 + split 1 +
-... in that order, then the bias. Two launches compute exactly that:
+Algorithm (Triton, CUDA): a program owns BLOCK_N outputs of a tile of rows, computed transposed, as
+acc [BLOCK_N, ROW_TILE] = W tile @ x tile^T: W's rows are the tensor-core MMA's rows and the activations' rows
+its narrow side, so at one row the MMA multiplies 16 columns, not 64. K is cut into `splits` equal ranges, the
+count chosen from N and K alone (`invariant_split`: enough programs to fill the GPU at one row tile, which a small
+model's decode projections are not unsplit: 1024 outputs are 16 programs). Each split is summed from zero in
+BLOCK_K steps, acc += tl.dot(W tile, x tile^T) in fp32, and the tile is split 0 + split 1 + ... in that order,
+then the bias. Two launches compute exactly that:
   - parallel (the row tiles alone leave the GPU short of programs: decode): grid (N tiles, M tiles, splits);
     a program writes its split's fp32 partial tile and counts itself in; the last to arrive for a tile adds
     the partials in split order and stores (which program merges depends on timing, the order does not);
   - serial (enough row tiles: prefill): grid (N tiles, M tiles); a program sums its tile's splits one after
     another, with no partials in memory. The same fp32 operations in the same order, so which launch a row
     took, chosen by M, does not change its bits.
-The tiles, warps, stages and split rule are one constant set (InvariantTiles) for every M, and M is never
-specialised, so an output element's sums run in the same order in every launch: a row's result depends on its
-own values only (tl.dot's rows are independent; padded rows are masked loads of 0 and never stored). The cost:
-at decode every launch computes a BLOCK_M-row tile however few rows are real (bandwidth-bound, the weight read
-dominates), a parallel launch writes and reads its fp32 partials (splits x M x N, L2-sized), and no norm or
-activation folds into a projection. With PDL (pdl=True) the kernel lets the next one launch first thing and
-reads nothing before its wait: the timing changes, the arithmetic does not.
+BLOCK_N, BLOCK_K, the warps, stages and split rule are one constant set (InvariantTiles) for every M, so an output
+element's sums run over the same K steps in the same order in every launch, and a row's result depends on its own
+values only (the MMA's columns are independent; padded rows are masked loads of 0 and never stored). Only the
+row tile follows M (16, 32 or 64 columns: the next power of two), and only a width of the same MMA, whose column
+sums the GPU test and the benchmark check bit for bit at 1 to 64 rows. The cost: a parallel launch writes and
+reads its fp32 partials (splits x M x N, L2-sized), and no norm or activation folds into a projection. With PDL
+(pdl=True) the kernel lets the next one launch first thing and, at up to 16 rows, loads its first weight tile
+before its wait (weights are never written by a step): the timing changes, the arithmetic does not.
 
 CPU (and a CUDA install without triton): torch's F.linear is not batch invariant in fp32 either (oneDNN and MKL
 pick kernels by M), so `rowwise_linear` runs F.linear one row at a time: every row is then the same [1, K] call.
@@ -63,33 +66,42 @@ def _jit_any_m(fn):
 def _invariant_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_ps,
     stride_pm, K_PER_SPLIT, SPLITS,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARALLEL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr,
-    PDL: tl.constexpr,
+    ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARALLEL: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    ROWWISE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Split s of a tile is the sum over K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) from zero; the tile is
-    # split 0 + split 1 + ... in that order. K_PER_SPLIT is a multiple of BLOCK_K and SPLITS comes from (N, K)
-    # alone (invariant_split). PARALLEL: program (n, m, s) computes split s and the last to arrive adds them up;
-    # else program (n, m) computes the splits one after another: the same fp32 operations in the same order.
+    # A program owns the output tile out[rows, cols]^T as acc [BLOCK_N, ROW_TILE]: W's rows are the MMA's rows, the
+    # activations' rows its columns. Split s of a tile is the sum over K range [s * K_PER_SPLIT, (s + 1) *
+    # K_PER_SPLIT) from zero; the tile is split 0 + split 1 + ... in that order. K_PER_SPLIT is a multiple of
+    # BLOCK_K and SPLITS comes from (N, K) alone (invariant_split). PARALLEL: program (n, m, s) computes split s
+    # and the last to arrive adds them up; else program (n, m) computes the splits one after another: the same
+    # fp32 operations in the same order. PREFETCH: the split's first weight tile is loaded before the PDL wait
+    # (weights are never written by a step): the same values into the same sums, only earlier.
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
+    offs_m = pid_m * ROW_TILE + tl.arange(0, ROW_TILE)
     n_mask = offs_n < N
-    tile_mask = m_mask[:, None] & n_mask[None, :]
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W read transposed, [BLOCK_K, BLOCK_N]
+    m_mask = offs_m < M
+    tile_mask = n_mask[:, None] & m_mask[None, :]  # [BLOCK_N, ROW_TILE]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, ROW_TILE]: x read transposed, [BLOCK_K, ROW_TILE]
+    out_offsets = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    if PARALLEL:
+        k_first = tl.program_id(2) * K_PER_SPLIT
+    else:
+        k_first = 0
+    w_first = _weight_tile(w_rows, n_mask, k_first, K, BLOCK_K) if PREFETCH else None
     pdl_wait(PDL)
     if PARALLEL:
         pid_s = tl.program_id(2)
-        acc = _split_dot(x_rows, w_cols, m_mask, n_mask, pid_s * K_PER_SPLIT, K_PER_SPLIT, K, BLOCK_M, BLOCK_N,
-                         BLOCK_K, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        acc = _split_dot(x_cols, w_rows, m_mask, n_mask, k_first, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N,
+                         BLOCK_K, PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
         # Publish this split's partial, then count it in; the program that arrives last sums all the tile's
         # partials in split order (whoever arrives last, the order is the same), as the decode attention's
         # single-launch merge does (kernels/decode_attention.py says why barrier + acq_rel).
-        parts = part_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+        parts = part_ptr + offs_m.to(tl.int64)[None, :] * stride_pm + offs_n[:, None]
         tl.store(parts + pid_s.to(tl.int64) * stride_ps, acc, mask=tile_mask)
         tl.debug_barrier()
         counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
@@ -100,49 +112,74 @@ def _invariant_gemm_kernel(
             total = tl.load(parts, mask=tile_mask, other=0.0, cache_modifier=".cg")
             for s in range(1, SPLITS):
                 total += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            _store_tile(total, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+            _store_tile(total, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_BIAS)
     else:
-        acc = _split_dot(x_rows, w_cols, m_mask, n_mask, 0, K_PER_SPLIT, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                         DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        acc = _split_dot(x_cols, w_rows, m_mask, n_mask, 0, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N, BLOCK_K,
+                         PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
         for s in range(1, SPLITS):
-            acc += _split_dot(x_rows, w_cols, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, BLOCK_M, BLOCK_N,
-                              BLOCK_K, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
-        _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS)
+            acc += _split_dot(x_cols, w_rows, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, w_first, ROW_TILE,
+                              BLOCK_N, BLOCK_K, False, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        _store_tile(acc, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_BIAS)
 
 
 @jit
-def _split_dot(x_rows, w_cols, m_mask, n_mask, k_start, K_PER_SPLIT, K, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-               ROWWISE_DOT: tl.constexpr):
-    """One split's [BLOCK_M, BLOCK_N] fp32 sum over K range [k_start, k_start + K_PER_SPLIT), from zero."""
+def _weight_tile(w_rows, n_mask, k0, k_end, BLOCK_K: tl.constexpr):
+    """W[offs_n, k0:k0 + BLOCK_K] as [BLOCK_N, BLOCK_K], zeros past k_end and N."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < k_end)[None, :], other=0.0)
+
+
+@jit
+def _split_dot(x_cols, w_rows, m_mask, n_mask, k_start, K_PER_SPLIT, K, w_first, ROW_TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr):
+    """One split's [BLOCK_N, ROW_TILE] fp32 sum over K range [k_start, k_start + K_PER_SPLIT), from zero, one
+    BLOCK_K tile after another. HAS_FIRST: w_first is the split's first weight tile, already loaded."""
     offs_k = tl.arange(0, BLOCK_K)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < k_end
-        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
-            acc += rowwise_dot(x, w)
-        else:
-            acc += dot(x, w, DOT_PRECISION, UPCAST_DOT)
+    acc = tl.zeros([BLOCK_N, ROW_TILE], tl.float32)
+    k_loop = k_start
+    if HAS_FIRST:
+        acc = _tile_step(acc, w_first, x_cols, m_mask, k_start + offs_k, k_end, DOT_PRECISION, UPCAST_DOT,
+                         ROWWISE_DOT)
+        k_loop = k_start + BLOCK_K
+    for k0 in range(k_loop, k_end, BLOCK_K):
+        w = _weight_tile(w_rows, n_mask, k0, k_end, BLOCK_K)
+        acc = _tile_step(acc, w, x_cols, m_mask, k0 + offs_k, k_end, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
     return acc
 
 
 @jit
-def _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om, HAS_BIAS: tl.constexpr):
+def _tile_step(acc, w, x_cols, m_mask, ks, k_end, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+               ROWWISE_DOT: tl.constexpr):
+    """acc + w [BLOCK_N, BLOCK_K] @ x[:, ks]^T [BLOCK_K, ROW_TILE]."""
+    x_t = tl.load(x_cols + ks[:, None], mask=(ks < k_end)[:, None] & m_mask[None, :], other=0.0)
+    if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
+        return acc + rowwise_dot(w, x_t)
+    return acc + dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
+
+
+@jit
+def _store_tile(acc, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, ROW_TILE] (+ bias) stored as out[rows, cols]."""
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @dataclass(frozen=True)
 class InvariantTiles:
-    """The one tiling of every batch-invariant launch (block_* powers of two >= 16). Changing any field changes
-    the reduction order, so it is a constant, never chosen per call.
+    """The one tiling of every batch-invariant launch (powers of two >= 16). Changing block_n, block_k or the
+    split fields changes the reduction order, so they are constants, never chosen per call.
 
+    block_n, block_k: weight rows a program owns (the MMA's row side) and the K step.
+    min_row_tile, max_row_tile: a program takes the activations' rows in tiles of the next power of two of the
+        row count, between these two (the MMA's narrow side): at one row the tensor cores multiply 16 columns
+        instead of 64. Each output column is the same chain of BLOCK_K steps at every width (the K order never
+        depends on it); that a tensor-core column's bits do not depend on the MMA's width is checked on the GPU
+        (tests/kernels/test_batch_invariant_kernels.py, `-m gpu`; benchmarks/kernels/invariant_linear.py).
+    prefetch_max_rows: up to this many rows the first weight tile is loaded before the PDL wait, overlapping the
+        kernel before (the same values, only earlier); at 64 rows it measured slower.
     split_programs: the K range is split so that cdiv(N, block_n) x splits reaches about this many programs
         at one row tile (`invariant_split`): a decode projection of a small model has few N tiles (1024 outputs:
         16 programs for a GPU of 132 SMs), and unsplit each walks all of K alone. The split depends on N and K,
@@ -152,13 +189,18 @@ class InvariantTiles:
         never gets the num_stages pipeline going.
     """
 
-    block_m: int = 64
     block_n: int = 64
-    block_k: int = 64
+    block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
     split_programs: int = 256
     min_split_k_tiles: int = 4
+    min_row_tile: int = 16
+    max_row_tile: int = 64
+    prefetch_max_rows: int = 16
+
+    def row_tile(self, m: int) -> int:
+        return min(self.max_row_tile, max(self.min_row_tile, triton.next_power_of_2(m)))
 
 
 INVARIANT_TILES = InvariantTiles()
@@ -187,7 +229,8 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if m == 0:
         return out
     splits, per_split = invariant_split(n, k, tiles)
-    n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m)
+    row_tile = tiles.row_tile(m)
+    n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(m, row_tile)
     # Splits in parallel only where the row tiles alone leave the GPU short of programs (decode): then the fp32
     # partials are at most splits x split_programs tiles, and the counters fewer than split_programs.
     parallel = splits > 1 and n_tiles * m_tiles < tiles.split_programs
@@ -200,9 +243,10 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _invariant_gemm_kernel[(n_tiles, m_tiles, splits if parallel else 1)](
         x, weight, b, out, partials, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         partials.stride(0), partials.stride(1), per_split, splits,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-        PARALLEL=parallel, **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+        ROW_TILE=row_tile, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
+        PARALLEL=parallel, PREFETCH=m <= tiles.prefetch_max_rows, **dot_settings(x.dtype),
+        ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(pdl))
     return out
 
 
