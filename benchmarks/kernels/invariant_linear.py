@@ -4,8 +4,8 @@ the default path (the GEMV / few-rows kernel / cuBLAS that `small_batch_linear` 
 Each variant is timed per projection and row count as benchmarks/kernels/small_gemm.py times cuBLAS (one CUDA graph
 over enough weight copies to defeat L2, launched with PDL as the decode graph launches them), then summed over a
 decode step's projections (4 a layer times the layers, plus the lm_head). Each variant is also checked for what it
-is for: the rows of a 64-row call, computed again at 1, 5, 8, 16, 17, 33 and 48 rows (from several offsets), must
-be bitwise equal ("invariance failures" counts the rows that are not). Variants: main's InvariantTiles and its
+is for: the rows of a 256-row call, computed again in calls of 1 to 130 rows (from several offsets), must be
+bitwise equal ("invariance failures" counts the rows that are not). Variants: main's InvariantTiles and its
 neighbours, each with one field moved (`variants`).
 
     PYTHONPATH=src python3 benchmarks/kernels/invariant_linear.py [--shapes llama-3.1-8b,llama-3.2-1b]
@@ -29,7 +29,8 @@ from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.invariant_linear import INVARIANT_TILES, InvariantTiles, invariant_gemm  # noqa: E402
 
 LAYERS = {"qwen3-0.6b": 28, "llama-3.2-1b": 16, "llama-3.1-8b": 32}
-CHECK_ROWS = (1, 5, 8, 16, 17, 33, 48)
+CHECK_ROWS = (1, 5, 8, 16, 17, 33, 48, 64, 65, 130)
+CHECK_CALL_ROWS = 256
 
 
 def variants() -> dict[str, InvariantTiles]:
@@ -37,8 +38,9 @@ def variants() -> dict[str, InvariantTiles]:
     base = INVARIANT_TILES
     changes = {
         "rows64": dict(min_row_tile=64),  # every row tile 64 wide, as at 64 rows
+        "max_rows64": dict(max_row_tile=64),
         "no_prefetch": dict(prefetch_max_rows=0), "prefetch64": dict(prefetch_max_rows=64),
-        "k64": dict(block_k=64, num_stages=3), "k256": dict(block_k=256, num_stages=3), "st3": dict(num_stages=3),
+        "k64": dict(block_k=64, num_stages=3), "k256": dict(block_k=256, num_stages=3), "st4": dict(num_stages=4),
         "st5": dict(num_stages=5), "n32": dict(block_n=32), "n128": dict(block_n=128),
         "sp128": dict(split_programs=128), "sp512": dict(split_programs=512), "minsplit2": dict(min_split_k_tiles=2),
     }
@@ -50,12 +52,12 @@ def run(v: InvariantTiles, x, w, out_dtype=None):
 
 
 def invariance_failures(v, w, k, out_dtype) -> int:
-    """Rows of a 64-row call that differ in any bit when computed again in smaller calls."""
-    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    """Rows of a CHECK_CALL_ROWS-row call that differ in any bit when computed again in smaller calls."""
+    x = torch.randn(CHECK_CALL_ROWS, k, device="cuda", dtype=torch.bfloat16)
     full = run(v, x, w, out_dtype)
     bad = 0
     for rows in CHECK_ROWS:
-        for start in (0, 64 - rows, (64 - rows) // 2):
+        for start in (0, CHECK_CALL_ROWS - rows, (CHECK_CALL_ROWS - rows) // 2):
             part = run(v, x[start:start + rows].contiguous(), w, out_dtype)
             bad += int((part != full[start:start + rows]).any(dim=1).sum())
     return bad

@@ -67,12 +67,12 @@ def test_gemm_row_is_the_same_in_every_batch(dtype):
 
 # 40 outputs, K 72: 3 N tiles, 5 K tiles, row tiles of 16. "split": 5 splits, in parallel at every row count
 # tested; "unsplit": one; "parallel then serial": 3 splits, in parallel up to 2 row tiles (32 rows), one after
-# another from 3; "wider row tiles": as "split", the row tile 16, 32 or 64 by the row count.
+# another from 3; "wider row tiles": as "split", the row tile 16 to 128 by the row count.
 _SMALL = dict(block_n=16, block_k=16, max_row_tile=16)
 SPLIT_TILES = {"split": InvariantTiles(**_SMALL, min_split_k_tiles=1),
                "unsplit": InvariantTiles(**_SMALL, split_programs=1),
                "parallel then serial": InvariantTiles(**_SMALL, split_programs=9, min_split_k_tiles=1),
-               "wider row tiles": InvariantTiles(**{**_SMALL, "max_row_tile": 64}, min_split_k_tiles=1)}
+               "wider row tiles": InvariantTiles(**{**_SMALL, "max_row_tile": 128}, min_split_k_tiles=1)}
 
 
 def test_split_depends_on_n_and_k_only():
@@ -218,7 +218,7 @@ def test_gemm_8b_and_06b_shapes_row_invariant_and_close_to_cublas(n, k):
     """The 8B's and Qwen3-0.6B's qkv, o, gate_up, down and lm_head (split over K or not): the rows of an 1100-row
     call equal themselves computed in calls of 1 to 300 rows from two offsets (bf16, fp32 logits for the
     lm_head), launched with PDL too, and the GEMM is as close to cuBLAS as two fp32 accumulations are. The row
-    counts cover each row tile (16, 32 and 64 MMA columns), the first weight tile loaded before the PDL wait (up
+    counts cover each row tile (16 to 128 MMA columns), the first weight tile loaded before the PDL wait (up
     to 16 rows) and not, and split shapes' parallel launch (few row tiles) and serial one (1100 rows): the bits
     must not change."""
     gen = torch.Generator(device="cuda").manual_seed(0)

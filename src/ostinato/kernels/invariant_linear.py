@@ -22,8 +22,8 @@ then the bias. Two launches compute exactly that:
 BLOCK_N, BLOCK_K, the warps, stages and split rule are one constant set (InvariantTiles) for every M, so an output
 element's sums run over the same K steps in the same order in every launch, and a row's result depends on its own
 values only (the MMA's columns are independent; padded rows are masked loads of 0 and never stored). Only the
-row tile follows M (16, 32 or 64 columns: the next power of two), and only a width of the same MMA, whose column
-sums the GPU test and the benchmark check bit for bit at 1 to 64 rows. The cost: a parallel launch writes and
+row tile follows M (16 to 128 columns: the next power of two), and only a width of the same MMA, whose column
+sums the GPU test and the benchmark check bit for bit at 1 to 1100 rows. The cost: a parallel launch writes and
 reads its fp32 partials (splits x M x N, L2-sized), and no norm or activation folds into a projection. With PDL
 (pdl=True) the kernel lets the next one launch first thing and, at up to 16 rows, loads its first weight tile
 before its wait (weights are never written by a step): the timing changes, the arithmetic does not.
@@ -175,7 +175,7 @@ class InvariantTiles:
     block_n, block_k: weight rows a program owns (the MMA's row side) and the K step.
     min_row_tile, max_row_tile: a program takes the activations' rows in tiles of the next power of two of the
         row count, between these two (the MMA's narrow side): at one row the tensor cores multiply 16 columns
-        instead of 64. Each output column is the same chain of BLOCK_K steps at every width (the K order never
+        instead of 64, and prefill's tiles of 128 rows read each weight tile half as often as tiles of 64. Each output column is the same chain of BLOCK_K steps at every width (the K order never
         depends on it); that a tensor-core column's bits do not depend on the MMA's width is checked on the GPU
         (tests/kernels/test_batch_invariant_kernels.py, `-m gpu`; benchmarks/kernels/invariant_linear.py).
     prefetch_max_rows: up to this many rows the first weight tile is loaded before the PDL wait, overlapping the
@@ -192,11 +192,11 @@ class InvariantTiles:
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     split_programs: int = 256
     min_split_k_tiles: int = 4
     min_row_tile: int = 16
-    max_row_tile: int = 64
+    max_row_tile: int = 128
     prefetch_max_rows: int = 16
 
     def row_tile(self, m: int) -> int:
