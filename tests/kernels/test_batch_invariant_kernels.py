@@ -235,6 +235,18 @@ def test_gemm_8b_and_06b_shapes_row_invariant_and_close_to_cublas(n, k):
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
 
 
+def test_invariant_decode_settings_fix_the_split_count_and_its_own_merge_tile():
+    """Under --batch-invariant the decode attention splits a fixed number of ways whatever the batch, with one warp
+    count, RoPE in its own kernel, and the merge tile sized for that split count, as the GPU invariance tests
+    ran it (the default sizes it for max_splits, which would change the merge's bits)."""
+    from ostinato.kernels.decode_plan import INVARIANT_DECODE_SPLITS, DecodeTuning, invariant_decode_tuning
+
+    tuning = invariant_decode_tuning(DecodeTuning())
+    assert DecodeTuning().merge_tile_for_max_splits and not tuning.merge_tile_for_max_splits
+    assert tuning.splits == INVARIANT_DECODE_SPLITS and not tuning.apply_rope
+    assert tuning.merge_slices(INVARIANT_DECODE_SPLITS) == INVARIANT_DECODE_SPLITS
+
+
 def test_quantized_projection_is_refused_with_a_clear_error():
     """A quantized projection picks its kernel by row count (kernels/quantized_linear.py): the mode refuses it."""
     from ostinato.errors import ConfigError

@@ -345,12 +345,13 @@ def test_a_merge_tile_sized_for_max_splits_compiles_one_kernel_where_each_split_
     """The batch sizes a capture plans up to 64, with llama-3.1-8b's heads and an 8,192-token table: batches 1,
     2, 4, 8 and 16 split 64, 33, 16, 8 and 4 ways to fill the GPU, and the larger ones 4 ways with the unsplit
     warps and stages (no program scans over max_keys_per_program keys): six compiles, as many as a cold start
-    of the 8B compiled on the H200. With the merge tile sized for max_splits, the first five share one but for
-    the int argument num_splits (a multiple of 16 or not): three."""
+    of the 8B compiled on the H200 with each merge tile sized for its own split count. With the merge tile
+    sized for max_splits (the default), the first five share one but for the int argument num_splits (a
+    multiple of 16 or not): three."""
     batches = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     shape = dict(num_kv_heads=8, group=4, head_dim=128, max_context=8192)
-    assert len(split_launch_keys(DecodeTuning(), batches, **shape)) == 6
-    assert len(split_launch_keys(DecodeTuning(merge_tile_for_max_splits=True), batches, **shape)) == 3
+    assert len(split_launch_keys(DecodeTuning(merge_tile_for_max_splits=False), batches, **shape)) == 6
+    assert len(split_launch_keys(DecodeTuning(), batches, **shape)) == 3
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -49,9 +49,9 @@ class DecodeTuning:
     merge_tile_for_max_splits: size every split launch's merge tile (SPLITS_PAD, MERGE_CHUNK) for max_splits
         rather than for its own split count, lanes past the split count masked. The split count then changes
         no compile-time constant, so a shape's split launches share one compiled kernel, where each split count
-        otherwise compiles its own (a cold start compiles them one after another in the capture's critical
-        path). Off: what it costs a launch of few splits (a wider merge tile, hence more registers) has not
-        been measured on a GPU.
+        otherwise compiles its own (a capture up to batch 64 of the 8B compiled six; with it, three). On: a
+        launch of few splits (8 at a 512-token context) took as long with the wider tile within a few percent
+        either way, on both shapes measured (docs/PERFORMANCE.md, "Why these defaults").
     split_num_stages: num_stages of a launch that splits the context to fill idle SMs (launch_for).
         Such a launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
         on their latency; software pipelining then only adds a prologue. An unsplit launch, whose programs walk
@@ -72,7 +72,7 @@ class DecodeTuning:
     split_num_warps: int = 4
     split_num_stages: int = 1
     merge_chunk_elems: int = 8192
-    merge_tile_for_max_splits: bool = False
+    merge_tile_for_max_splits: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -111,9 +111,11 @@ def invariant_decode_tuning(tuning: DecodeTuning) -> DecodeTuning:
     boundaries, its partials and the merge (all slices in slice order, over a tile set by the split count) are
     the same in any batch. Split and unsplit launches keep one warp count (the layout sets a reduction's order).
     RoPE stays in its own kernel (apply_rope off): a mixed step's decode rows take that kernel and the plain
-    decode, so a pure decode step must too, or a row's q and k would be computed two ways."""
+    decode, so a pure decode step must too, or a row's q and k would be computed two ways. The merge tile is
+    sized for the fixed split count itself: one split count compiles one kernel anyway, and the merge's bits
+    are the ones the GPU invariance tests checked."""
     return replace(tuning, splits=INVARIANT_DECODE_SPLITS, num_warps=tuning.split_num_warps,
-                   num_stages=tuning.split_num_stages, apply_rope=False)
+                   num_stages=tuning.split_num_stages, apply_rope=False, merge_tile_for_max_splits=False)
 
 
 def _ceil_div(a: int, b: int) -> int:
