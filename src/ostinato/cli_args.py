@@ -55,10 +55,10 @@ def _prefill_cap_default(offline: bool) -> str:
             "says, less --max-num-seqs, and at least half that graph")
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False, runs_llm: bool = False,
+def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                     max_queued_requests: int | None = None) -> None:
-    """The engine flags. offline: a command that runs LLM in-process (generate): the server's flags are left out.
-    runs_llm (implied by offline): the command runs the LLM API, uncapped prompt chunks by default (step_policy.py).
+    """The engine flags. offline: a command that runs the LLM API in-process (generate, bench engine, throughput
+    and spec): the server's flags are left out, and its prompt chunks are uncapped by default (step_policy.py).
     max_queued_requests: the waiting queue's default bound (`serve`'s: config.SERVER_MAX_QUEUED_REQUESTS)."""
     p.add_argument("model", help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
                                  "a hub id such as Qwen/Qwen3-0.6B (from the HF cache, or downloaded), or a "
@@ -80,7 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False, runs_l
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                    help="most prompt tokens a step that also decodes running sequences carries, so a stream's "
                         "next token waits behind at most N prompt tokens (default: "
-                        f"{_prefill_cap_default(offline or runs_llm)}; a step with nothing to decode always fills "
+                        f"{_prefill_cap_default(offline)}; a step with nothing to decode always fills "
                         "the budget)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

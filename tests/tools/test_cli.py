@@ -225,6 +225,10 @@ def test_generate_help_shows_the_offline_defaults_and_no_server_flags(capsys):
     served = " ".join(capsys.readouterr().out.split())
     assert "(default max(8192, --max-num-seqs))" in served and "--served-model-name" in served
     assert "(default: the largest prefill graph, 512 tokens" in served and "no cap" not in served
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "throughput", "--help"])  # runs the LLM API, as generate does
+    bench = " ".join(capsys.readouterr().out.split())
+    assert "(default: the step budget, no cap" in bench and "--served-model-name" not in bench
 
 
 def test_version_prints_the_installed_version(capsys):

@@ -24,7 +24,7 @@ def register(sub) -> None:
     from ostinato.cli_args import int_list, add_engine_args
 
     p = sub.add_parser("bench-engine", help="whole engine step (LLM.generate) vs forward-only replay")
-    add_engine_args(p, runs_llm=True)
+    add_engine_args(p, offline=True)
     p.add_argument("--batch-sizes", type=int_list, default=(1, 8, 32, 64, 128, 256))
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--short", type=int, default=16, help="max_tokens of the short run")
@@ -33,7 +33,7 @@ def register(sub) -> None:
     p.set_defaults(func=run_engine)
 
     p = sub.add_parser("bench-throughput", help="nano-vllm's offline workload: output tokens per second")
-    add_engine_args(p, runs_llm=True)
+    add_engine_args(p, offline=True)
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
