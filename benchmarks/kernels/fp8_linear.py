@@ -4,7 +4,8 @@ candidate config, beside bf16 cuBLAS (F.linear) and, at one row, the bf16 GEMV t
 Candidates: the streaming W8A16 GEMV (kernels/fp8_stream.py, 1-4 rows) over tiles and prefetch depths; the first
 W8A16 GEMV (kernels/fp8_gemv.py) over tiles, K tiles a step and warps; the W8A8 few-rows kernel
 (kernels/fp8_w8a8.py, its activation quantization included) over tiles; the Triton tensor-core kernel
-(kernels/fp8_mma.py) over tiles; torch._scaled_mm after the one-kernel per-token quantization, after the
+(kernels/fp8_mma.py) over tiles; the W8A16 split GEMM (kernels/split_gemm.py) over tiles above 4 rows;
+torch._scaled_mm after the one-kernel per-token quantization, after the
 torch-ops quantization it replaced, and alone (the quantization's share); and what choose_fp8_path picks (`rule`).
 At the end, the best config per (projection, rows) as entries for kernels/fp8_linear.FP8_MEASURED, where they go
 if they beat the rule.
@@ -31,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, MmaTiles, StreamTiles, W8a8Tiles,  # noqa: E402
-                                         choose_fp8_path, fp8_gemv, fp8_mma, fp8_stream, fp8_w8a8,
-                                         quantize_per_token, quantize_rows, quantize_tokens)
+from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, MmaTiles, SplitTiles, StreamTiles,  # noqa: E402
+                                         W8a8Tiles, choose_fp8_path, fp8_gemv, fp8_mma, fp8_stream, fp8_w8a8,
+                                         quantize_per_token, quantize_rows, quantize_tokens, split_gemm)
 from ostinato.kernels.gemv import choose_gemv_tiles, gemv_linear  # noqa: E402
 
 ERROR_LIMIT = 5e-2  # _scaled_mm rounds x to E4M3 too; the W8A16 kernels stay near 4e-3 (bf16 output)
@@ -49,11 +50,16 @@ GEMV_ROWS = [Fp8Tiles(1, 512), Fp8Tiles(2, 512, num_warps=8, k_tiles=2)]
 MMA_FEW_ROWS = [MmaTiles(16, 32, 256), MmaTiles(16, 64, 256), MmaTiles(16, 128, 128)]
 MMA_ROWS = [MmaTiles(64, 64, 128), MmaTiles(64, 128, 128), MmaTiles(32, 64, 256)]
 W8A8 = [W8a8Tiles(16, 512), W8a8Tiles(16, 256), W8a8Tiles(32, 256), W8a8Tiles(32, 512), W8a8Tiles(64, 256)]
+# FP8 K tiles of 128 bytes (block_k 128) hold half the bytes of the bf16 invariant GEMM's; 256 restores them.
+SPLIT = [SplitTiles(), SplitTiles(block_k=256), SplitTiles(block_k=256, num_stages=4),
+         SplitTiles(block_k=256, split_programs=512), SplitTiles(block_n=128, block_k=128, num_warps=8),
+         SplitTiles(block_k=256, prefetch_max_rows=64)]
 
 
 def candidates(m: int, kernels: tuple[str, ...] = ()):
     """(name, config) for what may compute m rows; config is what FP8_MEASURED would hold, or None. kernels:
-    only the candidates whose names start with one of these (stream, gemv, w8a8, mma, scaled_mm); all if empty."""
+    only the candidates whose names start with one of these (stream, gemv, w8a8, split, mma, scaled_mm); all if
+    empty."""
     for name, config in _all_candidates(m):
         if not kernels or name.startswith(kernels):
             yield name, config
@@ -66,6 +72,9 @@ def _all_candidates(m: int):
     yield from ((f"stream bn{t.block_n} bk{t.block_k} p{t.prefetch} w{t.num_warps}", t) for t in stream)
     yield from ((f"gemv bn{t.block_n} bk{t.block_k} kt{t.k_tiles} w{t.num_warps} s{t.num_stages}", t) for t in gemv)
     yield from ((f"w8a8 bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} (+quant)", t) for t in W8A8)
+    if m > 4:
+        yield from ((f"split bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} sp{t.split_programs} "
+                     f"pf{t.prefetch_max_rows}", t) for t in SPLIT)
     if m > 1:
         yield from ((f"mma {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", t) for t in mma)
         yield "scaled_mm (one-kernel quant)", "scaled_mm"
@@ -99,6 +108,8 @@ def call(name: str, config, x: torch.Tensor, layer: Fp8Linear, pre: tuple) -> to
         return fp8_mma(x, layer.weight, layer.weight_scale, None, None, config)
     if isinstance(config, W8a8Tiles):
         return fp8_w8a8(*quantize_tokens(x), layer.weight, layer.weight_scale, None, config, x.dtype)
+    if isinstance(config, SplitTiles):
+        return split_gemm(x, layer.weight, None, config, scale=layer.weight_scale)
     if config == "scaled_mm":
         return _scaled_mm(*quantize_tokens(x), layer)
     if "torch-ops" in name:
@@ -164,7 +175,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.1-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--kernels", default="", help="comma-separated name prefixes of the candidates to run "
-                    "(stream, gemv, w8a8, mma, scaled_mm); default all")
+                    "(stream, gemv, w8a8, split, mma, scaled_mm); default all")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []

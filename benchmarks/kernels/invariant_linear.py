@@ -5,7 +5,7 @@ Each variant is timed per projection and row count as benchmarks/kernels/small_g
 over enough weight copies to defeat L2, launched with PDL as the decode graph launches them), then summed over a
 decode step's projections (4 a layer times the layers, plus the lm_head). Each variant is also checked for what it
 is for: the rows of a 256-row call, computed again in calls of 1 to 130 rows (from several offsets), must be
-bitwise equal ("invariance failures" counts the rows that are not). Variants: main's InvariantTiles and its
+bitwise equal ("invariance failures" counts the rows that are not). Variants: main's INVARIANT_TILES and its
 neighbours, each with one field moved (`variants`).
 
     PYTHONPATH=src python3 benchmarks/kernels/invariant_linear.py [--shapes llama-3.1-8b,llama-3.2-1b]
@@ -26,14 +26,15 @@ from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
-from ostinato.kernels.invariant_linear import INVARIANT_TILES, InvariantTiles, invariant_gemm  # noqa: E402
+from ostinato.kernels.invariant_linear import INVARIANT_TILES, invariant_gemm  # noqa: E402
+from ostinato.kernels.split_gemm import SplitTiles  # noqa: E402
 
 LAYERS = {"qwen3-0.6b": 28, "llama-3.2-1b": 16, "llama-3.1-8b": 32}
 CHECK_ROWS = (1, 5, 8, 16, 17, 33, 48, 64, 65, 130)
 CHECK_CALL_ROWS = 256
 
 
-def variants() -> dict[str, InvariantTiles]:
+def variants() -> dict[str, SplitTiles]:
     """main's tiles and its neighbours: each field moved one step."""
     base = INVARIANT_TILES
     changes = {
@@ -47,7 +48,7 @@ def variants() -> dict[str, InvariantTiles]:
     return {"main": base, **{name: replace(base, **change) for name, change in changes.items()}}
 
 
-def run(v: InvariantTiles, x, w, out_dtype=None):
+def run(v: SplitTiles, x, w, out_dtype=None):
     return invariant_gemm(x, w, out_dtype=out_dtype, tiles=v, pdl=True)
 
 

@@ -22,8 +22,8 @@ from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import (  # noqa: E402
     TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning)
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
-from ostinato.kernels.invariant_linear import (  # noqa: E402
-    InvariantTiles, invariant_gemm, invariant_split, rowwise_linear)
+from ostinato.kernels.invariant_linear import invariant_gemm, invariant_split, rowwise_linear  # noqa: E402
+from ostinato.kernels.split_gemm import SplitTiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK, KV_HEADS, GROUP, DIM = 16, 2, 2, 32
@@ -35,7 +35,7 @@ def test_gemm_matches_float64(dtype):
     x = torch.randn(37, 72, generator=gen).to(dtype)
     w = torch.randn(40, 72, generator=gen).to(dtype)
     b = torch.randn(40, generator=gen).to(dtype)
-    out = invariant_gemm(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), tiles=InvariantTiles(16, 16))
+    out = invariant_gemm(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), tiles=SplitTiles(16, 16))
     ref = F.linear(x.double(), w.double(), b.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * 72 ** 0.5)
@@ -69,10 +69,10 @@ def test_gemm_row_is_the_same_in_every_batch(dtype):
 # tested; "unsplit": one; "parallel then serial": 3 splits, in parallel up to 2 row tiles (32 rows), one after
 # another from 3; "wider row tiles": as "split", the row tile 16 to 128 by the row count.
 _SMALL = dict(block_n=16, block_k=16, max_row_tile=16)
-SPLIT_TILES = {"split": InvariantTiles(**_SMALL, min_split_k_tiles=1),
-               "unsplit": InvariantTiles(**_SMALL, split_programs=1),
-               "parallel then serial": InvariantTiles(**_SMALL, split_programs=9, min_split_k_tiles=1),
-               "wider row tiles": InvariantTiles(**{**_SMALL, "max_row_tile": 128}, min_split_k_tiles=1)}
+SPLIT_TILES = {"split": SplitTiles(**_SMALL, min_split_k_tiles=1),
+               "unsplit": SplitTiles(**_SMALL, split_programs=1),
+               "parallel then serial": SplitTiles(**_SMALL, split_programs=9, min_split_k_tiles=1),
+               "wider row tiles": SplitTiles(**{**_SMALL, "max_row_tile": 128}, min_split_k_tiles=1)}
 
 
 def test_split_depends_on_n_and_k_only():
@@ -82,7 +82,7 @@ def test_split_depends_on_n_and_k_only():
     assert invariant_split(1024, 3072) == (6, 512)
     assert invariant_split(4096, 1024) == (2, 512)
     assert invariant_split(6144, 1024) == (2, 512)
-    assert invariant_split(1024, 2048, InvariantTiles(min_split_k_tiles=1)) == (16, 128)
+    assert invariant_split(1024, 2048, SplitTiles(min_split_k_tiles=1)) == (16, 128)
     assert invariant_split(151936, 1024) == (1, 1024)
     for n, k in [(70, 200), (40, 72), (4096, 14336), (100, 65)]:
         splits, per = invariant_split(n, k)

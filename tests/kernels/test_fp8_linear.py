@@ -1,7 +1,7 @@
-"""FP8 weights (kernels/fp8_linear.py, fp8_gemv.py, fp8_mma.py, fp8_w8a8.py): the W8A16 GEMV, the tensor-core
-kernel and the W8A8 few-rows kernel against a float64 dequantize-then-matmul reference, the scale layouts,
-per-channel and per-token quantization (the one-kernel version against the torch ops), the path rule and its
-table of measured shapes.
+"""FP8 weights (kernels/fp8_linear.py, fp8_gemv.py, fp8_mma.py, fp8_w8a8.py, split_gemm.py): the W8A16 GEMV, the
+tensor-core kernel, the W8A8 few-rows kernel and the split GEMM against a float64 dequantize-then-matmul reference,
+the scale layouts, per-channel and per-token quantization (the one-kernel version against the torch ops), the path
+rule and its table of measured shapes.
 
 CPU: under TRITON_INTERPRET=1 (tests/conftest.py), which loads float8_e4m3fn tensors as they are; small ragged
 shapes. GPU (`-m gpu`): the real projection shapes, the GEMV with PDL, _scaled_mm, the quantization's rounding,
@@ -22,9 +22,9 @@ pytest.importorskip("triton")
 
 from ostinato.kernels import fp8_linear  # noqa: E402
 from ostinato.kernels.fp8_linear import (FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX, Fp8Linear, Fp8Tiles,  # noqa: E402
-                                         MmaTiles, choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma,
+                                         MmaTiles, SplitTiles, choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma,
                                          StreamTiles, W8a8Tiles, fp8_w8a8, quantize_per_token, quantize_rows,
-                                         quantize_tokens)
+                                         quantize_tokens, split_gemm)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,6 +39,22 @@ def _random_fp8(n: int, k: int, block, gen) -> tuple[torch.Tensor, torch.Tensor]
 def _reference(x, w, scale, block, b):
     dense = dequantize_fp8(w, scale, block).double()
     return F.linear(x.double(), dense, None if b is None else b.double())
+
+
+def _inputs(m: int, n: int, k: int, block, bias: bool, dtype: torch.dtype, seed: int):
+    """(fp8 weight, its scales, x [m, k], bias or None) on the CPU, random from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    w, scale = _random_fp8(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return w, scale, x, torch.randn(n, generator=gen).to(dtype) if bias else None
+
+
+def _device(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEVICE)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 # Ragged: N and K not multiples of the tiles nor of the scale blocks; M below and at its padded size; K inside
@@ -57,15 +73,10 @@ def _reference(x, w, scale, block, b):
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_gemv_matches_float64_reference(m, n, k, tiles, block, bias, dtype):
-    gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    w, scale = _random_fp8(n, k, block, gen)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    out = fp8_gemv(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None if b is None else b.to(DEVICE), tiles, block)
+    w, scale, x, b = _inputs(m, n, k, block, bias, dtype, seed=m * 1000 + n + k)
+    out = fp8_gemv(_device(x), _device(w), _device(scale), _device(b), tiles, block)
     assert out.shape == (m, n) and out.dtype == dtype
-    ref = _reference(x, w, scale, block, b)
-    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
-    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    _assert_close(out, _reference(x, w, scale, block, b), 1e-5 if dtype == torch.float32 else 8e-3)  # bf16 rounding
 
 
 # The tensor-core kernel: rows and columns past one tile and ragged; block scales whose blocks hold 1 and 2 tiles.
@@ -76,16 +87,28 @@ def test_fp8_gemv_matches_float64_reference(m, n, k, tiles, block, bias, dtype):
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_mma_matches_float64_reference(m, n, k, block, bias, dtype):
-    gen = torch.Generator().manual_seed(m + n + k)
-    w, scale = _random_fp8(n, k, block, gen)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    out = fp8_mma(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None if b is None else b.to(DEVICE), block,
-                  tile=MmaTiles(16, 16, 16))
-    ref = _reference(x, w, scale, block, b)
+    w, scale, x, b = _inputs(m, n, k, block, bias, dtype, seed=m + n + k)
+    out = fp8_mma(_device(x), _device(w), _device(scale), _device(b), block, tile=MmaTiles(16, 16, 16))
     # fp32 inputs may run as tf32 on the tensor cores; bf16: the weight widened to bf16 after its block scale
     tol = 2e-3 if dtype == torch.float32 and DEVICE == "cuda" else (1e-5 if dtype == torch.float32 else 8e-3)
-    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    _assert_close(out, _reference(x, w, scale, block, b), tol)
+
+
+# The split GEMM on FP8 weights (W8A16, per-row scales): one row tile and several; K split in parallel, one split
+# after another, and unsplit; N and K ragged against the tiles.
+@pytest.mark.parametrize("m,n,k,tiles,bias", [
+    (1, 37, 100, SplitTiles(16, 16, min_split_k_tiles=1), False),
+    (5, 40, 256, SplitTiles(16, 32, max_row_tile=16, split_programs=8, min_split_k_tiles=1), True),
+    (20, 17, 90, SplitTiles(16, 16, max_row_tile=16, split_programs=1), True),
+    (40, 33, 200, SplitTiles(32, 16, max_row_tile=16, split_programs=4, min_split_k_tiles=2), False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_gemm_on_fp8_weights_matches_float64_reference(m, n, k, tiles, bias, dtype):
+    w, scale, x, b = _inputs(m, n, k, None, bias, dtype, seed=m + n + k)
+    out = split_gemm(_device(x), _device(w), _device(b), tiles, scale=_device(scale))
+    assert out.shape == (m, n) and out.dtype == dtype
+    # fp32: the weight widens exactly; bf16: the output's own rounding
+    _assert_close(out, _reference(x, w, scale, None, b), 1e-5 if dtype == torch.float32 else 8e-3)
 
 
 # W8A8: rows below and above one 16-row tile; N and K ragged against the tiles; one K step and several.
@@ -172,6 +195,8 @@ def test_measured_entries_are_configs_the_kernels_take():
             assert min(config.block_m, config.block_n, config.block_k) >= 16
         elif isinstance(config, W8a8Tiles):
             assert config.block_n >= 16 and config.block_k >= 32
+        elif isinstance(config, SplitTiles):
+            assert min(config.block_n, config.block_k, config.min_row_tile) >= 16
         else:
             assert config == "scaled_mm" and n % 16 == 0 and k % 16 == 0, (m, n, k, config)
 
@@ -278,7 +303,7 @@ def test_quantize_tokens_kernel_rounds_as_torch_does_on_the_gpu(m, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("config", [W8a8Tiles(16, 512), W8a8Tiles(64, 256), MmaTiles(16, 64, 256),
-                                    Fp8Tiles(8, 1024, k_tiles=2)])
+                                    Fp8Tiles(8, 1024, k_tiles=2), SplitTiles()])
 @pytest.mark.parametrize("m", [1, 16])
 def test_a_measured_table_entry_runs_its_kernel_at_the_real_shape(monkeypatch, config, m):
     gen = torch.Generator().manual_seed(2)

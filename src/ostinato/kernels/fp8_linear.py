@@ -17,6 +17,9 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
                 as the bf16 GEMV (kernels/gemv.py)
     mma         5-16 rows (per-row scales), or more rows with block scales, on CUDA: the Triton W8A16
                 tensor-core kernel (kernels/fp8_mma.py)
+    split       where FP8_MEASURED names SplitTiles (per-row scales, bf16): the split GEMM (kernels/split_gemm.py),
+                W8A16 with the weight on the MMA's wide side and K split to fill the GPU, no activation
+                quantization; a candidate of benchmarks/kernels/fp8_linear.py, taken only where measured faster
     scaled_mm   above 16 rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
                 activations quantized per token, each row with its own scale, by one kernel (kernels/fp8_mma.py)
     dequantize  everything else (CPU, fp32 activations, shapes _scaled_mm refuses): the
@@ -36,11 +39,12 @@ from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes
 from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma, quantize_tokens
 from ostinato.kernels.fp8_w8a8 import W8a8Tiles, fp8_w8a8
 from ostinato.kernels.quantized_linear import QuantizedLinear
+from ostinato.kernels.split_gemm import SplitTiles, split_gemm
 from ostinato.kernels.triton_optional import triton
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Tiles", "MmaTiles", "StreamTiles", "choose_fp8_path",
-           "dequantize_fp8", "fp8_gemv", "fp8_mma", "fp8_stream", "fp8_w8a8", "quantize_per_token", "quantize_rows",
-           "quantize_tokens", "W8a8Tiles"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Tiles", "MmaTiles", "SplitTiles", "StreamTiles",
+           "choose_fp8_path", "dequantize_fp8", "fp8_gemv", "fp8_mma", "fp8_stream", "fp8_w8a8", "quantize_per_token",
+           "quantize_rows", "quantize_tokens", "split_gemm", "W8a8Tiles"]
 
 
 # The GEMV's accumulator is M_PAD * block_n * block_k fp32 values over 128 threads: 8192 is 64 registers a
@@ -51,7 +55,7 @@ _ACC_BUDGET = 8192
 FP8_GEMV_MAX_ROWS = 4
 _SMALL_MMA_ROWS = 16
 _FEW_ROWS_MMA = MmaTiles(16, 32, 256)  # per-row scales at 5-16 rows (choose_fp8_path)
-Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | str
+Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | SplitTiles | str
 # The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
 # the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
 # SwiGLU folds at every row the streaming GEMV takes, as the bf16 fold won at 1-16 (kernels/gemv.py, choose_glu_fold).
@@ -73,9 +77,10 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     (MmaTiles), the W8A8 few-rows kernel's (W8a8Tiles), "scaled_mm" or "dequantize". From shapes only, so
     fixed before graph capture.
 
-    - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there does the W8A8
-      few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 GEMV
-      keeps them in 16 bits, so it is taken only where it was measured faster.
+    - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there do the W8A8
+      few-rows kernel (kernels/fp8_w8a8.py) and the split GEMM (kernels/split_gemm.py) run: the first rounds the
+      activations to E4M3 at rows the W8A16 GEMV keeps them in 16 bits, the second has not yet been timed
+      against _scaled_mm on a GPU, so each is taken only where it was measured faster.
     - m <= 4, per-row scales, bf16, k % 4 == 0: the streaming GEMV (kernels/fp8_stream.py), block_n for ~768
       programs as the bf16 rule, at most 4 above two rows (one accumulator a row); block_k 2048 where K allows:
       at 8 x 2048 a thread holds all 8 rows of its columns, so x (and the folded norm's work on it) is shared
@@ -190,6 +195,8 @@ class Fp8Linear(QuantizedLinear):
             return fp8_gemv(x.contiguous(), self.weight, self.weight_scale, self.bias, path, self.block, pdl)
         if isinstance(path, MmaTiles):
             return fp8_mma(x.contiguous(), self.weight, self.weight_scale, self.bias, self.block, path, pdl)
+        if isinstance(path, SplitTiles):
+            return split_gemm(x.contiguous(), self.weight, self.bias, path, scale=self.weight_scale, pdl=pdl)
         if isinstance(path, W8a8Tiles):
             xq, x_scale = quantize_tokens(x.contiguous(), pdl)
             return fp8_w8a8(xq, x_scale, self.weight, self.weight_scale, self.bias, path, x.dtype, pdl)
