@@ -43,6 +43,7 @@ def variants() -> dict[str, SplitTiles]:
         "no_prefetch": dict(prefetch_max_rows=0), "prefetch64": dict(prefetch_max_rows=64),
         "k64": dict(block_k=64, num_stages=3), "k256": dict(block_k=256, num_stages=3), "st4": dict(num_stages=4),
         "st5": dict(num_stages=5), "n32": dict(block_n=32), "n128": dict(block_n=128),
+        "n128w8": dict(block_n=128, num_warps=8),  # two warpgroups: prefill's tiles twice as wide
         "sp128": dict(split_programs=128), "sp512": dict(split_programs=512), "minsplit2": dict(min_split_k_tiles=2),
     }
     return {"main": base, **{name: replace(base, **change) for name, change in changes.items()}}
