@@ -3,9 +3,9 @@ output summed in one fixed order: the batch-invariant projections' GEMM (kernels
 W8A16 candidate for FP8 weights (kernels/fp8_linear.py).
 
 Why this shape of kernel: at decode a projection has few rows and a weight far larger than L2, so the time is the
-weight read, and what matters is that every SM keeps loads in flight. cuBLAS's tiles put the rows on the MMA's
-64-row side (63 padded rows at one row) and give a narrow projection few programs (1024 outputs in 64-wide
-tiles: 16 programs for 132 SMs).
+weight read, and what matters is that every SM keeps loads in flight. A GEMM tile with the rows on the MMA's
+64-row side multiplies 63 padded rows for each real one at one row, and a narrow projection unsplit makes few
+programs (1024 outputs in 64-wide tiles: 16 programs for 132 SMs).
 
 Algorithm (Triton, CUDA): a program owns BLOCK_N outputs of a tile of rows, computed transposed, as
 acc [BLOCK_N, ROW_TILE] = W tile @ x tile^T: W's rows are the tensor-core MMA's rows and the activations' rows
