@@ -65,16 +65,6 @@ def invariance_failures(v, w, k, out_dtype) -> int:
     return bad
 
 
-class DefaultLayer(torch.nn.Module):
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = weight
-        self.bias = None
-
-    def forward(self, x):
-        return torch.nn.functional.linear(x, self.weight)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
@@ -94,8 +84,8 @@ def main() -> None:
             out_dtype = torch.float32 if proj == "lm_head" else None
             wbytes = n * k * 2
             copies = max(2, min(32, -(-256 * 2**20 // wbytes)))
-            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-            layers = [DefaultLayer(w) for w in weights]
+            layers = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            weights = [torch.nn.init.normal_(layer.weight.requires_grad_(False), std=0.02) for layer in layers]
             for m in batches:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = torch.nn.functional.linear(x.float(), weights[0].float())

@@ -8,6 +8,7 @@ row-wise attention; GPU (`-m gpu`): the GEMM at the 8B's shapes.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from ostinato.attention.torch_ref import TorchRefBackend  # noqa: E402
 from ostinato.attention.triton_paged import (  # noqa: E402
     TritonAttentionTuning, TritonPagedBackend, batch_invariant_tuning)
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
-from ostinato.kernels.invariant_linear import invariant_gemm, invariant_split, rowwise_linear  # noqa: E402
+from ostinato.kernels.invariant_linear import INVARIANT_TILES, invariant_gemm, rowwise_linear  # noqa: E402
 from ostinato.kernels.split_gemm import SplitTiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,7 +46,7 @@ def test_gemm_matches_float64(dtype):
 
 def _row_in_batches(linear, dtype, k=600, n=70):
     """Row 0's output alone, then placed at several positions among 2..69 other rows: all must be equal."""
-    # K 600 at the default tiles: 3 splits, the last ragged (invariant_split)
+    # K 600 at the default tiles: 3 splits, the last ragged (SplitTiles.split)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     row = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
@@ -78,14 +79,14 @@ SPLIT_TILES = {"split": SplitTiles(**_SMALL, min_split_k_tiles=1),
 def test_split_depends_on_n_and_k_only():
     """The K split of the default tiles at a small model's decode projections, and none where N alone gives
     enough programs (the lm_head); whole K tiles per split, at least min_split_k_tiles, none left empty."""
-    assert invariant_split(1024, 2048) == (4, 512)  # o_proj of a 1024-wide model: 16 N tiles alone
-    assert invariant_split(1024, 3072) == (6, 512)
-    assert invariant_split(4096, 1024) == (2, 512)
-    assert invariant_split(6144, 1024) == (2, 512)
-    assert invariant_split(1024, 2048, SplitTiles(min_split_k_tiles=1)) == (16, 128)
-    assert invariant_split(151936, 1024) == (1, 1024)
+    assert INVARIANT_TILES.split(1024, 2048) == (4, 512)  # o_proj of a 1024-wide model: 16 N tiles alone
+    assert INVARIANT_TILES.split(1024, 3072) == (6, 512)
+    assert INVARIANT_TILES.split(4096, 1024) == (2, 512)
+    assert INVARIANT_TILES.split(6144, 1024) == (2, 512)
+    assert replace(INVARIANT_TILES, min_split_k_tiles=1).split(1024, 2048) == (16, 128)
+    assert INVARIANT_TILES.split(151936, 1024) == (1, 1024)
     for n, k in [(70, 200), (40, 72), (4096, 14336), (100, 65)]:
-        splits, per = invariant_split(n, k)
+        splits, per = INVARIANT_TILES.split(n, k)
         assert per % 128 == 0 and (splits - 1) * per < k <= splits * per
 
 
@@ -101,7 +102,7 @@ def test_gemm_row_is_the_same_for_every_row_count(case, dtype):
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     x = torch.randn(80, k, generator=gen).to(dtype).to(DEVICE)
-    assert invariant_split(n, k, tiles)[0] == {"split": 5, "unsplit": 1, "parallel then serial": 3,
+    assert tiles.split(n, k)[0] == {"split": 5, "unsplit": 1, "parallel then serial": 3,
                                                "wider row tiles": 5}[case]
     for out_dtype in (None, torch.float32):
         alone = invariant_gemm(x[:1], w, b, out_dtype=out_dtype, tiles=tiles)[0]

@@ -39,11 +39,6 @@ INVARIANT_TILES = SplitTiles(block_n=64, block_k=128, num_warps=4, num_stages=3,
                              min_split_k_tiles=4, min_row_tile=16, max_row_tile=128, prefetch_max_rows=16)
 
 
-def invariant_split(n: int, k: int, tiles: SplitTiles = INVARIANT_TILES) -> tuple[int, int]:
-    """(splits, keys per split) of the K range of an [N, K] weight: from N, K and the constant tiles only."""
-    return tiles.split(n, k)
-
-
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, tiles: SplitTiles = INVARIANT_TILES,
                    pdl: bool = False) -> torch.Tensor:
