@@ -1,4 +1,5 @@
-"""Shared by the GPU measuring scripts: the HBM ceiling and a CUDA-graph timer for repeated calls."""
+"""Shared by the GPU measuring scripts: the HBM read ceiling, measured on this GPU when a script starts, and a
+CUDA-graph timer for repeated calls."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import statistics
 
 import torch
 
-HBM_READ_BYTES_PER_S = 4.13e12  # read bandwidth measured on the H200 the published figures come from
+from ostinato.tools.bench.ceilings import measure_ceilings
+
+HBM_READ_BYTES_PER_S = measure_ceilings("cuda").read_bytes_per_s if torch.cuda.is_available() else float("nan")
 
 
 def time_graph(fn, copies, iters=30):

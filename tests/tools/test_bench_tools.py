@@ -10,6 +10,7 @@ import pytest
 
 from ostinato import cli
 from ostinato.tools.bench import plots as bench_plots
+from ostinato.tools.bench.ceilings import Ceilings, engine_device, measure_ceilings
 from ostinato.tools.bench.engine import workload_floor_seconds
 from ostinato.tools.bench.kernels import OTHER, class_bytes, classify, report_lines, summarize
 
@@ -59,11 +60,13 @@ def test_class_bytes_count_weights_and_kv():
 def test_summary_shares_and_gap():
     kernels = {"_decode_split_kernel": {"us": 30.0, "calls": 28}, "_gemv_kernel": {"us": 50.0, "calls": 56},
                "nvjet_x": {"us": 20.0, "calls": 30}, "memcpy": {"us": 5.0, "calls": 1}}
-    s = summarize(kernels, {"attention": 3_000_000, "projections": 100_000_000}, replay_us=120.0)
+    s = summarize(kernels, {"attention": 3_000_000, "projections": 100_000_000}, replay_us=120.0,
+                  read_bytes_per_s=2e12)
     assert s["kernel_us"] == pytest.approx(105.0) and s["gap_us"] == pytest.approx(15.0)
     proj = s["classes"]["projections"]
     assert proj["us"] == pytest.approx(70.0) and proj["kernels"] == 86
     assert proj["GBps"] == pytest.approx(100e6 / 70e-6 / 1e9)
+    assert proj["hbm_share"] == pytest.approx(100e6 / 70e-6 / 2e12)  # of the bandwidth measured on the device
     assert s["classes"]["attention"]["share_of_replay"] == pytest.approx(0.25)
     assert s["classes"][OTHER]["GBps"] is None
     assert s["top_kernels"][0]["name"] == "_gemv_kernel"
@@ -91,12 +94,20 @@ def test_workload_floor_counts_decode_reads_and_prefill_flops():
     mc = types.SimpleNamespace(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2)
     # Two sequences, prompts 3 and 1, outputs 3 and 1: decode steps t=0,1 for the first only.
     # kv per token = 2*1*1*2*2 = 8 bytes; contexts 4 and 5 -> bytes = 2*1000 + 8*(4+5).
-    floor = workload_floor_seconds(mc, 1000, 2, [3, 1], [3, 1])
-    from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S
-    from ostinato.tools.bench.engine import BF16_FLOPS_PER_S
-
+    ceilings = Ceilings("test device", read_bytes_per_s=3e12, matmul_flops_per_s=700e12, matmul_dtype="bfloat16")
+    floor = workload_floor_seconds(mc, 1000, 2, [3, 1], [3, 1], ceilings)
     flops = 2 * 500 * 4 + 2 * 1 * 1 * 2 * (9 + 1)
-    assert floor == pytest.approx((2000 + 72) / HBM_READ_BYTES_PER_S + flops / BF16_FLOPS_PER_S)
+    assert floor == pytest.approx((2000 + 72) / 3e12 + flops / 700e12)
+
+
+def test_ceilings_are_measured_on_the_device():
+    ceilings = measure_ceilings("cpu")
+    assert ceilings.device == "cpu" and ceilings.matmul_dtype == "float32"
+    # A read slower than 100 MB/s or faster than 10 TB/s, or a matmul outside 100 MFLOP/s - 100 TFLOP/s, is no
+    # measurement of a CPU: a unit or timing slip.
+    assert 1e8 < ceilings.read_bytes_per_s < 1e13 and 1e8 < ceilings.matmul_flops_per_s < 1e14
+    assert "GB/s" in ceilings.describe() and "measured here" in ceilings.describe()
+    assert engine_device(types.SimpleNamespace(device="cpu")) == "cpu"
 
 
 @pytest.mark.parametrize("sub", ["kernels", "peers"])

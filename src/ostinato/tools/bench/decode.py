@@ -8,7 +8,8 @@ the pool); the decode forward (inputs -> logits) is timed with CUDA events, medi
   the engine's async scheduling runs them, per step;
 - ostinato eager: the same decode step launched op by op;
 - HF eager: transformers' own model class on the same checkpoint, one-token forward over a DynamicCache.
-The floor is (weight bytes + KV bytes read) / measured HBM read bandwidth (4.13 TB/s on the H200).
+The floor is (weight bytes + KV bytes read) / the read bandwidth measured on this device when the bench starts
+(tools/bench/ceilings.py), so a floor on an H100 is the H100's.
 `--penalty-rows N` times each batch size a second time with N of its rows using repetition_penalty: the step
 then replays the graphs with the logits processors (runner/decode_step.py), and the two lines show what they
 cost against a batch that uses none.
@@ -19,9 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
-import time
-
-HBM_READ_BYTES_PER_S = 4.13e12  # read bandwidth measured on the H200 the published figures come from
 
 
 def weights_read_per_step(runner) -> int:
@@ -65,23 +63,12 @@ def time_cuda(fn, iters: int, warmup: int) -> float:
     """Median milliseconds of fn() measured with CUDA events (CPU wall time on CPU)."""
     import torch
 
+    from ostinato.tools.bench.ceilings import elapsed_ms
+
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(elapsed_ms(fn, cuda) for _ in range(iters))
 
 
 def join_random_rows(runner, bs: int, context: int, gen, penalty_rows: int = 0) -> list[int]:
@@ -233,11 +220,12 @@ def hf_step_ms(hf, device, bs: int, context: int, iters: int, warmup: int, vocab
         return time_cuda(step, iters, warmup)
 
 
-def measure_row(runner, args, bs: int, penalty_rows: int, gen, hf, weights: int, kv_bytes_per_token: int) -> dict:
+def measure_row(runner, args, bs: int, penalty_rows: int, gen, hf, weights: int, kv_bytes_per_token: int,
+                read_bytes_per_s: float) -> dict:
     """One batch size's figures (`penalty_rows` of its rows with repetition_penalty), printed as one line."""
     eager_ms, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, args.warmup, penalty_rows)
     queued_ms = queued_graph_ms(runner, bs, args.context, gen, args.iters, penalty_rows=penalty_rows)
-    floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / HBM_READ_BYTES_PER_S * 1e3
+    floor_ms = (weights + bs * (args.context + 1) * kv_bytes_per_token) / read_bytes_per_s * 1e3
     hf_ms = None
     if hf is not None and not penalty_rows:
         hf_ms = hf_step_ms(hf, runner.device, bs, args.context, args.iters, args.warmup,
@@ -268,11 +256,14 @@ def run(args) -> int:
     from ostinato.config import quantization_label
     from ostinato.engine.engine import LLMEngine
     from ostinato.errors import ConfigError
+    from ostinato.tools.bench.ceilings import engine_device, measure_ceilings
 
     if args.penalty_rows < 0:
         raise ConfigError(f"--penalty-rows must be >= 0 (rows of each batch that use repetition_penalty), got "
                           f"{args.penalty_rows}")
-    engine = LLMEngine(engine_args_from(args))
+    engine_args = engine_args_from(args)
+    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    engine = LLMEngine(engine_args)
     runner = engine.runner
     weights = weights_read_per_step(runner)
     mc = runner.model_config
@@ -285,15 +276,17 @@ def run(args) -> int:
                                                                                  runner.device)
     print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), "
           f"{runner.dtype}, weights {quantization_label(mc.quantization)}, graphs: {engine.graph_status}")
+    print(f"floors: bytes read over {ceilings.describe()}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
             for penalty_rows in dict.fromkeys((0, min(args.penalty_rows, bs))):
-                rows.append(measure_row(runner, args, bs, penalty_rows, gen, hf, weights, kv_bytes_per_token))
+                rows.append(measure_row(runner, args, bs, penalty_rows, gen, hf, weights, kv_bytes_per_token,
+                                        ceilings.read_bytes_per_s))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
                        "quantization": quantization_label(mc.quantization), "weights_read_bytes": weights,
-                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       "device": ceilings.device, "read_bytes_per_s": ceilings.read_bytes_per_s,
                        "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
     if args.plot:
         from ostinato.tools.bench.plots import latency_vs_batch

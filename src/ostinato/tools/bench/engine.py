@@ -19,6 +19,8 @@ import random
 import statistics
 import time
 
+from ostinato.tools.bench.ceilings import Ceilings, engine_device, measure_ceilings
+
 
 def register(sub) -> None:
     from ostinato.cli_args import int_list, add_engine_args
@@ -47,15 +49,11 @@ def register(sub) -> None:
     p.set_defaults(func=run_throughput)
 
 
-BF16_FLOPS_PER_S = 773e12  # dense bf16 GEMM rate measured on the H200 the published figures come from
-
-
-def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: list[int],
-                           output_lens: list[int]) -> float:
-    """Seconds the workload needs at the bandwidth and FLOP ceilings, with every sequence decoded together
-    (the first output token comes from the prefill; sequence s then takes output_lens[s] - 1 decode steps)."""
-    from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S
-
+def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: list[int], output_lens: list[int],
+                           ceilings: Ceilings) -> float:
+    """Seconds the workload needs at the device's read bandwidth and matmul rate, with every sequence decoded
+    together (the first output token comes from the prefill; sequence s then takes output_lens[s] - 1 decode
+    steps)."""
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
     decode_bytes = 0
     for t in range(max(output_lens, default=1) - 1):
@@ -64,7 +62,7 @@ def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: li
     matmul_params = weights_read // itemsize
     attention = 2 * mc.num_layers * mc.num_heads * mc.head_dim * sum(p * p for p in prompt_lens)  # QK^T + PV, causal
     prefill_flops = 2 * matmul_params * sum(prompt_lens) + attention
-    return decode_bytes / HBM_READ_BYTES_PER_S + prefill_flops / BF16_FLOPS_PER_S
+    return decode_bytes / ceilings.read_bytes_per_s + prefill_flops / ceilings.matmul_flops_per_s
 
 
 def _sync() -> None:
@@ -129,7 +127,9 @@ def run_throughput(args) -> int:
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    llm = LLM.from_engine_args(engine_args_from(args))
+    engine_args = engine_args_from(args)
+    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    llm = LLM.from_engine_args(engine_args)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(args.workload_seed)
     prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(rng.randint(args.min_len, args.max_len))]
@@ -148,17 +148,17 @@ def run_throughput(args) -> int:
     runner = llm.engine.runner
     mc = runner.model_config
     floor_s = workload_floor_seconds(mc, weights_read_per_step(runner), runner.dtype.itemsize,
-                                     [len(p) for p in prompts], [p.max_tokens for p in params])
+                                     [len(p) for p in prompts], [p.max_tokens for p in params], ceilings)
     result = {"model": args.model, "num_seqs": args.num_seqs, "output_tokens": out_tokens,
               "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
               "output_tokens_per_s": out_tokens / seconds, "runs_seconds": runs, "floor_seconds": floor_s,
               "floor_output_tokens_per_s": out_tokens / floor_s, "share_of_floor": floor_s / seconds,
-              "graphs": llm.engine.graph_status,
+              "graphs": llm.engine.graph_status, "ceilings": vars(ceilings),
               "stats": {k: v for k, v in vars(llm.engine.stats()).items() if isinstance(v, (int, float))},
               "kernels_compiled_in_service": list(runner.compile_watch.kernels_in_service)}
     print(f"{out_tokens} output tokens in {seconds:.2f} s: {out_tokens / seconds:.0f} tok/s "
           f"({result['prompt_tokens']} prompt tokens; graphs {llm.engine.graph_status}); floor "
-          f"{out_tokens / floor_s:.0f} tok/s: {100 * floor_s / seconds:.0f}% of it")
+          f"{out_tokens / floor_s:.0f} tok/s: {100 * floor_s / seconds:.0f}% of it (at {ceilings.describe()})")
     if result["kernels_compiled_in_service"]:  # each one stalled the run it fell in (runner/compile_watch.py)
         print(f"Triton compiled {len(result['kernels_compiled_in_service'])} kernels inside live steps: "
               + "; ".join(name.split("[")[0] for name in result["kernels_compiled_in_service"]))

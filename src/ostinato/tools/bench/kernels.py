@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, replay_ms, rows_loaded
+from ostinato.tools.bench.ceilings import engine_device, measure_ceilings
+from ostinato.tools.bench.decode import replay_ms, rows_loaded
 
 # (class, name fragments): the first class with a fragment in the kernel's name (lower case) wins.
 KERNEL_CLASSES = (
@@ -97,8 +98,10 @@ def profile_step(runner, batch: int, context: int, steps: int, gen) -> dict[str,
     return dict(kernels)
 
 
-def summarize(kernels: dict[str, dict[str, float]], nbytes: dict[str, int], replay_us: float | None) -> dict:
-    """Per class: µs, kernels, bytes, GB/s, HBM share, share of the replay; plus the totals and the gap."""
+def summarize(kernels: dict[str, dict[str, float]], nbytes: dict[str, int], replay_us: float | None,
+              read_bytes_per_s: float) -> dict:
+    """Per class: µs, kernels, bytes, GB/s, share of the measured read bandwidth, share of the replay; plus the
+    totals and the gap."""
     classes: dict[str, dict] = {}
     for name, k in kernels.items():
         c = classes.setdefault(classify(name), {"us": 0.0, "kernels": 0.0})
@@ -108,7 +111,7 @@ def summarize(kernels: dict[str, dict[str, float]], nbytes: dict[str, int], repl
         b = nbytes.get(name)
         c["bytes"] = b
         c["GBps"] = b / c["us"] / 1e3 if b and c["us"] else None
-        c["hbm_share"] = b / (c["us"] * 1e-6) / HBM_READ_BYTES_PER_S if b and c["us"] else None
+        c["hbm_share"] = b / (c["us"] * 1e-6) / read_bytes_per_s if b and c["us"] else None
         c["share_of_replay"] = c["us"] / replay_us if replay_us else None
     total = sum(c["us"] for c in classes.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:15]
@@ -142,17 +145,21 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("error: `ostinato bench kernels` profiles CUDA kernels; it needs a CUDA GPU")
         return 2
-    engine = LLMEngine(engine_args_from(args))
+    engine_args = engine_args_from(args)
+    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    engine = LLMEngine(engine_args)
     runner = engine.runner
     gen = torch.Generator().manual_seed(0)
     report = {"model": args.model, "dtype": str(runner.dtype), "context": args.context, "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(), "graph_status": engine.graph_status, "batches": []}
+              "device": ceilings.device, "read_bytes_per_s": ceilings.read_bytes_per_s,
+              "graph_status": engine.graph_status, "batches": []}
+    print(f"HBM shares of {ceilings.describe()}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
             _, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, 10)
             kernels = profile_step(runner, bs, args.context, args.steps, gen)
             nbytes = class_bytes(runner.model_config, runner.dtype.itemsize, bs, args.context)
-            summary = summarize(kernels, nbytes, graph_ms * 1e3 if graph_ms else None)
+            summary = summarize(kernels, nbytes, graph_ms * 1e3 if graph_ms else None, ceilings.read_bytes_per_s)
             report["batches"].append({"batch": bs, **summary})
             print("\n".join(report_lines(bs, summary, args.top)))
     if args.output_json:

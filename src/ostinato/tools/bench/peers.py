@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import time
 
-from ostinato.tools.bench.decode import HBM_READ_BYTES_PER_S, hf_step_ms, load_hf, time_cuda, replay_ms, weights_read_per_step
+from ostinato.tools.bench.ceilings import engine_device, measure_ceilings
+from ostinato.tools.bench.decode import hf_step_ms, load_hf, time_cuda, replay_ms, weights_read_per_step
 
 
 def register(sub) -> None:
@@ -74,16 +75,17 @@ def run(args) -> int:
     from ostinato.engine.engine import LLMEngine
     from ostinato.tools.bench import plots as bench_plots
 
-    engine = LLMEngine(engine_args_from(args))
+    engine_args = engine_args_from(args)
+    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    engine = LLMEngine(engine_args)
     runner = engine.runner
     mc = runner.model_config
     gen = torch.Generator().manual_seed(0)
     kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize * (args.context + 1)
-    floor_ms = (weights_read_per_step(runner) + kv_bytes) / HBM_READ_BYTES_PER_S * 1e3
+    floor_ms = (weights_read_per_step(runner) + kv_bytes) / ceilings.read_bytes_per_s * 1e3
     result: dict = {"model": args.model, "context": args.context, "batch": 1, "dtype": str(runner.dtype),
-                    "torch": torch.__version__, "graph_status": engine.graph_status, "floor_ms": floor_ms}
-    if torch.cuda.is_available():
-        result["device"] = torch.cuda.get_device_name()
+                    "torch": torch.__version__, "graph_status": engine.graph_status, "floor_ms": floor_ms,
+                    "device": ceilings.device, "read_bytes_per_s": ceilings.read_bytes_per_s}
     with torch.inference_mode():
         eager_ms, graph_ms = replay_ms(runner, 1, args.context, gen, args.iters, args.warmup)
     result["ostinato_ms"] = graph_ms or eager_ms
