@@ -4,7 +4,7 @@ candidate config, beside bf16 cuBLAS (F.linear) and, at one row, the bf16 GEMV t
 Candidates: the streaming W8A16 GEMV (kernels/fp8_stream.py, 1-4 rows) over tiles and prefetch depths; the first
 W8A16 GEMV (kernels/fp8_gemv.py) over tiles, K tiles a step and warps; the W8A8 few-rows kernel
 (kernels/fp8_w8a8.py, its activation quantization included) over tiles; the Triton tensor-core kernel
-(kernels/fp8_mma.py) over tiles; the W8A16 split GEMM (kernels/split_gemm.py) over tiles above 4 rows;
+(kernels/fp8_mma.py) over tiles; the W8A16 split GEMM (kernels/split_gemm.py) over tiles;
 torch._scaled_mm after the one-kernel per-token quantization, after the
 torch-ops quantization it replaced, and alone (the quantization's share); and what choose_fp8_path picks (`rule`).
 At the end, the best config per (projection, rows) as entries for kernels/fp8_linear.FP8_MEASURED, where they go
@@ -72,9 +72,8 @@ def _all_candidates(m: int):
     yield from ((f"stream bn{t.block_n} bk{t.block_k} p{t.prefetch} w{t.num_warps}", t) for t in stream)
     yield from ((f"gemv bn{t.block_n} bk{t.block_k} kt{t.k_tiles} w{t.num_warps} s{t.num_stages}", t) for t in gemv)
     yield from ((f"w8a8 bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} (+quant)", t) for t in W8A8)
-    if m > 4:
-        yield from ((f"split bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} sp{t.split_programs} "
-                     f"pf{t.prefetch_max_rows}", t) for t in SPLIT)
+    yield from ((f"split bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} sp{t.split_programs} "
+                 f"pf{t.prefetch_max_rows}", t) for t in SPLIT)
     if m > 1:
         yield from ((f"mma {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", t) for t in mma)
         yield "scaled_mm (one-kernel quant)", "scaled_mm"

@@ -158,8 +158,8 @@ def test_path_rule():
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, bf16=False), Fp8Tiles)
     assert isinstance(choose_fp8_path(1, 4096, 4098, False, cuda=True), Fp8Tiles)  # K not whole words
     assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)
-    assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == MmaTiles(16, 32, 256)
-    assert choose_fp8_path(16, 4096, 4096, False, cuda=True) == MmaTiles(16, 32, 256)
+    assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
+    assert choose_fp8_path(16, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(17, 4096, 4096, False, cuda=True) == "scaled_mm"
     assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # block scales, few rows
     assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == MmaTiles()  # block scales above 16 rows
@@ -178,7 +178,7 @@ def test_measured_table_overrides_the_rule_at_its_exact_shape_only(monkeypatch):
     tile = MmaTiles(16, 128, 128)
     monkeypatch.setitem(fp8_linear.FP8_MEASURED, (16, 6144, 4096), tile)
     assert choose_fp8_path(16, 6144, 4096, False, cuda=True) == tile
-    assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == MmaTiles(16, 32, 256)  # other rows: the rule
+    assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == SplitTiles(block_k=256)  # other rows: the rule
     assert choose_fp8_path(16, 6144, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # measured per-row only
     assert choose_fp8_path(16, 6144, 4096, False, cuda=False) == "dequantize"
 
@@ -275,7 +275,7 @@ def test_every_path_at_the_real_projection_shapes(m, n, k, block):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("m", [1, 8, 64])  # the streaming GEMV, the split GEMM, _scaled_mm
 def test_fp8_linear_replays_in_a_cuda_graph(m):
     gen = torch.Generator().manual_seed(1)
     layer = _layer(6144, 4096, None, False, gen, "cuda")
@@ -303,7 +303,7 @@ def test_quantize_tokens_kernel_rounds_as_torch_does_on_the_gpu(m, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("config", [W8a8Tiles(16, 512), W8a8Tiles(64, 256), MmaTiles(16, 64, 256),
-                                    Fp8Tiles(8, 1024, k_tiles=2), SplitTiles()])
+                                    Fp8Tiles(8, 1024, k_tiles=2), SplitTiles(), SplitTiles(block_k=256)])
 @pytest.mark.parametrize("m", [1, 16])
 def test_a_measured_table_entry_runs_its_kernel_at_the_real_shape(monkeypatch, config, m):
     gen = torch.Generator().manual_seed(2)

@@ -15,11 +15,10 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
     gemv        a few rows otherwise (block scales, fp16/fp32 activations): the first Triton weight-only GEMV
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)
-    mma         5-16 rows (per-row scales), or more rows with block scales, on CUDA: the Triton W8A16
-                tensor-core kernel (kernels/fp8_mma.py)
-    split       where FP8_MEASURED names SplitTiles (per-row scales, bf16): the split GEMM (kernels/split_gemm.py),
-                W8A16 with the weight on the MMA's wide side and K split to fill the GPU, no activation
-                quantization; a candidate of benchmarks/kernels/fp8_linear.py, taken only where measured faster
+    split       5-16 rows, per-row scales, bf16, and where FP8_MEASURED names SplitTiles: the split GEMM
+                (kernels/split_gemm.py), W8A16 with the weight on the MMA's wide side and K split to fill the
+                GPU in one wave, no activation quantization
+    mma         5 or more rows with block scales, on CUDA: the Triton W8A16 tensor-core kernel (kernels/fp8_mma.py)
     scaled_mm   above 16 rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
                 activations quantized per token, each row with its own scale, by one kernel (kernels/fp8_mma.py)
     dequantize  everything else (CPU, fp32 activations, shapes _scaled_mm refuses): the
@@ -54,7 +53,7 @@ _ACC_BUDGET = 8192
 # program re-reads all rows of x from L2, more bytes than the weight itself; the tensor cores take them.
 FP8_GEMV_MAX_ROWS = 4
 _SMALL_MMA_ROWS = 16
-_FEW_ROWS_MMA = MmaTiles(16, 32, 256)  # per-row scales at 5-16 rows (choose_fp8_path)
+_FEW_ROWS_SPLIT = SplitTiles(block_k=256)  # per-row scales at 5-16 rows (choose_fp8_path)
 Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | SplitTiles | str
 # The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
 # the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
@@ -65,10 +64,12 @@ _GLU_FOLD_ROWS = 4
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
 FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
-    # (Llama-3.1-8B's four projections at 16 rows measured MmaTiles(16, 32, 256) fastest, now the rule's choice at
-    # 5-16 rows; its one-row entries named the first GEMV's tiles, measured before the streaming GEMV.) The sweep
-    # times each projection without the norm and SwiGLU folds, which qkv and gate_up carry at one row, so its
-    # one-row winners there are not entered until a sweep with the folds confirms them in a whole step.
+    # Llama-3.1-8B's down projection at 64 rows: the split GEMM with 128-row weight tiles, 42.9 us against
+    # _scaled_mm's 49.2 (its activation quantization included) and bf16 cuBLAS's 46.4, on an H100.
+    (64, 4096, 14336): SplitTiles(block_n=128, num_warps=8),
+    # The sweep times each projection alone: without PDL, without the kernels around it in the step, and
+    # without the norm and SwiGLU folds qkv and gate_up carry at one row. So its winners go here only once a
+    # whole step confirms them; at 5-16 rows the steps chose the rule's split tiles where the sweep chose others.
 }
 
 
@@ -77,10 +78,9 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     (MmaTiles), the W8A8 few-rows kernel's (W8a8Tiles), "scaled_mm" or "dequantize". From shapes only, so
     fixed before graph capture.
 
-    - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there do the W8A8
-      few-rows kernel (kernels/fp8_w8a8.py) and the split GEMM (kernels/split_gemm.py) run: the first rounds the
-      activations to E4M3 at rows the W8A16 GEMV keeps them in 16 bits, the second has not yet been timed
-      against _scaled_mm on a GPU, so each is taken only where it was measured faster.
+    - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there does the W8A8
+      few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 kernels
+      keep them in 16 bits, so it is taken only where it was measured faster.
     - m <= 4, per-row scales, bf16, k % 4 == 0: the streaming GEMV (kernels/fp8_stream.py), block_n for ~768
       programs as the bf16 rule, at most 4 above two rows (one accumulator a row); block_k 2048 where K allows:
       at 8 x 2048 a thread holds all 8 rows of its columns, so x (and the folded norm's work on it) is shared
@@ -89,9 +89,14 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     - else m <= FP8_GEMV_MAX_ROWS on CUDA: the first W8A16 GEMV. It reads each weight byte once and needs no activation
       quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
       budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
-    - 5-16 rows, per-row scales, bf16: the Triton W8A16 tensor-core kernel at 16 x 32 x 256 tiles, which beat
-      _scaled_mm (and its activation quantization) on all four of Llama-3.1-8B's projections at 16 rows, 1.1x
-      to 1.4x (docs/PERFORMANCE.md, "Why these defaults"); the padded rows cost it nothing below 16.
+    - 5-16 rows, per-row scales, bf16: the W8A16 split GEMM (kernels/split_gemm.py), 256-wide K steps: the
+      weight on the MMA's wide side, K split so that one wave of about 256 programs covers the projection, no
+      activation quantization. Chosen by whole steps, not by the kernel sweep: alone, on Llama-3.1-8B's
+      projections at 8 rows, it is 10-20% slower than the tensor-core kernel at 16 x 32 x 256 tiles and than
+      its own 128-wide K steps, yet the 8B step at 8 rows took 4.70 ms with it (in two device calls), 5.33-5.38
+      with 128-wide K steps and 6.22 with the tensor-core kernel, where bf16 took 5.99-6.08 in those calls; the
+      1B's, 1.18 ms against 1.32 with 128-wide K steps (one H100, 2026-12-06, docs/PERFORMANCE.md). Why the
+      sweep and the step disagree is not yet traced.
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.
@@ -113,7 +118,7 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
         block_k = max(128, min(1024, _ACC_BUDGET // (m_pad * block_n)))
         return Fp8Tiles(block_n, block_k, k_tiles=2)
     if not block_scales and bf16 and m <= _SMALL_MMA_ROWS:
-        return _FEW_ROWS_MMA
+        return _FEW_ROWS_SPLIT
     if not block_scales and bf16 and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
     if block_scales and bf16:
