@@ -114,6 +114,26 @@ def test_the_graph_runner_hands_every_size_s_step_over_before_capturing():
     assert seen == [8, 2, 1] and runner.captured_sizes == (1, 2, 8)
 
 
+def test_the_capture_report_says_how_much_of_its_time_the_pass_ahead_took(monkeypatch):
+    import itertools
+
+    import ostinato.runner.graphs as graphs
+
+    clock = itertools.count()  # each perf_counter() call one second after the one before
+    monkeypatch.setattr(graphs.time, "perf_counter", lambda: float(next(clock)))
+    runner = CudaGraphRunner(lambda token_ids: token_ids[:, None].float(),
+                             [StaticInput("token_ids", (8,), torch.int64, pad_value=0)], (1, 2, 8), "cpu",
+                             backend=RecordingGraphBackend())
+    runner.compile_ahead = lambda steps: None
+    report = runner.capture()
+    assert report.ahead_seconds == 1.0 and report.seconds > report.ahead_seconds  # the pass is part of the whole
+    assert f"in {report.seconds:.2f} s (1.00 s of it compiling their kernels ahead)" in report.summary()
+    plain = CudaGraphRunner(lambda token_ids: token_ids[:, None].float(),
+                            [StaticInput("token_ids", (8,), torch.int64, pad_value=0)], (1, 2, 8), "cpu",
+                            backend=RecordingGraphBackend()).capture()
+    assert plain.ahead_seconds == 0.0 and "ahead" not in plain.summary()
+
+
 def test_the_threads_run_on_the_capturing_thread_s_device_and_autograd_mode(monkeypatch, caplog):
     """The engine's device is torch.device("cuda"), with no index, which torch.cuda.set_device refuses: each
     thread must get the capturing thread's device index, and its autograd mode (a new thread starts with grad

@@ -203,9 +203,12 @@ class CudaGraphRunner:
         # pool (e.g. the cuBLAS workspace of the capture stream) shows up once, not nowhere.
         first_reading = self._backend.memory_in_use()
         reserved_before = first_reading.reserved_bytes
+        ahead_seconds = 0.0
         if self.compile_ahead is not None:
+            ahead_start = time.perf_counter()
             self.compile_ahead([functools.partial(self.fn, **{name: buf[:size] for name, buf in self._buffers.items()})
                                 for size in reversed(self._sizes)])
+            ahead_seconds = time.perf_counter() - ahead_start
         bar = tqdm(total=len(self._sizes), desc="Capturing CUDA graphs", unit="graph",
                    disable=not self.progress)
         try:
@@ -243,7 +246,7 @@ class CudaGraphRunner:
         if self._disabled_cause is None:
             pool_bytes = max(0, self._backend.memory_in_use().reserved_bytes - reserved_before)
         report = CaptureReport(self.captured_sizes, bytes_by_size if self._graphs else {}, pool_bytes, seconds,
-                               self._disabled_cause)
+                               self._disabled_cause, ahead_seconds)
         logger.info(report.summary())
         return report
 
