@@ -77,14 +77,11 @@ def _split_gemm_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, ROW_TILE]: x read transposed, [BLOCK_K, ROW_TILE]
     out_offsets = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    if PARALLEL:
-        k_first = tl.program_id(2) * K_PER_SPLIT
-    else:
-        k_first = 0
+    pid_s = tl.program_id(2)  # the split; always 0 in the serial launch
+    k_first = pid_s * K_PER_SPLIT
     w_first = _weight_tile(w_rows, n_mask, k_first, K, BLOCK_K) if PREFETCH else None
     pdl_wait(PDL)
     if PARALLEL:
-        pid_s = tl.program_id(2)
         acc = _split_dot(x_cols, w_rows, m_mask, n_mask, k_first, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N,
                          BLOCK_K, PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
         # Publish this split's partial, then count it in; the program that arrives last sums all the tile's
