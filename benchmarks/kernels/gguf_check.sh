@@ -7,8 +7,9 @@
 #   make     random llama-3.1-8b checkpoints: bf16 folder, Q8_0 and Q4_K_M GGUF files (under CK; MODELS picks,
 #            default "bf16 Q8_0 Q4_K_M"; Q8_0 quantizes 8B floats with the gguf library, minutes)
 #   bench    `ostinato bench` of those at batch 1/8/64 (floors count the bytes actually read)
-#   load     start-up time and peak host memory: Q4_K_M first start, cached start, then --gguf-dequantize
-#            (that converts to a 32 GB float32 folder: the bf16 folder is removed first for the disk)
+#   load     start-up time and peak host memory of the loader alone (benchmarks/step/gguf_load.py): Q4_K_M first
+#            start, cached start, then --gguf-dequantize (that converts to a 32 GB float32 folder: the bf16 folder
+#            is removed first for the disk)
 #   smollm2  the real SmolLM2: Q4_1 blocks vs the dequantized folder, graph vs eager, vs HF (logprob-close)
 set -uo pipefail
 OUT=${OUT:-/tmp/ostinato-gguf}; mkdir -p "$OUT"
@@ -19,11 +20,6 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export OSTINATO_CACHE_DIR=${OSTINATO_CACHE_DIR:-$CK/cache}
 SHAPE=llama-3.1-8b
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-peak() {  # wall seconds and peak RSS of a command (a child of python, so ru_maxrss of the children is its own)
-  python3 -c 'import resource, subprocess, sys, time
-t = time.time(); rc = subprocess.run(sys.argv[1:]).returncode
-print(f"rc {rc}  wall {time.time() - t:.1f} s  peak RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.2f} GiB")' "$@"
-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 if has tests; then
   timeout 590 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_gpu.py tests/kernels/test_gguf_linear.py \
@@ -58,14 +54,16 @@ if has bench; then
   done
 fi
 if has load; then
-  GEN=(python3 -m ostinato.cli generate "$CK/Q4_K_M/model.gguf" --max-model-len 2048 --prompt "Hello" --max-tokens 4)
-  echo "Q4_K_M, first start (metadata parsed):" | tee "$OUT/load.log"; peak "${GEN[@]}" 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
-  echo "Q4_K_M, cached start:" | tee -a "$OUT/load.log"; peak "${GEN[@]}" 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
-  rm -rf "$CK/bf16"
-  echo "Q4_K_M --gguf-dequantize, first start (the float32 conversion):" | tee -a "$OUT/load.log"
-  peak "${GEN[@]}" --gguf-dequantize 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
-  echo "Q4_K_M --gguf-dequantize, cached start:" | tee -a "$OUT/load.log"
-  peak "${GEN[@]}" --gguf-dequantize 2>&1 | grep -E "GGUF|loaded|rc " | tee -a "$OUT/load.log"
+  # The loader alone (benchmarks/step/gguf_load.py): no KV cache or graphs in the host memory it reports.
+  LOAD=(python3 benchmarks/step/gguf_load.py "$CK/Q4_K_M/model.gguf" --device cuda)
+  rm -rf "$CK/bf16" "$CK/load-cache"  # disk: the float32 folder below is 32 GB
+  export OSTINATO_CACHE_DIR=$CK/load-cache  # empty: the first starts parse and convert from nothing
+  for flag in "" --gguf-dequantize; do
+    for start in first cached; do
+      echo "Q4_K_M ${flag:-native}, $start start:" | tee -a "$OUT/load.log"
+      "${LOAD[@]}" $flag 2>&1 | tail -1 | tee -a "$OUT/load.log"
+    done
+  done
 fi
 if has smollm2; then
   timeout 590 python3 benchmarks/smollm2_gpu.py --max-tokens 64 2>&1 | tail -20 | tee "$OUT/smollm2.log"

@@ -118,6 +118,28 @@ def test_loading_keeps_peak_host_memory_under_twice_the_file_size():
     assert grown - model_bytes < 2 * size, f"grew {grown / 1e6:.0f} MB, model {model_bytes / 1e6:.0f} MB, file {size / 1e6:.0f} MB"
 
 
+def test_the_load_benchmark_reports_the_blocks_and_the_float32_paths():
+    """benchmarks/step/gguf_load.py on the real SmolLM2 file: the blocks path holds far fewer bytes than the
+    float32 one, and each figure it prints is there."""
+    from ostinato.model.gguf_sources import short_name_path
+
+    path = short_name_path("smollm2-135m")
+    shared = str(Path(tempfile.gettempdir()) / "ostinato-test-cache")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OSTINATO_CACHE_DIR": shared}  # test_smollm2's cache
+    script = SRC.parent / "benchmarks" / "step" / "gguf_load.py"
+    runs = {}
+    for flag in ((), ("--gguf-dequantize",)):
+        out = subprocess.run([sys.executable, str(script), str(path), *flag], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[bool(flag)] = json.loads(out.stdout.strip().splitlines()[-1])
+    blocks, dense = runs[False], runs[True]
+    assert blocks["gguf_dequantize"] is False and dense["gguf_dequantize"] is True
+    # 135M parameters: float32 is 0.5 GiB; the blocks (and the float32 embedding on CPU) well under that.
+    assert blocks["model_GiB"] < 0.6 * dense["model_GiB"] and 0.45 < dense["model_GiB"] < 0.6
+    assert all(r["peak_rss_GiB"] >= r["rss_before_load_GiB"] > 0 and r["load_s"] >= 0 for r in runs.values())
+
+
 def test_qwen2_q8_0_with_qkv_biases_matches_hf(tmp_path, cache):
     """Qwen2's q/k/v biases ride with the quantized q|k|v (and its rows are not permuted, unlike llama's)."""
     path = make_gguf_checkpoint(tmp_path, "tiny-256", family="qwen2", gguf_type="Q8_0", seed=1)
