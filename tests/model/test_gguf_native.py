@@ -67,6 +67,25 @@ def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache,
     assert len({t for o in ours for t in o.outputs[0].token_ids}) > 4  # not one repeated token
 
 
+def test_a_first_start_parses_the_file_once(q4_k_m, cache, monkeypatch):
+    """Config, tokenizer and the tensor table all come from one parse of the header (transformers' loaders would
+    each parse it again), and the reader is the library's own again afterwards."""
+    import gguf
+
+    from ostinato.model.gguf_sources import resolve_model_dir
+
+    construct, opened = gguf.GGUFReader, []
+
+    def counting(*args, **kwargs):
+        opened.append(args[0])
+        return construct(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    folder = resolve_model_dir(str(q4_k_m))
+    assert len(opened) == 1 and (folder / "tokenizer.json").is_file() and (folder / "config.json").is_file()
+    assert gguf.GGUFReader is counting
+
+
 def test_second_start_reads_the_metadata_from_the_cache(q4_k_m, cache, monkeypatch):
     from ostinato.model import gguf_native
     from ostinato.model.gguf_sources import resolve_model_dir
