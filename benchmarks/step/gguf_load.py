@@ -53,5 +53,6 @@ def main() -> None:
         "peak_rss_GiB": round(_rss_bytes("VmHWM:") / 2**30, 2),
     }))
 
+
 if __name__ == "__main__":
     main()

@@ -64,8 +64,8 @@ _GLU_FOLD_ROWS = 4
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
 FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
-    # Llama-3.1-8B's down projection at 64 rows: the split GEMM with 128-row weight tiles, 42.9 us against
-    # _scaled_mm's 49.2 (its activation quantization included) and bf16 cuBLAS's 46.4, on an H100.
+    # Llama-3.1-8B's down projection at 64 rows: the split GEMM with 128-row weight tiles beat _scaled_mm with
+    # its activation quantization, alone and in the step (docs/PERFORMANCE.md, FP8).
     (64, 4096, 14336): SplitTiles(block_n=128, num_warps=8),
     # The sweep times each projection alone: without PDL, without the kernels around it in the step, and
     # without the norm and SwiGLU folds qkv and gate_up carry at one row. So its winners go here only once a
@@ -92,11 +92,10 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     - 5-16 rows, per-row scales, bf16: the W8A16 split GEMM (kernels/split_gemm.py), 256-wide K steps: the
       weight on the MMA's wide side, K split so that one wave of about 256 programs covers the projection, no
       activation quantization. Chosen by whole steps, not by the kernel sweep: alone, on Llama-3.1-8B's
-      projections at 8 rows, it is 10-20% slower than the tensor-core kernel at 16 x 32 x 256 tiles and than
-      its own 128-wide K steps, yet the 8B step at 8 rows took 4.70 ms with it (in two device calls), 5.33-5.38
-      with 128-wide K steps and 6.22 with the tensor-core kernel, where bf16 took 5.99-6.08 in those calls; the
-      1B's, 1.18 ms against 1.32 with 128-wide K steps (one H100, 2026-12-06, docs/PERFORMANCE.md). Why the
-      sweep and the step disagree is not yet traced.
+      projections, it is slower than the tensor-core kernel at 16 x 32 x 256 tiles and than its own 128-wide K
+      steps, yet whole FP8 steps at 8 rows of the 8B and the 1B were fastest with it, and the tensor-core kernel
+      made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8). Why the sweep and the step disagree is not
+      yet traced.
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.

@@ -1,8 +1,8 @@
 """The machine's own ceilings, measured where a bench runs: the memory read bandwidth and the dense matmul rate
 its floors divide by.
 
-Why measured: Llama-3.1-8B's bf16 step at batch 1 takes about 5.3 ms on an H100 (HBM3) and 4.0 ms on an H200
-(HBM3e), so a floor computed from one card's bandwidth makes a run on the other look worse or better than it is.
+Why measured: an H200 (HBM3e) reads its memory about 1.4x as fast as an H100 (HBM3), so a floor computed from one
+card's bandwidth makes a run on the other look worse or better than it is.
 Each figure takes well under a second and is measured once per process and device.
 
     read_bytes_per_s   the best of several full reads of a buffer many times the last-level cache (a sum:
