@@ -10,7 +10,7 @@ import pytest
 
 from ostinato import cli
 from ostinato.tools.bench import plots as bench_plots
-from ostinato.tools.bench.ceilings import Ceilings, engine_device, measure_ceilings
+from ostinato.tools.bench.ceilings import Ceilings, engine_ceilings, measure_ceilings
 from ostinato.tools.bench.engine import workload_floor_seconds
 from ostinato.tools.bench.kernels import OTHER, class_bytes, classify, report_lines, summarize
 
@@ -107,7 +107,7 @@ def test_ceilings_are_measured_on_the_device():
     # measurement of a CPU: a unit or timing slip.
     assert 1e8 < ceilings.read_bytes_per_s < 1e13 and 1e8 < ceilings.matmul_flops_per_s < 1e14
     assert "GB/s" in ceilings.describe() and "measured here" in ceilings.describe()
-    assert engine_device(types.SimpleNamespace(device="cpu")) == "cpu"
+    assert engine_ceilings(types.SimpleNamespace(device="cpu")) is ceilings  # --device resolved, measured once
 
 
 @pytest.mark.parametrize("sub", ["kernels", "peers"])

@@ -39,13 +39,12 @@ class Ceilings:
                 f"{self.matmul_flops_per_s / 1e9:,.0f} GFLOP/s (measured here)")
 
 
-def engine_device(engine_args) -> str:
-    """The device an engine built from engine_args runs on ("auto": cuda where there is one)."""
-    import torch
+def engine_ceilings(engine_args) -> Ceilings:
+    """The ceilings of the device an engine built from engine_args runs on (--device, "auto" resolved as the
+    runner resolves it). Call it before the engine is built: the model then has the memory to itself."""
+    from ostinato.runner.backends import pick_device
 
-    if engine_args.device != "auto":
-        return engine_args.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return measure_ceilings(str(pick_device(engine_args.device)))
 
 
 @functools.cache

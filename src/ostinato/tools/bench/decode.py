@@ -256,13 +256,13 @@ def run(args) -> int:
     from ostinato.config import quantization_label
     from ostinato.engine.engine import LLMEngine
     from ostinato.errors import ConfigError
-    from ostinato.tools.bench.ceilings import engine_device, measure_ceilings
+    from ostinato.tools.bench.ceilings import engine_ceilings
 
     if args.penalty_rows < 0:
         raise ConfigError(f"--penalty-rows must be >= 0 (rows of each batch that use repetition_penalty), got "
                           f"{args.penalty_rows}")
     engine_args = engine_args_from(args)
-    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    ceilings = engine_ceilings(engine_args)  # before the model takes the memory
     engine = LLMEngine(engine_args)
     runner = engine.runner
     weights = weights_read_per_step(runner)

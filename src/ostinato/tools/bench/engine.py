@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 
-from ostinato.tools.bench.ceilings import Ceilings, engine_device, measure_ceilings
+from ostinato.tools.bench.ceilings import Ceilings, engine_ceilings
 
 
 def register(sub) -> None:
@@ -128,7 +128,7 @@ def run_throughput(args) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     engine_args = engine_args_from(args)
-    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    ceilings = engine_ceilings(engine_args)  # before the model takes the memory
     llm = LLM.from_engine_args(engine_args)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(args.workload_seed)

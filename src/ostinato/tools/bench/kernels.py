@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from ostinato.tools.bench.ceilings import engine_device, measure_ceilings
+from ostinato.tools.bench.ceilings import engine_ceilings
 from ostinato.tools.bench.decode import replay_ms, rows_loaded
 
 # (class, name fragments): the first class with a fragment in the kernel's name (lower case) wins.
@@ -146,7 +146,7 @@ def run(args) -> int:
         print("error: `ostinato bench kernels` profiles CUDA kernels; it needs a CUDA GPU")
         return 2
     engine_args = engine_args_from(args)
-    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    ceilings = engine_ceilings(engine_args)  # before the model takes the memory
     engine = LLMEngine(engine_args)
     runner = engine.runner
     gen = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 
-from ostinato.tools.bench.ceilings import engine_device, measure_ceilings
+from ostinato.tools.bench.ceilings import engine_ceilings
 from ostinato.tools.bench.decode import hf_step_ms, load_hf, time_cuda, replay_ms, weights_read_per_step
 
 
@@ -76,7 +76,7 @@ def run(args) -> int:
     from ostinato.tools.bench import plots as bench_plots
 
     engine_args = engine_args_from(args)
-    ceilings = measure_ceilings(engine_device(engine_args))  # before the model takes the memory
+    ceilings = engine_ceilings(engine_args)  # before the model takes the memory
     engine = LLMEngine(engine_args)
     runner = engine.runner
     mc = runner.model_config
