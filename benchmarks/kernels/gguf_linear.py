@@ -29,6 +29,8 @@ from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import Q6kRowTiles, RowTiles, choose_row_tiles, int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K  # noqa: E402
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFLinear  # noqa: E402
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
@@ -72,6 +74,8 @@ def main() -> int:
                 rows.append({**_row(name, m, type_name, layers[0].weight_bytes(), us), "rel_err": err})
                 if m > GEMV_MAX_ROWS:
                     rows.append(_fused_row(name, m, type_name, layers, x, ref, pdl))
+                elif qtype in (Q4_K, Q6_K) and int8_dot_applies(x):
+                    rows.append(_fused_row(name, m, type_name, layers, x, ref, pdl, " decoded to fp32"))
     print("| projection | rows | type | us | GB/s | of HBM | rel. error |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
@@ -83,8 +87,10 @@ def main() -> int:
     return 0
 
 
-def _fused_row(name, m, type_name, layers, x, ref, pdl) -> dict:
-    """The tensor-core GEMM that decodes inside the kernel (choose_tiles's GEMM tiles), beside the dense slices."""
+def _fused_row(name, m, type_name, layers, x, ref, pdl, what=" fused") -> dict:
+    """gguf_gemv's own kernel at choose_tiles's tiles beside the default path: above GEMV_MAX_ROWS the tensor-core
+    GEMM that decodes inside the kernel (the default: dense slices), at one Q4_K or Q6_K row the GEMV that decodes
+    each weight to fp32 (the default: integer dot products)."""
     n, k = layers[0].out_features, layers[0].in_features
     tiles = choose_tiles(layers[0].qtype, m, n, k)
     out = torch.empty(m, n, device="cuda", dtype=x.dtype)
@@ -92,7 +98,7 @@ def _fused_row(name, m, type_name, layers, x, ref, pdl) -> dict:
     err = ((out.float() - ref).norm() / ref.norm()).item()
     us = time_graph(lambda i: gguf_linear_into(x, layers[i].blocks, layers[i].qtype, None, out, pdl, tiles),
                     len(layers))
-    return {**_row(name, m, f"{type_name} fused", layers[0].weight_bytes(), us), "rel_err": err}
+    return {**_row(name, m, f"{type_name}{what}", layers[0].weight_bytes(), us), "rel_err": err}
 
 
 def candidates(qtype: int, m: int) -> list[GGUFTiles]:
@@ -100,6 +106,10 @@ def candidates(qtype: int, m: int) -> list[GGUFTiles]:
     warps) up to GEMV_MAX_ROWS, tensor-core ones (64 or 128 columns of K a step) from GEMV_MAX_ROWS on."""
     group_k, piece, _ = GROUPING[qtype]
     out = []
+    if m == 1 and qtype == Q4_K:
+        out += [RowTiles(bn, bj, warps) for bn in (4, 8, 16) for bj in (128, 256, 512) for warps in (4, 8)]
+    if m == 1 and qtype == Q6_K:
+        out += [Q6kRowTiles(bn, bj, warps) for bn in (2, 4, 8) for bj in (64, 128, 256) for warps in (4, 8)]
     if m == 1:
         out += [GGUFTiles(1, bn, step // group_k, warps) for bn in (2, 4, 8) for step in (1024, 2048)
                 for warps in (4, 8)]
@@ -128,7 +138,9 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
             layers.append((n, k, [blocks.clone() for _ in range(copies)]))
         nbytes = sum(copies[0].numel() for _, _, copies in layers)
         for m in batches:
-            default = choose_tiles(qtype, m, SHAPES[0][1], SHAPES[0][2])
+            default = (choose_row_tiles(SHAPES[0][1], SHAPES[0][2]) if m == 1 and qtype == Q4_K
+                       else Q6kRowTiles() if m == 1 and qtype == Q6_K
+                       else choose_tiles(qtype, m, SHAPES[0][1], SHAPES[0][2]))
             results = []
             n0, k0, copies0 = layers[0]
             x0 = torch.randn(m, k0, device="cuda", dtype=torch.bfloat16)

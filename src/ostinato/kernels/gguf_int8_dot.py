@@ -1,0 +1,359 @@
+"""One row of activations times Q4_K or Q6_K blocks, as integer dot products (the batch-1 decode's GGUF projections;
+Q4_K_M files are these two types).
+
+Why: a 4-bit weight is a quarter of a bf16 one, so at the bandwidth floor a GEMV must finish each weight in about
+five thread instructions (H100: ~3 TB/s of HBM, 2 Q4_K weights a byte, 128 instructions a clock per SM). Decoding
+each weight to fp32 (kernels/gguf_gemv.py) costs an int-to-float conversion per weight, a quarter-rate
+instruction, plus its scale and offset: the conversions alone cap that kernel below the floor. Here the row of x
+is quantized to int8 in blocks of 32 (one scale each), as llama.cpp's mat-vec kernels do, and four weights meet
+four activations in one `dp4a` (a 4-way int8 dot product accumulated in int32): a 32-bit word of Q4_K codes holds
+eight weights, its low nibbles one sub-block's and its high nibbles the next's, and each half costs a mask (and a
+shift) and one dp4a. The scales apply once per sub-block of 32 weights:
+
+    sum_i (d * sc * q_i - dmin * mn) * x_i  ~  d * sc * (dx * sum_i (q_i - 8) * xq_i + 8 * sum_i x_i)
+                                                - dmin * mn * sum_i x_i
+
+where xq_i = round(x_i / dx) in [-127, 127] and dx = max|x| / 127 over the 32 activations. The sums of x are
+taken from x itself, so the rounding of the activations only meets the codes centred on 8 (on random Q4_K rows
+about 0.6 of the error of sum_i q_i * xq_i: codes 0..15 spread less about 8 than about 0).
+The dp4a multiplies the raw codes; dx * sum_i (q_i - 8) xq_i + 8 sum_i x_i = dx * dp4a + cx, with
+cx = 8 (sum_i x_i - dx sum_i xq_i) made once per 32-block by the quantizing kernel.
+
+Two kernels: the first quantizes x (int8 codes packed four to a word in x's column order, and each 32-block's
+dx, sum of x and cx); the second takes BLOCK_N rows of W a program and walks K BLOCK_J code words at a time. A Q4_K
+super-block is 256 weights in 144 bytes: a 16-byte header (d, dmin, twelve bytes of six-bit scales and mins),
+then 128 bytes of codes, 32 words: word 8c + w holds bytes 4w..4w+3 of chunk c, whose low nibbles are weights
+64c + 4w.. of sub-block 2c and high nibbles weights 64c + 32 + 4w.. of sub-block 2c + 1. So the x words a code
+word meets are xq[(word // 8) * 16 + word % 8] (low) and 8 words further (high), in x's own order.
+
+Laid out as kernels/fp8_stream.py lays its tile (that docstring says why): the code words as a 2-D [BLOCK_N,
+BLOCK_J] tile, 4 words a thread (one 16-byte load), x's words through pointers of the same shape (rows alike),
+the next tile requested while this one is multiplied. The dp4a sums go per chunk ([BLOCK_N, BLOCK_J / 8]) before
+the header's scales apply, so the scale work is one eighth of the code words'.
+
+For bf16/fp16 activations only: float32 runs (the reference runs) keep the kernel that decodes to fp32. Against
+the gguf library's dequantize-then-matmul the outputs are off by about 0.6% of their norm (the fp32 decoding's
+bf16 output: 0.26%; docs/PERFORMANCE.md, GGUF): the approximation llama.cpp's mat-vec kernels make.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+
+SUPER_BLOCK = 256  # weights of a K-quant super-block (Q4_K: 144 bytes, 36 words of which 4 header; Q6_K: 210)
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """A program's share: block_n rows of W, K walked block_j code words (8 weights each) at a time."""
+
+    block_n: int = 4
+    block_j: int = 256
+    num_warps: int = 4
+
+
+def choose_row_tiles(n: int, k: int) -> RowTiles:
+    """4 rows of W by 256 code words (2,048 weights) a program and K step: the fastest summed over Llama-3.1-8B's
+    four projections in `benchmarks/kernels/gguf_linear.py --sweep --types Q4_K --batches 1` (docs/PERFORMANCE.md,
+    GGUF)."""
+    return RowTiles()
+
+
+@_jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the dot product of a's four unsigned bytes with b's four signed ones (int32 words)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:  # the Triton interpreter runs no PTX
+        acc = c
+        for j in tl.static_range(4):
+            acc += ((a >> (8 * j)) & 255) * ((b << (24 - 8 * j)) >> 24)
+        return acc
+
+
+@_jit
+def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    """x [K] -> xq [K / 4] (int8 codes, four a word, x's order); per 32-block [K / 32]: dx (the scale,
+    max|x| / 127), sx (the sum of x) and cx = 8 (sx - dx * the sum of the codes); per 16-block [K / 16]: s16, the
+    sum of the codes (float). BLOCKS 32-blocks a program."""
+    pdl_begin(PDL)
+    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    b_mask = b < K // 32
+    word = b[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]
+    pdl_wait(PDL)
+    x = tl.load(x_ptr + word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=b_mask[:, None, None],
+                other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    v = x * inv[:, None, None]
+    q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero, as llama.cpp's roundf
+    shifts = 8 * tl.arange(0, 4)
+    packed = tl.sum((q & 255) << shifts[None, None, :], axis=2)  # disjoint bytes: the sum is their OR
+    tl.store(xq_ptr + word, packed, mask=b_mask[:, None])
+    tl.store(dx_ptr + b, amax / 127.0, mask=b_mask)
+    sx = tl.sum(tl.sum(x, axis=2), axis=1)
+    tl.store(sx_ptr + b, sx, mask=b_mask)
+    tl.store(cx_ptr + b, 8.0 * (sx - amax / 127.0 * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32)), mask=b_mask)
+    halves = tl.sum(tl.reshape(tl.sum(q, axis=2), [BLOCKS, 2, 4]), axis=2).to(tl.float32)  # [BLOCKS, 2]
+    tl.store(s16_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=b_mask[:, None])
+
+
+@_jit
+def _code_words(w_rows, j0, offs_j, n_words, EVEN: tl.constexpr):
+    """Code words j0 + offs_j of each row (8 weights a word; a super-block's 32 follow its 4 header words). j0 a
+    multiple of BLOCK_J, itself of 32: the offset splits into a scalar and a constant tile, whose runs of 32
+    contiguous words the compiler then reads 16 bytes at a time. EVEN (BLOCK_J divides n_words): no mask."""
+    at = (j0 // 32) * 36 + 4 + (offs_j // 32) * 36 + offs_j % 32
+    if EVEN:
+        return tl.load(w_rows + at[None, :])
+    else:
+        return tl.load(w_rows + at[None, :], mask=(j0 + offs_j < n_words)[None, :], other=0)
+
+
+@_jit
+def _byte(word, shift):
+    return ((word >> shift) & 255).to(tl.float32)
+
+
+@_jit
+def _chunk_sums(dots, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+    return tl.sum(tl.reshape(dots, [BLOCK_N, CHUNKS, 8]), axis=2).to(tl.float32)
+
+
+@_jit
+def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_words,
+                    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    PDL: tl.constexpr, ASM: tl.constexpr):
+    pdl_begin(PDL)
+    CHUNKS: tl.constexpr = BLOCK_J // 8
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # rows past N read the last row, never stored
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * row_words  # [BLOCK_N, 1]
+    offs_j = tl.arange(0, BLOCK_J)
+    x_at = ((offs_j // 8) * 16 + offs_j % 8)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # rows alike
+    offs_c = tl.arange(0, CHUNKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+    w_next = _code_words(w_rows, 0, offs_j, n_words, EVEN)  # weights only: requested before the wait
+    pdl_wait(PDL)
+    acc = tl.zeros([BLOCK_N, CHUNKS], tl.float32)
+    for j0 in range(0, n_words, BLOCK_J):
+        w = w_next
+        # The next tile, or at the end this one again (in bounds, never used).
+        w_next = _code_words(w_rows, tl.minimum(j0 + BLOCK_J, n_words - BLOCK_J) if EVEN else j0 + BLOCK_J,
+                             offs_j, n_words, EVEN)
+        xq = xq_ptr + (j0 // 8) * 16 + x_at
+        if EVEN:
+            x_lo = tl.load(xq)
+            x_hi = tl.load(xq + 8)
+        else:
+            j_mask = j0 + offs_j[None, :] < n_words
+            x_lo = tl.load(xq, mask=j_mask, other=0)
+            x_hi = tl.load(xq + 8, mask=j_mask, other=0)
+        sum_lo = _chunk_sums(_dp4a(w & 0x0F0F0F0F, x_lo, 0, ASM), BLOCK_N, CHUNKS)  # [BLOCK_N, CHUNKS]
+        sum_hi = _chunk_sums(_dp4a((w >> 4) & 0x0F0F0F0F, x_hi, 0, ASM), BLOCK_N, CHUNKS)
+
+        g = j0 // 8 + offs_c  # chunk g: super-block g // 4, c = g % 4
+        g_mask = g < n_words // 8
+        head = w_rows + (g // 4) * 36
+        h0 = tl.load(head, mask=g_mask, other=0)
+        h1 = tl.load(head + 1, mask=g_mask, other=0)
+        h2 = tl.load(head + 2, mask=g_mask, other=0)
+        h3 = tl.load(head + 3, mask=g_mask, other=0)
+        d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (h0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        # The eight six-bit scales and mins, one a byte, four to a word: sub-blocks 0-3 in words a, 4-7 in b
+        # (ggml's get_scale_min_k4, four bytes at a time). Chunk c's sub-blocks 2c and 2c + 1 are bytes
+        # 2(c % 2) and 2(c % 2) + 1 of word a (c < 2) or b.
+        c = g % 4
+        sc = tl.where(c < 2, h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030))
+        mn = tl.where(c < 2, h2 & 0x3F3F3F3F, ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030))
+        shift = 16 * (c % 2)
+        dx_lo = tl.load(dx_ptr + 2 * g, mask=g_mask, other=0.0)
+        dx_hi = tl.load(dx_ptr + 2 * g + 1, mask=g_mask, other=0.0)
+        sx_lo = tl.load(sx_ptr + 2 * g, mask=g_mask, other=0.0)
+        sx_hi = tl.load(sx_ptr + 2 * g + 1, mask=g_mask, other=0.0)
+        cx_lo = tl.load(cx_ptr + 2 * g, mask=g_mask, other=0.0)
+        cx_hi = tl.load(cx_ptr + 2 * g + 1, mask=g_mask, other=0.0)
+        part = _byte(sc, shift) * (dx_lo * sum_lo + cx_lo) + _byte(sc, shift + 8) * (dx_hi * sum_hi + cx_hi)
+        offset = _byte(mn, shift) * sx_lo + _byte(mn, shift + 8) * sx_hi
+        acc += d * part - dmin * offset
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+# 32-blocks of x a program of the quantizing kernel: few, so that even K = 4096 spreads over 32 programs (the
+# kernel is a few microseconds of latency in every projection of a one-row step, not bandwidth).
+QUANTIZE_BLOCKS = 4
+
+
+def int8_dot_applies(x: torch.Tensor) -> bool:
+    """Whether q4k_row_into and q6k_row_into take x: one row of half-precision activations."""
+    return x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def quantize_x(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, ...]:
+    """x [1, K] (K a multiple of 32) -> xq [K / 4] int32, then dx, sx, cx [K / 32] and s16 [K / 16] float32
+    (_quantize_x_kernel): one kernel, one allocation."""
+    k = x.shape[1]
+    buf = torch.empty(k // 4 + 3 * (k // 32) + k // 16, device=x.device, dtype=torch.int32)
+    xq = buf[:k // 4]
+    floats = buf[k // 4:].view(torch.float32)
+    dx, sx, cx = floats[:3 * (k // 32)].view(3, k // 32)
+    s16 = floats[3 * (k // 32):]
+    _quantize_x_kernel[(triton.cdiv(k // 32, QUANTIZE_BLOCKS),)](x, xq, dx, sx, cx, s16, k, BLOCKS=QUANTIZE_BLOCKS,
+                                                                  PDL=pdl, num_warps=4, **launch_options(pdl))
+    return xq, dx, sx, cx, s16
+
+
+def q4k_row_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                 pdl: bool = False, tiles: RowTiles | None = None) -> None:
+    """out [1, N] = x [1, K] @ W^T (+ bias), W the Q4_K blocks [N, 144 K / 256] uint8; out's columns contiguous."""
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED
+
+    (m, k), n = x.shape, blocks.shape[0]
+    assert m == 1 and k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 144 and out.shape == (1, n)
+    assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
+    tiles = tiles or choose_row_tiles(n, k)
+    xq, dx, sx, cx, _ = quantize_x(x, pdl)
+    words = blocks.view(torch.int32)
+    _q4k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+        xq, dx, sx, cx, words, bias if bias is not None else dx, out, n, k // 8, words.shape[1], BLOCK_N=tiles.block_n,
+        BLOCK_J=tiles.block_j, EVEN=k // 8 % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl,
+        ASM=not KERNELS_INTERPRETED,
+        num_warps=tiles.num_warps, **launch_options(pdl))
+
+
+# Q6_K: 256 weights in 210 bytes: ql[128] (low four bits), qh[64] (high two), sixteen int8 scales (one a
+# 16-weight sub-block), d. Half h of a super-block is weights 128h..: for l in 0..31, ql byte 64h + l holds
+# quarter 0's weight l (low nibble) and quarter 2's (high), ql byte 64h + 32 + l quarters 1 and 3, and qh byte
+# 32h + l the top two bits of all four (bits 2t, 2t + 1 for quarter t); quarter t's weight l has scale
+# 8h + 2t + l // 16. A word of four ql bytes thus makes four weights of two quarters, contiguous in K, and one
+# qh word completes four of each quarter: a *position* (h, w) of a super-block is words w of ql's two halves and
+# of qh, 16 weights, all of one sub-block per quarter. Blocks are 210 bytes, so odd ones are only 2-byte aligned:
+# the words are read as two 16-bit halves.
+@dataclass(frozen=True)
+class Q6kRowTiles:
+    """A program's share: block_n rows of W, K walked block_j positions (16 weights each) at a time. The default:
+    the fastest summed over Llama-3.1-8B's four projections in `benchmarks/kernels/gguf_linear.py --sweep --types
+    Q6_K --batches 1` (docs/PERFORMANCE.md, GGUF)."""
+
+    block_n: int = 2
+    block_j: int = 64
+    num_warps: int = 4
+
+
+@_jit
+def _q6k_word(h_rows, at, mask, EVEN: tl.constexpr):
+    """The 32-bit word at 16-bit half `at` of each row (2-byte aligned): two loads, one word."""
+    if EVEN:
+        lo = tl.load(h_rows + at)
+        hi = tl.load(h_rows + at + 1)
+    else:
+        lo = tl.load(h_rows + at, mask=mask, other=0)
+        hi = tl.load(h_rows + at + 1, mask=mask, other=0)
+    return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+
+
+@_jit
+def _q6k_tile(h_rows, j0, offs_j, n_pos, EVEN: tl.constexpr):
+    """Positions j0 + offs_j of each row: (ql word w of half h, ql word w + 8, qh word w), [BLOCK_N, BLOCK_J]."""
+    at = (j0 // 16) * 105 + ((offs_j // 16) * 105 + ((offs_j % 16) // 8) * 32 + (offs_j % 8) * 2)[None, :]
+    mask = (j0 + offs_j < n_pos)[None, :]
+    return _q6k_word(h_rows, at, mask, EVEN), _q6k_word(h_rows, at + 16, mask, EVEN), \
+        _q6k_word(h_rows, at + 64 - ((offs_j % 16) // 8)[None, :] * 16, mask, EVEN)
+
+
+@_jit
+def _q6k_quarter(x_words, q, mask, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Quarter codes q (0..63, four a word) times x's words at x_words, summed over each 4 positions (a
+    sub-block): [BLOCK_N, GROUPS]."""
+    if EVEN:
+        xw = tl.load(x_words)
+    else:
+        xw = tl.load(x_words, mask=mask, other=0)
+    dots = _dp4a(q, xw, 0, ASM)
+    return tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, 4]), axis=2).to(tl.float32)
+
+
+@_jit
+def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_halves,
+                    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    PDL: tl.constexpr, ASM: tl.constexpr):
+    """out [N] = W x: W's rows as 16-bit halves at h_ptr and as bytes at b8_ptr (the same memory); x as
+    quantize_x gives it. A group of 4 positions is one sub-block of each quarter: its dp4a sums take the
+    sub-block's scale, and the codes' offset of 32 comes off as 32 times the sub-block's sum of x codes."""
+    pdl_begin(PDL)
+    GROUPS: tl.constexpr = BLOCK_J // 4
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # rows past N read the last row, never stored
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * row_halves  # [BLOCK_N, 1]
+    b_rows = b8_ptr + rows.to(tl.int64)[:, None] * (2 * row_halves)
+    offs_j = tl.arange(0, BLOCK_J)
+    # x's word for quarter 0 of position j: super-block j // 16 (64 words), half (32), word j % 8 (+ 8 a quarter)
+    x_at = ((offs_j // 16) * 64 + ((offs_j % 16) // 8) * 32 + offs_j % 8)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+    g = tl.arange(0, GROUPS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # group: super-block g // 4, half
+    # (g % 4) // 2, sub-block g % 2 of each quarter
+    a_next, b_next, h_next = _q6k_tile(h_rows, 0, offs_j, n_pos, EVEN)
+    pdl_wait(PDL)
+    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    for j0 in range(0, n_pos, BLOCK_J):
+        a, b, hb = a_next, b_next, h_next
+        a_next, b_next, h_next = _q6k_tile(h_rows, tl.minimum(j0 + BLOCK_J, n_pos - BLOCK_J) if EVEN else
+                                           j0 + BLOCK_J, offs_j, n_pos, EVEN)
+        xw = xq_ptr + (j0 // 16) * 64 + x_at
+        j_mask = j0 + offs_j[None, :] < n_pos
+        gg = j0 // 4 + g
+        g_mask = gg < n_pos // 4
+        sb = gg // 4
+        half = (gg % 4) // 2
+        # 16-block of x for quarter t: 16 sb + 8 half + 2 t + g % 2; its 32-block: 8 sb + 4 half + t
+        at16 = 16 * sb + 8 * half + gg % 2
+        scale_at = b_rows + sb * 210 + 192 + 8 * half + gg % 2
+        d = tl.load((b_rows + sb * 210 + 208).to(tl.pointer_type(tl.float16)), mask=g_mask, other=0.0).to(tl.float32)
+        part = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+        for t in tl.static_range(4):
+            if t == 0:
+                q = (a & 0x0F0F0F0F) | ((hb << 4) & 0x30303030)
+            elif t == 1:
+                q = (b & 0x0F0F0F0F) | ((hb << 2) & 0x30303030)
+            elif t == 2:
+                q = ((a >> 4) & 0x0F0F0F0F) | (hb & 0x30303030)
+            else:
+                q = ((b >> 4) & 0x0F0F0F0F) | ((hb >> 2) & 0x30303030)
+            dots = _q6k_quarter(xw + 8 * t, q, j_mask, GROUPS, BLOCK_N, EVEN, ASM)
+            s16 = tl.load(s16_ptr + at16 + 2 * t, mask=g_mask, other=0.0)
+            dx = tl.load(dx_ptr + 8 * sb + 4 * half + t, mask=g_mask, other=0.0)
+            sc = tl.load(scale_at + 2 * t, mask=g_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            part += sc * dx * (dots - 32.0 * s16)
+        acc += d * part
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def q6k_row_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                 pdl: bool = False, tiles: Q6kRowTiles | None = None) -> None:
+    """out [1, N] = x [1, K] @ W^T (+ bias), W the Q6_K blocks [N, 210 K / 256] uint8; out's columns contiguous."""
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED
+
+    (m, k), n = x.shape, blocks.shape[0]
+    assert m == 1 and k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 210 and out.shape == (1, n)
+    assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
+    tiles = tiles or Q6kRowTiles()
+    xq, dx, _, _, s16 = quantize_x(x, pdl)
+    halves = blocks.view(torch.int16)
+    n_pos = k // 16
+    _q6k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+        xq, dx, s16, halves, blocks, bias if bias is not None else dx, out, n, n_pos, halves.shape[1],
+        BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, EVEN=n_pos % tiles.block_j == 0, HAS_BIAS=bias is not None,
+        PDL=pdl, ASM=not KERNELS_INTERPRETED, num_warps=tiles.num_warps, **launch_options(pdl))

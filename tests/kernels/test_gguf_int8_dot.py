@@ -1,0 +1,140 @@
+"""The one-row Q4_K and Q6_K kernels with int8 activations (kernels/gguf_int8_dot.py), on the GPU where there is
+one, else under the Triton interpreter: the quantized activations equal a numpy float32 quantizer (bit for bit in the
+interpreter; the GPU's fast division may move a value sitting on a rounding tie by one code), the kernel equals a
+float64 evaluation of its own formula on its own quantized activations, and against the gguf library's
+dequantize-then-matmul it is off by what rounding the activations to int8 costs, no more."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf_quants = pytest.importorskip("gguf.quants")
+pytest.importorskip("triton")
+
+from ostinato.kernels.gguf_int8_dot import Q6kRowTiles, RowTiles, q4k_row_into, q6k_row_into, quantize_x  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K  # noqa: E402
+from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [K] float32 -> (codes [K] as the kernel rounds them, dx [K / 32]), in float32 as the kernel computes."""
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
+    v = blocks * inv[:, None]
+    codes = np.trunc(np.where(v >= 0, v + np.float32(0.5), v - np.float32(0.5)))
+    return codes.reshape(-1), amax / np.float32(127.0)
+
+
+def _parts(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The Q4_K weights' two parts, W = scale * codes - offset, as float64 [N, K] each: scale = d * sc (per
+    sub-block), offset = dmin * mn."""
+    def with_codes(value: int) -> np.ndarray:
+        b = blocks.copy().reshape(n, k // 256, 144)
+        b[:, :, 16:] = value * 17  # both nibbles of every code byte
+        return gguf_quants.dequantize(b.reshape(n, -1), Q4_K).astype(np.float64)
+    offset = -with_codes(0)
+    return with_codes(1) + offset, offset
+
+
+def _formula(x: torch.Tensor, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    """What the kernel computes, in float64, from the activations as quantize_x gives them: scale * (dx * sum
+    (q - 8) xq + 8 sum x) - offset * sum x."""
+    xq, dx, *_ = quantize_x(x.to(DEV))
+    codes = xq.cpu().numpy().view(np.int8).astype(np.float64)
+    xq = codes * np.repeat(dx.cpu().numpy().astype(np.float64), 32)
+    scale, offset = _parts(blocks, n, k)
+    w = gguf_quants.dequantize(blocks, Q4_K).astype(np.float64)
+    centred = (w + offset) - 8 * scale  # scale * (q - 8)
+    x64 = x[0].double().numpy()
+    return centred @ xq + (8 * scale) @ x64 - offset @ x64
+
+
+def _x(k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    x[0, 32:64] = 0  # a 32-block of zeros: scale 0, codes 0
+    return x
+
+
+def test_activations_quantize_as_the_formula_says():
+    k = 768
+    x = _x(k, 0)
+    xq, dx, sx, cx, s16 = (t.cpu().numpy() for t in quantize_x(x.to(DEV)))
+    codes, want_dx = _quantized(x[0].float().numpy())
+    got = xq.view(np.int8).astype(np.float32)
+    if DEV == "cpu":
+        np.testing.assert_array_equal(got, codes)
+        np.testing.assert_array_equal(dx, want_dx)
+    else:  # the GPU's division is within 2 ulp, not correctly rounded
+        assert np.abs(got - codes).max() <= 1 and (got != codes).mean() < 1e-3
+        np.testing.assert_allclose(dx, want_dx, rtol=3e-7, atol=0)
+    sums = x[0].double().numpy().reshape(-1, 32).sum(axis=1)
+    np.testing.assert_allclose(sx, sums, rtol=1e-5, atol=1e-5)
+    want_cx = 8 * (sums - want_dx * got.reshape(-1, 32).sum(axis=1))
+    np.testing.assert_allclose(cx, want_cx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(s16, got.reshape(-1, 16).sum(axis=1))
+
+
+@pytest.mark.parametrize("n,k,tiles", [(13, 768, RowTiles(8, 64)),  # N ragged, K not a multiple of the K step
+                                       (13, 768, RowTiles(4, 32)),  # K steps of exactly one super-block
+                                       (3, 512, RowTiles(8, 64)),  # more rows of W a program than N
+                                       (9, 1024, RowTiles(4, 128))])  # the K step divides K: no masks
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_its_formula_in_float64(n, k, tiles, bias):
+    blocks = random_blocks("Q4_K", n, k, np.random.default_rng(n + k))
+    x = _x(k, n)
+    b = torch.randn(n) if bias else None
+    out = torch.empty(1, n, device=DEV)
+    q4k_row_into(x.to(DEV), torch.from_numpy(blocks).to(DEV), b.to(DEV) if bias else None, out, tiles=tiles)
+    want = _formula(x, blocks, n, k) + (b.double().numpy() if bias else 0)
+    np.testing.assert_allclose(out[0].double().cpu().numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("n,k,tiles", [(13, 768, Q6kRowTiles(4, 32)),  # N ragged, K not a multiple of the K step
+                                       (13, 768, Q6kRowTiles(8, 16)),  # K steps of one super-block
+                                       (5, 512, Q6kRowTiles(8, 32)),  # more rows of W a program than N
+                                       (9, 1024, Q6kRowTiles(4, 64))])  # the K step divides K: no masks
+@pytest.mark.parametrize("bias", [False, True])
+def test_q6k_kernel_equals_its_formula_in_float64(n, k, tiles, bias):
+    """Q6_K's weights are d * sc * (q - 32) with no offset term: the kernel is W times x as quantize_x rounds it
+    (odd super-blocks sit at 2-byte aligned offsets, so N and K here include odd ones)."""
+    blocks = random_blocks("Q6_K", n, k, np.random.default_rng(n + k))
+    x = _x(k, n)
+    b = torch.randn(n) if bias else None
+    out = torch.empty(1, n, device=DEV)
+    q6k_row_into(x.to(DEV), torch.from_numpy(blocks).to(DEV), b.to(DEV) if bias else None, out, tiles=tiles)
+    xq, dx, *_ = quantize_x(x.to(DEV))
+    xqd = xq.cpu().numpy().view(np.int8).astype(np.float64) * np.repeat(dx.cpu().numpy().astype(np.float64), 32)
+    want = gguf_quants.dequantize(blocks, Q6_K).astype(np.float64) @ xqd + (b.double().numpy() if bias else 0)
+    np.testing.assert_allclose(out[0].double().cpu().numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
+    """The one approximation: x rounded to int8 per 32-block. On random Q4_K rows (codes uniform, offsets
+    centring the weights) that is about 0.5% of the output's norm; with the codes not centred on 8 in the
+    product term (sum q * xq) the same rows were off by 0.8-0.9%."""
+    n, k = 64, 4096
+    blocks = random_blocks("Q4_K", n, k, np.random.default_rng(1))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = torch.empty(1, n, device=DEV)
+    q4k_row_into(x.to(DEV), torch.from_numpy(blocks).to(DEV), None, out, tiles=RowTiles(8, 256))
+    exact = gguf_quants.dequantize(blocks, Q4_K).astype(np.float64) @ x[0].double().numpy()
+    err = np.linalg.norm(out[0].double().cpu().numpy() - exact) / np.linalg.norm(exact)
+    assert err < 7e-3, err
+
+
+def test_gguf_linear_takes_them_for_one_half_precision_row_only(monkeypatch):
+    from ostinato.kernels import gguf_gemv
+
+    taken = []
+    monkeypatch.setattr(gguf_gemv, "q4k_row_into", lambda *a, **kw: taken.append(("Q4_K", a[0].shape[0])))
+    monkeypatch.setattr(gguf_gemv, "q6k_row_into", lambda *a, **kw: taken.append(("Q6_K", a[0].shape[0])))
+    for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", 8)]:
+        blocks = torch.from_numpy(random_blocks(name, 4, 256, np.random.default_rng(0))).to(DEV)
+        for m, dtype in [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16)]:
+            gguf_gemv.gguf_linear_into(torch.randn(m, 256, device=DEV).to(dtype), blocks, qtype, None,
+                                       torch.empty(m, 4, device=DEV, dtype=dtype))
+    assert taken == [("Q4_K", 1), ("Q4_K", 1), ("Q6_K", 1), ("Q6_K", 1)]
