@@ -161,6 +161,10 @@ def test_path_rule():
     assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(16, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(17, 4096, 4096, False, cuda=True) == "scaled_mm"
+    assert choose_fp8_path(17, 3072, 2048, False, cuda=True) == SplitTiles(block_k=256)  # narrow: few 128-wide tiles
+    assert choose_fp8_path(64, 2048, 8192, False, cuda=True) == SplitTiles(block_k=256)
+    assert choose_fp8_path(65, 2048, 8192, False, cuda=True) == "scaled_mm"
+    assert choose_fp8_path(64, 16384, 2048, False, cuda=True) == "scaled_mm"
     assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # block scales, few rows
     assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == MmaTiles()  # block scales above 16 rows
     assert choose_fp8_path(64, 4096, 4100, False, cuda=True) == "dequantize"  # _scaled_mm needs K % 16 == 0
