@@ -168,3 +168,17 @@ def test_qwen2_q8_0_with_qkv_biases_matches_hf(tmp_path, cache):
     prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7]]
     ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     _assert_greedy_equals_hf(path, prompts, ours, 6)
+
+
+def test_the_log_says_when_activations_are_rounded_to_int8():
+    from collections import Counter
+
+    from ostinato.model.gguf_weights import int8_dot_line
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    line = int8_dot_line(Counter({"Q4_K": 160, "Q6_K": 48}), cuda, torch.bfloat16)
+    assert "Q4_K and Q6_K" in line and "int8" in line
+    assert "Q6_K projections" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda, torch.float16)
+    assert int8_dot_line(Counter({"Q4_1": 210}), cuda, torch.bfloat16) is None  # SmolLM2: no such type
+    assert int8_dot_line(Counter({"Q4_K": 1}), cuda, torch.float32) is None  # float32 keeps the fp32 decoding
+    assert int8_dot_line(Counter({"Q4_K": 1}), cpu, torch.bfloat16) is None  # the torch path on CPU

@@ -42,10 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
+INT8_DOT_TYPES = (Q4_K, Q6_K)  # the ggml types these kernels take (gguf_gemv.gguf_linear_into dispatches)
 SUPER_BLOCK = 256  # weights of a K-quant super-block (Q4_K: 144 bytes, 36 words of which 4 header; Q6_K: 210)
 
 

@@ -24,6 +24,7 @@ import torch
 from ostinato.attention.base import AttentionBackend
 from ostinato.config import ModelConfig
 from ostinato.errors import CheckpointError, ConfigError
+from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFConcat, GGUFLinear, dequantize_blocks
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
 from ostinato.model.gguf_native import native_marker, tensor_table
@@ -34,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 F32, F16 = 0, 1
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-IGNORED = ("rope_freqs.weight",)
-DENSE_ROWS = 4096  # rows dequantized at a time into a dense parameter  # llama3 RoPE factors: config.json's rope_scaling carries them
+IGNORED = ("rope_freqs.weight",)  # llama3 RoPE factors: config.json's rope_scaling carries them
+DENSE_ROWS = 4096  # rows dequantized at a time into a dense parameter
 
 
 class GGUFTensors:
@@ -205,4 +206,17 @@ def load_gguf_model(model_dir: Path, model_config: ModelConfig, dtype: torch.dty
                 tensors.path.name, time.perf_counter() - t0,
                 ", ".join(f"{n} x {t}" for t, n in kept.most_common()) or "none", str(dtype).removeprefix("torch."),
                 ", ".join(f"{n} x {names[t]}" for t, n in dequantized.most_common()) or "nothing but norms")
+    line = int8_dot_line(kept, device, dtype)
+    if line:
+        logger.info(line)
     return model.eval()
+
+
+def int8_dot_line(kept: Counter, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The start-up log's word on the one approximation the GGUF path adds (kernels/gguf_int8_dot.py), when it
+    applies: projections of those types kept, on CUDA, in 16-bit activations."""
+    types = sorted({KERNEL_TYPES[t][0] for t in INT8_DOT_TYPES} & set(kept))
+    if not types or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return (f"one-row steps multiply the {' and '.join(types)} projections as int8 dot products: their input "
+            "rounded to int8 per 32 values, as llama.cpp's mat-vec kernels (kernels/gguf_int8_dot.py)")
