@@ -91,9 +91,11 @@ GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*b
             "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
             "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_rom": "i32", "eps": "fp32"}
 Q4K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*i32",
-           "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_words": "i32", "row_words": "i32"}
+           "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_words": "i32", "row_words": "i32",
+           "stride_om": "i32"}
 Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "h_ptr": "*i16", "b8_ptr": "*u8",
-           "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_pos": "i32", "row_halves": "i32"}
+           "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_pos": "i32", "row_halves": "i32",
+           "stride_om": "i32"}
 
 
 def main() -> None:
@@ -121,13 +123,13 @@ def main() -> None:
     report("stream FP8 GEMV 4x1024 p1, 4 rows", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
         ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False, K_PAD=1,
         GLU=False, ASM=True, EMULATE_BF16=False, PDL=True)), tile // 2, 128, out_dir)
-    q4k, q6k = gguf_int8_dot.RowTiles(), gguf_int8_dot.Q6kRowTiles()
+    q4k, q6k = gguf_int8_dot.Q4kTiles(), gguf_int8_dot.Q6kTiles()
     report(f"GGUF Q4_K int8 dot {q4k.block_n}x{q4k.block_j} words", _compile(
-        gguf_int8_dot._q4k_row_kernel, Q4K_SIG, dict(BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True,
+        gguf_int8_dot._q4k_row_kernel, Q4K_SIG, dict(ROWS=1, BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True,
                                                       HAS_BIAS=False, PDL=True, ASM=True), num_warps=q4k.num_warps),
         q4k.block_n * q4k.block_j * 4, 32 * q4k.num_warps, out_dir)
     report(f"GGUF Q6_K int8 dot {q6k.block_n}x{q6k.block_j} positions", _compile(
-        gguf_int8_dot._q6k_row_kernel, Q6K_SIG, dict(BLOCK_N=q6k.block_n, BLOCK_J=q6k.block_j, EVEN=True,
+        gguf_int8_dot._q6k_row_kernel, Q6K_SIG, dict(ROWS=1, BLOCK_N=q6k.block_n, BLOCK_J=q6k.block_j, EVEN=True,
                                                       HAS_BIAS=False, PDL=True, ASM=True), num_warps=q6k.num_warps),
         q6k.block_n * q6k.block_j * 12, 32 * q6k.num_warps, out_dir)
     print(f"(files in {out_dir})")

@@ -1,13 +1,14 @@
-"""The GGUF kernels (kernels/gguf_gemv.py) against the bf16 projection (cuBLAS / the GEMV) on Llama-3.1-8B's
-projection shapes, per type, at a few batch sizes: microseconds per call, GB/s of the bytes actually read (the
-type's blocks and scales, or the bf16 weight) and that over the H200's measured HBM read bandwidth.
+"""The GGUF kernels (kernels/gguf_gemv.py, kernels/gguf_int8_dot.py) against the bf16 projection (cuBLAS / the GEMV)
+on Llama-3.1-8B's projection shapes, per type, at a few batch sizes: microseconds per call, GB/s of the bytes
+actually read (the type's blocks and scales, or the bf16 weight) and that over the HBM read bandwidth measured here.
 
 Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to defeat L2, median per call.
-Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). Above GEMV_MAX_ROWS
-the rows "TYPE" take gguf_linear_into's dense slices and cuBLAS, "TYPE fused" the tensor-core GEMM that decodes in
-the kernel.
---sweep instead times each candidate tile setting (gguf_gemv.GGUFTiles) over the four projections and prints, per
-type and batch, the settings by total time beside choose_tiles's own pick: the table choose_tiles is read off.
+Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). The rows "TYPE" take
+gguf_linear_into's default path; beside them, above GEMV_MAX_ROWS "TYPE fused" (the tensor-core GEMM that decodes
+in the kernel, where the default is dense slices and cuBLAS), and for Q4_K / Q6_K "TYPE decoded to fp32" at one row
+(the default there: integer dot products) and "TYPE int8 dot" at 2-8 rows (not the default there yet).
+--sweep instead times each candidate tile setting over the four projections and prints, per type and batch, the
+settings by total time beside the default path's own: the table choose_tiles and the int8-dot tiles are read off.
 
     PYTHONPATH=src python3 benchmarks/kernels/gguf_linear.py [--types Q8_0 Q4_K Q6_K] [--batches 1 8 64] [--json F]
     PYTHONPATH=src python3 benchmarks/kernels/gguf_linear.py --sweep --types Q4_K Q6_K Q8_0 --batches 1 8 64
@@ -29,8 +30,10 @@ from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
-from ostinato.kernels.gguf_int8_dot import Q6kRowTiles, RowTiles, choose_row_tiles, int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import Q4kTiles, Q6kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K  # noqa: E402
+
+INT8_TILES = {Q4_K: Q4kTiles(), Q6_K: Q6kTiles()}  # the integer-dot kernels' default tiles
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFLinear  # noqa: E402
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
@@ -72,10 +75,13 @@ def main() -> int:
                 err = ((layers[0].linear(x, pdl=pdl).float() - ref).norm() / ref.norm()).item()
                 us = time_graph(lambda i: layers[i].linear(x, pdl=pdl), copies)
                 rows.append({**_row(name, m, type_name, layers[0].weight_bytes(), us), "rel_err": err})
+                own = choose_tiles(qtype, m, n, k)
                 if m > GEMV_MAX_ROWS:
-                    rows.append(_fused_row(name, m, type_name, layers, x, ref, pdl))
-                elif qtype in (Q4_K, Q6_K) and int8_dot_applies(x):
-                    rows.append(_fused_row(name, m, type_name, layers, x, ref, pdl, " decoded to fp32"))
+                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " fused"))
+                elif qtype in INT8_TILES and int8_dot_applies(x):
+                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " decoded to fp32"))
+                elif qtype in INT8_TILES:  # more rows: the integer-dot kernels, not (yet) the default there
+                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, INT8_TILES[qtype], " int8 dot"))
     print("| projection | rows | type | us | GB/s | of HBM | rel. error |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
@@ -87,12 +93,11 @@ def main() -> int:
     return 0
 
 
-def _fused_row(name, m, type_name, layers, x, ref, pdl, what=" fused") -> dict:
-    """gguf_gemv's own kernel at choose_tiles's tiles beside the default path: above GEMV_MAX_ROWS the tensor-core
-    GEMM that decodes inside the kernel (the default: dense slices), at one Q4_K or Q6_K row the GEMV that decodes
-    each weight to fp32 (the default: integer dot products)."""
-    n, k = layers[0].out_features, layers[0].in_features
-    tiles = choose_tiles(layers[0].qtype, m, n, k)
+def _tiles_row(name, m, type_name, layers, x, ref, pdl, tiles, what) -> dict:
+    """A kernel at given tiles beside the default path: above GEMV_MAX_ROWS the tensor-core GEMM that decodes
+    inside the kernel (the default: dense slices); at one Q4_K or Q6_K row the GEMV that decodes each weight to
+    fp32 (the default: integer dot products); at 2-8 rows of those types the integer-dot kernels."""
+    n = layers[0].out_features
     out = torch.empty(m, n, device="cuda", dtype=x.dtype)
     gguf_linear_into(x, layers[0].blocks, layers[0].qtype, None, out, pdl, tiles)
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -107,9 +112,13 @@ def candidates(qtype: int, m: int) -> list[GGUFTiles]:
     group_k, piece, _ = GROUPING[qtype]
     out = []
     if m == 1 and qtype == Q4_K:
-        out += [RowTiles(bn, bj, warps) for bn in (4, 8, 16) for bj in (128, 256, 512) for warps in (4, 8)]
+        out += [Q4kTiles(bn, bj, warps) for bn in (4, 8, 16) for bj in (128, 256, 512) for warps in (4, 8)]
     if m == 1 and qtype == Q6_K:
-        out += [Q6kRowTiles(bn, bj, warps) for bn in (2, 4, 8) for bj in (64, 128, 256) for warps in (4, 8)]
+        out += [Q6kTiles(bn, bj, warps) for bn in (2, 4, 8) for bj in (64, 128, 256) for warps in (4, 8)]
+    if 1 < m <= GEMV_MAX_ROWS and qtype == Q4_K:
+        out += [Q4kTiles(bn, bj) for bn in (2, 4, 8) for bj in (128, 256)]
+    if 1 < m <= GEMV_MAX_ROWS and qtype == Q6_K:
+        out += [Q6kTiles(bn, bj) for bn in (1, 2, 4) for bj in (32, 64)]
     if m == 1:
         out += [GGUFTiles(1, bn, step // group_k, warps) for bn in (2, 4, 8) for step in (1024, 2048)
                 for warps in (4, 8)]
@@ -138,8 +147,8 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
             layers.append((n, k, [blocks.clone() for _ in range(copies)]))
         nbytes = sum(copies[0].numel() for _, _, copies in layers)
         for m in batches:
-            default = (choose_row_tiles(SHAPES[0][1], SHAPES[0][2]) if m == 1 and qtype == Q4_K
-                       else Q6kRowTiles() if m == 1 and qtype == Q6_K
+            default = (Q4kTiles() if m == 1 and qtype == Q4_K
+                       else Q6kTiles() if m == 1 and qtype == Q6_K
                        else choose_tiles(qtype, m, SHAPES[0][1], SHAPES[0][2]))
             results = []
             n0, k0, copies0 = layers[0]

@@ -1,5 +1,5 @@
-"""The one-row Q4_K and Q6_K kernels with int8 activations (kernels/gguf_int8_dot.py), on the GPU where there is
-one, else under the Triton interpreter: the quantized activations equal a numpy float32 quantizer (bit for bit in the
+"""The Q4_K and Q6_K kernels with int8 activations (kernels/gguf_int8_dot.py), on the GPU where there is one,
+else under the Triton interpreter: the quantized activations equal a numpy float32 quantizer (bit for bit in the
 interpreter; the GPU's fast division may move a value sitting on a rounding tie by one code), the kernel equals a
 float64 evaluation of its own formula on its own quantized activations, and against the gguf library's
 dequantize-then-matmul it is off by what rounding the activations to int8 costs, no more."""
@@ -11,7 +11,7 @@ import torch
 gguf_quants = pytest.importorskip("gguf.quants")
 pytest.importorskip("triton")
 
-from ostinato.kernels.gguf_int8_dot import Q6kRowTiles, RowTiles, q4k_row_into, q6k_row_into, quantize_x  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import Q6kTiles, Q4kTiles, q4k_rows_into, q6k_rows_into, quantize_x  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
@@ -40,30 +40,41 @@ def _parts(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return with_codes(1) + offset, offset
 
 
-def _formula(x: torch.Tensor, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
-    """What the kernel computes, in float64, from the activations as quantize_x gives them: scale * (dx * sum
-    (q - 8) xq + 8 sum x) - offset * sum x."""
+def _rounded_x(x: torch.Tensor) -> np.ndarray:
+    """x [M, K] as quantize_x rounds it (its own codes and scales, on the kernels' device), float64."""
     xq, dx, *_ = quantize_x(x.to(DEV))
     codes = xq.cpu().numpy().view(np.int8).astype(np.float64)
-    xq = codes * np.repeat(dx.cpu().numpy().astype(np.float64), 32)
+    return codes * np.repeat(dx.cpu().numpy().astype(np.float64), 32, axis=1)
+
+
+def _q4k_formula(x: torch.Tensor, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    """What the Q4_K kernel computes, [M, N] in float64: scale * (dx * sum (q - 8) xq + 8 sum x) - offset * sum x."""
     scale, offset = _parts(blocks, n, k)
     w = gguf_quants.dequantize(blocks, Q4_K).astype(np.float64)
     centred = (w + offset) - 8 * scale  # scale * (q - 8)
-    x64 = x[0].double().numpy()
-    return centred @ xq + (8 * scale) @ x64 - offset @ x64
+    x64 = x.double().numpy()
+    return _rounded_x(x) @ centred.T + x64 @ (8 * scale).T - x64 @ offset.T
 
 
-def _x(k: int, seed: int) -> torch.Tensor:
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+def _q6k_formula(x: torch.Tensor, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Q6_K's weights are d * sc * (q - 32), no offset term: W times x as quantize_x rounds it."""
+    return _rounded_x(x) @ gguf_quants.dequantize(blocks, Q6_K).astype(np.float64).T
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     x[0, 32:64] = 0  # a 32-block of zeros: scale 0, codes 0
     return x
 
 
 def test_activations_quantize_as_the_formula_says():
-    k = 768
-    x = _x(k, 0)
+    """Three rows, read from a wider tensor (strided rows), each quantized on its own."""
+    m, k = 3, 768
+    x = torch.cat([_x(m, k, 0), torch.randn(m, 64).to(torch.bfloat16)], dim=1)[:, :k]
     xq, dx, sx, cx, s16 = (t.cpu().numpy() for t in quantize_x(x.to(DEV)))
-    codes, want_dx = _quantized(x[0].float().numpy())
+    assert xq.shape == (m, k // 4) and dx.shape == sx.shape == cx.shape == (m, k // 32) and s16.shape == (m, k // 16)
+    codes, want_dx = zip(*(_quantized(row.float().numpy()) for row in x))
+    codes, want_dx = np.stack(codes), np.stack(want_dx)
     got = xq.view(np.int8).astype(np.float32)
     if DEV == "cpu":
         np.testing.assert_array_equal(got, codes)
@@ -71,45 +82,47 @@ def test_activations_quantize_as_the_formula_says():
     else:  # the GPU's division is within 2 ulp, not correctly rounded
         assert np.abs(got - codes).max() <= 1 and (got != codes).mean() < 1e-3
         np.testing.assert_allclose(dx, want_dx, rtol=3e-7, atol=0)
-    sums = x[0].double().numpy().reshape(-1, 32).sum(axis=1)
+    sums = x.double().numpy().reshape(m, -1, 32).sum(axis=2)
     np.testing.assert_allclose(sx, sums, rtol=1e-5, atol=1e-5)
-    want_cx = 8 * (sums - want_dx * got.reshape(-1, 32).sum(axis=1))
+    want_cx = 8 * (sums - want_dx * got.reshape(m, -1, 32).sum(axis=2))
     np.testing.assert_allclose(cx, want_cx, rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(s16, got.reshape(-1, 16).sum(axis=1))
+    np.testing.assert_array_equal(s16, got.reshape(m, -1, 16).sum(axis=2))
 
 
-@pytest.mark.parametrize("n,k,tiles", [(13, 768, RowTiles(8, 64)),  # N ragged, K not a multiple of the K step
-                                       (13, 768, RowTiles(4, 32)),  # K steps of exactly one super-block
-                                       (3, 512, RowTiles(8, 64)),  # more rows of W a program than N
-                                       (9, 1024, RowTiles(4, 128))])  # the K step divides K: no masks
-@pytest.mark.parametrize("bias", [False, True])
-def test_kernel_equals_its_formula_in_float64(n, k, tiles, bias):
-    blocks = random_blocks("Q4_K", n, k, np.random.default_rng(n + k))
-    x = _x(k, n)
+def _run(kernel, qtype_name, formula, m, n, k, tiles, bias):
+    """The kernel on m rows into a column slice of a wider output (its rows strided), against its formula."""
+    blocks = random_blocks(qtype_name, n, k, np.random.default_rng(n + k + m))
+    x = _x(m, k, n + m)
     b = torch.randn(n) if bias else None
-    out = torch.empty(1, n, device=DEV)
-    q4k_row_into(x.to(DEV), torch.from_numpy(blocks).to(DEV), b.to(DEV) if bias else None, out, tiles=tiles)
-    want = _formula(x, blocks, n, k) + (b.double().numpy() if bias else 0)
-    np.testing.assert_allclose(out[0].double().cpu().numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    wide = torch.zeros(m, n + 5, device=DEV)
+    kernel(x.to(DEV), torch.from_numpy(blocks).to(DEV), b.to(DEV) if bias else None, wide[:, 2:2 + n], tiles=tiles)
+    want = formula(x, blocks, n, k) + (b.double().numpy() if bias else 0)
+    got = wide.double().cpu().numpy()
+    np.testing.assert_allclose(got[:, 2:2 + n], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not got[:, :2].any() and not got[:, 2 + n:].any()  # nothing written outside its columns
 
 
-@pytest.mark.parametrize("n,k,tiles", [(13, 768, Q6kRowTiles(4, 32)),  # N ragged, K not a multiple of the K step
-                                       (13, 768, Q6kRowTiles(8, 16)),  # K steps of one super-block
-                                       (5, 512, Q6kRowTiles(8, 32)),  # more rows of W a program than N
-                                       (9, 1024, Q6kRowTiles(4, 64))])  # the K step divides K: no masks
+@pytest.mark.parametrize("m,n,k,tiles", [(1, 13, 768, Q4kTiles(8, 64)),  # N ragged, K not a multiple of the K step
+                                         (1, 13, 768, Q4kTiles(4, 32)),  # K steps of exactly one super-block
+                                         (1, 3, 512, Q4kTiles(8, 64)),  # more rows of W a program than N
+                                         (1, 9, 1024, Q4kTiles(4, 128)),  # the K step divides K: no masks
+                                         (3, 13, 768, Q4kTiles(4, 64)),  # three accumulators
+                                         (6, 9, 1024, Q4kTiles(4, 128))])  # two groups of rows: 4, then 2
 @pytest.mark.parametrize("bias", [False, True])
-def test_q6k_kernel_equals_its_formula_in_float64(n, k, tiles, bias):
-    """Q6_K's weights are d * sc * (q - 32) with no offset term: the kernel is W times x as quantize_x rounds it
-    (odd super-blocks sit at 2-byte aligned offsets, so N and K here include odd ones)."""
-    blocks = random_blocks("Q6_K", n, k, np.random.default_rng(n + k))
-    x = _x(k, n)
-    b = torch.randn(n) if bias else None
-    out = torch.empty(1, n, device=DEV)
-    q6k_row_into(x.to(DEV), torch.from_numpy(blocks).to(DEV), b.to(DEV) if bias else None, out, tiles=tiles)
-    xq, dx, *_ = quantize_x(x.to(DEV))
-    xqd = xq.cpu().numpy().view(np.int8).astype(np.float64) * np.repeat(dx.cpu().numpy().astype(np.float64), 32)
-    want = gguf_quants.dequantize(blocks, Q6_K).astype(np.float64) @ xqd + (b.double().numpy() if bias else 0)
-    np.testing.assert_allclose(out[0].double().cpu().numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+def test_q4k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
+    _run(q4k_rows_into, "Q4_K", _q4k_formula, m, n, k, tiles, bias)
+
+
+@pytest.mark.parametrize("m,n,k,tiles", [(1, 13, 768, Q6kTiles(4, 32)),  # N ragged, K not a multiple of the K step
+                                         (1, 13, 768, Q6kTiles(8, 16)),  # K steps of one super-block
+                                         (1, 5, 512, Q6kTiles(8, 32)),  # more rows of W a program than N
+                                         (1, 9, 1024, Q6kTiles(4, 64)),  # the K step divides K: no masks
+                                         (2, 13, 768, Q6kTiles(2, 32)),  # two accumulators
+                                         (5, 9, 1024, Q6kTiles(4, 64))])  # two groups of rows: 4, then 1
+@pytest.mark.parametrize("bias", [False, True])
+def test_q6k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
+    """Odd super-blocks sit at 2-byte aligned offsets, so N and K here include odd ones."""
+    _run(q6k_rows_into, "Q6_K", _q6k_formula, m, n, k, tiles, bias)
 
 
 def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
@@ -120,7 +133,7 @@ def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
     blocks = random_blocks("Q4_K", n, k, np.random.default_rng(1))
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     out = torch.empty(1, n, device=DEV)
-    q4k_row_into(x.to(DEV), torch.from_numpy(blocks).to(DEV), None, out, tiles=RowTiles(8, 256))
+    q4k_rows_into(x.to(DEV), torch.from_numpy(blocks).to(DEV), None, out, tiles=Q4kTiles(8, 256))
     exact = gguf_quants.dequantize(blocks, Q4_K).astype(np.float64) @ x[0].double().numpy()
     err = np.linalg.norm(out[0].double().cpu().numpy() - exact) / np.linalg.norm(exact)
     assert err < 7e-3, err
@@ -130,8 +143,8 @@ def test_gguf_linear_takes_them_for_one_half_precision_row_only(monkeypatch):
     from ostinato.kernels import gguf_gemv
 
     taken = []
-    monkeypatch.setattr(gguf_gemv, "q4k_row_into", lambda *a, **kw: taken.append(("Q4_K", a[0].shape[0])))
-    monkeypatch.setattr(gguf_gemv, "q6k_row_into", lambda *a, **kw: taken.append(("Q6_K", a[0].shape[0])))
+    monkeypatch.setattr(gguf_gemv, "q4k_rows_into", lambda *a, **kw: taken.append(("Q4_K", a[0].shape[0])))
+    monkeypatch.setattr(gguf_gemv, "q6k_rows_into", lambda *a, **kw: taken.append(("Q6_K", a[0].shape[0])))
     for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", 8)]:
         blocks = torch.from_numpy(random_blocks(name, 4, 256, np.random.default_rng(0))).to(DEV)
         for m, dtype in [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16)]:

@@ -1,5 +1,5 @@
-"""One row of activations times Q4_K or Q6_K blocks, as integer dot products (the batch-1 decode's GGUF projections;
-Q4_K_M files are these two types).
+"""Activations times Q4_K or Q6_K blocks as integer dot products: the batch-1 decode's GGUF projections (Q4_K_M
+files are these two types), and, given tiles, a few rows.
 
 Why: a 4-bit weight is a quarter of a bf16 one, so at the bandwidth floor a GEMV must finish each weight in about
 five thread instructions (H100: ~3 TB/s of HBM, 2 Q4_K weights a byte, 128 instructions a clock per SM). Decoding
@@ -31,6 +31,11 @@ BLOCK_J] tile, 4 words a thread (one 16-byte load), x's words through pointers o
 the next tile requested while this one is multiplied. The dp4a sums go per chunk ([BLOCK_N, BLOCK_J / 8]) before
 the header's scales apply, so the scale work is one eighth of the code words'.
 
+Rows: a kernel keeps one accumulator for each of up to MAX_ROWS rows of x and decodes each K step's codes and
+scales once for all of them; more rows go in groups, each a pass over W. gguf_gemv sends only one row here by
+default: at 2-8 rows these kernels have not yet been timed in whole steps (benchmarks/kernels/gguf_linear.py times
+them there as "int8 dot").
+
 For bf16/fp16 activations only: float32 runs (the reference runs) keep the kernel that decodes to fp32. Against
 the gguf library's dequantize-then-matmul the outputs are off by about 0.6% of their norm (the fp32 decoding's
 bf16 output: 0.26%; docs/PERFORMANCE.md, GGUF): the approximation llama.cpp's mat-vec kernels make.
@@ -51,20 +56,19 @@ INT8_DOT_TYPES = (Q4_K, Q6_K)  # the ggml types these kernels take (gguf_gemv.gg
 SUPER_BLOCK = 256  # weights of a K-quant super-block (Q4_K: 144 bytes, 36 words of which 4 header; Q6_K: 210)
 
 
+# Rows of x one kernel takes (one accumulator each); more go in groups of this many, each a pass over W.
+MAX_ROWS = 4
+
+
 @dataclass(frozen=True)
-class RowTiles:
-    """A program's share: block_n rows of W, K walked block_j code words (8 weights each) at a time."""
+class Q4kTiles:
+    """A program's share: block_n rows of W, K walked block_j code words (8 weights each) at a time. The default:
+    the fastest summed over Llama-3.1-8B's four projections in `benchmarks/kernels/gguf_linear.py --sweep --types
+    Q4_K --batches 1` (docs/PERFORMANCE.md, GGUF)."""
 
     block_n: int = 4
     block_j: int = 256
     num_warps: int = 4
-
-
-def choose_row_tiles(n: int, k: int) -> RowTiles:
-    """4 rows of W by 256 code words (2,048 weights) a program and K step: the fastest summed over Llama-3.1-8B's
-    four projections in `benchmarks/kernels/gguf_linear.py --sweep --types Q4_K --batches 1` (docs/PERFORMANCE.md,
-    GGUF)."""
-    return RowTiles()
 
 
 @_jit
@@ -81,30 +85,33 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @_jit
-def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K, BLOCKS: tl.constexpr, PDL: tl.constexpr):
-    """x [K] -> xq [K / 4] (int8 codes, four a word, x's order); per 32-block [K / 32]: dx (the scale,
-    max|x| / 127), sx (the sum of x) and cx = 8 (sx - dx * the sum of the codes); per 16-block [K / 16]: s16, the
-    sum of the codes (float). BLOCKS 32-blocks a program."""
+def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K, stride_xm, BLOCKS: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Row program_id(1) of x [M, K] -> its row of xq [M, K / 4] (int8 codes, four a word, x's order); per 32-block
+    [M, K / 32]: dx (the scale, max|x| / 127), sx (the sum of x) and cx = 8 (sx - dx * the sum of the codes); per
+    16-block [M, K / 16]: s16, the sum of the codes (float). BLOCKS 32-blocks a program."""
     pdl_begin(PDL)
+    r = tl.program_id(1)
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     b_mask = b < K // 32
     word = b[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]
     pdl_wait(PDL)
-    x = tl.load(x_ptr + word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=b_mask[:, None, None],
-                other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r * stride_xm + word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :],
+                mask=b_mask[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
     v = x * inv[:, None, None]
     q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero, as llama.cpp's roundf
     shifts = 8 * tl.arange(0, 4)
     packed = tl.sum((q & 255) << shifts[None, None, :], axis=2)  # disjoint bytes: the sum is their OR
-    tl.store(xq_ptr + word, packed, mask=b_mask[:, None])
-    tl.store(dx_ptr + b, amax / 127.0, mask=b_mask)
+    tl.store(xq_ptr + r * (K // 4) + word, packed, mask=b_mask[:, None])
+    at = r * (K // 32) + b
+    tl.store(dx_ptr + at, amax / 127.0, mask=b_mask)
     sx = tl.sum(tl.sum(x, axis=2), axis=1)
-    tl.store(sx_ptr + b, sx, mask=b_mask)
-    tl.store(cx_ptr + b, 8.0 * (sx - amax / 127.0 * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32)), mask=b_mask)
+    tl.store(sx_ptr + at, sx, mask=b_mask)
+    tl.store(cx_ptr + at, 8.0 * (sx - amax / 127.0 * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32)), mask=b_mask)
     halves = tl.sum(tl.reshape(tl.sum(q, axis=2), [BLOCKS, 2, 4]), axis=2).to(tl.float32)  # [BLOCKS, 2]
-    tl.store(s16_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=b_mask[:, None])
+    tl.store(s16_ptr + r * (K // 16) + b[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=b_mask[:, None])
 
 
 @_jit
@@ -130,9 +137,58 @@ def _chunk_sums(dots, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
 
 
 @_jit
-def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_words,
-                    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    PDL: tl.constexpr, ASM: tl.constexpr):
+def _q4k_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, r, n_words, j0, x_at, j_mask, lo, hi, g, g_mask, sc, mn, shift,
+                  d, dmin, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """Row r of x times this K step's codes (lo, hi: the low and high nibbles of the code words), scaled per chunk:
+    [BLOCK_N, CHUNKS]. xq's rows are K / 4 = 2 n_words words, dx's, sx's and cx's K / 32 = n_words / 4."""
+    xq = xq_ptr + r * (2 * n_words) + (j0 // 8) * 16 + x_at
+    if EVEN:
+        x_lo = tl.load(xq)
+        x_hi = tl.load(xq + 8)
+    else:
+        x_lo = tl.load(xq, mask=j_mask, other=0)
+        x_hi = tl.load(xq + 8, mask=j_mask, other=0)
+    sum_lo = _chunk_sums(_dp4a(lo, x_lo, 0, ASM), BLOCK_N, CHUNKS)
+    sum_hi = _chunk_sums(_dp4a(hi, x_hi, 0, ASM), BLOCK_N, CHUNKS)
+    at = r * (n_words // 4) + 2 * g
+    dx_lo = tl.load(dx_ptr + at, mask=g_mask, other=0.0)
+    dx_hi = tl.load(dx_ptr + at + 1, mask=g_mask, other=0.0)
+    sx_lo = tl.load(sx_ptr + at, mask=g_mask, other=0.0)
+    sx_hi = tl.load(sx_ptr + at + 1, mask=g_mask, other=0.0)
+    cx_lo = tl.load(cx_ptr + at, mask=g_mask, other=0.0)
+    cx_hi = tl.load(cx_ptr + at + 1, mask=g_mask, other=0.0)
+    part = _byte(sc, shift) * (dx_lo * sum_lo + cx_lo) + _byte(sc, shift + 8) * (dx_hi * sum_hi + cx_hi)
+    offset = _byte(mn, shift) * sx_lo + _byte(mn, shift + 8) * sx_hi
+    return d * part - dmin * offset
+
+
+@_jit
+def _store_row(out_ptr, acc, r, stride_om, b_ptr, rows, offs_n, N, HAS_BIAS: tl.constexpr):
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + r * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@_jit
+def _store_rows(out_ptr, acc0, acc1, acc2, acc3, stride_om, b_ptr, rows, offs_n, N, ROWS: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """Rows 0..ROWS-1 of out from their accumulators ([BLOCK_N, steps' columns], summed across)."""
+    _store_row(out_ptr, acc0, 0, stride_om, b_ptr, rows, offs_n, N, HAS_BIAS)
+    if ROWS > 1:
+        _store_row(out_ptr, acc1, 1, stride_om, b_ptr, rows, offs_n, N, HAS_BIAS)
+    if ROWS > 2:
+        _store_row(out_ptr, acc2, 2, stride_om, b_ptr, rows, offs_n, N, HAS_BIAS)
+    if ROWS > 3:
+        _store_row(out_ptr, acc3, 3, stride_om, b_ptr, rows, offs_n, N, HAS_BIAS)
+
+
+@_jit
+def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_words, stride_om,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """out [ROWS, N] = x W^T, x as quantize_x gives it (ROWS <= MAX_ROWS rows, one accumulator each): the codes
+    and scales of a K step are decoded once for all rows."""
     pdl_begin(PDL)
     CHUNKS: tl.constexpr = BLOCK_J // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,23 +199,16 @@ def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_
     offs_c = tl.arange(0, CHUNKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
     w_next = _code_words(w_rows, 0, offs_j, n_words, EVEN)  # weights only: requested before the wait
     pdl_wait(PDL)
-    acc = tl.zeros([BLOCK_N, CHUNKS], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, CHUNKS], tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
     for j0 in range(0, n_words, BLOCK_J):
         w = w_next
         # The next tile, or at the end this one again (in bounds, never used).
         w_next = _code_words(w_rows, tl.minimum(j0 + BLOCK_J, n_words - BLOCK_J) if EVEN else j0 + BLOCK_J,
                              offs_j, n_words, EVEN)
-        xq = xq_ptr + (j0 // 8) * 16 + x_at
-        if EVEN:
-            x_lo = tl.load(xq)
-            x_hi = tl.load(xq + 8)
-        else:
-            j_mask = j0 + offs_j[None, :] < n_words
-            x_lo = tl.load(xq, mask=j_mask, other=0)
-            x_hi = tl.load(xq + 8, mask=j_mask, other=0)
-        sum_lo = _chunk_sums(_dp4a(w & 0x0F0F0F0F, x_lo, 0, ASM), BLOCK_N, CHUNKS)  # [BLOCK_N, CHUNKS]
-        sum_hi = _chunk_sums(_dp4a((w >> 4) & 0x0F0F0F0F, x_hi, 0, ASM), BLOCK_N, CHUNKS)
-
+        j_mask = j0 + offs_j[None, :] < n_words
+        lo = w & 0x0F0F0F0F
+        hi = (w >> 4) & 0x0F0F0F0F
         g = j0 // 8 + offs_c  # chunk g: super-block g // 4, c = g % 4
         g_mask = g < n_words // 8
         head = w_rows + (g // 4) * 36
@@ -176,19 +225,18 @@ def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_
         sc = tl.where(c < 2, h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030))
         mn = tl.where(c < 2, h2 & 0x3F3F3F3F, ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030))
         shift = 16 * (c % 2)
-        dx_lo = tl.load(dx_ptr + 2 * g, mask=g_mask, other=0.0)
-        dx_hi = tl.load(dx_ptr + 2 * g + 1, mask=g_mask, other=0.0)
-        sx_lo = tl.load(sx_ptr + 2 * g, mask=g_mask, other=0.0)
-        sx_hi = tl.load(sx_ptr + 2 * g + 1, mask=g_mask, other=0.0)
-        cx_lo = tl.load(cx_ptr + 2 * g, mask=g_mask, other=0.0)
-        cx_hi = tl.load(cx_ptr + 2 * g + 1, mask=g_mask, other=0.0)
-        part = _byte(sc, shift) * (dx_lo * sum_lo + cx_lo) + _byte(sc, shift + 8) * (dx_hi * sum_hi + cx_hi)
-        offset = _byte(mn, shift) * sx_lo + _byte(mn, shift + 8) * sx_hi
-        acc += d * part - dmin * offset
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows).to(tl.float32)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+        acc0 += _q4k_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, 0, n_words, j0, x_at, j_mask, lo, hi, g, g_mask, sc,
+                              mn, shift, d, dmin, BLOCK_N, CHUNKS, EVEN, ASM)
+        if ROWS > 1:
+            acc1 += _q4k_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, 1, n_words, j0, x_at, j_mask, lo, hi, g, g_mask,
+                                  sc, mn, shift, d, dmin, BLOCK_N, CHUNKS, EVEN, ASM)
+        if ROWS > 2:
+            acc2 += _q4k_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, 2, n_words, j0, x_at, j_mask, lo, hi, g, g_mask,
+                                  sc, mn, shift, d, dmin, BLOCK_N, CHUNKS, EVEN, ASM)
+        if ROWS > 3:
+            acc3 += _q4k_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, 3, n_words, j0, x_at, j_mask, lo, hi, g, g_mask,
+                                  sc, mn, shift, d, dmin, BLOCK_N, CHUNKS, EVEN, ASM)
+    _store_rows(out_ptr, acc0, acc1, acc2, acc3, stride_om, b_ptr, rows, offs_n, N, ROWS, HAS_BIAS)
 
 
 # 32-blocks of x a program of the quantizing kernel: few, so that even K = 4096 spreads over 32 programs (the
@@ -197,40 +245,49 @@ QUANTIZE_BLOCKS = 4
 
 
 def int8_dot_applies(x: torch.Tensor) -> bool:
-    """Whether q4k_row_into and q6k_row_into take x: one row of half-precision activations."""
+    """Whether gguf_linear_into sends x to these kernels by default: one row of half-precision activations (more
+    rows run them only when given tiles, until whole steps have been measured with them)."""
     return x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def quantize_x(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, ...]:
-    """x [1, K] (K a multiple of 32) -> xq [K / 4] int32, then dx, sx, cx [K / 32] and s16 [K / 16] float32
-    (_quantize_x_kernel): one kernel, one allocation."""
-    k = x.shape[1]
-    buf = torch.empty(k // 4 + 3 * (k // 32) + k // 16, device=x.device, dtype=torch.int32)
-    xq = buf[:k // 4]
-    floats = buf[k // 4:].view(torch.float32)
-    dx, sx, cx = floats[:3 * (k // 32)].view(3, k // 32)
-    s16 = floats[3 * (k // 32):]
-    _quantize_x_kernel[(triton.cdiv(k // 32, QUANTIZE_BLOCKS),)](x, xq, dx, sx, cx, s16, k, BLOCKS=QUANTIZE_BLOCKS,
-                                                                  PDL=pdl, num_warps=4, **launch_options(pdl))
+    """x [M, K] (K a multiple of 32, rows may be strided) -> xq [M, K / 4] int32, then dx, sx, cx [M, K / 32] and
+    s16 [M, K / 16] float32 (_quantize_x_kernel): one kernel, one allocation."""
+    m, k = x.shape
+    buf = torch.empty(m * (k // 4 + 3 * (k // 32) + k // 16), device=x.device, dtype=torch.int32)
+    xq = buf[:m * (k // 4)].view(m, k // 4)
+    floats = buf[m * (k // 4):].view(torch.float32)
+    dx, sx, cx = floats[:3 * m * (k // 32)].view(3, m, k // 32)
+    s16 = floats[3 * m * (k // 32):].view(m, k // 16)
+    _quantize_x_kernel[(triton.cdiv(k // 32, QUANTIZE_BLOCKS), m)](
+        x, xq, dx, sx, cx, s16, k, x.stride(0), BLOCKS=QUANTIZE_BLOCKS, PDL=pdl, num_warps=4, **launch_options(pdl))
     return xq, dx, sx, cx, s16
 
 
-def q4k_row_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                 pdl: bool = False, tiles: RowTiles | None = None) -> None:
-    """out [1, N] = x [1, K] @ W^T (+ bias), W the Q4_K blocks [N, 144 K / 256] uint8; out's columns contiguous."""
+def _row_groups(x: torch.Tensor, out: torch.Tensor):
+    """(x rows, out rows) in groups of at most MAX_ROWS: the kernels keep one accumulator a row."""
+    for r0 in range(0, x.shape[0], MAX_ROWS):
+        yield x[r0:r0 + MAX_ROWS], out[r0:r0 + MAX_ROWS]
+
+
+def q4k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  pdl: bool = False, tiles: Q4kTiles | None = None) -> None:
+    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q4_K blocks [N, 144 K / 256] uint8; out's and x's columns
+    contiguous, their rows may be strided."""
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     (m, k), n = x.shape, blocks.shape[0]
-    assert m == 1 and k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 144 and out.shape == (1, n)
+    assert k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 144 and out.shape == (m, n)
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
-    tiles = tiles or choose_row_tiles(n, k)
-    xq, dx, sx, cx, _ = quantize_x(x, pdl)
+    tiles = tiles or Q4kTiles()
     words = blocks.view(torch.int32)
-    _q4k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
-        xq, dx, sx, cx, words, bias if bias is not None else dx, out, n, k // 8, words.shape[1], BLOCK_N=tiles.block_n,
-        BLOCK_J=tiles.block_j, EVEN=k // 8 % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl,
-        ASM=not KERNELS_INTERPRETED,
-        num_warps=tiles.num_warps, **launch_options(pdl))
+    for xs, outs in _row_groups(x, out):
+        xq, dx, sx, cx, _ = quantize_x(xs, pdl)
+        _q4k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+            xq, dx, sx, cx, words, bias if bias is not None else dx, outs, n, k // 8, words.shape[1],
+            outs.stride(0), ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
+            EVEN=k // 8 % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED,
+            num_warps=tiles.num_warps, **launch_options(pdl))
 
 
 # Q6_K: 256 weights in 210 bytes: ql[128] (low four bits), qh[64] (high two), sixteen int8 scales (one a
@@ -242,7 +299,7 @@ def q4k_row_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | Non
 # of qh, 16 weights, all of one sub-block per quarter. Blocks are 210 bytes, so odd ones are only 2-byte aligned:
 # the words are read as two 16-bit halves.
 @dataclass(frozen=True)
-class Q6kRowTiles:
+class Q6kTiles:
     """A program's share: block_n rows of W, K walked block_j positions (16 weights each) at a time. The default:
     the fastest summed over Llama-3.1-8B's four projections in `benchmarks/kernels/gguf_linear.py --sweep --types
     Q6_K --batches 1` (docs/PERFORMANCE.md, GGUF)."""
@@ -287,10 +344,37 @@ def _q6k_quarter(x_words, q, mask, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @_jit
-def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_halves,
-                    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    PDL: tl.constexpr, ASM: tl.constexpr):
-    """out [N] = W x: W's rows as 16-bit halves at h_ptr and as bytes at b8_ptr (the same memory); x as
+def _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, r, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1, sc2, sc3, at16,
+                  at32, g_mask, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """Row r of x times this K step's four quarters of codes (q0..q3) under their sub-blocks' scales (sc0..sc3):
+    [BLOCK_N, GROUPS], before d. xq's rows are K / 4 = 4 n_pos words, dx's K / 32 = n_pos / 2, s16's n_pos."""
+    xw = xq_ptr + r * (4 * n_pos) + x_words
+    s16_r = s16_ptr + r * n_pos + at16
+    dx_r = dx_ptr + r * (n_pos // 2) + at32
+    part = sc0 * tl.load(dx_r, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw, q0, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r, mask=g_mask, other=0.0))
+    part += sc1 * tl.load(dx_r + 1, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw + 8, q1, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r + 2, mask=g_mask,
+                                                                                     other=0.0))
+    part += sc2 * tl.load(dx_r + 2, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw + 16, q2, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r + 4, mask=g_mask,
+                                                                                      other=0.0))
+    part += sc3 * tl.load(dx_r + 3, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw + 24, q3, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r + 6, mask=g_mask,
+                                                                                      other=0.0))
+    return part
+
+
+@_jit
+def _scale(scale_at, t, g_mask):
+    return tl.load(scale_at + 2 * t, mask=g_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@_jit
+def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_halves, stride_om,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """out [ROWS, N] = x W^T: W's rows as 16-bit halves at h_ptr and as bytes at b8_ptr (the same memory); x as
     quantize_x gives it. A group of 4 positions is one sub-block of each quarter: its dp4a sums take the
     sub-block's scale, and the codes' offset of 32 comes off as 32 times the sub-block's sum of x codes."""
     pdl_begin(PDL)
@@ -306,56 +390,61 @@ def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n
     # (g % 4) // 2, sub-block g % 2 of each quarter
     a_next, b_next, h_next = _q6k_tile(h_rows, 0, offs_j, n_pos, EVEN)
     pdl_wait(PDL)
-    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
     for j0 in range(0, n_pos, BLOCK_J):
         a, b, hb = a_next, b_next, h_next
         a_next, b_next, h_next = _q6k_tile(h_rows, tl.minimum(j0 + BLOCK_J, n_pos - BLOCK_J) if EVEN else
                                            j0 + BLOCK_J, offs_j, n_pos, EVEN)
-        xw = xq_ptr + (j0 // 16) * 64 + x_at
+        x_words = (j0 // 16) * 64 + x_at
         j_mask = j0 + offs_j[None, :] < n_pos
         gg = j0 // 4 + g
         g_mask = gg < n_pos // 4
         sb = gg // 4
         half = (gg % 4) // 2
-        # 16-block of x for quarter t: 16 sb + 8 half + 2 t + g % 2; its 32-block: 8 sb + 4 half + t
+        # x's 16-block for quarter t: 16 sb + 8 half + 2 t + g % 2; its 32-block: 8 sb + 4 half + t
         at16 = 16 * sb + 8 * half + gg % 2
-        scale_at = b_rows + sb * 210 + 192 + 8 * half + gg % 2
+        at32 = 8 * sb + 4 * half
+        scale_at = b_rows + sb * 210 + 192 + 8 * half + gg % 2  # quarter t's int8 scale at + 2t
         d = tl.load((b_rows + sb * 210 + 208).to(tl.pointer_type(tl.float16)), mask=g_mask, other=0.0).to(tl.float32)
-        part = tl.zeros([BLOCK_N, GROUPS], tl.float32)
-        for t in tl.static_range(4):
-            if t == 0:
-                q = (a & 0x0F0F0F0F) | ((hb << 4) & 0x30303030)
-            elif t == 1:
-                q = (b & 0x0F0F0F0F) | ((hb << 2) & 0x30303030)
-            elif t == 2:
-                q = ((a >> 4) & 0x0F0F0F0F) | (hb & 0x30303030)
-            else:
-                q = ((b >> 4) & 0x0F0F0F0F) | ((hb >> 2) & 0x30303030)
-            dots = _q6k_quarter(xw + 8 * t, q, j_mask, GROUPS, BLOCK_N, EVEN, ASM)
-            s16 = tl.load(s16_ptr + at16 + 2 * t, mask=g_mask, other=0.0)
-            dx = tl.load(dx_ptr + 8 * sb + 4 * half + t, mask=g_mask, other=0.0)
-            sc = tl.load(scale_at + 2 * t, mask=g_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            part += sc * dx * (dots - 32.0 * s16)
-        acc += d * part
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows).to(tl.float32)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+        q0 = (a & 0x0F0F0F0F) | ((hb << 4) & 0x30303030)
+        q1 = (b & 0x0F0F0F0F) | ((hb << 2) & 0x30303030)
+        q2 = ((a >> 4) & 0x0F0F0F0F) | (hb & 0x30303030)
+        q3 = ((b >> 4) & 0x0F0F0F0F) | ((hb >> 2) & 0x30303030)
+        sc0 = _scale(scale_at, 0, g_mask)
+        sc1 = _scale(scale_at, 1, g_mask)
+        sc2 = _scale(scale_at, 2, g_mask)
+        sc3 = _scale(scale_at, 3, g_mask)
+        acc0 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 0, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1, sc2,
+                                  sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+        if ROWS > 1:
+            acc1 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 1, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1,
+                                      sc2, sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+        if ROWS > 2:
+            acc2 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 2, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1,
+                                      sc2, sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+        if ROWS > 3:
+            acc3 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 3, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1,
+                                      sc2, sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+    _store_rows(out_ptr, acc0, acc1, acc2, acc3, stride_om, b_ptr, rows, offs_n, N, ROWS, HAS_BIAS)
 
 
-def q6k_row_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                 pdl: bool = False, tiles: Q6kRowTiles | None = None) -> None:
-    """out [1, N] = x [1, K] @ W^T (+ bias), W the Q6_K blocks [N, 210 K / 256] uint8; out's columns contiguous."""
+def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  pdl: bool = False, tiles: Q6kTiles | None = None) -> None:
+    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q6_K blocks [N, 210 K / 256] uint8; out's and x's columns
+    contiguous, their rows may be strided."""
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     (m, k), n = x.shape, blocks.shape[0]
-    assert m == 1 and k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 210 and out.shape == (1, n)
+    assert k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 210 and out.shape == (m, n)
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
-    tiles = tiles or Q6kRowTiles()
-    xq, dx, _, _, s16 = quantize_x(x, pdl)
+    tiles = tiles or Q6kTiles()
     halves = blocks.view(torch.int16)
     n_pos = k // 16
-    _q6k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
-        xq, dx, s16, halves, blocks, bias if bias is not None else dx, out, n, n_pos, halves.shape[1],
-        BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, EVEN=n_pos % tiles.block_j == 0, HAS_BIAS=bias is not None,
-        PDL=pdl, ASM=not KERNELS_INTERPRETED, num_warps=tiles.num_warps, **launch_options(pdl))
+    for xs, outs in _row_groups(x, out):
+        xq, dx, _, _, s16 = quantize_x(xs, pdl)
+        _q6k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+            xq, dx, s16, halves, blocks, bias if bias is not None else dx, outs, n, n_pos, halves.shape[1],
+            outs.stride(0), ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
+            EVEN=n_pos % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED,
+            num_warps=tiles.num_warps, **launch_options(pdl))
