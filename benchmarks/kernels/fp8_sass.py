@@ -1,6 +1,6 @@
 """What the few-rows GEMVs compile to on sm_90, without a GPU: registers, shared memory, and the innermost loop's
 SASS (instructions a thread a weight byte, and the opcode mix), for the first FP8 GEMV (kernels/fp8_gemv.py), the
-streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and the GGUF Q4_K / Q6_K integer-dot
+streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and the GGUF Q4_K / Q6_K / Q8_0 integer-dot
 GEMVs (kernels/gguf_int8_dot.py; code bytes only, not their headers and scales) at the 8B's one-row tiles.
 
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
@@ -93,6 +93,8 @@ GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*b
 Q4K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*i32",
            "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_words": "i32", "row_words": "i32",
            "stride_om": "i32"}
+Q8_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "h_ptr": "*i16", "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
+          "n_words": "i32", "row_halves": "i32", "stride_om": "i32"}
 Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "h_ptr": "*i16", "b8_ptr": "*u8",
            "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_pos": "i32", "row_halves": "i32",
            "stride_om": "i32"}
@@ -132,6 +134,11 @@ def main() -> None:
         gguf_int8_dot._q6k_row_kernel, Q6K_SIG, dict(ROWS=1, BLOCK_N=q6k.block_n, BLOCK_J=q6k.block_j, EVEN=True,
                                                       HAS_BIAS=False, PDL=True, ASM=True), num_warps=q6k.num_warps),
         q6k.block_n * q6k.block_j * 12, 32 * q6k.num_warps, out_dir)
+    q8 = gguf_int8_dot.Q8Tiles()
+    report(f"GGUF Q8_0 int8 dot {q8.block_n}x{q8.block_j} words", _compile(
+        gguf_int8_dot._q80_row_kernel, Q8_SIG, dict(ROWS=1, BLOCK_N=q8.block_n, BLOCK_J=q8.block_j, EVEN=True,
+                                                     HAS_BIAS=False, PDL=True, ASM=True), num_warps=q8.num_warps),
+        q8.block_n * q8.block_j * 4, 32 * q8.num_warps, out_dir)
     print(f"(files in {out_dir})")
 
 

@@ -6,7 +6,8 @@ Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to 
 Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). The rows "TYPE" take
 gguf_linear_into's default path; beside them, above GEMV_MAX_ROWS "TYPE fused" (the tensor-core GEMM that decodes
 in the kernel, where the default is dense slices and cuBLAS), and for Q4_K / Q6_K "TYPE decoded to fp32" at one row
-(the default there: integer dot products) and "TYPE int8 dot" at 2-8 rows (not the default there yet).
+(the default there: integer dot products) and "TYPE int8 dot" at 2-8 rows, and for Q8_0 at 1-8 rows (not the
+default there yet).
 --sweep instead times each candidate tile setting over the four projections and prints, per type and batch, the
 settings by total time beside the default path's own: the table choose_tiles and the int8-dot tiles are read off.
 
@@ -30,10 +31,10 @@ from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
-from ostinato.kernels.gguf_int8_dot import Q4kTiles, Q6kTiles, int8_dot_applies  # noqa: E402
-from ostinato.kernels.gguf_linear import Q4_K, Q6_K  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES, Q4kTiles, Q6kTiles, Q8Tiles, int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
 
-INT8_TILES = {Q4_K: Q4kTiles(), Q6_K: Q6kTiles()}  # the integer-dot kernels' default tiles
+INT8_TILES = {Q4_K: Q4kTiles(), Q6_K: Q6kTiles(), Q8_0: Q8Tiles()}  # the integer-dot kernels' default tiles
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFLinear  # noqa: E402
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
@@ -78,9 +79,9 @@ def main() -> int:
                 own = choose_tiles(qtype, m, n, k)
                 if m > GEMV_MAX_ROWS:
                     rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " fused"))
-                elif qtype in INT8_TILES and int8_dot_applies(x):
+                elif qtype in INT8_DOT_TYPES and int8_dot_applies(x):
                     rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " decoded to fp32"))
-                elif qtype in INT8_TILES:  # more rows: the integer-dot kernels, not (yet) the default there
+                elif qtype in INT8_TILES:  # the integer-dot kernels where they are not (yet) the default
                     rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, INT8_TILES[qtype], " int8 dot"))
     print("| projection | rows | type | us | GB/s | of HBM | rel. error |")
     print("|---|---:|---|---:|---:|---:|---:|")
@@ -96,7 +97,7 @@ def main() -> int:
 def _tiles_row(name, m, type_name, layers, x, ref, pdl, tiles, what) -> dict:
     """A kernel at given tiles beside the default path: above GEMV_MAX_ROWS the tensor-core GEMM that decodes
     inside the kernel (the default: dense slices); at one Q4_K or Q6_K row the GEMV that decodes each weight to
-    fp32 (the default: integer dot products); at 2-8 rows of those types the integer-dot kernels."""
+    fp32 (the default: integer dot products); where they are not the default, the integer-dot kernels."""
     n = layers[0].out_features
     out = torch.empty(m, n, device="cuda", dtype=x.dtype)
     gguf_linear_into(x, layers[0].blocks, layers[0].qtype, None, out, pdl, tiles)
@@ -119,6 +120,8 @@ def candidates(qtype: int, m: int) -> list[GGUFTiles]:
         out += [Q4kTiles(bn, bj) for bn in (2, 4, 8) for bj in (128, 256)]
     if 1 < m <= GEMV_MAX_ROWS and qtype == Q6_K:
         out += [Q6kTiles(bn, bj) for bn in (1, 2, 4) for bj in (32, 64)]
+    if m <= GEMV_MAX_ROWS and qtype == Q8_0:
+        out += [Q8Tiles(bn, bj) for bn in (2, 4, 8) for bj in (64, 128, 256)]
     if m == 1:
         out += [GGUFTiles(1, bn, step // group_k, warps) for bn in (2, 4, 8) for step in (1024, 2048)
                 for warps in (4, 8)]

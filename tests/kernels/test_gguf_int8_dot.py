@@ -11,8 +11,9 @@ import torch
 gguf_quants = pytest.importorskip("gguf.quants")
 pytest.importorskip("triton")
 
-from ostinato.kernels.gguf_int8_dot import Q6kTiles, Q4kTiles, q4k_rows_into, q6k_rows_into, quantize_x  # noqa: E402
-from ostinato.kernels.gguf_linear import Q4_K, Q6_K  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import (Q4kTiles, Q6kTiles, Q8Tiles, q4k_rows_into, q6k_rows_into,  # noqa: E402
+                                            q80_rows_into, quantize_x)
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,6 +60,11 @@ def _q4k_formula(x: torch.Tensor, blocks: np.ndarray, n: int, k: int) -> np.ndar
 def _q6k_formula(x: torch.Tensor, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
     """Q6_K's weights are d * sc * (q - 32), no offset term: W times x as quantize_x rounds it."""
     return _rounded_x(x) @ gguf_quants.dequantize(blocks, Q6_K).astype(np.float64).T
+
+
+def _q80_formula(x: torch.Tensor, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Q8_0's weights are d * q: W times x as quantize_x rounds it."""
+    return _rounded_x(x) @ gguf_quants.dequantize(blocks, Q8_0).astype(np.float64).T
 
 
 def _x(m: int, k: int, seed: int) -> torch.Tensor:
@@ -123,6 +129,16 @@ def test_q4k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
 def test_q6k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     """Odd super-blocks sit at 2-byte aligned offsets, so N and K here include odd ones."""
     _run(q6k_rows_into, "Q6_K", _q6k_formula, m, n, k, tiles, bias)
+
+
+@pytest.mark.parametrize("m,n,k,tiles", [(1, 13, 352, Q8Tiles(4, 32)),  # K ragged: 11 blocks, odd ones 2-aligned
+                                         (1, 3, 256, Q8Tiles(8, 64)),  # more rows of W a program than N
+                                         (1, 9, 512, Q8Tiles(4, 64)),  # the K step divides K: no masks
+                                         (3, 13, 352, Q8Tiles(4, 32)),  # three accumulators
+                                         (5, 9, 512, Q8Tiles(2, 128))])  # two groups of rows: 4, then 1
+@pytest.mark.parametrize("bias", [False, True])
+def test_q80_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
+    _run(q80_rows_into, "Q8_0", _q80_formula, m, n, k, tiles, bias)
 
 
 def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():

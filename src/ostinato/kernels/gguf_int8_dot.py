@@ -1,5 +1,5 @@
 """Activations times Q4_K or Q6_K blocks as integer dot products: the batch-1 decode's GGUF projections (Q4_K_M
-files are these two types), and, given tiles, a few rows.
+files are these two types), and, given tiles, a few rows, and Q8_0 blocks.
 
 Why: a 4-bit weight is a quarter of a bf16 one, so at the bandwidth floor a GEMV must finish each weight in about
 five thread instructions (H100: ~3 TB/s of HBM, 2 Q4_K weights a byte, 128 instructions a clock per SM). Decoding
@@ -85,6 +85,19 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @_jit
+def _dp4a_signed(a, b, c, ASM: tl.constexpr):
+    """c + the dot product of a's four signed bytes with b's four signed ones (int32 words)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        acc = c
+        for j in tl.static_range(4):
+            acc += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+        return acc
+
+
+@_jit
 def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K, stride_xm, BLOCKS: tl.constexpr,
                        PDL: tl.constexpr):
     """Row program_id(1) of x [M, K] -> its row of xq [M, K / 4] (int8 codes, four a word, x's order); per 32-block
@@ -163,6 +176,15 @@ def _q4k_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, r, n_words, j0, x_at, j_mask, 
 
 
 @_jit
+def _program_rows(w_ptr, row_len, N, BLOCK_N: tl.constexpr):
+    """This program's rows of W: their output columns, the rows read (past N the last one, read and never
+    stored) and pointers to them, [BLOCK_N, 1] (row_len: a row's length in w_ptr's elements)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)
+    return offs_n, rows, w_ptr + rows.to(tl.int64)[:, None] * row_len
+
+
+@_jit
 def _store_row(out_ptr, acc, r, stride_om, b_ptr, rows, offs_n, N, HAS_BIAS: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -191,9 +213,7 @@ def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_
     and scales of a K step are decoded once for all rows."""
     pdl_begin(PDL)
     CHUNKS: tl.constexpr = BLOCK_J // 8
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)  # rows past N read the last row, never stored
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * row_words  # [BLOCK_N, 1]
+    offs_n, rows, w_rows = _program_rows(w_ptr, row_words, N, BLOCK_N)
     offs_j = tl.arange(0, BLOCK_J)
     x_at = ((offs_j // 8) * 16 + offs_j % 8)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # rows alike
     offs_c = tl.arange(0, CHUNKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
@@ -310,7 +330,7 @@ class Q6kTiles:
 
 
 @_jit
-def _q6k_word(h_rows, at, mask, EVEN: tl.constexpr):
+def _word_at_halves(h_rows, at, mask, EVEN: tl.constexpr):
     """The 32-bit word at 16-bit half `at` of each row (2-byte aligned): two loads, one word."""
     if EVEN:
         lo = tl.load(h_rows + at)
@@ -326,8 +346,8 @@ def _q6k_tile(h_rows, j0, offs_j, n_pos, EVEN: tl.constexpr):
     """Positions j0 + offs_j of each row: (ql word w of half h, ql word w + 8, qh word w), [BLOCK_N, BLOCK_J]."""
     at = (j0 // 16) * 105 + ((offs_j // 16) * 105 + ((offs_j % 16) // 8) * 32 + (offs_j % 8) * 2)[None, :]
     mask = (j0 + offs_j < n_pos)[None, :]
-    return _q6k_word(h_rows, at, mask, EVEN), _q6k_word(h_rows, at + 16, mask, EVEN), \
-        _q6k_word(h_rows, at + 64 - ((offs_j % 16) // 8)[None, :] * 16, mask, EVEN)
+    return _word_at_halves(h_rows, at, mask, EVEN), _word_at_halves(h_rows, at + 16, mask, EVEN), \
+        _word_at_halves(h_rows, at + 64 - ((offs_j % 16) // 8)[None, :] * 16, mask, EVEN)
 
 
 @_jit
@@ -379,9 +399,7 @@ def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n
     sub-block's scale, and the codes' offset of 32 comes off as 32 times the sub-block's sum of x codes."""
     pdl_begin(PDL)
     GROUPS: tl.constexpr = BLOCK_J // 4
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)  # rows past N read the last row, never stored
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * row_halves  # [BLOCK_N, 1]
+    offs_n, rows, h_rows = _program_rows(h_ptr, row_halves, N, BLOCK_N)
     b_rows = b8_ptr + rows.to(tl.int64)[:, None] * (2 * row_halves)
     offs_j = tl.arange(0, BLOCK_J)
     # x's word for quarter 0 of position j: super-block j // 16 (64 words), half (32), word j % 8 (+ 8 a quarter)
@@ -448,3 +466,88 @@ def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
             outs.stride(0), ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
             EVEN=n_pos % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED,
             num_warps=tiles.num_warps, **launch_options(pdl))
+
+
+# Q8_0: 32 weights in 34 bytes, an fp16 scale d then 32 int8 codes: w = d * q. The codes meet x's in x's own order
+# (word w of block b is x's word 8b + w), signed by signed; a block's 8 dp4a sums take d * dx once. Blocks are 34
+# bytes, so the words are read as 16-bit halves (half 17b is d, halves 17b + 1.. the codes). Not the default path
+# of any row count yet (gguf_gemv: only given Q8Tiles), until whole steps have timed it.
+@dataclass(frozen=True)
+class Q8Tiles:
+    """A program's share: block_n rows of W, K walked block_j code words (4 weights each) at a time."""
+
+    block_n: int = 4
+    block_j: int = 128
+    num_warps: int = 4
+
+
+@_jit
+def _q80_part(xq_ptr, dx_ptr, r, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N: tl.constexpr,
+              BLOCKS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """Row r of x times this K step's codes w, each block's sum scaled by d * dx: [BLOCK_N, BLOCKS]. xq's rows
+    are n_words words, dx's n_words / 8."""
+    x_words = xq_ptr + r * n_words + j0 + offs_j[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # rows alike
+    if EVEN:
+        xw = tl.load(x_words)
+    else:
+        xw = tl.load(x_words, mask=j_mask, other=0)
+    sums = tl.sum(tl.reshape(_dp4a_signed(w, xw, 0, ASM), [BLOCK_N, BLOCKS, 8]), axis=2).to(tl.float32)
+    return dw * tl.load(dx_ptr + r * (n_words // 8) + blk, mask=g_mask, other=0.0) * sums
+
+
+@_jit
+def _q80_row_kernel(xq_ptr, dx_ptr, h_ptr, b_ptr, out_ptr, N, n_words, row_halves, stride_om,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """out [ROWS, N] = x W^T, W's rows as 16-bit halves at h_ptr, x as quantize_x gives it."""
+    pdl_begin(PDL)
+    BLOCKS: tl.constexpr = BLOCK_J // 8
+    offs_n, rows, h_rows = _program_rows(h_ptr, row_halves, N, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_J)
+    code_at = ((offs_j // 8) * 17 + 1 + (offs_j % 8) * 2)[None, :]  # a word's first half, from its step's block
+    offs_b = tl.arange(0, BLOCKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+    w_next = _word_at_halves(h_rows, code_at, (offs_j < n_words)[None, :], EVEN)
+    pdl_wait(PDL)
+    acc0 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    for j0 in range(0, n_words, BLOCK_J):
+        w = w_next
+        nxt = tl.minimum(j0 + BLOCK_J, n_words - BLOCK_J) if EVEN else j0 + BLOCK_J
+        w_next = _word_at_halves(h_rows, (nxt // 8) * 17 + code_at, (nxt + offs_j < n_words)[None, :], EVEN)
+        j_mask = j0 + offs_j[None, :] < n_words
+        blk = j0 // 8 + offs_b
+        g_mask = blk < n_words // 8
+        dw = tl.load(h_rows + blk * 17, mask=g_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        acc0 += _q80_part(xq_ptr, dx_ptr, 0, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                          EVEN, ASM)
+        if ROWS > 1:
+            acc1 += _q80_part(xq_ptr, dx_ptr, 1, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                              EVEN, ASM)
+        if ROWS > 2:
+            acc2 += _q80_part(xq_ptr, dx_ptr, 2, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                              EVEN, ASM)
+        if ROWS > 3:
+            acc3 += _q80_part(xq_ptr, dx_ptr, 3, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                              EVEN, ASM)
+    _store_rows(out_ptr, acc0, acc1, acc2, acc3, stride_om, b_ptr, rows, offs_n, N, ROWS, HAS_BIAS)
+
+
+def q80_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  pdl: bool = False, tiles: Q8Tiles | None = None) -> None:
+    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q8_0 blocks [N, 34 K / 32] uint8; out's and x's columns
+    contiguous, their rows may be strided."""
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED
+
+    (m, k), n = x.shape, blocks.shape[0]
+    assert k % 32 == 0 and blocks.shape[1] == k // 32 * 34 and out.shape == (m, n)
+    assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
+    tiles = tiles or Q8Tiles()
+    halves = blocks.view(torch.int16)
+    n_words = k // 4
+    for xs, outs in _row_groups(x, out):
+        xq, dx, *_ = quantize_x(xs, pdl)
+        _q80_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+            xq, dx, halves, bias if bias is not None else dx, outs, n, n_words, halves.shape[1], outs.stride(0),
+            ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, EVEN=n_words % tiles.block_j == 0,
+            HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED, num_warps=tiles.num_warps,
+            **launch_options(pdl))
