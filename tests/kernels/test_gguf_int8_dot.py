@@ -108,35 +108,33 @@ def _run(kernel, qtype_name, formula, m, n, k, tiles, bias):
     assert not got[:, :2].any() and not got[:, 2 + n:].any()  # nothing written outside its columns
 
 
-@pytest.mark.parametrize("m,n,k,tiles", [(1, 13, 768, Q4kTiles(8, 64)),  # N ragged, K not a multiple of the K step
-                                         (1, 13, 768, Q4kTiles(4, 32)),  # K steps of exactly one super-block
-                                         (1, 3, 512, Q4kTiles(8, 64)),  # more rows of W a program than N
-                                         (1, 9, 1024, Q4kTiles(4, 128)),  # the K step divides K: no masks
-                                         (3, 13, 768, Q4kTiles(4, 64)),  # three accumulators
-                                         (6, 9, 1024, Q4kTiles(4, 128))])  # two groups of rows: 4, then 2
-@pytest.mark.parametrize("bias", [False, True])
+# (rows of x, N, K, tiles, bias)
+@pytest.mark.parametrize("m,n,k,tiles,bias", [(1, 13, 768, Q4kTiles(8, 64), True),  # N ragged, K not a K step multiple
+                                              (1, 13, 768, Q4kTiles(4, 32), False),  # K steps of one super-block
+                                              (1, 3, 512, Q4kTiles(8, 64), False),  # more rows of W a program than N
+                                              (1, 9, 1024, Q4kTiles(4, 128), True),  # the K step divides K: no masks
+                                              (3, 13, 768, Q4kTiles(4, 64), True),  # three accumulators
+                                              (6, 9, 1024, Q4kTiles(4, 128), False)])  # two groups of rows: 4, then 2
 def test_q4k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     _run(q4k_rows_into, "Q4_K", _q4k_formula, m, n, k, tiles, bias)
 
 
-@pytest.mark.parametrize("m,n,k,tiles", [(1, 13, 768, Q6kTiles(4, 32)),  # N ragged, K not a multiple of the K step
-                                         (1, 13, 768, Q6kTiles(8, 16)),  # K steps of one super-block
-                                         (1, 5, 512, Q6kTiles(8, 32)),  # more rows of W a program than N
-                                         (1, 9, 1024, Q6kTiles(4, 64)),  # the K step divides K: no masks
-                                         (2, 13, 768, Q6kTiles(2, 32)),  # two accumulators
-                                         (5, 9, 1024, Q6kTiles(4, 64))])  # two groups of rows: 4, then 1
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,tiles,bias", [(1, 13, 768, Q6kTiles(4, 32), True),  # N ragged, K not a K step multiple
+                                              (1, 13, 768, Q6kTiles(8, 16), False),  # K steps of one super-block
+                                              (1, 5, 512, Q6kTiles(8, 32), False),  # more rows of W a program than N
+                                              (1, 9, 1024, Q6kTiles(4, 64), True),  # the K step divides K: no masks
+                                              (2, 13, 768, Q6kTiles(2, 32), True),  # two accumulators
+                                              (5, 9, 1024, Q6kTiles(4, 64), False)])  # two groups of rows: 4, then 1
 def test_q6k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     """Odd super-blocks sit at 2-byte aligned offsets, so N and K here include odd ones."""
     _run(q6k_rows_into, "Q6_K", _q6k_formula, m, n, k, tiles, bias)
 
 
-@pytest.mark.parametrize("m,n,k,tiles", [(1, 13, 352, Q8Tiles(4, 32)),  # K ragged: 11 blocks, odd ones 2-aligned
-                                         (1, 3, 256, Q8Tiles(8, 64)),  # more rows of W a program than N
-                                         (1, 9, 512, Q8Tiles(4, 64)),  # the K step divides K: no masks
-                                         (3, 13, 352, Q8Tiles(4, 32)),  # three accumulators
-                                         (5, 9, 512, Q8Tiles(2, 128))])  # two groups of rows: 4, then 1
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,tiles,bias", [(1, 13, 352, Q8Tiles(4, 32), True),  # K: 11 blocks, odd ones 2-aligned
+                                              (1, 3, 256, Q8Tiles(8, 64), False),  # more rows of W a program than N
+                                              (1, 9, 512, Q8Tiles(4, 64), True),  # the K step divides K: no masks
+                                              (3, 13, 352, Q8Tiles(4, 32), False),  # three accumulators
+                                              (5, 9, 512, Q8Tiles(2, 128), True)])  # two groups of rows: 4, then 1
 def test_q80_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     _run(q80_rows_into, "Q8_0", _q80_formula, m, n, k, tiles, bias)
 
