@@ -31,7 +31,8 @@ from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
-from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES, Q4kTiles, Q6kTiles, Q8Tiles, int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES, Q4kTiles, int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
 
 INT8_TILES = {Q4_K: Q4kTiles(), Q6_K: Q6kTiles(), Q8_0: Q8Tiles()}  # the integer-dot kernels' default tiles

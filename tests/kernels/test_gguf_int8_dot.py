@@ -1,8 +1,8 @@
-"""The Q4_K and Q6_K kernels with int8 activations (kernels/gguf_int8_dot.py), on the GPU where there is one,
-else under the Triton interpreter: the quantized activations equal a numpy float32 quantizer (bit for bit in the
-interpreter; the GPU's fast division may move a value sitting on a rounding tie by one code), the kernel equals a
-float64 evaluation of its own formula on its own quantized activations, and against the gguf library's
-dequantize-then-matmul it is off by what rounding the activations to int8 costs, no more."""
+"""The Q4_K, Q6_K and Q8_0 kernels with int8 activations (kernels/gguf_int8_dot.py, gguf_int8_halves.py), on the GPU
+where there is one, else under the Triton interpreter: the quantized activations equal a numpy float32 quantizer
+(bit for bit in the interpreter; the GPU's fast division may move a value sitting on a rounding tie by one code),
+the kernel equals a float64 evaluation of its own formula on its own quantized activations, and against the gguf
+library's dequantize-then-matmul it is off by what rounding the activations to int8 costs, no more."""
 
 import numpy as np
 import pytest
@@ -11,8 +11,8 @@ import torch
 gguf_quants = pytest.importorskip("gguf.quants")
 pytest.importorskip("triton")
 
-from ostinato.kernels.gguf_int8_dot import (Q4kTiles, Q6kTiles, Q8Tiles, q4k_rows_into, q6k_rows_into,  # noqa: E402
-                                            q80_rows_into, quantize_x)
+from ostinato.kernels.gguf_int8_dot import Q4kTiles, q4k_rows_into, quantize_x  # noqa: E402
+from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 

@@ -16,12 +16,12 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)
     split       5-16 rows (up to 64 where N <= 3072), per-row scales, bf16, and where FP8_MEASURED names
-                SplitTiles: the split GEMM
-                (kernels/split_gemm.py), W8A16 with the weight on the MMA's wide side and K split to fill the
-                GPU in one wave, no activation quantization
+                SplitTiles: the split GEMM (kernels/split_gemm.py), W8A16 with the weight on the MMA's wide
+                side and K split to fill the GPU in one wave, no activation quantization
     mma         5 or more rows with block scales, on CUDA: the Triton W8A16 tensor-core kernel (kernels/fp8_mma.py)
-    scaled_mm   above 16 rows (64 where N <= 3072), per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
-                activations quantized per token, each row with its own scale, by one kernel (kernels/fp8_mma.py)
+    scaled_mm   above 16 rows (64 where N <= 3072), per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor
+                cores) with the activations quantized per token, each row with its own scale, by one kernel
+                (kernels/fp8_mma.py)
     dequantize  everything else (CPU, fp32 activations, shapes _scaled_mm refuses): the
                 weight dequantized to the activation dtype for this call only, then a dense matmul. It keeps
                 no dense copy, so memory stays the FP8 bytes; it is the reference path on CPU.

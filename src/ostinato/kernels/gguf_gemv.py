@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import (Q4kTiles, Q6kTiles, Q8Tiles, int8_dot_applies, q4k_rows_into,
-                                            q6k_rows_into, q80_rows_into)
+from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies, q4k_rows_into
+from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
@@ -301,10 +301,10 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
                      out: torch.Tensor, pdl: bool = False, tiles: GivenTiles | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
     slice of a wider tensor (its rows strided, its columns contiguous). One row of half-precision x times Q4_K
-    or Q6_K blocks: integer dot products (kernels/gguf_int8_dot.py); otherwise up to GEMV_MAX_ROWS rows one
-    kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0. tiles: the default
-    path's unless given (the benchmark's sweep: Q4kTiles / Q6kTiles / Q8Tiles run the integer-dot kernels at any
-    row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""
+    or Q6_K blocks: integer dot products (kernels/gguf_int8_dot.py, gguf_int8_halves.py); otherwise up to
+    GEMV_MAX_ROWS rows one kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0.
+    tiles: the default path's unless given (the benchmark's sweep: Q4kTiles / Q6kTiles / Q8Tiles run the
+    integer-dot kernels at any row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""
     m, k = x.shape
     n = blocks.shape[0]
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.shape == (m, n) and out.stride(-1) == 1

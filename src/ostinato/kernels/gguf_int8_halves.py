@@ -1,0 +1,260 @@
+"""Activations times Q6_K or Q8_0 blocks as integer dot products: the two GGUF types whose blocks (210 and 34
+bytes) leave every other block only 2-byte aligned, so their code words are read as two 16-bit halves. The
+quantized activations, the dp4a and the row handling are kernels/gguf_int8_dot.py's (its docstring says why and
+how). Q4_K_M files mix Q6_K in: its kernel is the default at one row; Q8_0's runs only when given tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.kernels.gguf_int8_dot import (SUPER_BLOCK, dp4a, dp4a_signed, program_rows, quantize_x, row_groups,
+                                            store_rows)
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+
+
+# Q6_K: 256 weights in 210 bytes: ql[128] (low four bits), qh[64] (high two), sixteen int8 scales (one a
+# 16-weight sub-block), d. Half h of a super-block is weights 128h..: for l in 0..31, ql byte 64h + l holds
+# quarter 0's weight l (low nibble) and quarter 2's (high), ql byte 64h + 32 + l quarters 1 and 3, and qh byte
+# 32h + l the top two bits of all four (bits 2t, 2t + 1 for quarter t); quarter t's weight l has scale
+# 8h + 2t + l // 16. A word of four ql bytes thus makes four weights of two quarters, contiguous in K, and one
+# qh word completes four of each quarter: a *position* (h, w) of a super-block is words w of ql's two halves and
+# of qh, 16 weights, all of one sub-block per quarter. Blocks are 210 bytes, so odd ones are only 2-byte aligned:
+# the words are read as two 16-bit halves.
+@dataclass(frozen=True)
+class Q6kTiles:
+    """A program's share: block_n rows of W, K walked block_j positions (16 weights each) at a time. The default:
+    the fastest summed over Llama-3.1-8B's four projections in `benchmarks/kernels/gguf_linear.py --sweep --types
+    Q6_K --batches 1` (docs/PERFORMANCE.md, GGUF)."""
+
+    block_n: int = 2
+    block_j: int = 64
+    num_warps: int = 4
+
+
+@_jit
+def _word_at_halves(h_rows, at, mask, EVEN: tl.constexpr):
+    """The 32-bit word at 16-bit half `at` of each row (2-byte aligned): two loads, one word."""
+    if EVEN:
+        lo = tl.load(h_rows + at)
+        hi = tl.load(h_rows + at + 1)
+    else:
+        lo = tl.load(h_rows + at, mask=mask, other=0)
+        hi = tl.load(h_rows + at + 1, mask=mask, other=0)
+    return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+
+
+@_jit
+def _q6k_tile(h_rows, j0, offs_j, n_pos, EVEN: tl.constexpr):
+    """Positions j0 + offs_j of each row: (ql word w of half h, ql word w + 8, qh word w), [BLOCK_N, BLOCK_J]."""
+    at = (j0 // 16) * 105 + ((offs_j // 16) * 105 + ((offs_j % 16) // 8) * 32 + (offs_j % 8) * 2)[None, :]
+    mask = (j0 + offs_j < n_pos)[None, :]
+    return _word_at_halves(h_rows, at, mask, EVEN), _word_at_halves(h_rows, at + 16, mask, EVEN), \
+        _word_at_halves(h_rows, at + 64 - ((offs_j % 16) // 8)[None, :] * 16, mask, EVEN)
+
+
+@_jit
+def _q6k_quarter(x_words, q, mask, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Quarter codes q (0..63, four a word) times x's words at x_words, summed over each 4 positions (a
+    sub-block): [BLOCK_N, GROUPS]."""
+    if EVEN:
+        xw = tl.load(x_words)
+    else:
+        xw = tl.load(x_words, mask=mask, other=0)
+    dots = dp4a(q, xw, 0, ASM)
+    return tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, 4]), axis=2).to(tl.float32)
+
+
+@_jit
+def _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, r, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1, sc2, sc3, at16,
+                  at32, g_mask, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """Row r of x times this K step's four quarters of codes (q0..q3) under their sub-blocks' scales (sc0..sc3):
+    [BLOCK_N, GROUPS], before d. xq's rows are K / 4 = 4 n_pos words, dx's K / 32 = n_pos / 2, s16's n_pos."""
+    xw = xq_ptr + r * (4 * n_pos) + x_words
+    s16_r = s16_ptr + r * n_pos + at16
+    dx_r = dx_ptr + r * (n_pos // 2) + at32
+    part = sc0 * tl.load(dx_r, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw, q0, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r, mask=g_mask, other=0.0))
+    part += sc1 * tl.load(dx_r + 1, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw + 8, q1, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r + 2, mask=g_mask,
+                                                                                     other=0.0))
+    part += sc2 * tl.load(dx_r + 2, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw + 16, q2, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r + 4, mask=g_mask,
+                                                                                      other=0.0))
+    part += sc3 * tl.load(dx_r + 3, mask=g_mask, other=0.0) * (
+        _q6k_quarter(xw + 24, q3, j_mask, GROUPS, BLOCK_N, EVEN, ASM) - 32.0 * tl.load(s16_r + 6, mask=g_mask,
+                                                                                      other=0.0))
+    return part
+
+
+@_jit
+def _scale(scale_at, t, g_mask):
+    return tl.load(scale_at + 2 * t, mask=g_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@_jit
+def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_halves, stride_om,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """out [ROWS, N] = x W^T: W's rows as 16-bit halves at h_ptr and as bytes at b8_ptr (the same memory); x as
+    quantize_x gives it. A group of 4 positions is one sub-block of each quarter: its dp4a sums take the
+    sub-block's scale, and the codes' offset of 32 comes off as 32 times the sub-block's sum of x codes."""
+    pdl_begin(PDL)
+    GROUPS: tl.constexpr = BLOCK_J // 4
+    offs_n, rows, h_rows = program_rows(h_ptr, row_halves, N, BLOCK_N)
+    b_rows = b8_ptr + rows.to(tl.int64)[:, None] * (2 * row_halves)
+    offs_j = tl.arange(0, BLOCK_J)
+    # x's word for quarter 0 of position j: super-block j // 16 (64 words), half (32), word j % 8 (+ 8 a quarter)
+    x_at = ((offs_j // 16) * 64 + ((offs_j % 16) // 8) * 32 + offs_j % 8)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+    g = tl.arange(0, GROUPS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # group: super-block g // 4, half
+    # (g % 4) // 2, sub-block g % 2 of each quarter
+    a_next, b_next, h_next = _q6k_tile(h_rows, 0, offs_j, n_pos, EVEN)
+    pdl_wait(PDL)
+    acc0 = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    for j0 in range(0, n_pos, BLOCK_J):
+        a, b, hb = a_next, b_next, h_next
+        a_next, b_next, h_next = _q6k_tile(h_rows, tl.minimum(j0 + BLOCK_J, n_pos - BLOCK_J) if EVEN else
+                                           j0 + BLOCK_J, offs_j, n_pos, EVEN)
+        x_words = (j0 // 16) * 64 + x_at
+        j_mask = j0 + offs_j[None, :] < n_pos
+        gg = j0 // 4 + g
+        g_mask = gg < n_pos // 4
+        sb = gg // 4
+        half = (gg % 4) // 2
+        # x's 16-block for quarter t: 16 sb + 8 half + 2 t + g % 2; its 32-block: 8 sb + 4 half + t
+        at16 = 16 * sb + 8 * half + gg % 2
+        at32 = 8 * sb + 4 * half
+        scale_at = b_rows + sb * 210 + 192 + 8 * half + gg % 2  # quarter t's int8 scale at + 2t
+        d = tl.load((b_rows + sb * 210 + 208).to(tl.pointer_type(tl.float16)), mask=g_mask, other=0.0).to(tl.float32)
+        q0 = (a & 0x0F0F0F0F) | ((hb << 4) & 0x30303030)
+        q1 = (b & 0x0F0F0F0F) | ((hb << 2) & 0x30303030)
+        q2 = ((a >> 4) & 0x0F0F0F0F) | (hb & 0x30303030)
+        q3 = ((b >> 4) & 0x0F0F0F0F) | ((hb >> 2) & 0x30303030)
+        sc0 = _scale(scale_at, 0, g_mask)
+        sc1 = _scale(scale_at, 1, g_mask)
+        sc2 = _scale(scale_at, 2, g_mask)
+        sc3 = _scale(scale_at, 3, g_mask)
+        acc0 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 0, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1, sc2,
+                                  sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+        if ROWS > 1:
+            acc1 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 1, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1,
+                                      sc2, sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+        if ROWS > 2:
+            acc2 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 2, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1,
+                                      sc2, sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+        if ROWS > 3:
+            acc3 += d * _q6k_row_part(xq_ptr, dx_ptr, s16_ptr, 3, n_pos, x_words, j_mask, q0, q1, q2, q3, sc0, sc1,
+                                      sc2, sc3, at16, at32, g_mask, GROUPS, BLOCK_N, EVEN, ASM)
+    store_rows(out_ptr, acc0, acc1, acc2, acc3, stride_om, b_ptr, rows, offs_n, N, ROWS, HAS_BIAS)
+
+
+def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  pdl: bool = False, tiles: Q6kTiles | None = None) -> None:
+    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q6_K blocks [N, 210 K / 256] uint8; out's and x's columns
+    contiguous, their rows may be strided."""
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED
+
+    (m, k), n = x.shape, blocks.shape[0]
+    assert k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 210 and out.shape == (m, n)
+    assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
+    tiles = tiles or Q6kTiles()
+    halves = blocks.view(torch.int16)
+    n_pos = k // 16
+    for xs, outs in row_groups(x, out):
+        xq, dx, _, _, s16 = quantize_x(xs, pdl)
+        _q6k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+            xq, dx, s16, halves, blocks, bias if bias is not None else dx, outs, n, n_pos, halves.shape[1],
+            outs.stride(0), ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
+            EVEN=n_pos % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED,
+            num_warps=tiles.num_warps, **launch_options(pdl))
+
+
+# Q8_0: 32 weights in 34 bytes, an fp16 scale d then 32 int8 codes: w = d * q. The codes meet x's in x's own order
+# (word w of block b is x's word 8b + w), signed by signed; a block's 8 dp4a sums take d * dx once. Blocks are 34
+# bytes, so the words are read as 16-bit halves (half 17b is d, halves 17b + 1.. the codes). Not the default path
+# of any row count yet (gguf_gemv: only given Q8Tiles), until whole steps have timed it.
+@dataclass(frozen=True)
+class Q8Tiles:
+    """A program's share: block_n rows of W, K walked block_j code words (4 weights each) at a time."""
+
+    block_n: int = 4
+    block_j: int = 128
+    num_warps: int = 4
+
+
+@_jit
+def _q80_part(xq_ptr, dx_ptr, r, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N: tl.constexpr,
+              BLOCKS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """Row r of x times this K step's codes w, each block's sum scaled by d * dx: [BLOCK_N, BLOCKS]. xq's rows
+    are n_words words, dx's n_words / 8."""
+    x_words = xq_ptr + r * n_words + j0 + offs_j[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # rows alike
+    if EVEN:
+        xw = tl.load(x_words)
+    else:
+        xw = tl.load(x_words, mask=j_mask, other=0)
+    sums = tl.sum(tl.reshape(dp4a_signed(w, xw, 0, ASM), [BLOCK_N, BLOCKS, 8]), axis=2).to(tl.float32)
+    return dw * tl.load(dx_ptr + r * (n_words // 8) + blk, mask=g_mask, other=0.0) * sums
+
+
+@_jit
+def _q80_row_kernel(xq_ptr, dx_ptr, h_ptr, b_ptr, out_ptr, N, n_words, row_halves, stride_om,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """out [ROWS, N] = x W^T, W's rows as 16-bit halves at h_ptr, x as quantize_x gives it."""
+    pdl_begin(PDL)
+    BLOCKS: tl.constexpr = BLOCK_J // 8
+    offs_n, rows, h_rows = program_rows(h_ptr, row_halves, N, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_J)
+    code_at = ((offs_j // 8) * 17 + 1 + (offs_j % 8) * 2)[None, :]  # a word's first half, from its step's block
+    offs_b = tl.arange(0, BLOCKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+    w_next = _word_at_halves(h_rows, code_at, (offs_j < n_words)[None, :], EVEN)
+    pdl_wait(PDL)
+    acc0 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    for j0 in range(0, n_words, BLOCK_J):
+        w = w_next
+        nxt = tl.minimum(j0 + BLOCK_J, n_words - BLOCK_J) if EVEN else j0 + BLOCK_J
+        w_next = _word_at_halves(h_rows, (nxt // 8) * 17 + code_at, (nxt + offs_j < n_words)[None, :], EVEN)
+        j_mask = j0 + offs_j[None, :] < n_words
+        blk = j0 // 8 + offs_b
+        g_mask = blk < n_words // 8
+        dw = tl.load(h_rows + blk * 17, mask=g_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        acc0 += _q80_part(xq_ptr, dx_ptr, 0, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                          EVEN, ASM)
+        if ROWS > 1:
+            acc1 += _q80_part(xq_ptr, dx_ptr, 1, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                              EVEN, ASM)
+        if ROWS > 2:
+            acc2 += _q80_part(xq_ptr, dx_ptr, 2, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                              EVEN, ASM)
+        if ROWS > 3:
+            acc3 += _q80_part(xq_ptr, dx_ptr, 3, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
+                              EVEN, ASM)
+    store_rows(out_ptr, acc0, acc1, acc2, acc3, stride_om, b_ptr, rows, offs_n, N, ROWS, HAS_BIAS)
+
+
+def q80_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  pdl: bool = False, tiles: Q8Tiles | None = None) -> None:
+    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q8_0 blocks [N, 34 K / 32] uint8; out's and x's columns
+    contiguous, their rows may be strided."""
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED
+
+    (m, k), n = x.shape, blocks.shape[0]
+    assert k % 32 == 0 and blocks.shape[1] == k // 32 * 34 and out.shape == (m, n)
+    assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
+    tiles = tiles or Q8Tiles()
+    halves = blocks.view(torch.int16)
+    n_words = k // 4
+    for xs, outs in row_groups(x, out):
+        xq, dx, *_ = quantize_x(xs, pdl)
+        _q80_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+            xq, dx, halves, bias if bias is not None else dx, outs, n, n_words, halves.shape[1], outs.stride(0),
+            ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, EVEN=n_words % tiles.block_j == 0,
+            HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED, num_warps=tiles.num_warps,
+            **launch_options(pdl))
