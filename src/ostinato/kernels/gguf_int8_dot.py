@@ -131,15 +131,27 @@ def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K, stride
 
 
 @_jit
+def load_words(ptrs, mask, EVEN: tl.constexpr):
+    """The words at ptrs; masked (0 outside mask) unless EVEN, where no mask stands in the way of wide loads."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0)
+
+
+@_jit
+def group_sums(dots, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SIZE: tl.constexpr):
+    """dots [BLOCK_N, GROUPS * SIZE] int32 summed over each SIZE consecutive columns: [BLOCK_N, GROUPS] float."""
+    return tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, SIZE]), axis=2).to(tl.float32)
+
+
+@_jit
 def _code_words(w_rows, j0, offs_j, n_words, EVEN: tl.constexpr):
     """Code words j0 + offs_j of each row (8 weights a word; a super-block's 32 follow its 4 header words). j0 a
     multiple of BLOCK_J, itself of 32: the offset splits into a scalar and a constant tile, whose runs of 32
     contiguous words the compiler then reads 16 bytes at a time. EVEN (BLOCK_J divides n_words): no mask."""
     at = (j0 // 32) * 36 + 4 + (offs_j // 32) * 36 + offs_j % 32
-    if EVEN:
-        return tl.load(w_rows + at[None, :])
-    else:
-        return tl.load(w_rows + at[None, :], mask=(j0 + offs_j < n_words)[None, :], other=0)
+    return load_words(w_rows + at[None, :], (j0 + offs_j < n_words)[None, :], EVEN)
 
 
 @_jit
@@ -148,24 +160,15 @@ def _byte(word, shift):
 
 
 @_jit
-def _chunk_sums(dots, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
-    return tl.sum(tl.reshape(dots, [BLOCK_N, CHUNKS, 8]), axis=2).to(tl.float32)
-
-
-@_jit
 def _q4k_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, r, n_words, j0, x_at, j_mask, lo, hi, g, g_mask, sc, mn, shift,
                   d, dmin, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
     """Row r of x times this K step's codes (lo, hi: the low and high nibbles of the code words), scaled per chunk:
     [BLOCK_N, CHUNKS]. xq's rows are K / 4 = 2 n_words words, dx's, sx's and cx's K / 32 = n_words / 4."""
     xq = xq_ptr + r * (2 * n_words) + (j0 // 8) * 16 + x_at
-    if EVEN:
-        x_lo = tl.load(xq)
-        x_hi = tl.load(xq + 8)
-    else:
-        x_lo = tl.load(xq, mask=j_mask, other=0)
-        x_hi = tl.load(xq + 8, mask=j_mask, other=0)
-    sum_lo = _chunk_sums(dp4a(lo, x_lo, 0, ASM), BLOCK_N, CHUNKS)
-    sum_hi = _chunk_sums(dp4a(hi, x_hi, 0, ASM), BLOCK_N, CHUNKS)
+    x_lo = load_words(xq, j_mask, EVEN)
+    x_hi = load_words(xq + 8, j_mask, EVEN)
+    sum_lo = group_sums(dp4a(lo, x_lo, 0, ASM), BLOCK_N, CHUNKS, 8)
+    sum_hi = group_sums(dp4a(hi, x_hi, 0, ASM), BLOCK_N, CHUNKS, 8)
     at = r * (n_words // 4) + 2 * g
     dx_lo = tl.load(dx_ptr + at, mask=g_mask, other=0.0)
     dx_hi = tl.load(dx_ptr + at + 1, mask=g_mask, other=0.0)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import (SUPER_BLOCK, dp4a, dp4a_signed, program_rows, quantize_x, row_groups,
-                                            store_rows)
+from ostinato.kernels.gguf_int8_dot import (SUPER_BLOCK, dp4a, dp4a_signed, group_sums, load_words, program_rows,
+                                            quantize_x, row_groups, store_rows)
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -39,12 +39,8 @@ class Q6kTiles:
 @_jit
 def _word_at_halves(h_rows, at, mask, EVEN: tl.constexpr):
     """The 32-bit word at 16-bit half `at` of each row (2-byte aligned): two loads, one word."""
-    if EVEN:
-        lo = tl.load(h_rows + at)
-        hi = tl.load(h_rows + at + 1)
-    else:
-        lo = tl.load(h_rows + at, mask=mask, other=0)
-        hi = tl.load(h_rows + at + 1, mask=mask, other=0)
+    lo = load_words(h_rows + at, mask, EVEN)
+    hi = load_words(h_rows + at + 1, mask, EVEN)
     return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
 
 
@@ -62,12 +58,7 @@ def _q6k_quarter(x_words, q, mask, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, 
                  ASM: tl.constexpr):
     """Quarter codes q (0..63, four a word) times x's words at x_words, summed over each 4 positions (a
     sub-block): [BLOCK_N, GROUPS]."""
-    if EVEN:
-        xw = tl.load(x_words)
-    else:
-        xw = tl.load(x_words, mask=mask, other=0)
-    dots = dp4a(q, xw, 0, ASM)
-    return tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, 4]), axis=2).to(tl.float32)
+    return group_sums(dp4a(q, load_words(x_words, mask, EVEN), 0, ASM), BLOCK_N, GROUPS, 4)
 
 
 @_jit
@@ -194,11 +185,7 @@ def _q80_part(xq_ptr, dx_ptr, r, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw
     """Row r of x times this K step's codes w, each block's sum scaled by d * dx: [BLOCK_N, BLOCKS]. xq's rows
     are n_words words, dx's n_words / 8."""
     x_words = xq_ptr + r * n_words + j0 + offs_j[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # rows alike
-    if EVEN:
-        xw = tl.load(x_words)
-    else:
-        xw = tl.load(x_words, mask=j_mask, other=0)
-    sums = tl.sum(tl.reshape(dp4a_signed(w, xw, 0, ASM), [BLOCK_N, BLOCKS, 8]), axis=2).to(tl.float32)
+    sums = group_sums(dp4a_signed(w, load_words(x_words, j_mask, EVEN), 0, ASM), BLOCK_N, BLOCKS, 8)
     return dw * tl.load(dx_ptr + r * (n_words // 8) + blk, mask=g_mask, other=0.0) * sums
 
 
