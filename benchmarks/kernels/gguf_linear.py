@@ -31,11 +31,12 @@ from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
+from ostinato.kernels.gguf_gemv import INT8_DOT_KERNELS  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES, Q4kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
 
-INT8_TILES = {Q4_K: Q4kTiles(), Q6_K: Q6kTiles(), Q8_0: Q8Tiles()}  # the integer-dot kernels' default tiles
+INT8_TILES = {qtype: tiles() for qtype, (tiles, _) in INT8_DOT_KERNELS.items()}  # their default tiles
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFLinear  # noqa: E402
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
@@ -151,8 +152,7 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
             layers.append((n, k, [blocks.clone() for _ in range(copies)]))
         nbytes = sum(copies[0].numel() for _, _, copies in layers)
         for m in batches:
-            default = (Q4kTiles() if m == 1 and qtype == Q4_K
-                       else Q6kTiles() if m == 1 and qtype == Q6_K
+            default = (INT8_TILES[qtype] if m == 1 and qtype in INT8_DOT_TYPES
                        else choose_tiles(qtype, m, SHAPES[0][1], SHAPES[0][2]))
             results = []
             n0, k0, copies0 = layers[0]

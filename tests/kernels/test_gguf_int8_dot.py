@@ -157,9 +157,11 @@ def test_gguf_linear_takes_them_for_one_half_precision_row_only(monkeypatch):
     from ostinato.kernels import gguf_gemv
 
     taken = []
-    monkeypatch.setattr(gguf_gemv, "q4k_rows_into", lambda *a, **kw: taken.append(("Q4_K", a[0].shape[0])))
-    monkeypatch.setattr(gguf_gemv, "q6k_rows_into", lambda *a, **kw: taken.append(("Q6_K", a[0].shape[0])))
-    for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", 8)]:
+    for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K"), (Q8_0, "Q8_0")):
+        tiles, _ = gguf_gemv.INT8_DOT_KERNELS[qtype]
+        monkeypatch.setitem(gguf_gemv.INT8_DOT_KERNELS, qtype,
+                            (tiles, lambda *a, name=name, **kw: taken.append((name, a[0].shape[0]))))
+    for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", Q8_0)]:
         blocks = torch.from_numpy(random_blocks(name, 4, 256, np.random.default_rng(0))).to(DEV)
         for m, dtype in [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16)]:
             gguf_gemv.gguf_linear_into(torch.randn(m, 256, device=DEV).to(dtype), blocks, qtype, None,

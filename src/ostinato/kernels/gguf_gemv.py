@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies, q4k_rows_into
+from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES, Q4kTiles, int8_dot_applies, q4k_rows_into
 from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
@@ -295,6 +295,9 @@ def gguf_matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, b
 
 
 GivenTiles = GGUFTiles | Q4kTiles | Q6kTiles | Q8Tiles
+# The integer-dot kernels by ggml type, each with its tiles: the default path at one row for INT8_DOT_TYPES, and
+# wherever the benchmark gives their tiles.
+INT8_DOT_KERNELS = {Q4_K: (Q4kTiles, q4k_rows_into), Q6_K: (Q6kTiles, q6k_rows_into), Q8_0: (Q8Tiles, q80_rows_into)}
 
 
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
@@ -311,14 +314,10 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
     assert qtype in KERNEL_TYPES, f"no GGUF kernel for ggml type {qtype}"
     if m == 0:
         return
-    if isinstance(tiles, Q4kTiles) or (tiles is None and qtype == Q4_K and int8_dot_applies(x)):
-        q4k_rows_into(x, blocks, bias, out, pdl, tiles)
-        return
-    if isinstance(tiles, Q6kTiles) or (tiles is None and qtype == Q6_K and int8_dot_applies(x)):
-        q6k_rows_into(x, blocks, bias, out, pdl, tiles)
-        return
-    if isinstance(tiles, Q8Tiles):
-        q80_rows_into(x, blocks, bias, out, pdl, tiles)
+    int8_tiles, int8_rows_into = INT8_DOT_KERNELS.get(qtype, (None, None))
+    if (int8_tiles is not None and isinstance(tiles, int8_tiles)) or \
+            (tiles is None and qtype in INT8_DOT_TYPES and int8_dot_applies(x)):
+        int8_rows_into(x, blocks, bias, out, pdl, tiles)
         return
     if tiles is None and m > GEMV_MAX_ROWS:
         gguf_matmul_dequantized(x, blocks, qtype, bias, out)
