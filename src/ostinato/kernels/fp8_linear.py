@@ -94,9 +94,8 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
       quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
       budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
     - 5-16 rows, per-row scales, bf16, and up to 64 rows where N <= 3072: the W8A16 split GEMM
-      (kernels/split_gemm.py), 256-wide K steps: the
-      weight on the MMA's wide side, K split so that one wave of about 256 programs covers the projection, no
-      activation quantization. Chosen by whole steps, not by the kernel sweep: alone, on Llama-3.1-8B's
+      (kernels/split_gemm.py), 256-wide K steps: the weight on the MMA's wide side, K split so that one wave of
+      about 256 programs covers the projection, no activation quantization. Chosen by whole steps, not by the kernel sweep: alone, on Llama-3.1-8B's
       projections, it is slower than the tensor-core kernel at 16 x 32 x 256 tiles and than its own 128-wide K
       steps, yet whole FP8 steps at 8 rows of the 8B and the 1B were fastest with it, and the tensor-core kernel
       made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8). Why the sweep and the step disagree is not

@@ -84,8 +84,9 @@ def _write_native_dir(path: Path, out: Path) -> tuple[str, dict[str, int], int]:
 def _parsed_once(path: Path, reader):
     """Inside, the `gguf` library's reader of `path` is `reader`, already parsed. transformers' GGUF config and
     tokenizer loaders each construct their own reader of the file, and a reader parses every metadata field up
-    front, a 128k-token vocabulary one string at a time: seconds a reader, three times over. A reader only reads, so one serves all three. Any other file, or other arguments, gets a
-    reader of its own; if transformers stops constructing it through `gguf.GGUFReader`, it parses again."""
+    front, a 128k-token vocabulary one string at a time: seconds a reader, three times over. A reader only reads,
+    so one serves all three. Any other file, or other arguments, gets a reader of its own; if transformers stops
+    constructing it through `gguf.GGUFReader`, it parses again."""
     import gguf
 
     construct = gguf.GGUFReader
