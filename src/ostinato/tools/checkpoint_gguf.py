@@ -1,10 +1,11 @@
 """`ostinato make-checkpoint --format gguf`: random-weight GGUF files at the public shapes (tools/checkpoint.py).
 
 Written with the `gguf` library's writer, tensor by tensor (memory stays at one tensor), under llama.cpp's names
-and with its q/k row order. Types the library can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) are drawn
-as float32 and quantized with its own functions. It has no quantizer for the k-quants (Q4_K, Q5_K, Q6_K, ...):
-their blocks are drawn directly (`random_blocks`), random sub-block codes under scales that give weights of the
-shape's init_std, which is what a random checkpoint needs and what the kernels read.
+and with its q/k row order. The types with a kernel (Q8_0, Q4_0, Q4_1 and the k-quants Q4_K, Q5_K, Q6_K) have
+their blocks drawn directly (`random_blocks`): random codes under scales that give weights of the shape's
+init_std, which is what a random checkpoint needs and what the kernels read. The library has no quantizer for
+the k-quants, and drawing float32 weights to quantize them took minutes for an 8B Q8_0 file. The others (Q5_0,
+Q5_1, BF16, F16) are drawn as float32 and quantized with the library's own functions.
 """
 
 from __future__ import annotations
@@ -132,14 +133,15 @@ def _draw(name: str, dims: tuple[int, ...], seed: int, std: float, final_gain: f
 
 
 def _encode(values_or_none, type_name: str, dims, rng, std):
-    """(bytes or values, raw dtype) for the writer: the library's quantizer, or drawn blocks for k-quants."""
+    """(bytes or values, raw dtype) for the writer: drawn blocks for the kernels' types, else the library's
+    quantizer."""
     import gguf
     from gguf.quants import quantize
 
     qtype = gguf.GGMLQuantizationType[type_name]
     if type_name == "F32":
         return values_or_none(), None
-    if type_name in _CODE_SCALE and type_name.endswith("_K"):
+    if type_name in _CODE_SCALE:
         return random_blocks(type_name, int(np.prod(dims[:-1])), dims[-1], rng, std), qtype
     return quantize(values_or_none(), qtype), qtype
 
