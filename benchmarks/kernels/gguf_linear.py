@@ -5,9 +5,9 @@ actually read (the type's blocks and scales, or the bf16 weight) and that over t
 Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to defeat L2, median per call.
 Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). The rows "TYPE" take
 gguf_linear_into's default path; beside them, above GEMV_MAX_ROWS "TYPE fused" (the tensor-core GEMM that decodes
-in the kernel, where the default is dense slices and cuBLAS), and for Q4_K / Q6_K "TYPE decoded to fp32" at one row
-(the default there: integer dot products) and "TYPE int8 dot" at 2-8 rows, and for Q8_0 at 1-8 rows (not the
-default there yet).
+in the kernel, where the default is dense slices and cuBLAS), and for Q4_K / Q6_K / Q8_0 "TYPE decoded to fp32"
+where the default is integer dot products (gguf_int8_dot.INT8_DOT_ROWS) and "TYPE int8 dot" at the other rows up
+to GEMV_MAX_ROWS.
 --sweep instead times each candidate tile setting over the four projections and prints, per type and batch, the
 settings by total time beside the default path's own: the table choose_tiles and the int8-dot tiles are read off.
 
@@ -32,7 +32,7 @@ from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
 from ostinato.kernels.gguf_gemv import INT8_DOT_KERNELS  # noqa: E402
-from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES, Q4kTiles, int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
 
@@ -81,7 +81,7 @@ def main() -> int:
                 own = choose_tiles(qtype, m, n, k)
                 if m > GEMV_MAX_ROWS:
                     rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " fused"))
-                elif qtype in INT8_DOT_TYPES and int8_dot_applies(x):
+                elif int8_dot_applies(x, qtype):
                     rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " decoded to fp32"))
                 elif qtype in INT8_TILES:  # the integer-dot kernels where they are not (yet) the default
                     rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, INT8_TILES[qtype], " int8 dot"))
@@ -98,8 +98,8 @@ def main() -> int:
 
 def _tiles_row(name, m, type_name, layers, x, ref, pdl, tiles, what) -> dict:
     """A kernel at given tiles beside the default path: above GEMV_MAX_ROWS the tensor-core GEMM that decodes
-    inside the kernel (the default: dense slices); at one Q4_K or Q6_K row the GEMV that decodes each weight to
-    fp32 (the default: integer dot products); where they are not the default, the integer-dot kernels."""
+    inside the kernel (the default: dense slices); where integer dot products are the default, the GEMV that
+    decodes each weight to fp32; where they are not, the integer-dot kernels."""
     n = layers[0].out_features
     out = torch.empty(m, n, device="cuda", dtype=x.dtype)
     gguf_linear_into(x, layers[0].blocks, layers[0].qtype, None, out, pdl, tiles)
@@ -152,7 +152,8 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
             layers.append((n, k, [blocks.clone() for _ in range(copies)]))
         nbytes = sum(copies[0].numel() for _, _, copies in layers)
         for m in batches:
-            default = (INT8_TILES[qtype] if m == 1 and qtype in INT8_DOT_TYPES
+            probe = torch.empty(m, 1, dtype=torch.bfloat16)
+            default = (INT8_TILES[qtype] if int8_dot_applies(probe, qtype)
                        else choose_tiles(qtype, m, SHAPES[0][1], SHAPES[0][2]))
             results = []
             n0, k0, copies0 = layers[0]

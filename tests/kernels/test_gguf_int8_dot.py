@@ -153,7 +153,8 @@ def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
     assert err < 7e-3, err
 
 
-def test_gguf_linear_takes_them_for_one_half_precision_row_only(monkeypatch):
+def test_gguf_linear_takes_them_for_half_precision_rows_where_the_table_says(monkeypatch):
+    """INT8_DOT_ROWS: Q4_K and Q6_K at 1-8 rows, Q8_0 at 2-8; never float32 rows."""
     from ostinato.kernels import gguf_gemv
 
     taken = []
@@ -163,7 +164,46 @@ def test_gguf_linear_takes_them_for_one_half_precision_row_only(monkeypatch):
                             (tiles, lambda *a, name=name, **kw: taken.append((name, a[0].shape[0]))))
     for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", Q8_0)]:
         blocks = torch.from_numpy(random_blocks(name, 4, 256, np.random.default_rng(0))).to(DEV)
-        for m, dtype in [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16)]:
+        for m, dtype in [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16),
+                         (8, torch.float16), (8, torch.float32), (9, torch.bfloat16)]:
             gguf_gemv.gguf_linear_into(torch.randn(m, 256, device=DEV).to(dtype), blocks, qtype, None,
                                        torch.empty(m, 4, device=DEV, dtype=dtype))
-    assert taken == [("Q4_K", 1), ("Q4_K", 1), ("Q6_K", 1), ("Q6_K", 1)]
+    assert taken == [(name, m) for name in ("Q4_K", "Q6_K") for m in (1, 1, 2, 8)] + [("Q8_0", 2), ("Q8_0", 8)]
+
+
+def test_a_concat_quantizes_x_once_for_its_integer_dot_parts(monkeypatch):
+    """GGUFConcat's Q4_K and Q6_K shards (and a Q8_0 one, which takes none at one row) at one bf16 row:
+    one quantizing launch, and each shard's columns as its own call makes them."""
+    from ostinato.kernels import gguf_gemv, gguf_int8_dot, gguf_int8_halves
+
+    k = 512
+    parts = [(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))).to(DEV), qtype, None)
+             for name, qtype, n in (("Q4_K", Q4_K, 7), ("Q8_0", Q8_0, 3), ("Q6_K", Q6_K, 5))]
+    x = _x(1, k, 3).to(DEV)
+    alone = torch.cat([_one_call(x, blocks, qtype) for blocks, qtype, _ in parts], dim=1)
+    calls = []
+    for module in (gguf_gemv, gguf_int8_dot, gguf_int8_halves):  # wherever a kernel's wrapper would quantize x
+        monkeypatch.setattr(module, "quantize_x", lambda *a: calls.append(a) or quantize_x(*a))
+    out = torch.full((1, 15), -1.0, device=DEV, dtype=torch.bfloat16)
+    gguf_gemv.gguf_concat_into(x, parts, out)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, alone, rtol=0, atol=0)
+
+
+def _one_call(x, blocks, qtype):
+    from ostinato.kernels import gguf_gemv
+
+    out = torch.empty(1, blocks.shape[0], device=DEV, dtype=x.dtype)
+    gguf_gemv.gguf_linear_into(x, blocks, qtype, None, out)
+    return out
+
+
+def test_x_quantized_ahead_is_what_the_kernel_multiplies():
+    """Given qx, the kernel reads x only through it: another row's quantization gives that row's product."""
+    k, n = 512, 6
+    blocks = torch.from_numpy(random_blocks("Q4_K", n, k, np.random.default_rng(2))).to(DEV)
+    x, other = _x(1, k, 4).to(DEV), _x(1, k, 5).to(DEV)
+    got, want = torch.empty(1, n, device=DEV), torch.empty(1, n, device=DEV)
+    q4k_rows_into(x, blocks, None, got, qx=quantize_x(other))
+    q4k_rows_into(other, blocks, None, want)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

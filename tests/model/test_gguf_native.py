@@ -51,7 +51,9 @@ def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache,
     layers = llm.engine.runner.model.model.layers
     assert isinstance(layers[0].mlp.down_proj, GGUFLinear) and layers[0].mlp.down_proj.type_name == "Q4_K"
     assert isinstance(layers[1].self_attn.qkv_proj, GGUFConcat)  # q, k Q4_K and v Q6_K (the _M recipe)
-    assert [p.type_name for p in layers[1].self_attn.qkv_proj.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    qk, v = layers[1].self_attn.qkv_proj.parts  # q and k share a kernel
+    # q: 256 rows, k as many as v
+    assert (qk.type_name, qk.out_features, v.type_name) == ("Q4_K", 256 + v.out_features, "Q6_K")
     assert "dequantized to float32 at load: 1 x Q4_K, 1 x Q6_K" in caplog.text  # the embedding and lm_head
     # The bench's floor counts the bytes held: the blocks, and the dense rest (less the untied table's unread rows).
     from ostinato.tools.bench.decode import weights_read_per_step
@@ -177,8 +179,9 @@ def test_the_log_says_when_activations_are_rounded_to_int8():
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     line = int8_dot_line(Counter({"Q4_K": 160, "Q6_K": 48}), cuda, torch.bfloat16)
-    assert "Q4_K and Q6_K" in line and "int8" in line
-    assert "Q6_K projections" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda, torch.float16)
+    assert "(Q4_K and Q6_K at 1-8 rows)" in line and "int8" in line
+    assert "(Q8_0 at 2-8 rows; Q6_K at 1-8 rows)" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda,
+                                                                   torch.float16)
     assert int8_dot_line(Counter({"Q4_1": 210}), cuda, torch.bfloat16) is None  # SmolLM2: no such type
     assert int8_dot_line(Counter({"Q4_K": 1}), cuda, torch.float32) is None  # float32 keeps the fp32 decoding
     assert int8_dot_line(Counter({"Q4_K": 1}), cpu, torch.bfloat16) is None  # the torch path on CPU

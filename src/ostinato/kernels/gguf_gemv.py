@@ -23,11 +23,12 @@ reads weights and activations together. Grids come from shapes only: CUDA-graph 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES, Q4kTiles, int8_dot_applies, q4k_rows_into
+from ostinato.kernels.gguf_int8_dot import Q4kTiles, QuantizedX, int8_dot_applies, q4k_rows_into, quantize_x
 from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
@@ -295,17 +296,39 @@ def gguf_matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, b
 
 
 GivenTiles = GGUFTiles | Q4kTiles | Q6kTiles | Q8Tiles
-# The integer-dot kernels by ggml type, each with its tiles: the default path at one row for INT8_DOT_TYPES, and
-# wherever the benchmark gives their tiles.
+# The integer-dot kernels by ggml type, each with its tiles: the default path at the rows
+# gguf_int8_dot.INT8_DOT_ROWS gives, and wherever the benchmark gives their tiles.
 INT8_DOT_KERNELS = {Q4_K: (Q4kTiles, q4k_rows_into), Q6_K: (Q6kTiles, q6k_rows_into), Q8_0: (Q8Tiles, q80_rows_into)}
 
 
+def takes_int8_dot(x: torch.Tensor, qtype: int, tiles: GivenTiles | None = None) -> bool:
+    """Whether gguf_linear_into multiplies x by qtype's blocks as integer dot products (x quantized first)."""
+    int8_tiles, _ = INT8_DOT_KERNELS.get(qtype, (None, None))
+    if tiles is not None:
+        return int8_tiles is not None and isinstance(tiles, int8_tiles)
+    return int8_dot_applies(x, qtype)
+
+
+def gguf_concat_into(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, torch.Tensor | None]],
+                     out: torch.Tensor, pdl: bool = False) -> None:
+    """out [M, sum of the parts' N] = x @ [W_0; W_1; ...]^T, parts (blocks, qtype, bias) of different types
+    (GGUFConcat), each writing its own columns. x is quantized once for the parts that take integer dot products,
+    where more than one does: each would otherwise quantize it again, a launch on the one-row step's path."""
+    qx = quantize_x(x, pdl) if sum(takes_int8_dot(x, qtype) for _, qtype, _ in parts) > 1 else None
+    start = 0
+    for blocks, qtype, bias in parts:
+        gguf_linear_into(x, blocks, qtype, bias, out[:, start:start + blocks.shape[0]], pdl, qx=qx)
+        start += blocks.shape[0]
+
+
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
-                     out: torch.Tensor, pdl: bool = False, tiles: GivenTiles | None = None) -> None:
+                     out: torch.Tensor, pdl: bool = False, tiles: GivenTiles | None = None,
+                     qx: QuantizedX | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
-    slice of a wider tensor (its rows strided, its columns contiguous). One row of half-precision x times Q4_K
-    or Q6_K blocks: integer dot products (kernels/gguf_int8_dot.py, gguf_int8_halves.py); otherwise up to
-    GEMV_MAX_ROWS rows one kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0.
+    slice of a wider tensor (its rows strided, its columns contiguous). Half-precision x times Q4_K, Q6_K or
+    Q8_0 blocks at the rows gguf_int8_dot.INT8_DOT_ROWS gives: integer dot products (kernels/gguf_int8_dot.py,
+    gguf_int8_halves.py; qx: x already quantized for them, where takes_int8_dot); otherwise up to GEMV_MAX_ROWS
+    rows one kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0.
     tiles: the default path's unless given (the benchmark's sweep: Q4kTiles / Q6kTiles / Q8Tiles run the
     integer-dot kernels at any row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""
     m, k = x.shape
@@ -314,10 +337,8 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
     assert qtype in KERNEL_TYPES, f"no GGUF kernel for ggml type {qtype}"
     if m == 0:
         return
-    int8_tiles, int8_rows_into = INT8_DOT_KERNELS.get(qtype, (None, None))
-    if (int8_tiles is not None and isinstance(tiles, int8_tiles)) or \
-            (tiles is None and qtype in INT8_DOT_TYPES and int8_dot_applies(x)):
-        int8_rows_into(x, blocks, bias, out, pdl, tiles)
+    if takes_int8_dot(x, qtype, tiles):
+        INT8_DOT_KERNELS[qtype][1](x, blocks, bias, out, pdl, tiles, qx)
         return
     if tiles is None and m > GEMV_MAX_ROWS:
         gguf_matmul_dequantized(x, blocks, qtype, bias, out)

@@ -33,9 +33,9 @@ the next tile requested while this one is multiplied. The dp4a sums go per chunk
 the header's scales apply, so the scale work is one eighth of the code words'.
 
 Rows: a kernel keeps one accumulator for each of up to MAX_ROWS rows of x and decodes each K step's codes and
-scales once for all of them; more rows go in groups, each a pass over W. gguf_gemv sends only one row here by
-default: at 2-8 rows these kernels have not yet been timed in whole steps (benchmarks/kernels/gguf_linear.py times
-them there as "int8 dot").
+scales once for all of them; more rows go in groups, each a pass over W (x quantized once for all groups).
+gguf_gemv sends x here by default at the row counts INT8_DOT_ROWS gives each type, up to 8: above them the
+projections are a GEMM's, dense slices and cuBLAS.
 
 For bf16/fp16 activations only: float32 runs (the reference runs) keep the kernel that decodes to fp32. Against
 the gguf library's dequantize-then-matmul the outputs are off by about 0.6% of their norm (the fp32 decoding's
@@ -45,17 +45,21 @@ bf16 output: 0.26%; docs/PERFORMANCE.md, GGUF): the approximation llama.cpp's ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ostinato.kernels.gguf_linear import Q4_K, Q6_K
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
-# The ggml types whose one-row projections take integer dot products by default (gguf_gemv.gguf_linear_into
-# dispatches; Q6_K's kernel is in kernels/gguf_int8_halves.py).
-INT8_DOT_TYPES = (Q4_K, Q6_K)
+# The ggml types whose projections take integer dot products by default, and at how many rows of x (first, last):
+# where they beat the kernel that decodes to fp32 (kernels/gguf_gemv.py) in whole decode steps of the 8B shape
+# (docs/PERFORMANCE.md, GGUF). Q8_0 not at one row: its bytes decode to fp32 in one conversion each, and that
+# kernel's aligned loads beat these kernels' 16-bit ones. gguf_gemv.gguf_linear_into dispatches; the Q6_K and
+# Q8_0 kernels are in kernels/gguf_int8_halves.py.
+INT8_DOT_ROWS = {Q4_K: (1, 8), Q6_K: (1, 8), Q8_0: (2, 8)}
 SUPER_BLOCK = 256  # weights of a K-quant super-block (Q4_K: 144 bytes, 36 words of which 4 header; Q6_K: 210)
 
 
@@ -270,15 +274,32 @@ def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_
 QUANTIZE_BLOCKS = 4
 
 
-def int8_dot_applies(x: torch.Tensor) -> bool:
-    """Whether gguf_linear_into sends x to these kernels by default: one row of half-precision activations (more
-    rows run them only when given tiles, until whole steps have been measured with them)."""
-    return x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+def int8_dot_applies(x: torch.Tensor, qtype: int) -> bool:
+    """Whether gguf_linear_into sends x times qtype's blocks to these kernels by default: half-precision rows, as
+    many as INT8_DOT_ROWS gives the type (float32 runs, the reference runs, keep the fp32 decoding)."""
+    first, last = INT8_DOT_ROWS.get(qtype, (1, 0))
+    return first <= x.shape[0] <= last and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def quantize_x(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, ...]:
-    """x [M, K] (K a multiple of 32, rows may be strided) -> xq [M, K / 4] int32, then dx, sx, cx [M, K / 32] and
-    s16 [M, K / 16] float32 (_quantize_x_kernel): one kernel, one allocation."""
+class QuantizedX(NamedTuple):
+    """x [M, K] as the integer-dot kernels read it (quantize_x): xq [M, K / 4] int32 (int8 codes, four a word, in
+    x's order); per 32-block [M, K / 32] float32, dx (the scale), sx (the sum of x) and cx (see the kernel); per
+    16-block [M, K / 16], s16 (the sum of the codes, float). Made once, it serves every projection of that x
+    (GGUFConcat's shards)."""
+
+    xq: torch.Tensor
+    dx: torch.Tensor
+    sx: torch.Tensor
+    cx: torch.Tensor
+    s16: torch.Tensor
+
+    def rows(self, r0: int, r1: int) -> QuantizedX:
+        return QuantizedX(*(t[r0:r1] for t in self))
+
+
+def quantize_x(x: torch.Tensor, pdl: bool = False) -> QuantizedX:
+    """x [M, K] (K a multiple of 32, rows may be strided) quantized by _quantize_x_kernel: one kernel, one
+    allocation."""
     m, k = x.shape
     buf = torch.empty(m * (k // 4 + 3 * (k // 32) + k // 16), device=x.device, dtype=torch.int32)
     xq = buf[:m * (k // 4)].view(m, k // 4)
@@ -287,19 +308,22 @@ def quantize_x(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, ...]:
     s16 = floats[3 * m * (k // 32):].view(m, k // 16)
     _quantize_x_kernel[(triton.cdiv(k // 32, QUANTIZE_BLOCKS), m)](
         x, xq, dx, sx, cx, s16, k, x.stride(0), BLOCKS=QUANTIZE_BLOCKS, PDL=pdl, num_warps=4, **launch_options(pdl))
-    return xq, dx, sx, cx, s16
+    return QuantizedX(xq, dx, sx, cx, s16)
 
 
-def row_groups(x: torch.Tensor, out: torch.Tensor):
-    """(x rows, out rows) in groups of at most MAX_ROWS: the kernels keep one accumulator a row."""
-    for r0 in range(0, x.shape[0], MAX_ROWS):
-        yield x[r0:r0 + MAX_ROWS], out[r0:r0 + MAX_ROWS]
+def row_groups(qx: QuantizedX, out: torch.Tensor):
+    """(rows, x's quantized rows, out's rows) in groups of at most MAX_ROWS: the kernels keep one accumulator a
+    row."""
+    m = out.shape[0]
+    for r0 in range(0, m, MAX_ROWS):
+        r1 = min(m, r0 + MAX_ROWS)
+        yield r1 - r0, qx.rows(r0, r1), out[r0:r1]
 
 
 def q4k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  pdl: bool = False, tiles: Q4kTiles | None = None) -> None:
+                  pdl: bool = False, tiles: Q4kTiles | None = None, qx: QuantizedX | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the Q4_K blocks [N, 144 K / 256] uint8; out's and x's columns
-    contiguous, their rows may be strided."""
+    contiguous, their rows may be strided. qx: x already quantized (quantize_x), else it is here."""
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     (m, k), n = x.shape, blocks.shape[0]
@@ -307,10 +331,10 @@ def q4k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
     tiles = tiles or Q4kTiles()
     words = blocks.view(torch.int32)
-    for xs, outs in row_groups(x, out):
-        xq, dx, sx, cx, _ = quantize_x(xs, pdl)
+    qx = qx if qx is not None else quantize_x(x, pdl)
+    for rows, q, outs in row_groups(qx, out):
         _q4k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
-            xq, dx, sx, cx, words, bias if bias is not None else dx, outs, n, k // 8, words.shape[1],
-            outs.stride(0), ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
+            q.xq, q.dx, q.sx, q.cx, words, bias if bias is not None else q.dx, outs, n, k // 8, words.shape[1],
+            outs.stride(0), ROWS=rows, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
             EVEN=k // 8 % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED,
             num_warps=tiles.num_warps, **launch_options(pdl))

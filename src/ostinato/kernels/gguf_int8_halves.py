@@ -1,7 +1,7 @@
 """Activations times Q6_K or Q8_0 blocks as integer dot products: the two GGUF types whose blocks (210 and 34
 bytes) leave every other block only 2-byte aligned, so their code words are read as two 16-bit halves. The
 quantized activations, the dp4a and the row handling are kernels/gguf_int8_dot.py's (its docstring says why and
-how). Q4_K_M files mix Q6_K in: its kernel is the default at one row; Q8_0's runs only when given tiles.
+how). Q4_K_M files mix Q6_K in. Both are default paths where gguf_int8_dot.INT8_DOT_ROWS says.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import (SUPER_BLOCK, dp4a, dp4a_signed, group_sums, load_words, program_rows,
-                                            quantize_x, row_groups, store_rows)
+from ostinato.kernels.gguf_int8_dot import (SUPER_BLOCK, QuantizedX, dp4a, dp4a_signed, group_sums, load_words,
+                                            program_rows, quantize_x, row_groups, store_rows)
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -146,9 +146,9 @@ def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n
 
 
 def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  pdl: bool = False, tiles: Q6kTiles | None = None) -> None:
+                  pdl: bool = False, tiles: Q6kTiles | None = None, qx: QuantizedX | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the Q6_K blocks [N, 210 K / 256] uint8; out's and x's columns
-    contiguous, their rows may be strided."""
+    contiguous, their rows may be strided. qx: x already quantized (quantize_x), else it is here."""
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     (m, k), n = x.shape, blocks.shape[0]
@@ -157,19 +157,18 @@ def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
     tiles = tiles or Q6kTiles()
     halves = blocks.view(torch.int16)
     n_pos = k // 16
-    for xs, outs in row_groups(x, out):
-        xq, dx, _, _, s16 = quantize_x(xs, pdl)
+    qx = qx if qx is not None else quantize_x(x, pdl)
+    for rows, q, outs in row_groups(qx, out):
         _q6k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
-            xq, dx, s16, halves, blocks, bias if bias is not None else dx, outs, n, n_pos, halves.shape[1],
-            outs.stride(0), ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
+            q.xq, q.dx, q.s16, halves, blocks, bias if bias is not None else q.dx, outs, n, n_pos, halves.shape[1],
+            outs.stride(0), ROWS=rows, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
             EVEN=n_pos % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED,
             num_warps=tiles.num_warps, **launch_options(pdl))
 
 
 # Q8_0: 32 weights in 34 bytes, an fp16 scale d then 32 int8 codes: w = d * q. The codes meet x's in x's own order
 # (word w of block b is x's word 8b + w), signed by signed; a block's 8 dp4a sums take d * dx once. Blocks are 34
-# bytes, so the words are read as 16-bit halves (half 17b is d, halves 17b + 1.. the codes). Not the default path
-# of any row count yet (gguf_gemv: only given Q8Tiles), until whole steps have timed it.
+# bytes, so the words are read as 16-bit halves (half 17b is d, halves 17b + 1.. the codes).
 @dataclass(frozen=True)
 class Q8Tiles:
     """A program's share: block_n rows of W, K walked block_j code words (4 weights each) at a time."""
@@ -227,9 +226,9 @@ def _q80_row_kernel(xq_ptr, dx_ptr, h_ptr, b_ptr, out_ptr, N, n_words, row_halve
 
 
 def q80_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  pdl: bool = False, tiles: Q8Tiles | None = None) -> None:
+                  pdl: bool = False, tiles: Q8Tiles | None = None, qx: QuantizedX | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the Q8_0 blocks [N, 34 K / 32] uint8; out's and x's columns
-    contiguous, their rows may be strided."""
+    contiguous, their rows may be strided. qx: x already quantized (quantize_x), else it is here."""
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     (m, k), n = x.shape, blocks.shape[0]
@@ -238,10 +237,10 @@ def q80_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
     tiles = tiles or Q8Tiles()
     halves = blocks.view(torch.int16)
     n_words = k // 4
-    for xs, outs in row_groups(x, out):
-        xq, dx, *_ = quantize_x(xs, pdl)
+    qx = qx if qx is not None else quantize_x(x, pdl)
+    for rows, q, outs in row_groups(qx, out):
         _q80_row_kernel[(triton.cdiv(n, tiles.block_n),)](
-            xq, dx, halves, bias if bias is not None else dx, outs, n, n_words, halves.shape[1], outs.stride(0),
-            ROWS=xs.shape[0], BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, EVEN=n_words % tiles.block_j == 0,
+            q.xq, q.dx, halves, bias if bias is not None else q.dx, outs, n, n_words, halves.shape[1], outs.stride(0),
+            ROWS=rows, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, EVEN=n_words % tiles.block_j == 0,
             HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED, num_warps=tiles.num_warps,
             **launch_options(pdl))

@@ -188,6 +188,11 @@ class GGUFConcat(QuantizedLinear):
 
     def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)
+        if x.is_cuda and triton is not None:
+            from ostinato.kernels.gguf_gemv import gguf_concat_into
+
+            gguf_concat_into(x, [(p.blocks, p.qtype, p.bias) for p in self.parts], out, pdl)
+            return out
         start = 0
         for part in self.parts:
             part.linear_into(x, out[:, start:start + part.out_features], pdl)

@@ -4,7 +4,8 @@ The file is memory-mapped and read one tensor at a time, at the offsets model/gg
 memory holds the mapping's touched pages and one tensor in flight, never a float32 copy of the model.
     - qkv_proj, o_proj, gate_up_proj, down_proj whose types have a kernel (gguf_linear.KERNEL_TYPES) become
       GGUFLinear modules: raw rows on the device. The fused ones concatenate their shards' rows when the
-      shards share a type, else (Q4_K_M mixes types per tensor) keep one kernel per shard (GGUFConcat).
+      shards share a type, else (Q4_K_M mixes types per tensor) keep one kernel per run of shards of one type
+      (GGUFConcat), which quantizes the activations once for all of them.
     - Everything else (embedding, lm_head, norms, projections of other types) is dequantized to the model dtype
       at load, and the log says which tensors and types.
 llama.cpp stores llama q/k rows permuted for its RoPE; the rows are put back with transformers' own tensor
@@ -13,6 +14,7 @@ processor, the code the dequantizing path runs. The blocks are per row, so permu
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -24,7 +26,7 @@ import torch
 from ostinato.attention.base import AttentionBackend
 from ostinato.config import ModelConfig
 from ostinato.errors import CheckpointError, ConfigError
-from ostinato.kernels.gguf_int8_dot import INT8_DOT_TYPES
+from ostinato.kernels.gguf_int8_dot import INT8_DOT_ROWS
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFConcat, GGUFLinear, dequantize_blocks
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
 from ostinato.model.gguf_native import native_marker, tensor_table
@@ -135,14 +137,22 @@ def _quantized_projection(tensors: GGUFTensors, names: list[str], in_features: i
         return None
     biases = [tensors.dense(n.removesuffix("weight") + "bias", device).to(dtype)
               if tensors.qtype(n.removesuffix("weight") + "bias") is not None else None for n in names]
-    if len(set(types)) == 1:
-        blocks = np.concatenate([tensors.raw(n) for n in names]) if len(names) > 1 else tensors.raw(names[0])
-        bias = None if biases[0] is None else torch.cat(biases)
-        return GGUFLinear(types[0], _to_device(blocks, device), in_features, bias)
+    # Consecutive shards of one type share a kernel (q|k of Q4_K_M's q, k Q4_K and v Q6_K): one launch fewer.
+    runs = [list(run) for _, run in itertools.groupby(zip(types, names, biases), key=lambda shard: shard[0])]
+    linears = [_one_type_linear(run, tensors, in_features, device) for run in runs]
+    if len(linears) == 1:
+        return linears[0]
     logger.info("%s: shards of types %s, one kernel each", names[0].rsplit(".", 2)[0],
-                "/".join(KERNEL_TYPES[t][0] for t in types))
-    return GGUFConcat([GGUFLinear(t, _to_device(tensors.raw(n), device), in_features, b)
-                       for t, n, b in zip(types, names, biases)])
+                "/".join(KERNEL_TYPES[run[0][0]][0] for run in runs))
+    return GGUFConcat(linears)
+
+
+def _one_type_linear(run: list, tensors: GGUFTensors, in_features: int, device: torch.device) -> GGUFLinear:
+    """Shards (type, name, bias) of one type as one GGUFLinear: their block rows concatenated."""
+    qtype, names, biases = run[0][0], [name for _, name, _ in run], [bias for _, _, bias in run]
+    blocks = np.concatenate([tensors.raw(n) for n in names]) if len(names) > 1 else tensors.raw(names[0])
+    bias = None if biases[0] is None else torch.cat(biases)
+    return GGUFLinear(qtype, _to_device(blocks, device), in_features, bias)
 
 
 def _replace_projections(model: DecoderForCausalLM, tensors: GGUFTensors, device, dtype) -> Counter:
@@ -215,8 +225,12 @@ def load_gguf_model(model_dir: Path, model_config: ModelConfig, dtype: torch.dty
 def int8_dot_line(kept: Counter, device: torch.device, dtype: torch.dtype) -> str | None:
     """The start-up log's word on the one approximation the GGUF path adds (kernels/gguf_int8_dot.py), when it
     applies: projections of those types kept, on CUDA, in 16-bit activations."""
-    types = sorted({KERNEL_TYPES[t][0] for t in INT8_DOT_TYPES} & set(kept))
-    if not types or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    by_rows: dict[tuple[int, int], list[str]] = {}
+    for qtype, rows in sorted(INT8_DOT_ROWS.items()):
+        if KERNEL_TYPES[qtype][0] in kept:
+            by_rows.setdefault(rows, []).append(KERNEL_TYPES[qtype][0])
+    if not by_rows or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    return (f"one-row steps multiply the {' and '.join(types)} projections as int8 dot products: their input "
-            "rounded to int8 per 32 values, as llama.cpp's mat-vec kernels (kernels/gguf_int8_dot.py)")
+    steps = "; ".join(f"{' and '.join(types)} at {first}-{last} rows" for (first, last), types in by_rows.items())
+    return (f"decode steps multiply these projections as int8 dot products ({steps}): their input rounded to "
+            "int8 per 32 values, as llama.cpp's mat-vec kernels (kernels/gguf_int8_dot.py)")
