@@ -30,6 +30,7 @@ import torch
 
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, QuantizedX, int8_dot_applies, q4k_rows_into, quantize_x
 from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
+from ostinato.kernels.gguf_int8_norm import norm_quantize_x
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
@@ -309,16 +310,35 @@ def takes_int8_dot(x: torch.Tensor, qtype: int, tiles: GivenTiles | None = None)
     return int8_dot_applies(x, qtype)
 
 
-def gguf_concat_into(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, torch.Tensor | None]],
-                     out: torch.Tensor, pdl: bool = False) -> None:
-    """out [M, sum of the parts' N] = x @ [W_0; W_1; ...]^T, parts (blocks, qtype, bias) of different types
-    (GGUFConcat), each writing its own columns. x is quantized once for the parts that take integer dot products,
-    where more than one does: each would otherwise quantize it again, a launch on the one-row step's path."""
-    qx = quantize_x(x, pdl) if sum(takes_int8_dot(x, qtype) for _, qtype, _ in parts) > 1 else None
+Parts = Sequence[tuple[torch.Tensor, int, torch.Tensor | None]]  # a projection's (blocks, qtype, bias), in rows
+
+
+def gguf_concat_into(x: torch.Tensor, parts: Parts, out: torch.Tensor, pdl: bool = False,
+                     qx: QuantizedX | None = None) -> None:
+    """out [M, sum of the parts' N] = x @ [W_0; W_1; ...]^T, parts of different types (GGUFConcat), each writing
+    its own columns. x is quantized once for the parts that take integer dot products, where more than one does:
+    each would otherwise quantize it again, a launch on the one-row step's path (qx: already done)."""
+    if qx is None and sum(takes_int8_dot(x, qtype) for _, qtype, _ in parts) > 1:
+        qx = quantize_x(x, pdl)
     start = 0
     for blocks, qtype, bias in parts:
         gguf_linear_into(x, blocks, qtype, bias, out[:, start:start + blocks.shape[0]], pdl, qx=qx)
         start += blocks.shape[0]
+
+
+def norm_folds(x: torch.Tensor, qtypes: Sequence[int]) -> bool:
+    """Whether gguf_norm_linear takes x times these types' blocks: all of them take integer dot products."""
+    return all(takes_int8_dot(x, qtype) for qtype in qtypes)
+
+
+def gguf_norm_linear(x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Tensor, float], parts: Parts,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * weight @ [W_0; W_1; ...]^T, x + residual), norm = (residual or None, weight, eps):
+    the norm folded into the activations' quantization (kernels/gguf_int8_norm.py), where norm_folds."""
+    qx, residual = norm_quantize_x(x, *norm, pdl=pdl)
+    out = torch.empty(x.shape[0], sum(blocks.shape[0] for blocks, _, _ in parts), device=x.device, dtype=x.dtype)
+    gguf_concat_into(x, parts, out, pdl, qx)  # x: only its shape and dtype, qx holds the normed rows
+    return out, residual
 
 
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,

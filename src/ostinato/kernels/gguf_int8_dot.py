@@ -118,6 +118,13 @@ def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K, stride
     pdl_wait(PDL)
     x = tl.load(x_ptr + r * stride_xm + word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :],
                 mask=b_mask[:, None, None], other=0.0).to(tl.float32)
+    store_quantized(x, r, b, b_mask, word, K, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, BLOCKS)
+
+
+@_jit
+def store_quantized(x, r, b, b_mask, word, K, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, BLOCKS: tl.constexpr):
+    """x [BLOCKS, 8, 4] float32, the 32-blocks b of row r (words `word` [BLOCKS, 8] of it) -> their codes, dx, sx,
+    cx and s16 stored, as _quantize_x_kernel's docstring says."""
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
     v = x * inv[:, None, None]
@@ -297,18 +304,22 @@ class QuantizedX(NamedTuple):
         return QuantizedX(*(t[r0:r1] for t in self))
 
 
-def quantize_x(x: torch.Tensor, pdl: bool = False) -> QuantizedX:
-    """x [M, K] (K a multiple of 32, rows may be strided) quantized by _quantize_x_kernel: one kernel, one
-    allocation."""
-    m, k = x.shape
-    buf = torch.empty(m * (k // 4 + 3 * (k // 32) + k // 16), device=x.device, dtype=torch.int32)
+def empty_quantized(m: int, k: int, device: torch.device) -> QuantizedX:
+    """Room for m rows of K activations quantized: one allocation."""
+    buf = torch.empty(m * (k // 4 + 3 * (k // 32) + k // 16), device=device, dtype=torch.int32)
     xq = buf[:m * (k // 4)].view(m, k // 4)
     floats = buf[m * (k // 4):].view(torch.float32)
     dx, sx, cx = floats[:3 * m * (k // 32)].view(3, m, k // 32)
-    s16 = floats[3 * m * (k // 32):].view(m, k // 16)
+    return QuantizedX(xq, dx, sx, cx, floats[3 * m * (k // 32):].view(m, k // 16))
+
+
+def quantize_x(x: torch.Tensor, pdl: bool = False) -> QuantizedX:
+    """x [M, K] (K a multiple of 32, rows may be strided) quantized by _quantize_x_kernel: one kernel."""
+    m, k = x.shape
+    qx = empty_quantized(m, k, x.device)
     _quantize_x_kernel[(triton.cdiv(k // 32, QUANTIZE_BLOCKS), m)](
-        x, xq, dx, sx, cx, s16, k, x.stride(0), BLOCKS=QUANTIZE_BLOCKS, PDL=pdl, num_warps=4, **launch_options(pdl))
-    return QuantizedX(xq, dx, sx, cx, s16)
+        x, *qx, k, x.stride(0), BLOCKS=QUANTIZE_BLOCKS, PDL=pdl, num_warps=4, **launch_options(pdl))
+    return qx
 
 
 def row_groups(qx: QuantizedX, out: torch.Tensor):

@@ -123,7 +123,31 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return w.reshape(blocks.shape[0], k)
 
 
-class GGUFLinear(QuantizedLinear):
+class GGUFProjection(QuantizedLinear):
+    """What GGUFLinear and GGUFConcat share: the norm before them folded into the quantization of their input
+    (kernels/gguf_int8_norm.py), where every part takes integer dot products at these rows."""
+
+    def kernel_parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+        """(blocks, qtype, bias) of each part, in output order."""
+        raise NotImplementedError
+
+    def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
+        if not norm or not x.is_cuda or triton is None:  # the activation after gate_up stays its own kernel
+            return False
+        from ostinato.kernels.gguf_gemv import norm_folds
+
+        return norm_folds(x, [qtype for _, qtype, _ in self.kernel_parts()])
+
+    def fused_linear(self, x: torch.Tensor, pdl: bool = False, glu: bool = False,
+                     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert norm is not None and not glu, "a GGUF projection folds the norm before it only (folds)"
+        from ostinato.kernels.gguf_gemv import gguf_norm_linear
+
+        return gguf_norm_linear(x, norm, self.kernel_parts(), pdl)
+
+
+class GGUFLinear(GGUFProjection):
     """One projection of one GGUF type: blocks [N, row_bytes] uint8 (a buffer), bias in the activation dtype."""
 
     def __init__(self, qtype: int, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
@@ -142,6 +166,9 @@ class GGUFLinear(QuantizedLinear):
     @property
     def type_name(self) -> str:
         return KERNEL_TYPES[self.qtype][0]
+
+    def kernel_parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+        return [(self.blocks, self.qtype, self.bias)]
 
     def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)
@@ -175,7 +202,7 @@ class GGUFLinear(QuantizedLinear):
         return f"{self.type_name}, {super().extra_repr()}"
 
 
-class GGUFConcat(QuantizedLinear):
+class GGUFConcat(GGUFProjection):
     """A fused projection (q|k|v, gate|up) whose shards have different GGUF types (Q4_K_M mixes them per
     tensor): each shard keeps its own kernel and writes its columns of the one output, so no copy is made."""
 
@@ -191,13 +218,16 @@ class GGUFConcat(QuantizedLinear):
         if x.is_cuda and triton is not None:
             from ostinato.kernels.gguf_gemv import gguf_concat_into
 
-            gguf_concat_into(x, [(p.blocks, p.qtype, p.bias) for p in self.parts], out, pdl)
+            gguf_concat_into(x, self.kernel_parts(), out, pdl)
             return out
         start = 0
         for part in self.parts:
             part.linear_into(x, out[:, start:start + part.out_features], pdl)
             start += part.out_features
         return out
+
+    def kernel_parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+        return [(p.blocks, p.qtype, p.bias) for p in self.parts]
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])

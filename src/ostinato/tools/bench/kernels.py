@@ -29,7 +29,7 @@ KERNEL_CLASSES = (
                      "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("gguf slices dequantized for cuBLAS", ("_gguf_dequant_kernel",)),
     ("fp8 activation quantization", ("_quantize_tokens_kernel",)),
-    ("gguf int8 activation quantization", ("_quantize_x_kernel",)),
+    ("gguf int8 activation quantization", ("_quantize_x_kernel", "_norm_quantize_x_kernel")),
     ("norms", ("_rms_norm_kernel",)),
     ("q/k norm + rope", ("_qk_norm_rope_kernel",)),
     ("silu * up", ("_silu_and_mul_kernel",)),

@@ -1,0 +1,80 @@
+"""The RMSNorm before a GGUF projection folded into the quantization of its input (kernels/gguf_int8_dot.py): one
+kernel gives the next residual and the integer-dot kernels' activations.
+
+Why: where the projection after a norm takes integer dot products (qkv after the input norm, gate_up after the
+post-attention one, at the rows gguf_int8_dot.INT8_DOT_ROWS gives), the decoder would launch the norm kernel, then
+the quantizing kernel, each a few microseconds of latency on the path of a one-row step and neither reading much.
+Here one kernel does both, as the bf16 GEMV folds the norm into its own kernel (kernels/gemv.py, gemv_norm_linear).
+
+Each program takes BLOCKS 32-blocks of a row, as the quantizing kernel does, and first passes over the whole row
+(x + residual, from L2: K <= gemv.NORM_FOLD_MAX_K) for its 1/rms. The arithmetic is the norm kernel's
+(kernels/fused.py: the sum rounded to the model dtype, normalised in fp32, rounded, times the weight, rounded),
+then the quantizing kernel's on those rounded values; only the sum of squares is reduced in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ostinato.kernels.gguf_int8_dot import QUANTIZE_BLOCKS, QuantizedX, empty_quantized, store_quantized
+from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
+from ostinato.kernels.triton_optional import jit as _jit
+from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
+
+if triton is not None:
+    from ostinato.kernels.rope_tile import round_like
+
+
+@_jit
+def _sum_rounded(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """x (+ the residual, the sum rounded to the model dtype) at offs, float32."""
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = round_like(h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x_ptr, EMULATE_BF16)
+    return h
+
+
+@_jit
+def _norm_quantize_x_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K,
+                            stride_xm, stride_rm, eps, ROW: tl.constexpr, BLOCKS: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Row program_id(1): h = x + residual (the next residual, stored by each program for its blocks), y =
+    rmsnorm(h) * w, and y's BLOCKS 32-blocks quantized as _quantize_x_kernel quantizes x. ROW: a power of two
+    >= K."""
+    pdl_begin(PDL)
+    r = tl.program_id(1)
+    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    b_mask = b < K // 32
+    word = b[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]
+    col = word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [BLOCKS, 8, 4]
+    col_mask = b_mask[:, None, None]
+    w = tl.load(w_ptr + col, mask=col_mask, other=0.0).to(tl.float32)  # a weight: may precede the wait
+    offs = tl.arange(0, ROW)
+    x_row, r_row = x_ptr + r * stride_xm, res_ptr + r * stride_rm
+    pdl_wait(PDL)
+    h_row = _sum_rounded(x_row, r_row, offs, offs < K, HAS_RESIDUAL, EMULATE_BF16)
+    rstd = tl.math.rsqrt(tl.sum(h_row * h_row, axis=0) / K + eps)
+    h = _sum_rounded(x_row, r_row, col, col_mask, HAS_RESIDUAL, EMULATE_BF16)
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + r * K + col, h.to(res_out_ptr.dtype.element_ty), mask=col_mask)
+    y = round_like(round_like(h * rstd, x_ptr, EMULATE_BF16) * w, x_ptr, EMULATE_BF16)
+    store_quantized(y, r, b, b_mask, word, K, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, BLOCKS)
+
+
+def norm_quantize_x(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    pdl: bool = False) -> tuple[QuantizedX, torch.Tensor]:
+    """(quantize_x(rmsnorm(x + residual) * weight), x + residual) in one kernel, x and residual [M, K] (rows may
+    be strided, columns contiguous; residual None: the norm of x, and x itself comes back second)."""
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED
+
+    m, k = x.shape
+    assert k % 32 == 0 and x.stride(-1) == 1 and weight.shape == (k,)
+    assert residual is None or (residual.shape == x.shape and residual.stride(-1) == 1)
+    qx = empty_quantized(m, k, x.device)
+    res_out = x if residual is None else torch.empty(m, k, device=x.device, dtype=x.dtype)
+    _norm_quantize_x_kernel[(triton.cdiv(k // 32, QUANTIZE_BLOCKS), m)](
+        x, x if residual is None else residual, weight, res_out, *qx, k, x.stride(0),
+        0 if residual is None else residual.stride(0), eps, ROW=triton.next_power_of_2(k), BLOCKS=QUANTIZE_BLOCKS,
+        HAS_RESIDUAL=residual is not None, EMULATE_BF16=KERNELS_INTERPRETED and x.dtype == torch.bfloat16,
+        PDL=pdl, num_warps=4, **launch_options(pdl))
+    return qx, res_out

@@ -1,0 +1,101 @@
+"""The RMSNorm folded into the GGUF activations' quantization (kernels/gguf_int8_norm.py): on the GPU where there
+is one, else under the Triton interpreter, one kernel gives what the norm kernel (kernels/fused.py) and the
+quantizing kernel give one after the other (the residual bit for bit, the codes but for a rare tie the reduction
+order moves), and the projections fed from it what they give fed the normed rows; the decoder's norm_then_linear
+takes that path on CUDA exactly where every part of the projection takes integer dot products."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytest.importorskip("triton")
+
+from ostinato.kernels import gguf_gemv  # noqa: E402
+from ostinato.kernels.fused import fused_add_rms_norm, rms_norm  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import quantize_x  # noqa: E402
+from ostinato.kernels.gguf_int8_norm import norm_quantize_x  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0, GGUFConcat, GGUFLinear  # noqa: E402
+from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+
+
+def _rows(m: int, k: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(m, k, generator=g)).to(torch.bfloat16).to(DEV)
+
+
+def _parts(k: int, types=((Q4_K, "Q4_K", 7), (Q6_K, "Q6_K", 5))):
+    return [(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))).to(DEV), qtype, None)
+            for qtype, name, n in types]
+
+
+def _same_quantization(got, want):
+    codes_got, codes_want = (q.xq.cpu().view(torch.int8).float() for q in (got, want))
+    assert (codes_got - codes_want).abs().max() <= 1 and (codes_got != codes_want).float().mean() < 2e-3
+    for a, b in zip(got[1:], want[1:]):  # dx, sx, cx, s16
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_one_kernel_gives_the_norm_then_the_quantization(with_residual):
+    m, k = 3, 768
+    x = torch.cat([_rows(m, k, 0), _rows(m, 64, 9)], dim=1)[:, :k]  # strided rows
+    residual = _rows(m, k, 1, scale=4.0) if with_residual else None
+    weight = _rows(1, k, 2)[0].abs() + 0.5
+    got, got_residual = norm_quantize_x(x, residual, weight, EPS)
+    if with_residual:
+        normed, want_residual = fused_add_rms_norm(x, residual, weight, EPS)
+        torch.testing.assert_close(got_residual, want_residual, rtol=0, atol=0)
+    else:
+        normed = rms_norm(x, weight, EPS)
+        assert got_residual is x
+    _same_quantization(got, quantize_x(normed))
+
+
+def test_a_projection_fed_from_it_gives_what_the_normed_rows_give():
+    k = 512
+    x, residual = _rows(1, k, 3), _rows(1, k, 4)
+    weight = _rows(1, k, 5)[0].abs() + 0.5
+    parts = _parts(k)
+    out, new_residual = gguf_gemv.gguf_norm_linear(x, (residual, weight, EPS), parts)
+    normed, want_residual = fused_add_rms_norm(x, residual, weight, EPS)
+    want = torch.empty_like(out)
+    gguf_gemv.gguf_concat_into(normed, parts, want)
+    torch.testing.assert_close(new_residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
+
+
+def test_it_folds_where_every_part_takes_integer_dot_products():
+    k = 256
+    one, two = torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(2, k, dtype=torch.bfloat16)
+    assert gguf_gemv.norm_folds(one, [Q4_K, Q6_K]) and gguf_gemv.norm_folds(two, [Q8_0])
+    assert not gguf_gemv.norm_folds(one, [Q4_K, Q8_0])  # Q8_0 keeps the fp32 decoding at one row
+    assert not gguf_gemv.norm_folds(one.float(), [Q4_K])
+    assert not gguf_gemv.norm_folds(torch.zeros(9, k, dtype=torch.bfloat16), [Q4_K])
+    layer = GGUFLinear(Q4_K, torch.from_numpy(random_blocks("Q4_K", 4, k, np.random.default_rng(0))), k)
+    assert not layer.folds(one, norm=True)  # a CPU tensor: the torch path, no kernel to fold into
+    assert not layer.folds(one)  # never the activation after it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 4])
+def test_the_decoder_norm_then_linear_takes_the_fold_on_cuda(m, monkeypatch):
+    from ostinato.kernels.fused import TRITON_KERNELS_PDL
+
+    k = 512
+    layer = GGUFConcat([GGUFLinear(qtype, blocks, k) for blocks, qtype, _ in _parts(k)]).to(DEV)
+    x, residual = _rows(m, k, 6), _rows(m, k, 7)
+    weight = _rows(1, k, 8)[0].abs() + 0.5
+    folded = []
+    monkeypatch.setattr(gguf_gemv, "norm_quantize_x",
+                        lambda *a, **kw: folded.append(a[0].shape) or norm_quantize_x(*a, **kw))
+    out, new_residual = TRITON_KERNELS_PDL.norm_then_linear(x, residual, weight, EPS, layer)
+    assert folded == [x.shape]
+    normed, want_residual = fused_add_rms_norm(x, residual, weight, EPS)
+    want = layer.linear(normed)
+    torch.testing.assert_close(new_residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
