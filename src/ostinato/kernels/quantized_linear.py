@@ -4,8 +4,8 @@ A quantized projection keeps its weight on the device in the checkpoint's own en
 y = x @ W^T (+ bias) from it, so that a decode step reads the quantized bytes, not a bf16 copy. The decoder
 does not know the formats: its kernel sets (kernels/fused.py) hand any QuantizedLinear its input through
 `linear`; a format whose few-rows kernel can also take the RMSNorm before the projection and the SwiGLU after
-it says so through `folds` and computes them in `fused_linear` (FP8); the others keep the default, no fold,
-and the decoder launches the norm and the activation apart. Each format lives in its own module and
+it says so through `folds` and computes them in `fused_linear` (FP8 both, GGUF the norm only); the others keep
+the default, no fold, and the decoder launches the norm and the activation apart. Each format lives in its own module and
 subclasses this one; its reference is `dequantize`, against which the tests check its kernels in float64.
 """
 
