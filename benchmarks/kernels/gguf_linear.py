@@ -34,12 +34,11 @@ from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choos
 from ostinato.kernels.gguf_gemv import INT8_DOT_KERNELS  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles  # noqa: E402
-from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
-
-INT8_TILES = {qtype: tiles() for qtype, (tiles, _) in INT8_DOT_KERNELS.items()}  # their default tiles
-from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFLinear  # noqa: E402
+from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear  # noqa: E402
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
+
+INT8_TILES = {qtype: tiles() for qtype, (tiles, _) in INT8_DOT_KERNELS.items()}  # their default tiles
 
 # Llama-3.1-8B: (name, N, K) of qkv, o, gate_up, down.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -152,12 +151,10 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
             layers.append((n, k, [blocks.clone() for _ in range(copies)]))
         nbytes = sum(copies[0].numel() for _, _, copies in layers)
         for m in batches:
-            probe = torch.empty(m, 1, dtype=torch.bfloat16)
-            default = (INT8_TILES[qtype] if int8_dot_applies(probe, qtype)
-                       else choose_tiles(qtype, m, SHAPES[0][1], SHAPES[0][2]))
-            results = []
             n0, k0, copies0 = layers[0]
             x0 = torch.randn(m, k0, device="cuda", dtype=torch.bfloat16)
+            default = INT8_TILES[qtype] if int8_dot_applies(x0, qtype) else choose_tiles(qtype, m, n0, k0)
+            results = []
             ref = F.linear(x0, GGUFLinear(qtype, copies0[0], k0).dequantize().to(torch.bfloat16)).float()
             for tiles in candidates(qtype, m) + [default]:
                 try:

@@ -31,7 +31,7 @@ import torch
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, QuantizedX, int8_dot_applies, q4k_rows_into, quantize_x
 from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
 from ostinato.kernels.gguf_int8_norm import norm_quantize_x
-from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, KernelParts
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -310,10 +310,7 @@ def takes_int8_dot(x: torch.Tensor, qtype: int, tiles: GivenTiles | None = None)
     return int8_dot_applies(x, qtype)
 
 
-Parts = Sequence[tuple[torch.Tensor, int, torch.Tensor | None]]  # a projection's (blocks, qtype, bias), in rows
-
-
-def gguf_concat_into(x: torch.Tensor, parts: Parts, out: torch.Tensor, pdl: bool = False,
+def gguf_concat_into(x: torch.Tensor, parts: KernelParts, out: torch.Tensor, pdl: bool = False,
                      qx: QuantizedX | None = None) -> None:
     """out [M, sum of the parts' N] = x @ [W_0; W_1; ...]^T, parts of different types (GGUFConcat), each writing
     its own columns. x is quantized once for the parts that take integer dot products, where more than one does:
@@ -331,7 +328,7 @@ def norm_folds(x: torch.Tensor, qtypes: Sequence[int]) -> bool:
     return all(takes_int8_dot(x, qtype) for qtype in qtypes)
 
 
-def gguf_norm_linear(x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Tensor, float], parts: Parts,
+def gguf_norm_linear(x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Tensor, float], parts: KernelParts,
                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight @ [W_0; W_1; ...]^T, x + residual), norm = (residual or None, weight, eps):
     the norm folded into the activations' quantization (kernels/gguf_int8_norm.py), where norm_folds."""

@@ -33,6 +33,9 @@ import torch
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.triton_optional import triton
 
+# A projection's parts as the kernels take them (kernels/gguf_gemv.py): (blocks, qtype, bias) each, in output order.
+KernelParts = list[tuple[torch.Tensor, int, torch.Tensor | None]]
+
 # ggml type ids (gguf.GGMLQuantizationType) -> (name, weights per block, bytes per block), for the typed kernels.
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 KERNEL_TYPES = {
@@ -127,7 +130,7 @@ class GGUFProjection(QuantizedLinear):
     """What GGUFLinear and GGUFConcat share: the norm before them folded into the quantization of their input
     (kernels/gguf_int8_norm.py), where every part takes integer dot products at these rows."""
 
-    def kernel_parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+    def kernel_parts(self) -> KernelParts:
         """(blocks, qtype, bias) of each part, in output order."""
         raise NotImplementedError
 
@@ -167,7 +170,7 @@ class GGUFLinear(GGUFProjection):
     def type_name(self) -> str:
         return KERNEL_TYPES[self.qtype][0]
 
-    def kernel_parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+    def kernel_parts(self) -> KernelParts:
         return [(self.blocks, self.qtype, self.bias)]
 
     def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
@@ -226,7 +229,7 @@ class GGUFConcat(GGUFProjection):
             start += part.out_features
         return out
 
-    def kernel_parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+    def kernel_parts(self) -> KernelParts:
         return [(p.blocks, p.qtype, p.bias) for p in self.parts]
 
     def dequantize(self) -> torch.Tensor:
