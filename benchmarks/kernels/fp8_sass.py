@@ -1,7 +1,7 @@
 """What the few-rows GEMVs compile to on sm_90, without a GPU: registers, shared memory, and the innermost loop's
 SASS (instructions a thread a weight byte, and the opcode mix), for the first FP8 GEMV (kernels/fp8_gemv.py), the
 streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and the GGUF Q4_K / Q6_K / Q8_0
-integer-dot GEMVs (kernels/gguf_int8_dot.py, gguf_int8_halves.py; code bytes only, not their headers and scales)
+integer-dot GEMVs (kernels/gguf_int8_dot.py, gguf_int8_q6k_q80.py; code bytes only, not their headers and scales)
 at the 8B's one-row tiles.
 
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
@@ -25,10 +25,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ostinato.kernels import fp8_gemv, fp8_stream, gemv, gguf_int8_dot, gguf_int8_halves
+from ostinato.kernels import fp8_gemv, fp8_stream, gemv, gguf_int8_dot, gguf_int8_q6k_q80
 
 TARGET = GPUTarget("cuda", 90, 32)
-SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_halves")  # integer arguments the JIT sees as multiples of 16
+SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_halves", "row_len")  # integer arguments the JIT sees as multiples of 16
 _NVIDIA_BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 
 
@@ -94,8 +94,8 @@ GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*b
 Q4K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*i32",
            "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_words": "i32", "row_words": "i32",
            "stride_om": "i32"}
-Q8_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "h_ptr": "*i16", "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
-          "n_words": "i32", "row_halves": "i32", "stride_om": "i32"}
+Q8_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "w_ptr": "*i32", "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
+          "n_words": "i32", "row_len": "i32", "stride_om": "i32"}
 Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "h_ptr": "*i16", "b8_ptr": "*u8",
            "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_pos": "i32", "row_halves": "i32",
            "stride_om": "i32"}
@@ -126,19 +126,21 @@ def main() -> None:
     report("stream FP8 GEMV 4x1024 p1, 4 rows", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
         ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False, K_PAD=1,
         GLU=False, ASM=True, EMULATE_BF16=False, PDL=True)), tile // 2, 128, out_dir)
-    q4k, q6k = gguf_int8_dot.Q4kTiles(), gguf_int8_halves.Q6kTiles()
+    q4k, q6k = gguf_int8_dot.Q4kTiles(), gguf_int8_q6k_q80.Q6kTiles()
     report(f"GGUF Q4_K int8 dot {q4k.block_n}x{q4k.block_j} words", _compile(
         gguf_int8_dot._q4k_row_kernel, Q4K_SIG, dict(ROWS=1, BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True,
                                                       HAS_BIAS=False, PDL=True, ASM=True), num_warps=q4k.num_warps),
         q4k.block_n * q4k.block_j * 4, 32 * q4k.num_warps, out_dir)
     report(f"GGUF Q6_K int8 dot {q6k.block_n}x{q6k.block_j} positions", _compile(
-        gguf_int8_halves._q6k_row_kernel, Q6K_SIG, dict(ROWS=1, BLOCK_N=q6k.block_n, BLOCK_J=q6k.block_j, EVEN=True,
-                                                      HAS_BIAS=False, PDL=True, ASM=True), num_warps=q6k.num_warps),
+        gguf_int8_q6k_q80._q6k_row_kernel, Q6K_SIG, dict(ROWS=1, BLOCK_N=q6k.block_n, BLOCK_J=q6k.block_j,
+                                                        EVEN=True, HAS_BIAS=False, PDL=True, ASM=True),
+        num_warps=q6k.num_warps),
         q6k.block_n * q6k.block_j * 12, 32 * q6k.num_warps, out_dir)
-    q8 = gguf_int8_halves.Q8Tiles()
+    q8 = gguf_int8_q6k_q80.Q8Tiles()
     report(f"GGUF Q8_0 int8 dot {q8.block_n}x{q8.block_j} words", _compile(
-        gguf_int8_halves._q80_row_kernel, Q8_SIG, dict(ROWS=1, BLOCK_N=q8.block_n, BLOCK_J=q8.block_j, EVEN=True,
-                                                     HAS_BIAS=False, PDL=True, ASM=True), num_warps=q8.num_warps),
+        gguf_int8_q6k_q80._q80_row_kernel, Q8_SIG, dict(ROWS=1, BLOCK_N=q8.block_n, BLOCK_J=q8.block_j, EVEN=True,
+                                                       QUADS=True, HAS_BIAS=False, PDL=True, ASM=True),
+        num_warps=q8.num_warps),
         q8.block_n * q8.block_j * 4, 32 * q8.num_warps, out_dir)
     print(f"(files in {out_dir})")
 

@@ -1,4 +1,4 @@
-"""The Q4_K, Q6_K and Q8_0 kernels with int8 activations (kernels/gguf_int8_dot.py, gguf_int8_halves.py), on the GPU
+"""The Q4_K, Q6_K and Q8_0 kernels with int8 activations (kernels/gguf_int8_dot.py, gguf_int8_q6k_q80.py), on the GPU
 where there is one, else under the Triton interpreter: the quantized activations equal a numpy float32 quantizer
 (bit for bit in the interpreter; the GPU's fast division may move a value sitting on a rounding tie by one code),
 the kernel equals a float64 evaluation of its own formula on its own quantized activations, and against the gguf
@@ -12,11 +12,12 @@ gguf_quants = pytest.importorskip("gguf.quants")
 pytest.importorskip("triton")
 
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, q4k_rows_into, quantize_x  # noqa: E402
-from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into  # noqa: E402
-from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0  # noqa: E402
+from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, planar_rows  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BY_NAME = {"Q4_K": Q4_K, "Q6_K": Q6_K, "Q8_0": Q8_0}
 
 
 def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +102,8 @@ def _run(kernel, qtype_name, formula, m, n, k, tiles, bias):
     x = _x(m, k, n + m)
     b = torch.randn(n) if bias else None
     wide = torch.zeros(m, n + 5, device=DEV)
-    kernel(x.to(DEV), torch.from_numpy(blocks).to(DEV), b.to(DEV) if bias else None, wide[:, 2:2 + n], tiles=tiles)
+    rows = planar_rows(torch.from_numpy(blocks), BY_NAME[qtype_name]).to(DEV)
+    kernel(x.to(DEV), rows, b.to(DEV) if bias else None, wide[:, 2:2 + n], tiles=tiles)
     want = formula(x, blocks, n, k) + (b.double().numpy() if bias else 0)
     got = wide.double().cpu().numpy()
     np.testing.assert_allclose(got[:, 2:2 + n], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -130,10 +132,12 @@ def test_q6k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     _run(q6k_rows_into, "Q6_K", _q6k_formula, m, n, k, tiles, bias)
 
 
-@pytest.mark.parametrize("m,n,k,tiles,bias", [(1, 13, 352, Q8Tiles(4, 32), True),  # K: 11 blocks, odd ones 2-aligned
-                                              (1, 3, 256, Q8Tiles(8, 64), False),  # more rows of W a program than N
+@pytest.mark.parametrize("m,n,k,tiles,bias", [(1, 13, 448, Q8Tiles(4, 32), True),  # K not a K step multiple, rows
+                                              # of 119 words
+                                              (1, 3, 256, Q8Tiles(8, 64), False),  # more rows of W a program than N;
+                                              # rows of 4n words (QUADS)
                                               (1, 9, 512, Q8Tiles(4, 64), True),  # the K step divides K: no masks
-                                              (3, 13, 352, Q8Tiles(4, 32), False),  # three accumulators
+                                              (3, 13, 448, Q8Tiles(4, 32), False),  # three accumulators
                                               (5, 9, 512, Q8Tiles(2, 128), True)])  # two groups of rows: 4, then 1
 def test_q80_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     _run(q80_rows_into, "Q8_0", _q80_formula, m, n, k, tiles, bias)
@@ -153,8 +157,9 @@ def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
     assert err < 7e-3, err
 
 
-def test_gguf_linear_takes_them_for_half_precision_rows_where_the_table_says(monkeypatch):
-    """INT8_DOT_ROWS: Q4_K and Q6_K at 1-8 rows, Q8_0 at 2-8; never float32 rows."""
+def test_gguf_linear_takes_them_for_half_precision_rows_where_the_tables_say(monkeypatch):
+    """INT8_DOT_ROWS: Q4_K, Q6_K and Q8_0 at 1-8 rows, never float32 rows; INT8_DOT_K: Q8_0 rows of an odd number of
+    blocks are not whole words, and are never taken."""
     from ostinato.kernels import gguf_gemv
 
     taken = []
@@ -163,28 +168,32 @@ def test_gguf_linear_takes_them_for_half_precision_rows_where_the_table_says(mon
         monkeypatch.setitem(gguf_gemv.INT8_DOT_KERNELS, qtype,
                             (tiles, lambda *a, name=name, **kw: taken.append((name, a[0].shape[0]))))
     for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", Q8_0)]:
-        blocks = torch.from_numpy(random_blocks(name, 4, 256, np.random.default_rng(0))).to(DEV)
+        blocks = planar_rows(torch.from_numpy(random_blocks(name, 4, 512, np.random.default_rng(0))), qtype).to(DEV)
         for m, dtype in [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16),
                          (8, torch.float16), (8, torch.float32), (9, torch.bfloat16)]:
-            gguf_gemv.gguf_linear_into(torch.randn(m, 256, device=DEV).to(dtype), blocks, qtype, None,
+            gguf_gemv.gguf_linear_into(torch.randn(m, 512, device=DEV).to(dtype), blocks, qtype, None,
                                        torch.empty(m, 4, device=DEV, dtype=dtype))
-    assert taken == [(name, m) for name in ("Q4_K", "Q6_K") for m in (1, 1, 2, 8)] + [("Q8_0", 2), ("Q8_0", 8)]
+    blocks = planar_rows(torch.from_numpy(random_blocks("Q8_0", 4, 96, np.random.default_rng(0))), Q8_0).to(DEV)
+    gguf_gemv.gguf_linear_into(torch.randn(2, 96, device=DEV).to(torch.bfloat16), blocks, Q8_0, None,
+                               torch.empty(2, 4, device=DEV, dtype=torch.bfloat16))
+    assert taken == [(name, m) for name in ("Q4_K", "Q6_K", "Q8_0") for m in (1, 1, 2, 8)]
 
 
 def test_a_concat_quantizes_x_once_for_its_integer_dot_parts(monkeypatch):
-    """GGUFConcat's Q4_K and Q6_K shards (and a Q8_0 one, which takes none at one row) at one bf16 row:
-    one quantizing launch, and each shard's columns as its own call makes them."""
-    from ostinato.kernels import gguf_gemv, gguf_int8_dot, gguf_int8_halves
+    """GGUFConcat's Q4_K, Q8_0 and Q6_K shards at one bf16 row (and a Q4_0 one, which takes none): one quantizing
+    launch, and each shard's columns as its own call makes them."""
+    from ostinato.kernels import gguf_gemv, gguf_int8_dot, gguf_int8_q6k_q80
 
     k = 512
-    parts = [(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))).to(DEV), qtype, None)
-             for name, qtype, n in (("Q4_K", Q4_K, 7), ("Q8_0", Q8_0, 3), ("Q6_K", Q6_K, 5))]
+    parts = [(planar_rows(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))), qtype).to(DEV),
+              qtype, None)
+             for name, qtype, n in (("Q4_K", Q4_K, 7), ("Q8_0", Q8_0, 3), ("Q4_0", Q4_0, 4), ("Q6_K", Q6_K, 5))]
     x = _x(1, k, 3).to(DEV)
     alone = torch.cat([_one_call(x, blocks, qtype) for blocks, qtype, _ in parts], dim=1)
     calls = []
-    for module in (gguf_gemv, gguf_int8_dot, gguf_int8_halves):  # wherever a kernel's wrapper would quantize x
+    for module in (gguf_gemv, gguf_int8_dot, gguf_int8_q6k_q80):  # wherever a kernel's wrapper would quantize x
         monkeypatch.setattr(module, "quantize_x", lambda *a: calls.append(a) or quantize_x(*a))
-    out = torch.full((1, 15), -1.0, device=DEV, dtype=torch.bfloat16)
+    out = torch.full((1, 19), -1.0, device=DEV, dtype=torch.bfloat16)
     gguf_gemv.gguf_concat_into(x, parts, out)
     assert len(calls) == 1
     torch.testing.assert_close(out, alone, rtol=0, atol=0)

@@ -15,7 +15,7 @@ from ostinato.kernels import gguf_gemv  # noqa: E402
 from ostinato.kernels.fused import fused_add_rms_norm, rms_norm  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import quantize_x  # noqa: E402
 from ostinato.kernels.gguf_int8_norm import norm_quantize_x  # noqa: E402
-from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0, GGUFConcat, GGUFLinear  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, GGUFConcat, GGUFLinear, planar_rows  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,9 +27,13 @@ def _rows(m: int, k: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (scale * torch.randn(m, k, generator=g)).to(torch.bfloat16).to(DEV)
 
 
-def _parts(k: int, types=((Q4_K, "Q4_K", 7), (Q6_K, "Q6_K", 5))):
-    return [(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))).to(DEV), qtype, None)
-            for qtype, name, n in types]
+def _file_rows(k: int, types=((Q4_K, "Q4_K", 7), (Q6_K, "Q6_K", 5))):
+    return [(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))), qtype) for qtype, name, n in types]
+
+
+def _parts(k: int):
+    """The kernels' parts (rows as planar_rows gives them)."""
+    return [(planar_rows(blocks, qtype).to(DEV), qtype, None) for blocks, qtype in _file_rows(k)]
 
 
 def _same_quantization(got, want):
@@ -69,10 +73,11 @@ def test_a_projection_fed_from_it_gives_what_the_normed_rows_give():
 
 
 def test_it_folds_where_every_part_takes_integer_dot_products():
-    k = 256
+    k = 512
     one, two = torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(2, k, dtype=torch.bfloat16)
     assert gguf_gemv.norm_folds(one, [Q4_K, Q6_K]) and gguf_gemv.norm_folds(two, [Q8_0])
-    assert not gguf_gemv.norm_folds(one, [Q4_K, Q8_0])  # Q8_0 keeps the fp32 decoding at one row
+    assert gguf_gemv.norm_folds(one, [Q4_K, Q8_0])
+    assert not gguf_gemv.norm_folds(one, [Q4_K, Q4_0])  # Q4_0 has no integer-dot kernel
     assert not gguf_gemv.norm_folds(one.float(), [Q4_K])
     assert not gguf_gemv.norm_folds(torch.zeros(9, k, dtype=torch.bfloat16), [Q4_K])
     layer = GGUFLinear(Q4_K, torch.from_numpy(random_blocks("Q4_K", 4, k, np.random.default_rng(0))), k)
@@ -87,7 +92,7 @@ def test_the_decoder_norm_then_linear_takes_the_fold_on_cuda(m, monkeypatch):
     from ostinato.kernels.fused import TRITON_KERNELS_PDL
 
     k = 512
-    layer = GGUFConcat([GGUFLinear(qtype, blocks, k) for blocks, qtype, _ in _parts(k)]).to(DEV)
+    layer = GGUFConcat([GGUFLinear(qtype, blocks, k) for blocks, qtype in _file_rows(k)]).to(DEV)
     x, residual = _rows(m, k, 6), _rows(m, k, 7)
     weight = _rows(1, k, 8)[0].abs() + 0.5
     folded = []

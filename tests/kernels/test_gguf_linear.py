@@ -8,7 +8,8 @@ import torch
 
 gguf_quants = pytest.importorskip("gguf.quants")
 
-from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFConcat, GGUFLinear, dequantize_blocks  # noqa: E402
+from ostinato.kernels.gguf_linear import (KERNEL_TYPES, PLANE_FIELDS, Q8_0, GGUFConcat, GGUFLinear,  # noqa: E402
+                                          block_rows, dequantize_blocks, planar_rows)
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 TYPES = sorted(KERNEL_TYPES, key=lambda t: KERNEL_TYPES[t][0])
@@ -16,6 +17,11 @@ TYPES = sorted(KERNEL_TYPES, key=lambda t: KERNEL_TYPES[t][0])
 
 def _blocks(qtype, n, k, seed=0):
     return random_blocks(KERNEL_TYPES[qtype][0], n, k, np.random.default_rng(seed))
+
+
+def _rows(blocks: np.ndarray, qtype: int) -> torch.Tensor:
+    """The file's rows as the kernels take them."""
+    return planar_rows(torch.from_numpy(blocks), qtype)
 
 
 def _reference(x: torch.Tensor, blocks: np.ndarray, qtype: int) -> np.ndarray:
@@ -27,6 +33,29 @@ def test_torch_dequantize_equals_the_gguf_library(qtype):
     blocks = _blocks(qtype, 3, 512)
     ours = dequantize_blocks(torch.from_numpy(blocks), qtype, 512).numpy()
     np.testing.assert_array_equal(ours, gguf_quants.dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
+def test_planar_rows_hold_the_same_bytes_and_undo(qtype):
+    """The kernels' rows (planar for Q8_0 and Q6_K, as they are for the rest) give the file's rows back."""
+    blocks = torch.from_numpy(_blocks(qtype, 3, 1024))
+    rows = planar_rows(blocks, qtype)
+    assert rows.shape == blocks.shape
+    assert torch.equal(torch.sort(rows.flatten()).values, torch.sort(blocks.flatten()).values)
+    assert torch.equal(block_rows(rows, qtype), blocks)
+    assert (qtype in PLANE_FIELDS) == (not torch.equal(rows, blocks))
+
+
+def test_a_planar_q8_0_row_is_its_codes_then_its_scales():
+    """Read the way the kernels read it, a planar Q8_0 row gives the gguf library's weights."""
+    n, k = 3, 256
+    blocks = _blocks(Q8_0, n, k)
+    rows = planar_rows(torch.from_numpy(blocks), Q8_0)
+    codes = rows[:, :k].view(torch.int8).float()
+    d = rows[:, k:].contiguous().view(torch.float16).float()
+    assert d.shape == (n, k // 32)
+    weights = codes * d.repeat_interleave(32, dim=1)
+    np.testing.assert_array_equal(weights.numpy(), gguf_quants.dequantize(blocks, Q8_0))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
@@ -61,8 +90,10 @@ def test_every_tile_setting_covers_all_of_k_and_n(qtype, m, tiles):
     n, k = 5, 3 * 256
     blocks = _blocks(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    out = torch.empty(m, n)
-    gguf_linear_into(x, torch.from_numpy(blocks), qtype, None, out, tiles=GGUFTiles(*tiles))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(m, n, device=dev)
+    gguf_linear_into(x.to(dev), _rows(blocks, qtype).to(dev), qtype, None, out, tiles=GGUFTiles(*tiles))
+    out = out.cpu()
     ref = _reference(x, blocks, qtype)
     np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
@@ -76,7 +107,7 @@ def test_dequantize_kernel_equals_the_gguf_library(qtype):
     blocks = _blocks(qtype, n, k, seed=3)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     out = torch.full((n, k), float("nan"), device=dev)
-    gguf_dequantize_into(torch.from_numpy(blocks).to(dev), qtype, out)
+    gguf_dequantize_into(_rows(blocks, qtype).to(dev), qtype, out)
     np.testing.assert_allclose(out.cpu().numpy(), gguf_quants.dequantize(blocks, qtype), rtol=1e-6, atol=1e-6)
 
 
@@ -94,7 +125,7 @@ def test_dequantized_gemm_in_slices_writes_only_its_columns(qtype, monkeypatch):
     x = torch.randn(gguf_gemv.GEMV_MAX_ROWS + 1, k)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     wide = torch.full((x.shape[0], n + 7), -5.0, device=dev)
-    gguf_gemv.gguf_linear_into(x.to(dev), torch.from_numpy(blocks).to(dev), qtype, bias.to(dev), wide[:, 3:3 + n])
+    gguf_gemv.gguf_linear_into(x.to(dev), _rows(blocks, qtype).to(dev), qtype, bias.to(dev), wide[:, 3:3 + n])
     wide = wide.cpu()
     ref = _reference(x, blocks, qtype) + bias.double().numpy()
     np.testing.assert_allclose(wide[:, 3:3 + n].double().numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -172,14 +172,17 @@ def test_qwen2_q8_0_with_qkv_biases_matches_hf(tmp_path, cache):
     _assert_greedy_equals_hf(path, prompts, ours, 6)
 
 
-def test_the_log_says_when_activations_are_rounded_to_int8():
+def test_the_log_says_when_activations_are_rounded_to_int8(monkeypatch):
     from collections import Counter
 
+    from ostinato.model import gguf_weights
     from ostinato.model.gguf_weights import int8_dot_line
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     line = int8_dot_line(Counter({"Q4_K": 160, "Q6_K": 48}), cuda, torch.bfloat16)
     assert "(Q4_K and Q6_K at 1-8 rows)" in line and "int8" in line
+    assert "(Q8_0 and Q6_K at 1-8 rows)" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda, torch.float16)
+    monkeypatch.setitem(gguf_weights.INT8_DOT_ROWS, 8, (2, 8))  # types at different rows: one clause each
     assert "(Q8_0 at 2-8 rows; Q6_K at 1-8 rows)" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda,
                                                                    torch.float16)
     assert int8_dot_line(Counter({"Q4_1": 210}), cuda, torch.bfloat16) is None  # SmolLM2: no such type

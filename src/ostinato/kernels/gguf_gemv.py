@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, QuantizedX, int8_dot_applies, q4k_rows_into, quantize_x
-from ostinato.kernels.gguf_int8_halves import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
+from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
 from ostinato.kernels.gguf_int8_norm import norm_quantize_x
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, KernelParts
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
@@ -147,9 +147,8 @@ def _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, M, K,
     loads can be vectors) times x. l2 [1, PIECE]: a byte's place in its group's code vector."""
     g = g2[None, :, :]  # [1, GROUPS, 1]
     l = l2[None, :, :]  # [1, 1, PIECE]
-    if QTYPE == 8:  # Q8_0: a group is a block
-        blk = row + g * 34
-        w = _f16(blk, mask) * _i8(blk + 2 + l, mask)
+    if QTYPE == 8:  # Q8_0: a group is a block; planar rows (kernels/gguf_linear.py): K codes, then each d
+        w = _f16(row + K + 2 * g, mask) * _i8(row + 32 * g + l, mask)
         acc = _use(acc, w, g2 * 32 + l2, x_ptr, stride_xm, offs_m, m_mask, M, K, MODE, PRECISION)
     elif QTYPE == 2 or QTYPE == 3:  # Q4_0, Q4_1: a group is a block; low nibbles weights 0..15, high 16..31
         if QTYPE == 2:
@@ -344,7 +343,7 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
     slice of a wider tensor (its rows strided, its columns contiguous). Half-precision x times Q4_K, Q6_K or
     Q8_0 blocks at the rows gguf_int8_dot.INT8_DOT_ROWS gives: integer dot products (kernels/gguf_int8_dot.py,
-    gguf_int8_halves.py; qx: x already quantized for them, where takes_int8_dot); otherwise up to GEMV_MAX_ROWS
+    gguf_int8_q6k_q80.py; qx: x already quantized for them, where takes_int8_dot); otherwise up to GEMV_MAX_ROWS
     rows one kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0.
     tiles: the default path's unless given (the benchmark's sweep: Q4kTiles / Q6kTiles / Q8Tiles run the
     integer-dot kernels at any row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""

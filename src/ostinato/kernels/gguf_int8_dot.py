@@ -1,5 +1,5 @@
 """Activations times Q4_K blocks as integer dot products: the batch-1 decode's GGUF projections, and, given tiles,
-a few rows. Also what the Q6_K and Q8_0 kernels (kernels/gguf_int8_halves.py) share: the quantized activations,
+a few rows. Also what the Q6_K and Q8_0 kernels (kernels/gguf_int8_q6k_q80.py) share: the quantized activations,
 the dp4a, the row handling. Q4_K_M files are Q4_K and Q6_K.
 
 Why: a 4-bit weight is a quarter of a bf16 one, so at the bandwidth floor a GEMV must finish each weight in about
@@ -56,10 +56,13 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 # The ggml types whose projections take integer dot products by default, and at how many rows of x (first, last):
 # where they beat the kernel that decodes to fp32 (kernels/gguf_gemv.py) in whole decode steps of the 8B shape
-# (docs/PERFORMANCE.md, GGUF). Q8_0 not at one row: its bytes decode to fp32 in one conversion each, and that
-# kernel's aligned loads beat these kernels' 16-bit ones. gguf_gemv.gguf_linear_into dispatches; the Q6_K and
-# Q8_0 kernels are in kernels/gguf_int8_halves.py.
-INT8_DOT_ROWS = {Q4_K: (1, 8), Q6_K: (1, 8), Q8_0: (2, 8)}
+# (docs/PERFORMANCE.md, GGUF). gguf_gemv.gguf_linear_into dispatches; the Q6_K and Q8_0 kernels are in
+# kernels/gguf_int8_q6k_q80.py.
+INT8_DOT_ROWS = {Q4_K: (1, 8), Q6_K: (1, 8), Q8_0: (1, 8)}
+# The multiple of K each type's kernel needs: a super-block for the k-quants; Q8_0's planar rows
+# (kernels/gguf_linear.py) are read as 32-bit words, which they are only for an even number of blocks. Other K
+# keep the fp32 decoding.
+INT8_DOT_K = {Q4_K: 256, Q6_K: 256, Q8_0: 64}
 SUPER_BLOCK = 256  # weights of a K-quant super-block (Q4_K: 144 bytes, 36 words of which 4 header; Q6_K: 210)
 
 
@@ -283,9 +286,11 @@ QUANTIZE_BLOCKS = 4
 
 def int8_dot_applies(x: torch.Tensor, qtype: int) -> bool:
     """Whether gguf_linear_into sends x times qtype's blocks to these kernels by default: half-precision rows, as
-    many as INT8_DOT_ROWS gives the type (float32 runs, the reference runs, keep the fp32 decoding)."""
+    many as INT8_DOT_ROWS gives the type, K as INT8_DOT_K (float32 runs, the reference runs, keep the fp32
+    decoding)."""
     first, last = INT8_DOT_ROWS.get(qtype, (1, 0))
-    return first <= x.shape[0] <= last and x.dtype in (torch.bfloat16, torch.float16)
+    return first <= x.shape[0] <= last and x.dtype in (torch.bfloat16, torch.float16) \
+        and x.shape[1] % INT8_DOT_K[qtype] == 0
 
 
 class QuantizedX(NamedTuple):

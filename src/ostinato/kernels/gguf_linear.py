@@ -4,9 +4,14 @@ Why: an 8B Q4_K_M file is ~4.9 GB; dequantized to bf16 it is 16 GB, which every 
 Holding the blocks as raw bytes on the device and decoding them inside the kernels (kernels/gguf_gemv.py) keeps
 a step's reads at what the file holds.
 
-Layout: a projection [N, K] is a uint8 tensor [N, row_bytes]: each row is K / block_size blocks of the type,
-laid out exactly as in the file (ggml quantizes along K, row by row). So rows of one type concatenate (the
-fused q|k|v and gate|up projections) and permute (llama.cpp's q/k RoPE order) as plain byte rows.
+Layout: a projection [N, K] is a uint8 tensor [N, row_bytes]: each row holds the K / block_size blocks of the
+type that the file holds for it (ggml quantizes along K, row by row), so rows of one type concatenate (the fused
+q|k|v and gate|up projections) and permute (llama.cpp's q/k RoPE order) as plain byte rows. Rows are the file's
+bytes as they are, but for Q8_0, whose rows are *planar* (planar_rows): the same bytes, each field of every block
+gathered into one plane of the row, all codes then all d. Why: its 34-byte blocks leave every other block's codes
+only 2-byte aligned, so a kernel reading the file's order makes 16-bit loads; in planes the codes load 16 bytes at
+a time. (llama.cpp's SYCL backend reorders Q4_0 blocks the same way, for the same reason.) Q6_K's 210-byte blocks
+have the same alignment, but its kernel ran slower on planes (ql, qh, scales, d): docs/PERFORMANCE.md, GGUF.
 
 The block formats (ggml-common.h; little-endian fp16 scales):
     Q8_0  32 weights, 34 B: d, int8 q[32]                                  w = d * q
@@ -33,7 +38,8 @@ import torch
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.triton_optional import triton
 
-# A projection's parts as the kernels take them (kernels/gguf_gemv.py): (blocks, qtype, bias) each, in output order.
+# A projection's parts as the kernels take them (kernels/gguf_gemv.py): (blocks, qtype, bias) each, in output order,
+# blocks as planar_rows gives them.
 KernelParts = list[tuple[torch.Tensor, int, torch.Tensor | None]]
 
 # ggml type ids (gguf.GGMLQuantizationType) -> (name, weights per block, bytes per block), for the typed kernels.
@@ -50,6 +56,32 @@ def row_bytes(qtype: int, k: int) -> int:
     if k % block:
         raise ValueError(f"a {KERNEL_TYPES[qtype][0]} row holds a multiple of {block} weights, got {k}")
     return k // block * nbytes
+
+
+# The planar types: each block's fields as (first byte, end) in the block, in the order their planes take in a row.
+PLANE_FIELDS = {Q8_0: ((2, 34), (0, 2))}
+
+
+def planar_rows(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The file's rows [N, row_bytes] uint8 -> the kernels' rows: planar for PLANE_FIELDS' types (the module's
+    docstring), the same tensor for the others."""
+    if qtype not in PLANE_FIELDS:
+        return blocks
+    n, nbytes = blocks.shape[0], KERNEL_TYPES[qtype][2]
+    b = blocks.reshape(n, -1, nbytes)
+    return torch.cat([b[:, :, start:end].reshape(n, -1) for start, end in PLANE_FIELDS[qtype]], dim=1)
+
+
+def block_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """planar_rows undone: the kernels' rows -> the file's block order."""
+    if qtype not in PLANE_FIELDS:
+        return rows
+    n, nbytes = rows.shape[0], KERNEL_TYPES[qtype][2]
+    blocks = rows.shape[1] // nbytes
+    fields = PLANE_FIELDS[qtype]
+    planes = torch.split(rows, [blocks * (end - start) for start, end in fields], dim=1)
+    by_start = sorted(zip(fields, planes), key=lambda field_plane: field_plane[0][0])  # the block's own order
+    return torch.cat([p.reshape(n, blocks, end - start) for (start, end), p in by_start], dim=2).reshape(n, -1)
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -116,7 +148,8 @@ def _dequant_32(b: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """blocks [N, row_bytes] uint8 of type qtype -> the weight [N, k] float32, with torch ops on its device."""
+    """blocks [N, row_bytes] uint8 of type qtype in the file's order (block_rows) -> the weight [N, k] float32,
+    with torch ops on its device."""
     _, block, nbytes = KERNEL_TYPES[qtype]
     b = blocks.reshape(blocks.shape[0], k // block, nbytes)
     if block == 32:
@@ -151,7 +184,8 @@ class GGUFProjection(QuantizedLinear):
 
 
 class GGUFLinear(GGUFProjection):
-    """One projection of one GGUF type: blocks [N, row_bytes] uint8 (a buffer), bias in the activation dtype."""
+    """One projection of one GGUF type, from the file's rows blocks [N, row_bytes] uint8, held as the kernels'
+    rows (planar_rows) in the buffer `blocks`; bias in the activation dtype."""
 
     def __init__(self, qtype: int, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -162,7 +196,7 @@ class GGUFLinear(GGUFProjection):
                              f"{row_bytes(qtype, in_features)}] uint8, got {tuple(blocks.shape)} {blocks.dtype}")
         self.qtype = qtype
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("blocks", planar_rows(blocks, qtype).contiguous())
         self.bias = bias
         self.host_weight: torch.Tensor | None = None  # the torch path's dequantized weight (see linear_into)
 
@@ -196,7 +230,7 @@ class GGUFLinear(GGUFProjection):
             out += self.bias
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_blocks(self.blocks, self.qtype, self.in_features)
+        return dequantize_blocks(block_rows(self.blocks, self.qtype), self.qtype, self.in_features)
 
     def weight_bytes(self) -> int:
         return self.blocks.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

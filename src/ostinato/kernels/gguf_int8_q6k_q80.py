@@ -1,7 +1,8 @@
-"""Activations times Q6_K or Q8_0 blocks as integer dot products: the two GGUF types whose blocks (210 and 34
-bytes) leave every other block only 2-byte aligned, so their code words are read as two 16-bit halves. The
-quantized activations, the dp4a and the row handling are kernels/gguf_int8_dot.py's (its docstring says why and
-how). Q4_K_M files mix Q6_K in. Both are default paths where gguf_int8_dot.INT8_DOT_ROWS says.
+"""Activations times Q6_K or Q8_0 rows as integer dot products: the two GGUF types whose blocks (210 and 34 bytes)
+leave every other block only 2-byte aligned. Q6_K's words are read as two 16-bit halves; Q8_0's rows are planar
+(kernels/gguf_linear.py: all codes, then all scales), so its code words load 16 bytes at a time. The quantized
+activations, the dp4a and the row handling are kernels/gguf_int8_dot.py's (its docstring says why and how). Q4_K_M
+files mix Q6_K in. Both are default paths where gguf_int8_dot.INT8_DOT_ROWS says.
 """
 
 from __future__ import annotations
@@ -166,9 +167,27 @@ def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
             num_warps=tiles.num_warps, **launch_options(pdl))
 
 
-# Q8_0: 32 weights in 34 bytes, an fp16 scale d then 32 int8 codes: w = d * q. The codes meet x's in x's own order
-# (word w of block b is x's word 8b + w), signed by signed; a block's 8 dp4a sums take d * dx once. Blocks are 34
-# bytes, so the words are read as 16-bit halves (half 17b is d, halves 17b + 1.. the codes).
+@_jit
+def row_length(row_len, QUADS: tl.constexpr):
+    """A row's length in words: row_len itself, or with QUADS 4 * row_len, which tells the compiler that every row
+    starts 16-byte aligned (it assumes no alignment from a length that is not a multiple of 16)."""
+    if QUADS:
+        return row_len * 4
+    else:
+        return row_len
+
+
+def _row_words(blocks: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """Planar rows [N, row_bytes] uint8 (row_bytes a multiple of 4) as int32 words, and the kernels' row_len and
+    QUADS (row_length)."""
+    words = blocks.view(torch.int32)
+    quads = words.shape[1] % 4 == 0
+    return words, words.shape[1] // 4 if quads else words.shape[1], quads
+
+
+# Q8_0: 32 weights a block, an fp16 scale d and 32 int8 codes: w = d * q; a planar row holds all codes (K bytes),
+# then every block's d. The codes meet x's in x's own order (code word w is x's word w), signed by signed; a
+# block's 8 dp4a sums take d * dx once.
 @dataclass(frozen=True)
 class Q8Tiles:
     """A program's share: block_n rows of W, K walked block_j code words (4 weights each) at a time."""
@@ -189,28 +208,37 @@ def _q80_part(xq_ptr, dx_ptr, r, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw
 
 
 @_jit
-def _q80_row_kernel(xq_ptr, dx_ptr, h_ptr, b_ptr, out_ptr, N, n_words, row_halves, stride_om,
+def _q80_codes(w_rows, j0, offs_j, n_words, EVEN: tl.constexpr):
+    """Code words j0 + offs_j of each row, [BLOCK_N, BLOCK_J]: contiguous, 16 bytes a load."""
+    return load_words(w_rows + j0 + offs_j[None, :], (j0 + offs_j < n_words)[None, :], EVEN)
+
+
+@_jit
+def _q80_row_kernel(xq_ptr, dx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_len, stride_om,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
-    """out [ROWS, N] = x W^T, W's rows as 16-bit halves at h_ptr, x as quantize_x gives it."""
+                    QUADS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """out [ROWS, N] = x W^T, W's planar rows as int32 words at w_ptr (row_len: row_length), x as quantize_x gives
+    it."""
     pdl_begin(PDL)
     BLOCKS: tl.constexpr = BLOCK_J // 8
-    offs_n, rows, h_rows = program_rows(h_ptr, row_halves, N, BLOCK_N)
+    row_words = row_length(row_len, QUADS)
+    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
+    d_rows = (w_rows + n_words).to(tl.pointer_type(tl.float16))  # each block's d, after the codes
     offs_j = tl.arange(0, BLOCK_J)
-    code_at = ((offs_j // 8) * 17 + 1 + (offs_j % 8) * 2)[None, :]  # a word's first half, from its step's block
     offs_b = tl.arange(0, BLOCKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
-    w_next = _word_at_halves(h_rows, code_at, (offs_j < n_words)[None, :], EVEN)
+    w_next = _q80_codes(w_rows, 0, offs_j, n_words, EVEN)  # weights only: requested before the wait
     pdl_wait(PDL)
     acc0 = tl.zeros([BLOCK_N, BLOCKS], tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     for j0 in range(0, n_words, BLOCK_J):
         w = w_next
-        nxt = tl.minimum(j0 + BLOCK_J, n_words - BLOCK_J) if EVEN else j0 + BLOCK_J
-        w_next = _word_at_halves(h_rows, (nxt // 8) * 17 + code_at, (nxt + offs_j < n_words)[None, :], EVEN)
+        # The next tile, or at the end this one again (in bounds, never used).
+        w_next = _q80_codes(w_rows, tl.minimum(j0 + BLOCK_J, n_words - BLOCK_J) if EVEN else j0 + BLOCK_J, offs_j,
+                            n_words, EVEN)
         j_mask = j0 + offs_j[None, :] < n_words
         blk = j0 // 8 + offs_b
         g_mask = blk < n_words // 8
-        dw = tl.load(h_rows + blk * 17, mask=g_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        dw = tl.load(d_rows + blk, mask=g_mask, other=0.0).to(tl.float32)
         acc0 += _q80_part(xq_ptr, dx_ptr, 0, n_words, j0, offs_j, j_mask, w, blk, g_mask, dw, BLOCK_N, BLOCKS,
                           EVEN, ASM)
         if ROWS > 1:
@@ -227,20 +255,21 @@ def _q80_row_kernel(xq_ptr, dx_ptr, h_ptr, b_ptr, out_ptr, N, n_words, row_halve
 
 def q80_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                   pdl: bool = False, tiles: Q8Tiles | None = None, qx: QuantizedX | None = None) -> None:
-    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q8_0 blocks [N, 34 K / 32] uint8; out's and x's columns
-    contiguous, their rows may be strided. qx: x already quantized (quantize_x), else it is here."""
+    """out [M, N] = x [M, K] @ W^T (+ bias), W the planar Q8_0 rows [N, 34 K / 32] uint8 (K a multiple of 64:
+    rows of whole words); out's and x's columns contiguous, their rows may be strided. qx: x already quantized
+    (quantize_x), else it is here."""
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     (m, k), n = x.shape, blocks.shape[0]
-    assert k % 32 == 0 and blocks.shape[1] == k // 32 * 34 and out.shape == (m, n)
+    assert k % 64 == 0 and blocks.shape[1] == k // 32 * 34 and out.shape == (m, n)
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
     tiles = tiles or Q8Tiles()
-    halves = blocks.view(torch.int16)
+    words, row_len, quads = _row_words(blocks)
     n_words = k // 4
     qx = qx if qx is not None else quantize_x(x, pdl)
     for rows, q, outs in row_groups(qx, out):
         _q80_row_kernel[(triton.cdiv(n, tiles.block_n),)](
-            q.xq, q.dx, halves, bias if bias is not None else q.dx, outs, n, n_words, halves.shape[1], outs.stride(0),
+            q.xq, q.dx, words, bias if bias is not None else q.dx, outs, n, n_words, row_len, outs.stride(0),
             ROWS=rows, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, EVEN=n_words % tiles.block_j == 0,
-            HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED, num_warps=tiles.num_warps,
+            QUADS=quads, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED, num_warps=tiles.num_warps,
             **launch_options(pdl))
