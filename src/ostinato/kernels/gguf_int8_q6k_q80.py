@@ -167,24 +167,6 @@ def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
             num_warps=tiles.num_warps, **launch_options(pdl))
 
 
-@_jit
-def row_length(row_len, QUADS: tl.constexpr):
-    """A row's length in words: row_len itself, or with QUADS 4 * row_len, which tells the compiler that every row
-    starts 16-byte aligned (it assumes no alignment from a length that is not a multiple of 16)."""
-    if QUADS:
-        return row_len * 4
-    else:
-        return row_len
-
-
-def _row_words(blocks: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-    """Planar rows [N, row_bytes] uint8 (row_bytes a multiple of 4) as int32 words, and the kernels' row_len and
-    QUADS (row_length)."""
-    words = blocks.view(torch.int32)
-    quads = words.shape[1] % 4 == 0
-    return words, words.shape[1] // 4 if quads else words.shape[1], quads
-
-
 # Q8_0: 32 weights a block, an fp16 scale d and 32 int8 codes: w = d * q; a planar row holds all codes (K bytes),
 # then every block's d. The codes meet x's in x's own order (code word w is x's word w), signed by signed; a
 # block's 8 dp4a sums take d * dx once.
@@ -195,6 +177,24 @@ class Q8Tiles:
     block_n: int = 4
     block_j: int = 128
     num_warps: int = 4
+
+
+@_jit
+def _row_length(row_len, QUADS: tl.constexpr):
+    """A row's length in words: row_len itself, or with QUADS 4 * row_len, which tells the compiler that every row
+    starts 16-byte aligned (it assumes no alignment from a length that is not a multiple of 16)."""
+    if QUADS:
+        return row_len * 4
+    else:
+        return row_len
+
+
+def _row_words(blocks: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """Planar rows [N, row_bytes] uint8 (row_bytes a multiple of 4) as int32 words, and the kernels' row_len and
+    QUADS (_row_length)."""
+    words = blocks.view(torch.int32)
+    quads = words.shape[1] % 4 == 0
+    return words, words.shape[1] // 4 if quads else words.shape[1], quads
 
 
 @_jit
@@ -217,11 +217,11 @@ def _q80_codes(w_rows, j0, offs_j, n_words, EVEN: tl.constexpr):
 def _q80_row_kernel(xq_ptr, dx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_len, stride_om,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
                     QUADS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
-    """out [ROWS, N] = x W^T, W's planar rows as int32 words at w_ptr (row_len: row_length), x as quantize_x gives
+    """out [ROWS, N] = x W^T, W's planar rows as int32 words at w_ptr (row_len: _row_length), x as quantize_x gives
     it."""
     pdl_begin(PDL)
     BLOCKS: tl.constexpr = BLOCK_J // 8
-    row_words = row_length(row_len, QUADS)
+    row_words = _row_length(row_len, QUADS)
     offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
     d_rows = (w_rows + n_words).to(tl.pointer_type(tl.float16))  # each block's d, after the codes
     offs_j = tl.arange(0, BLOCK_J)
