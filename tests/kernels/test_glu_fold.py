@@ -130,6 +130,30 @@ def test_kernel_set_folds_the_activation_where_the_rule_says(m, monkeypatch):
     torch.testing.assert_close(act.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("takes", [True, False])
+def test_the_mlp_hands_the_activation_to_down_where_its_kernel_takes_it(takes):
+    """DecoderKernels.norm_then_mlp with gate_up's fold off: where glu_linear takes (gate | up) for down, no
+    activation kernel runs and down never sees the activated rows apart; where it declines (None), the activation
+    kernel, then down, as before."""
+    calls = []
+
+    def glu_linear(h, layer):
+        calls.append(("glu_linear", tuple(h.shape)))
+        return F.linear(F.silu(h[:, :40]) * h[:, 40:], layer.weight) if takes else None
+
+    kernels = dataclasses.replace(fused.TORCH_KERNELS, glu_linear=glu_linear,
+                                  silu_and_mul=lambda t: calls.append(("silu_and_mul",)) or fused.silu_and_mul_ref(t))
+    gate_up, down = torch.nn.Linear(64, 80, bias=False), torch.nn.Linear(40, 64, bias=False)
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
+    norm_weight = 1 + 0.1 * torch.randn(64, generator=gen)
+    out, new_residual = kernels.norm_then_mlp(x, residual, norm_weight, 1e-6, gate_up, down)
+    assert calls == [("glu_linear", (2, 80))] + ([] if takes else [("silu_and_mul",)])
+    act, want_residual = fused.TORCH_KERNELS.norm_then_glu(x, residual, norm_weight, 1e-6, gate_up)
+    torch.testing.assert_close(out, down(act))
+    torch.testing.assert_close(new_residual, want_residual)
+
+
 # The (gate | up) shapes of Qwen3-0.6B, Llama-3.2-1B and Llama-3.1-8B.
 GATE_UP = [(6144, 1024), (16384, 2048), (28672, 4096)]
 

@@ -28,6 +28,9 @@ class DecoderKernels:
     # (x, layer) -> whether linear and norm_linear take glu=True for the (gate | up) projection at these shapes:
     # silu(gate) * up out of the projection's own kernel, no activation kernel after it. None: never.
     folds_glu: Callable[[torch.Tensor, torch.nn.Linear], bool] | None = None
+    # (gate_up, layer) -> layer(silu(gate) * up) with the activation computed by the kernel that prepares the
+    # projection's input, or None where it cannot (norm_then_mlp then launches it apart). None: never.
+    glu_linear: Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor | None] | None = None
     # (hidden [M, K], lm_head weight [V, K]) -> fp32 logits [M, V], where the set computes them itself (the
     # batch-invariant sets, kernels/invariant_linear.py). None: model/decoder.py's compute_logits decides.
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -57,3 +60,15 @@ class DecoderKernels:
             return self.norm_then_linear(x, residual, weight, eps, layer, glu=True)
         gate_up, residual = self.norm_then_linear(x, residual, weight, eps, layer)
         return self.silu_and_mul(gate_up), residual
+
+    def norm_then_mlp(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      gate_up: torch.nn.Linear, down: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP: (down(silu(gate) * up) of gate_up(rmsnorm(x + residual) * weight), x + residual). [T, K] ->
+        ([T, K], [T, K]). The activation comes out of gate_up's kernel where folds_glu says so, else goes into
+        the kernel that prepares down's input where glu_linear takes it, else is its own kernel between them."""
+        if self.glu_linear is None or (self.folds_glu is not None and self.folds_glu(x, gate_up)):
+            act, residual = self.norm_then_glu(x, residual, weight, eps, gate_up)
+            return self.linear(act, down), residual
+        h, residual = self.norm_then_linear(x, residual, weight, eps, gate_up)
+        out = self.glu_linear(h, down)
+        return (out if out is not None else self.linear(self.silu_and_mul(h), down)), residual

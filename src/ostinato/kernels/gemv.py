@@ -337,6 +337,15 @@ def small_batch_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm
                             pdl=pdl, glu=glu)
 
 
+def small_batch_glu_linear(gate_up: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor | None:
+    """layer(silu(gate) * up) for gate_up [M, 2K] (gate | up) where layer's kernel computes the activation while it
+    prepares its input (QuantizedLinear.takes_glu_input: GGUF's integer-dot rows), else None (the caller then
+    launches the activation apart)."""
+    if isinstance(layer, QuantizedLinear) and layer.takes_glu_input(gate_up):
+        return layer.glu_input_linear(gate_up, pdl)
+    return None
+
+
 def _quantized_norm_linear(x, residual, norm_weight, eps, layer, pdl, glu):
     """small_batch_norm_linear for a QuantizedLinear: its fused_linear where folds(x) and a row fits, else None."""
     if not layer.folds(x, norm=True) or x.shape[1] > NORM_FOLD_MAX_K or norm_weight.dtype != x.dtype \

@@ -30,7 +30,7 @@ import torch
 
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, QuantizedX, int8_dot_applies, q4k_rows_into, quantize_x
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
-from ostinato.kernels.gguf_int8_norm import norm_quantize_x
+from ostinato.kernels.gguf_int8_input import glu_quantize_x, norm_quantize_x
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, KernelParts
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
@@ -322,19 +322,32 @@ def gguf_concat_into(x: torch.Tensor, parts: KernelParts, out: torch.Tensor, pdl
         start += blocks.shape[0]
 
 
-def norm_folds(x: torch.Tensor, qtypes: Sequence[int]) -> bool:
-    """Whether gguf_norm_linear takes x times these types' blocks: all of them take integer dot products."""
+def quantization_folds(x: torch.Tensor, qtypes: Sequence[int]) -> bool:
+    """Whether the kernel that quantizes x for these types' blocks may take what precedes the projection
+    (gguf_norm_linear, gguf_glu_linear): all of them take integer dot products."""
     return all(takes_int8_dot(x, qtype) for qtype in qtypes)
+
+
+def _from_quantized(x: torch.Tensor, qx: QuantizedX, parts: KernelParts, pdl: bool) -> torch.Tensor:
+    """x's rows as qx holds them @ [W_0; W_1; ...]^T; of x only its shape and dtype are used."""
+    out = torch.empty(x.shape[0], sum(blocks.shape[0] for blocks, _, _ in parts), device=x.device, dtype=x.dtype)
+    gguf_concat_into(x, parts, out, pdl, qx)
+    return out
 
 
 def gguf_norm_linear(x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Tensor, float], parts: KernelParts,
                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight @ [W_0; W_1; ...]^T, x + residual), norm = (residual or None, weight, eps):
-    the norm folded into the activations' quantization (kernels/gguf_int8_norm.py), where norm_folds."""
+    the norm folded into the activations' quantization (kernels/gguf_int8_input.py), where quantization_folds."""
     qx, residual = norm_quantize_x(x, *norm, pdl=pdl)
-    out = torch.empty(x.shape[0], sum(blocks.shape[0] for blocks, _, _ in parts), device=x.device, dtype=x.dtype)
-    gguf_concat_into(x, parts, out, pdl, qx)  # x: only its shape and dtype, qx holds the normed rows
-    return out, residual
+    return _from_quantized(x, qx, parts, pdl), residual
+
+
+def gguf_glu_linear(gate_up: torch.Tensor, parts: KernelParts, pdl: bool = False) -> torch.Tensor:
+    """(silu(gate) * up) @ [W_0; W_1; ...]^T, gate_up [M, 2K]: the SwiGLU folded into the activations'
+    quantization (kernels/gguf_int8_input.py), where quantization_folds for its [M, K] rows."""
+    qx = glu_quantize_x(gate_up, pdl)
+    return _from_quantized(gate_up[:, :gate_up.shape[1] // 2], qx, parts, pdl)
 
 
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,

@@ -160,19 +160,24 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 
 class GGUFProjection(QuantizedLinear):
-    """What GGUFLinear and GGUFConcat share: the norm before them folded into the quantization of their input
-    (kernels/gguf_int8_norm.py), where every part takes integer dot products at these rows."""
+    """What GGUFLinear and GGUFConcat share: the norm before them, or the SwiGLU before a down projection, folded
+    into the quantization of their input (kernels/gguf_int8_input.py), where every part takes integer dot products
+    at these rows."""
 
     def kernel_parts(self) -> KernelParts:
         """(blocks, qtype, bias) of each part, in output order."""
         raise NotImplementedError
 
-    def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
-        if not norm or not x.is_cuda or triton is None:  # the activation after gate_up stays its own kernel
+    def _quantization_folds(self, x: torch.Tensor) -> bool:
+        """Whether the kernel that quantizes this projection's input x [M, in_features] may do more."""
+        if not x.is_cuda or triton is None:
             return False
-        from ostinato.kernels.gguf_gemv import norm_folds
+        from ostinato.kernels.gguf_gemv import quantization_folds
 
-        return norm_folds(x, [qtype for _, qtype, _ in self.kernel_parts()])
+        return quantization_folds(x, [qtype for _, qtype, _ in self.kernel_parts()])
+
+    def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
+        return norm and self._quantization_folds(x)  # the activation after gate_up stays its own kernel
 
     def fused_linear(self, x: torch.Tensor, pdl: bool = False, glu: bool = False,
                      norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
@@ -181,6 +186,15 @@ class GGUFProjection(QuantizedLinear):
         from ostinato.kernels.gguf_gemv import gguf_norm_linear
 
         return gguf_norm_linear(x, norm, self.kernel_parts(), pdl)
+
+    def takes_glu_input(self, gate_up: torch.Tensor) -> bool:
+        return gate_up.dim() == 2 and gate_up.shape[1] == 2 * self.in_features \
+            and self._quantization_folds(gate_up[:, :self.in_features])
+
+    def glu_input_linear(self, gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        from ostinato.kernels.gguf_gemv import gguf_glu_linear
+
+        return gguf_glu_linear(gate_up, self.kernel_parts(), pdl)
 
 
 class GGUFLinear(GGUFProjection):

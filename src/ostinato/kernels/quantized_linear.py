@@ -4,9 +4,11 @@ A quantized projection keeps its weight on the device in the checkpoint's own en
 y = x @ W^T (+ bias) from it, so that a decode step reads the quantized bytes, not a bf16 copy. The decoder
 does not know the formats: its kernel sets (kernels/fused.py) hand any QuantizedLinear its input through
 `linear`; a format whose few-rows kernel can also take the RMSNorm before the projection and the SwiGLU after
-it says so through `folds` and computes them in `fused_linear` (FP8 both, GGUF the norm only); the others keep
-the default, no fold, and the decoder launches the norm and the activation apart. Each format lives in its own module and
-subclasses this one; its reference is `dequantize`, against which the tests check its kernels in float64.
+it says so through `folds` and computes them in `fused_linear` (FP8 both, GGUF the norm only), and one whose
+kernel can take the SwiGLU before it (the down projection's input) through `takes_glu_input` and
+`glu_input_linear` (GGUF); the others keep the default, no fold, and the decoder launches the norm and the
+activation apart. Each format lives in its own module and subclasses this one; its reference is `dequantize`,
+against which the tests check its kernels in float64.
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ class QuantizedLinear(nn.Module):
         norm (residual or None, norm_weight [K], eps): x is first rmsnorm(x + residual) * norm_weight, and the
         next residual x + residual (x without one) comes back second (None without norm): kernels/gemv.py's
         gemv_norm_linear contract."""
+        raise NotImplementedError
+
+    def takes_glu_input(self, gate_up: torch.Tensor) -> bool:
+        """Whether glu_input_linear takes these rows gate_up [M, 2 in_features] (a (gate | up) projection's output):
+        silu(gate) * up computed by the kernel that prepares this projection's input. Shapes and dtypes only (fixed
+        before graph capture). Default: never."""
+        return False
+
+    def glu_input_linear(self, gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """Where takes_glu_input(gate_up): (silu(gate) * up) @ W^T (+ bias), [M, out_features]."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

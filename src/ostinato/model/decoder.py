@@ -140,8 +140,7 @@ class DecoderLayer(nn.Module):
         qkv, residual = kernels.norm_then_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj)
         hidden = attn(qkv, positions, rope_cache, meta, kernels)
         norm = self.post_attention_layernorm
-        act, residual = kernels.norm_then_glu(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj)
-        return kernels.linear(act, mlp.down_proj), residual
+        return kernels.norm_then_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj, mlp.down_proj)
 
 
 class DecoderModel(nn.Module):

@@ -102,9 +102,9 @@ class RotaryEmbedding(nn.Module):
 class SwiGLUMLP(nn.Module):
     """The weights of down(silu(gate(x)) * up(x)), gate and up fused into one matmul (rows: gate then up).
 
-    DecoderLayer runs it through its kernel set (model/fused.DecoderKernels: norm_then_glu for gate_up and the
-    activation, then linear for down), so that the norm before it, and the activation after it, can fold into
-    gate_up's kernel.
+    DecoderLayer runs it through its kernel set (kernels/decoder_kernels.DecoderKernels.norm_then_mlp), so that the
+    norm before it and the activation can fold into gate_up's kernel, or the activation into the kernel that
+    prepares down's input (GGUF's integer-dot rows).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None):

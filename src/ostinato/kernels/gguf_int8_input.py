@@ -1,15 +1,18 @@
-"""The RMSNorm before a GGUF projection folded into the quantization of its input (kernels/gguf_int8_dot.py): one
-kernel gives the next residual and the integer-dot kernels' activations.
+"""What comes before a GGUF projection folded into the quantization of its input (kernels/gguf_int8_dot.py): the
+RMSNorm before qkv and gate_up, the SwiGLU before down. One kernel gives the integer-dot kernels' activations (and,
+after a norm, the next residual).
 
-Why: where the projection after a norm takes integer dot products (qkv after the input norm, gate_up after the
-post-attention one, at the rows gguf_int8_dot.INT8_DOT_ROWS gives), the decoder would launch the norm kernel, then
-the quantizing kernel, each a few microseconds of latency on the path of a one-row step and neither reading much.
-Here one kernel does both, as the bf16 GEMV folds the norm into its own kernel (kernels/gemv.py, gemv_norm_linear).
+Why: where the projection takes integer dot products (at the rows gguf_int8_dot.INT8_DOT_ROWS gives), the decoder
+would launch the norm kernel (or the SiLU-and-mul kernel), then the quantizing kernel, each a few microseconds of
+latency on the path of a one-row step and neither reading much. The bf16 GEMV folds the norm into its own kernel
+and the SwiGLU into gate_up's (kernels/gemv.py); the integer-dot kernels cannot take either, since x is quantized
+per 32 values before any program multiplies, so the fold goes into the quantization instead.
 
-Each program takes BLOCKS 32-blocks of a row, as the quantizing kernel does, and first passes over the whole row
-(x + residual, from L2: K <= gemv.NORM_FOLD_MAX_K) for its 1/rms. The arithmetic is the norm kernel's
-(kernels/fused.py: the sum rounded to the model dtype, normalised in fp32, rounded, times the weight, rounded),
-then the quantizing kernel's on those rounded values; only the sum of squares is reduced in another order.
+Each program takes BLOCKS 32-blocks of a row, as the quantizing kernel does. The norm's programs first pass over
+the whole row (x + residual, from L2: K <= gemv.NORM_FOLD_MAX_K) for its 1/rms. The arithmetic is the norm
+kernel's and the SiLU-and-mul kernel's (kernels/fused.py: each intermediate rounded to the model dtype where
+theirs stores it), then the quantizing kernel's on those rounded values; only the norm's sum of squares is reduced
+in another order.
 """
 
 from __future__ import annotations
@@ -61,6 +64,25 @@ def _norm_quantize_x_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, xq_ptr, dx_ptr, 
     store_quantized(y, r, b, b_mask, word, K, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, BLOCKS)
 
 
+@_jit
+def _glu_quantize_x_kernel(gate_up_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, K, stride_gm,
+                           BLOCKS: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Row program_id(1) of gate_up [M, 2K] (gate | up): y = silu(gate) * up, and y's BLOCKS 32-blocks quantized
+    as _quantize_x_kernel quantizes x."""
+    pdl_begin(PDL)
+    r = tl.program_id(1)
+    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    b_mask = b < K // 32
+    word = b[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]
+    gate_at = gate_up_ptr + r * stride_gm + word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [BLOCKS, 8, 4]
+    pdl_wait(PDL)
+    gate = tl.load(gate_at, mask=b_mask[:, None, None], other=0.0).to(tl.float32)
+    up = tl.load(gate_at + K, mask=b_mask[:, None, None], other=0.0).to(tl.float32)
+    act = round_like(gate / (1.0 + tl.exp(-gate)), gate_up_ptr, EMULATE_BF16)
+    y = round_like(act * up, gate_up_ptr, EMULATE_BF16)
+    store_quantized(y, r, b, b_mask, word, K, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, BLOCKS)
+
+
 def norm_quantize_x(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     pdl: bool = False) -> tuple[QuantizedX, torch.Tensor]:
     """(quantize_x(rmsnorm(x + residual) * weight), x + residual) in one kernel, x and residual [M, K] (rows may
@@ -78,3 +100,19 @@ def norm_quantize_x(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         HAS_RESIDUAL=residual is not None, EMULATE_BF16=KERNELS_INTERPRETED and x.dtype == torch.bfloat16,
         PDL=pdl, num_warps=4, **launch_options(pdl))
     return qx, res_out
+
+
+def glu_quantize_x(gate_up: torch.Tensor, pdl: bool = False) -> QuantizedX:
+    """quantize_x(silu(gate) * up) in one kernel, gate_up [M, 2K] (gate | up, the fused projection's output; rows
+    may be strided, columns contiguous)."""
+    from ostinato.kernels.attention_common import KERNELS_INTERPRETED
+
+    m, two_k = gate_up.shape
+    k = two_k // 2
+    assert two_k % 64 == 0 and gate_up.stride(-1) == 1
+    qx = empty_quantized(m, k, gate_up.device)
+    _glu_quantize_x_kernel[(triton.cdiv(k // 32, QUANTIZE_BLOCKS), m)](
+        gate_up, *qx, k, gate_up.stride(0), BLOCKS=QUANTIZE_BLOCKS,
+        EMULATE_BF16=KERNELS_INTERPRETED and gate_up.dtype == torch.bfloat16, PDL=pdl, num_warps=4,
+        **launch_options(pdl))
+    return qx
