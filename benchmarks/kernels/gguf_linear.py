@@ -33,13 +33,18 @@ from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
 from ostinato.kernels.gguf_gemv import INT8_DOT_KERNELS  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
-from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles  # noqa: E402
+from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q8_tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear, block_rows,  # noqa: E402
                                           dequantize_blocks, planar_rows)
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 INT8_TILES = {qtype: tiles() for qtype, (tiles, _) in INT8_DOT_KERNELS.items()}  # their default tiles
+
+
+def int8_tiles(qtype: int, m: int):
+    """The integer-dot kernel's default tiles at m rows (Q8_0's differ at one row)."""
+    return q8_tiles(m) if qtype == Q8_0 else INT8_TILES[qtype]
 
 # Llama-3.1-8B: (name, N, K) of qkv, o, gate_up, down.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -84,7 +89,7 @@ def main() -> int:
                 elif int8_dot_applies(x, qtype):
                     rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " decoded to fp32"))
                 elif qtype in INT8_TILES:  # the integer-dot kernels where they are not (yet) the default
-                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, INT8_TILES[qtype], " int8 dot"))
+                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, int8_tiles(qtype, m), " int8 dot"))
     print("| projection | rows | type | us | GB/s | of HBM | rel. error |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
@@ -123,7 +128,7 @@ def candidates(qtype: int, m: int) -> list[GGUFTiles]:
     if 1 < m <= GEMV_MAX_ROWS and qtype == Q6_K:
         out += [Q6kTiles(bn, bj) for bn in (1, 2, 4) for bj in (32, 64)]
     if m <= GEMV_MAX_ROWS and qtype == Q8_0:
-        out += [Q8Tiles(bn, bj) for bn in (2, 4, 8) for bj in (64, 128, 256)]
+        out += [Q8Tiles(bn, bj, warps) for bn in (2, 4, 8) for bj in (128, 256, 512) for warps in (4, 8)]
     if m == 1:
         out += [GGUFTiles(1, bn, step // group_k, warps) for bn in (2, 4, 8) for step in (1024, 2048)
                 for warps in (4, 8)]
@@ -154,7 +159,7 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
         for m in batches:
             n0, k0, copies0 = layers[0]
             x0 = torch.randn(m, k0, device="cuda", dtype=torch.bfloat16)
-            default = INT8_TILES[qtype] if int8_dot_applies(x0, qtype) else choose_tiles(qtype, m, n0, k0)
+            default = int8_tiles(qtype, m) if int8_dot_applies(x0, qtype) else choose_tiles(qtype, m, n0, k0)
             results = []
             w0 = dequantize_blocks(block_rows(copies0[0], qtype), qtype, k0)
             ref = F.linear(x0, w0.to(torch.bfloat16)).float()

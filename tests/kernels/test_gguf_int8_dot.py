@@ -138,7 +138,10 @@ def test_q6k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
                                               # rows of 4n words (QUADS)
                                               (1, 9, 512, Q8Tiles(4, 64), True),  # the K step divides K: no masks
                                               (3, 13, 448, Q8Tiles(4, 32), False),  # three accumulators
-                                              (5, 9, 512, Q8Tiles(2, 128), True)])  # two groups of rows: 4, then 1
+                                              (5, 9, 512, Q8Tiles(2, 128), True),  # two groups of rows: 4, then 1
+                                              (1, 6, 1088, None, False),  # the one-row default: 272 words, no
+                                              # multiple of its K step
+                                              (2, 6, 2112, None, True)])  # the default above one row: 528 words
 def test_q80_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     _run(q80_rows_into, "Q8_0", _q80_formula, m, n, k, tiles, bias)
 

@@ -172,11 +172,23 @@ def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
 # block's 8 dp4a sums take d * dx once.
 @dataclass(frozen=True)
 class Q8Tiles:
-    """A program's share: block_n rows of W, K walked block_j code words (4 weights each) at a time."""
+    """A program's share: block_n rows of W, K walked block_j code words (4 weights each) at a time. The default
+    at 2-8 rows; Q8_ONE_ROW at one."""
 
     block_n: int = 4
     block_j: int = 128
     num_warps: int = 4
+
+
+# At one row a K step of 1 KB of each row's codes: whole 8B decode steps ran faster with it than with the
+# default's 512 bytes, and slower at 4 and 8 rows, where every K step also loads each row's x words
+# (docs/PERFORMANCE.md, GGUF). The kernel-alone sweep ranks the tiles otherwise, so the steps decided.
+Q8_ONE_ROW = Q8Tiles(block_j=256)
+
+
+def q8_tiles(m: int) -> Q8Tiles:
+    """The default tiles at m rows."""
+    return Q8_ONE_ROW if m == 1 else Q8Tiles()
 
 
 @_jit
@@ -263,7 +275,7 @@ def q80_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
     (m, k), n = x.shape, blocks.shape[0]
     assert k % 64 == 0 and blocks.shape[1] == k // 32 * 34 and out.shape == (m, n)
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
-    tiles = tiles or Q8Tiles()
+    tiles = tiles or q8_tiles(m)
     words, row_len, quads = _row_words(blocks)
     n_words = k // 4
     qx = qx if qx is not None else quantize_x(x, pdl)
