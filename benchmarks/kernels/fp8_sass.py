@@ -7,7 +7,9 @@ at the 8B's one-row tiles.
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
 re-laying data out through shared memory; both show in the SASS, which Triton's bundled ptxas and nvdisasm
 produce on any machine. Pointers, strides, N and K are compiled as multiples of 16, as the JIT specializes them
-at the real shapes. Static counts, not timings: a loop's instructions run once per K step per thread.
+at the real shapes. Static counts, not timings: a loop's instructions run once per K step per thread, or, where
+the compiler unrolled the loop (the GGUF kernels' dp4a count says so), once per that many K steps, and the counts
+are divided by it.
 
     PYTHONPATH=src python3 benchmarks/kernels/fp8_sass.py [--out DIR]   (DIR keeps the .sass and .ttgir files)
 """
@@ -64,7 +66,10 @@ def _innermost_loop(sass: str) -> collections.Counter:
     return ops
 
 
-def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_dir: str) -> None:
+def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_dir: str,
+           dp4a_per_step: int | None = None) -> None:
+    """Print the compiled kernel's registers, shared memory and innermost loop. dp4a_per_step: the dp4a (IDP) a
+    thread issues in one K step, from which the loop's unrolling is read (None: taken as not unrolled)."""
     path = os.path.join(out_dir, name.replace(" ", "_"))
     with open(path + ".cubin", "wb") as f:
         f.write(compiled.asm["cubin"])
@@ -75,9 +80,11 @@ def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_di
         f.write(sass)
     regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
     ops = _innermost_loop(sass)
+    unrolled = max(1, ops["IDP"] // dp4a_per_step) if dp4a_per_step else 1
     total = sum(ops.values())
-    per_byte = total / (weight_bytes_per_step / threads)
-    print(f"{name:44s} regs {regs:>3s}  smem {compiled.metadata.shared:6d} B  loop {total:4d} instr "
+    per_byte = total / unrolled / (weight_bytes_per_step / threads)
+    note = f", {unrolled} K steps" if unrolled > 1 else ""
+    print(f"{name:44s} regs {regs:>3s}  smem {compiled.metadata.shared:6d} B  loop {total:4d} instr{note} "
           f"({per_byte:.2f} a weight byte)  {dict(ops.most_common(9))}")
 
 
@@ -130,18 +137,21 @@ def main() -> None:
     report(f"GGUF Q4_K int8 dot {q4k.block_n}x{q4k.block_j} words", _compile(
         gguf_int8_dot._q4k_row_kernel, Q4K_SIG, dict(ROWS=1, BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True,
                                                       HAS_BIAS=False, PDL=True, ASM=True), num_warps=q4k.num_warps),
-        q4k.block_n * q4k.block_j * 4, 32 * q4k.num_warps, out_dir)
+        q4k.block_n * q4k.block_j * 4, 32 * q4k.num_warps, out_dir,
+        dp4a_per_step=2 * q4k.block_n * q4k.block_j // (32 * q4k.num_warps))  # a word's low and high nibbles
     report(f"GGUF Q6_K int8 dot {q6k.block_n}x{q6k.block_j} positions", _compile(
         gguf_int8_q6k_q80._q6k_row_kernel, Q6K_SIG, dict(ROWS=1, BLOCK_N=q6k.block_n, BLOCK_J=q6k.block_j,
                                                         EVEN=True, HAS_BIAS=False, PDL=True, ASM=True),
         num_warps=q6k.num_warps),
-        q6k.block_n * q6k.block_j * 12, 32 * q6k.num_warps, out_dir)
-    q8 = gguf_int8_q6k_q80.Q8Tiles()
+        q6k.block_n * q6k.block_j * 12, 32 * q6k.num_warps, out_dir,
+        dp4a_per_step=4 * q6k.block_n * q6k.block_j // (32 * q6k.num_warps))  # a position's four quarters
+    q8 = gguf_int8_q6k_q80.q8_tiles(1)
     report(f"GGUF Q8_0 int8 dot {q8.block_n}x{q8.block_j} words", _compile(
         gguf_int8_q6k_q80._q80_row_kernel, Q8_SIG, dict(ROWS=1, BLOCK_N=q8.block_n, BLOCK_J=q8.block_j, EVEN=True,
                                                        QUADS=True, HAS_BIAS=False, PDL=True, ASM=True),
         num_warps=q8.num_warps),
-        q8.block_n * q8.block_j * 4, 32 * q8.num_warps, out_dir)
+        q8.block_n * q8.block_j * 4, 32 * q8.num_warps, out_dir,
+        dp4a_per_step=q8.block_n * q8.block_j // (32 * q8.num_warps))
     print(f"(files in {out_dir})")
 
 
