@@ -46,6 +46,7 @@ def int8_tiles(qtype: int, m: int):
     """The integer-dot kernel's default tiles at m rows (Q8_0's differ at one row)."""
     return q8_tiles(m) if qtype == Q8_0 else INT8_TILES[qtype]
 
+
 # Llama-3.1-8B: (name, N, K) of qkv, o, gate_up, down.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 BY_NAME = {v[0]: t for t, v in KERNEL_TYPES.items()}
