@@ -61,6 +61,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.rope_tile import norm_rope, rope_partner, rope_table
     from ostinato.kernels.rope_tile import round_like as _round_like
+    from ostinato.kernels.linear_epilogue import silu_mul
 
 
 # ---- Triton kernels --------------------------------------------------------------------------------------
@@ -103,9 +104,7 @@ def _silu_and_mul_kernel(
     mask = cols < I
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + I + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch rounds silu(gate) to the model dtype before the multiply; so do we.
-    act = _round_like(gate / (1.0 + tl.exp(-gate)), out_ptr, EMULATE_BF16)
-    out = _round_like(act * up, out_ptr, EMULATE_BF16)
+    out = silu_mul(gate, up, out_ptr, EMULATE_BF16)  # torch rounds silu(gate) before the multiply; so do we
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -25,6 +25,7 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:
+    from ostinato.kernels.linear_epilogue import silu_mul
     from ostinato.kernels.rope_tile import round_like
 
 
@@ -78,8 +79,7 @@ def _glu_quantize_x_kernel(gate_up_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr,
     pdl_wait(PDL)
     gate = tl.load(gate_at, mask=b_mask[:, None, None], other=0.0).to(tl.float32)
     up = tl.load(gate_at + K, mask=b_mask[:, None, None], other=0.0).to(tl.float32)
-    act = round_like(gate / (1.0 + tl.exp(-gate)), gate_up_ptr, EMULATE_BF16)
-    y = round_like(act * up, gate_up_ptr, EMULATE_BF16)
+    y = silu_mul(gate, up, gate_up_ptr, EMULATE_BF16)
     store_quantized(y, r, b, b_mask, word, K, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, BLOCKS)
 
 

@@ -1,4 +1,5 @@
-"""Epilogues the small-batch linear kernels share (kernels/gemv.py, kernels/skinny.py)."""
+"""Epilogues the small-batch linear kernels share (kernels/gemv.py, kernels/skinny.py), and the SwiGLU's arithmetic
+every kernel that computes it uses (kernels/fused.py, kernels/gguf_int8_input.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.rope_tile import round_like
+
+
+@_jit
+def silu_mul(gate, up, like_ptr, EMULATE_BF16: tl.constexpr):
+    """silu(gate) * up (fp32 values of the model dtype) as the unfused torch ops give it in like_ptr's dtype: silu
+    rounded to that dtype before the multiply, the product rounded."""
+    act = round_like(gate / (1.0 + tl.exp(-gate)), like_ptr, EMULATE_BF16)
+    return round_like(act * up, like_ptr, EMULATE_BF16)
 
 
 @_jit
@@ -19,8 +28,7 @@ def store_glu(out_ptr, y, offs_m, cols, mask, stride_om, M_PAD: tl.constexpr, BL
     gate, up = tl.split(tl.reshape(y, [M_PAD, BLOCK_N // 2, 2]))  # [M_PAD, BLOCK_N // 2] each
     gate = round_like(gate, out_ptr, EMULATE_BF16)
     up = round_like(up, out_ptr, EMULATE_BF16)
-    act = round_like(gate / (1.0 + tl.exp(-gate)), out_ptr, EMULATE_BF16)
-    out = round_like(act * up, out_ptr, EMULATE_BF16)
+    out = silu_mul(gate, up, out_ptr, EMULATE_BF16)
     tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
