@@ -37,7 +37,7 @@ def test_torch_dequantize_equals_the_gguf_library(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
 def test_planar_rows_hold_the_same_bytes_and_undo(qtype):
-    """The kernels' rows (planar for Q8_0 and Q6_K, as they are for the rest) give the file's rows back."""
+    """The kernels' rows (planar for PLANE_FIELDS' types, Q8_0; as they are for the rest) give the file's rows back."""
     blocks = torch.from_numpy(_blocks(qtype, 3, 1024))
     rows = planar_rows(blocks, qtype)
     assert rows.shape == blocks.shape
