@@ -28,6 +28,11 @@ class Sink:
         self.launches.append((kernel, grid, args, kwargs))
 
 
+def handed(t: torch.Tensor) -> deferred_launch.PointerArg:
+    """What the sink gets for a tensor argument."""
+    return deferred_launch.PointerArg(t.dtype, t.data_ptr())
+
+
 def _rows(m, k, seed):
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
@@ -50,6 +55,30 @@ def test_outside_a_pass_the_kernel_runs_and_inside_it_goes_to_the_sink():
     assert len(ran) == 2 and len(sink.launches) == 1
 
 
+def test_the_sink_gets_no_tensor_but_what_triton_specialises_on():
+    """A launch waiting for its compile must hold no device memory (start-up profiles memory meanwhile): the sink
+    gets each tensor as its dtype and address, which Triton specialises on as it does on the tensor."""
+    import weakref
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    rows = torch.zeros(64, dtype=torch.bfloat16, device=DEVICE)
+    sink, alive = Sink(), []
+    with compiling_instead(sink):
+        for x in (rows, rows[1:], rows.float(), rows[8:].to(torch.int32)):
+            alive.append(weakref.ref(x))
+            deferred_launch.launch(object(), (1,), (x, 3), {"BLOCK": 4, "w": x}, ())
+            passed = sink.launches[-1][2][0]
+            assert passed == handed(x) and sink.launches[-1][3] == {"BLOCK": 4, "w": handed(x)}
+            for align in (True, False):
+                assert native_specialize_impl(BaseBackend, passed, False, True, align) == \
+                    native_specialize_impl(BaseBackend, x, False, True, align)
+            del x
+    del rows
+    assert not any(ref() for ref in alive)  # the sink's launches keep none of them alive
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_the_norm_folded_gemv_zeroes_its_outputs_and_leaves_its_inputs(with_residual):
     x, residual, w = _rows(1, 64, 1), _rows(1, 64, 2) if with_residual else None, _rows(24, 64, 3)
@@ -60,7 +89,7 @@ def test_the_norm_folded_gemv_zeroes_its_outputs_and_leaves_its_inputs(with_resi
         out, residual_out = gemv.gemv_norm_linear(x, residual, norm_weight, 1e-6, w, None, gemv.GemvTiles(4, 32))
     (kernel, grid, args, kwargs), = sink.launches
     assert kernel is gemv._gemv_kernel and grid == (6,) and kwargs["HAS_RESIDUAL"] is with_residual
-    assert args[0] is x and args[1] is w and args[3] is out
+    assert args[0] == handed(x) and args[1] == handed(w) and args[3] == handed(out)
     assert not out.any() and torch.equal(x, x_before)
     assert (not residual_out.any()) if with_residual else residual_out is x
     real, _ = gemv.gemv_norm_linear(x, residual, norm_weight, 1e-6, w, None, gemv.GemvTiles(4, 32))
@@ -74,7 +103,7 @@ def test_the_few_rows_linear_hands_its_launch_over():
     with compiling_instead(sink):
         out = skinny.skinny_linear(x, w, None, tiles)
     (kernel, _, args, kwargs), = sink.launches
-    assert kernel is skinny._skinny_kernel and args[3] is out and kwargs["M_PAD"] == 16 and not out.any()
+    assert kernel is skinny._skinny_kernel and args[3] == handed(out) and kwargs["M_PAD"] == 16 and not out.any()
     torch.testing.assert_close(skinny.skinny_linear(x, w, None, tiles), x @ w.T, rtol=1e-4, atol=1e-3)
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ostinato.kernels.deferred_launch import launch
-from ostinato.runner.compile_ahead import MAX_COMPILE_THREADS, DeferredCompiles, compile_ahead, default_compile_threads
+from ostinato.runner.compile_ahead import (MAX_COMPILE_THREADS, DeferredCompiles, compile_ahead,
+                                           default_compile_threads, start_compile_ahead)
 from ostinato.runner.graphs import CudaGraphRunner, RecordingGraphBackend, StaticInput
 
 COMPILE_S = 0.15
@@ -74,7 +75,7 @@ def test_compiles_overlap_while_device_work_stays_one_thread_at_a_time():
         assert [k for s, k in triton.launches if s == i] == [f"gemv[{i}]", "shared", f"sample[{i}]"]
     assert len(watched) == triton.compiles  # the hook set before still saw every compile
     assert triton.knobs.jit_cache_hook is previous_before and triton.knobs.jit_post_compile_hook is None
-    assert f"compiled {report.compiles} kernels ahead for 6 graph sizes in " in report.summary()
+    assert f"compiled {report.compiles} kernels ahead for 6 graph steps in " in report.summary()
 
 
 def test_a_failing_step_is_reported_and_the_others_still_run():
@@ -104,34 +105,44 @@ def test_it_stands_aside_where_it_cannot_help(knobs, n, monkeypatch):
     assert compile_ahead([lambda: ran.append(1)] * n, knobs=knobs) is None and ran == []
 
 
-def test_the_graph_runner_hands_every_size_s_step_over_before_capturing():
-    seen = []
+def test_the_graph_runner_gives_one_step_call_per_size_largest_first_as_its_capture_records_them():
     runner = CudaGraphRunner(lambda token_ids: token_ids[:, None].float(),
                              [StaticInput("token_ids", (8,), torch.int64, pad_value=0)], (1, 2, 8), "cpu",
                              backend=RecordingGraphBackend())
-    runner.compile_ahead = lambda steps: seen.extend(step().shape[0] for step in steps)
-    runner.capture()
-    assert seen == [8, 2, 1] and runner.captured_sizes == (1, 2, 8)
+    assert [call().shape[0] for call in runner.step_calls()] == [8, 2, 1]
+    assert runner.capture().sizes == (1, 2, 8)
 
 
-def test_the_capture_report_says_how_much_of_its_time_the_pass_ahead_took(monkeypatch):
-    import itertools
+def test_a_started_pass_returns_before_its_warm_ups_end_and_counts_only_its_own_compiles():
+    """start_compile_ahead returns once the steps ran, the deferred launches still compiling, so that start-up
+    profiles memory meanwhile: what that thread compiles is not the pass's; finish waits for the rest, once, and
+    only then gives Triton's hooks back."""
+    triton, gate = FakeTriton(), threading.Event()
 
-    import ostinato.runner.graphs as graphs
+    class HeldKernel(FakeKernel):  # its warm-ups wait until the test lets them go
+        def warmup(self, *args, grid, **kwargs):
+            assert gate.wait(10)
+            return super().warmup(*args, grid=grid, **kwargs)
 
-    clock = itertools.count()  # each perf_counter() call one second after the one before
-    monkeypatch.setattr(graphs.time, "perf_counter", lambda: float(next(clock)))
-    runner = CudaGraphRunner(lambda token_ids: token_ids[:, None].float(),
-                             [StaticInput("token_ids", (8,), torch.int64, pad_value=0)], (1, 2, 8), "cpu",
-                             backend=RecordingGraphBackend())
-    runner.compile_ahead = lambda steps: None
-    report = runner.capture()
-    assert report.ahead_seconds == 1.0 and report.seconds > report.ahead_seconds  # the pass is part of the whole
-    assert f"in {report.seconds:.2f} s (1.00 s of it compiling their kernels ahead)" in report.summary()
-    plain = CudaGraphRunner(lambda token_ids: token_ids[:, None].float(),
-                            [StaticInput("token_ids", (8,), torch.int64, pad_value=0)], (1, 2, 8), "cpu",
-                            backend=RecordingGraphBackend()).capture()
-    assert plain.ahead_seconds == 0.0 and "ahead" not in plain.summary()
+    def step(i):
+        def run():
+            for j in range(3):
+                out = torch.ones(2)
+                launch(HeldKernel(triton, f"linear[{i}.{j}]", i), (1,), (out, j + 2), {}, (out,))
+        return run
+
+    watched = lambda **kw: None  # noqa: E731  (the hook set before: the CompileWatch)
+    triton.knobs.jit_cache_hook = watched
+    running = start_compile_ahead([step(0), step(1)], workers=2, knobs=triton.knobs,
+                                  deferred=DeferredCompiles(6, lambda: None, 0))
+    assert triton.compiles == 0 and triton.knobs.jit_cache_hook is not watched  # the warm-ups keep the hooks
+    triton.launch(-1, "profiling")  # this thread compiles meanwhile, as the memory profiling does
+    gate.set()
+    report = running.finish()
+    assert report.warmups == 6 and report.compiles == 6 and triton.compiles == 7
+    assert report.seconds >= COMPILE_S and 0 < report.waited <= report.seconds
+    assert triton.knobs.jit_cache_hook is watched and triton.knobs.jit_post_compile_hook is None
+    assert running.finish() is report and f"waited {report.waited:.2f} s for them at the end" in report.summary()
 
 
 def test_the_threads_run_on_the_capturing_thread_s_device_and_autograd_mode(monkeypatch, caplog):
@@ -139,7 +150,7 @@ def test_the_threads_run_on_the_capturing_thread_s_device_and_autograd_mode(monk
     thread must get the capturing thread's device index, and its autograd mode (a new thread starts with grad
     on, and inference mode would make the buffers a step creates lazily unusable to the capture)."""
     import ostinato.runner.compile_ahead as module
-    from ostinato.runner.kv_setup import compile_graph_kernels_ahead
+    from ostinato.runner.compile_ahead import start_graph_kernel_compiles
 
     knobs = SimpleNamespace(jit_cache_hook=None, jit_post_compile_hook=None)
     monkeypatch.setattr(module, "_triton_runtime_knobs", lambda: knobs)
@@ -166,7 +177,7 @@ def test_the_threads_run_on_the_capturing_thread_s_device_and_autograd_mode(monk
         return out
 
     with torch.no_grad():
-        report = compile_graph_kernels_ahead([step] * 5, torch.device("cuda"), None, [])
+        report = start_graph_kernel_compiles([step] * 5, torch.device("cuda")).finish()
     assert report is not None and report.error is None, report
     assert sorted(ran, key=str) == [("warm-up on", 3)] + [(3, False, False)] * 5
     assert list(kernel.device_caches) == [3] and report.warmups == 1
@@ -311,7 +322,7 @@ def test_a_cold_start_compiles_the_graph_kernels_ahead_and_the_capture_none(tmp_
     # What the pass did, whatever the start-up logged after it: its lines, its warnings and their tracebacks.
     said = "\n".join(line for line in r.stderr.splitlines() if "compil" in line or "WARNING" in line
                      or line.startswith(("Traceback", "  ", "ValueError", "RuntimeError")))[-4000:]
-    ahead = re.search(r"compiled (\d+) kernels ahead for (\d+) graph sizes", r.stderr)
+    ahead = re.search(r"compiled (\d+) kernels ahead for (\d+) graph steps", r.stderr)
     # One line per decode graph set: without the logits processors, and with them.
     more = re.findall(r"the capture compiled (\d+) more kernels", r.stderr)
     assert "a step failed" not in r.stderr and "a warm-up failed" not in r.stderr, said

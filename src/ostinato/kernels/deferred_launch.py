@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,14 +33,31 @@ CompileSink = Callable[[Any, tuple, tuple, dict], None]
 _local = threading.local()
 
 
+@dataclass(frozen=True)
+class PointerArg:
+    """What a compile reads of a tensor argument: Triton specialises a kernel on the tensor's dtype and on whether
+    its address is 16-byte aligned (`data_ptr`). Handed to the sink instead of the tensor, so that a launch waiting
+    for its compile holds no device memory: start-up profiles memory while the compiles run."""
+
+    dtype: torch.dtype
+    address: int
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _for_compile(value: Any) -> Any:
+    return PointerArg(value.dtype, value.data_ptr()) if isinstance(value, torch.Tensor) else value
+
+
 def launch(kernel: Any, grid: tuple, args: tuple, kwargs: dict, outputs: Sequence[torch.Tensor]) -> None:
     """kernel[grid](*args, **kwargs), or, in a thread inside `compiling_instead`, the launch handed to its sink
-    and `outputs` (every tensor the kernel writes that is read after it) zeroed."""
+    (tensors as PointerArg) and `outputs` (every tensor the kernel writes that is read after it) zeroed."""
     sink: CompileSink | None = getattr(_local, "sink", None)
     if sink is None:
         kernel[grid](*args, **kwargs)
         return
-    sink(kernel, grid, args, kwargs)
+    sink(kernel, grid, tuple(map(_for_compile, args)), {name: _for_compile(v) for name, v in kwargs.items()})
     for out in outputs:
         out.zero_()
 

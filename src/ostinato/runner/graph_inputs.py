@@ -62,9 +62,8 @@ class CaptureReport:
     sizes: tuple[int, ...]  # captured, ascending; () when graphs are off
     bytes_by_size: Mapping[int, int]
     pool_bytes: int  # growth of the caching allocator's reservation (the shared graph pool)
-    seconds: float  # the whole capture, the pass that compiles its kernels ahead included
+    seconds: float  # the whole capture
     disabled_cause: str | None = None
-    ahead_seconds: float = 0.0  # of `seconds`, the compile-ahead pass (runner/compile_ahead.py)
 
     @property
     def total_bytes(self) -> int:
@@ -73,9 +72,8 @@ class CaptureReport:
     def summary(self) -> str:
         if self.disabled_cause is not None:
             return f"CUDA graphs off: {self.disabled_cause}"
-        ahead = f" ({self.ahead_seconds:.2f} s of it compiling their kernels ahead)" if self.ahead_seconds else ""
         return (f"captured {len(self.sizes)} CUDA graphs (sizes {self.sizes[0]}..{self.sizes[-1]}) in "
-                f"{self.seconds:.2f} s{ahead} using {self.total_bytes / MiB:.1f} MiB")
+                f"{self.seconds:.2f} s using {self.total_bytes / MiB:.1f} MiB")
 
 
 @dataclass(frozen=True)

@@ -134,9 +134,6 @@ class CudaGraphRunner:
         self._real_rows = self._padded_rows = 0
         self._replays_by_size: dict[int, int] = {}
         self._steps_by_batch: dict[int, int] = {}  # the server's decode_batch_size histogram
-        # Set by the caller before capture() to compile every size's kernels first (runner/compile_ahead.py):
-        # called with one step function per size, largest first.
-        self.compile_ahead: Callable[[list[Callable[[], torch.Tensor]]], Any] | None = None
 
     @classmethod
     def from_config(cls, fn: Callable[..., torch.Tensor], inputs: Sequence[StaticInput], config: GraphConfig,
@@ -189,11 +186,7 @@ class CudaGraphRunner:
         self._captured = True
         if self._disabled_cause is not None:
             return CaptureReport((), {}, 0, 0.0, self._disabled_cause)
-        if not self._buffers:
-            self._buffers = {
-                spec.name: torch.full(spec.shape, spec.pad_value, dtype=spec.dtype, device=self.device)
-                for spec in self.inputs.values()
-            }
+        steps = self.step_calls()  # the buffers allocated before the first memory reading
         start = time.perf_counter()
         gc.collect()  # once, here: the backend keeps the collector off during each capture
         bytes_by_size: dict[int, int] = {}
@@ -203,19 +196,11 @@ class CudaGraphRunner:
         # pool (e.g. the cuBLAS workspace of the capture stream) shows up once, not nowhere.
         first_reading = self._backend.memory_in_use()
         reserved_before = first_reading.reserved_bytes
-        ahead_seconds = 0.0
-        if self.compile_ahead is not None:
-            ahead_start = time.perf_counter()
-            self.compile_ahead([functools.partial(self.fn, **{name: buf[:size] for name, buf in self._buffers.items()})
-                                for size in reversed(self._sizes)])
-            ahead_seconds = time.perf_counter() - ahead_start
         bar = tqdm(total=len(self._sizes), desc="Capturing CUDA graphs", unit="graph",
                    disable=not self.progress)
         try:
-            for size in reversed(self._sizes):
+            for size, step in zip(reversed(self._sizes), steps):
                 bar.set_postfix(size=size)
-                views = {name: buf[:size] for name, buf in self._buffers.items()}
-                step = functools.partial(self.fn, **views)
                 try:
                     self._backend.warmup(step, self.warmup_iters)
                     if self._shared_out is None:  # largest size: learn the output's shape and dtype
@@ -246,9 +231,20 @@ class CudaGraphRunner:
         if self._disabled_cause is None:
             pool_bytes = max(0, self._backend.memory_in_use().reserved_bytes - reserved_before)
         report = CaptureReport(self.captured_sizes, bytes_by_size if self._graphs else {}, pool_bytes, seconds,
-                               self._disabled_cause, ahead_seconds)
+                               self._disabled_cause)
         logger.info(report.summary())
         return report
+
+    def step_calls(self) -> list[Callable[[], torch.Tensor]]:
+        """One call of the step per capture size, largest first, over views of the static buffers (allocated here
+        where the caller gave none): what capture() records, and what runner/compile_ahead.py runs before it."""
+        if not self._buffers:
+            self._buffers = {
+                spec.name: torch.full(spec.shape, spec.pad_value, dtype=spec.dtype, device=self.device)
+                for spec in self.inputs.values()
+            }
+        return [functools.partial(self.fn, **{name: buf[:size] for name, buf in self._buffers.items()})
+                for size in reversed(self._sizes)]
 
     def _step_into_shared(self, step: Callable[[], torch.Tensor], size: int) -> torch.Tensor:
         """Run the step and copy its output into the one output buffer all sizes share.

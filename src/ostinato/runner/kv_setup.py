@@ -1,14 +1,13 @@
 """Start-up: size the KV pool, allocate it, capture the decode graphs, and report what graphs cost.
 
-On a GPU: profile a worst-case prefill for the activation peak, capture the largest decode
-size once into a throwaway pool to estimate graph memory, give the KV pool what is left of the budget
-(runner/memory.py), then capture every size for real and report measured graph memory in KV blocks.
-On CPU, or with --num-kv-blocks, the pool size is given and no graphs are captured.
+On a GPU: start compiling the decode graphs' kernels (runner/compile_ahead.py), profile a worst-case prefill for
+the activation peak meanwhile, capture the largest decode size once into a throwaway pool to estimate graph memory,
+give the KV pool what is left of the budget (runner/memory.py), then capture every size for real and report measured
+graph memory in KV blocks. On CPU, or with --num-kv-blocks, the pool size is given and no graphs are captured.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import math
@@ -22,8 +21,7 @@ from ostinato.config import CacheConfig, GraphConfig, ModelConfig, SchedulerConf
 from ostinato.contract import ScheduledSeq, SchedulerOutput
 from ostinato.errors import CudaGraphCaptureError
 from ostinato.sampling_params import SamplingParams
-from ostinato.runner.compile_ahead import (CompileAheadReport, DeferredCompiles, compile_ahead,
-                                           default_compile_threads)
+from ostinato.runner.compile_ahead import RunningPass, start_graph_kernel_compiles
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
 from ostinato.runner.decode_step import DecodeStep, compare_step, processor_sizes
@@ -238,52 +236,48 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
         torch.cuda.empty_cache()
 
 
-def compile_graph_kernels_ahead(steps: list[Callable[[], torch.Tensor]], device: torch.device,
-                                watch: CompileWatch | None, marks: list[int]) -> CompileAheadReport | None:
-    """The decode graphs' kernels compiled before their capture, in threads (runner/compile_ahead.py), each
-    thread on the capturing thread's CUDA device and in its autograd mode (both are per thread: a new thread
-    starts on device 0 with grad on). Appends the watch's compile count after the pass to `marks`."""
-    # Resolved here, in the capturing thread: torch.device("cuda") has no index, which set_device refuses,
-    # and "the current device" in a new thread is device 0, whatever this thread's is.
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+def _compiles_ahead(spec: KVSpec) -> bool:
+    """On one CUDA rank with graphs (a tensor-parallel step's collectives must keep one order on every rank)."""
+    return (spec.device.type == "cuda" and spec.capture_error_mode == "global"
+            and not spec.graph_config.enforce_eager and bool(spec.graph_config.capture_sizes))
 
-    def prepare_thread() -> None:
-        torch.cuda.set_device(index)
 
-    def as_the_capture_runs(step: Callable[[], torch.Tensor]) -> Callable[[], None]:
-        # Not inference mode unless the capture is in it: a buffer a step creates lazily would be an inference
-        # tensor, which the capture could then not update in place.
-        def run() -> None:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                step()
-        return run
+def start_graph_kernel_compiles_early(spec: KVSpec, backend: CudaGraphBackend | None) -> RunningPass | None:
+    """Start compiling the decode graphs' kernels before the memory profiling, so that on a cold Triton cache their
+    compiles run while the profiling does (runner/compile_ahead.py). Returns with the warm-ups still compiling,
+    holding no device memory (kernels/deferred_launch.py, PointerArg); the pass is finished (waited for) before
+    anything is captured: a kernel loaded onto the device mid-capture would break the capture."""
+    if not _compiles_ahead(spec):
+        return None
+    running = None
+    try:
+        running = _run_steps_over_a_throwaway_pool(spec, backend)
+    except Exception as exc:  # as a failing step: the capture compiles in line, and says how many
+        logger.warning("compiling ahead could not start, left to the capture: %s", exc, exc_info=exc)
+    gc.collect()  # the throwaway pool and steps, before the profiling reads what is in use
+    torch.cuda.empty_cache()
+    return running
 
-    def settle() -> None:
-        # The steps' activations, freed but cached by the allocator, would be out of reach of the graphs'
-        # private pool: hand them back before the capture measures and allocates.
-        torch.cuda.synchronize(index)
-        torch.cuda.empty_cache()
 
-    logger.info("compiling the decode graphs' kernels ahead of their capture (%d sizes, cuda:%d)", len(steps), index)
-    deferred = DeferredCompiles(default_compile_threads(), prepare_thread, index)
-    report = compile_ahead([as_the_capture_runs(step) for step in steps], prepare_thread, synchronize=settle,
-                           deferred=deferred)
-    if watch is not None:
-        marks.append(watch.compiles)
-    return report
+def _run_steps_over_a_throwaway_pool(spec: KVSpec, backend: CudaGraphBackend | None) -> RunningPass | None:
+    """Each size's step, with and without the logits processors, once over a KV pool of one sequence's blocks: the
+    kernels' specialisations depend on the pool's strides, not its length."""
+    allocate_kv_cache(spec, max_blocks_per_seq(spec))
+    try:
+        _, plain, with_processors = make_graph_runner(spec, max_blocks_per_seq(spec), spec.graph_config.capture_sizes,
+                                                      False, "error", progress=False, backend=backend)
+        return start_graph_kernel_compiles(plain.step_calls() + with_processors.step_calls(), spec.device)
+    finally:
+        allocate_kv_cache(spec, 0)  # the model lets go of the throwaway pool (it holds the one scratch block now)
 
 
 def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str]) -> CaptureReport:
-    """graphs.capture(), its kernels compiled ahead first on one CUDA rank; what the capture still compiled
-    itself goes to `lines` (the start-up log)."""
-    marks: list[int] = []  # the compile count once the kernels were compiled ahead
-    if spec.device.type == "cuda" and spec.capture_error_mode == "global" and not spec.graph_config.enforce_eager:
-        graphs.compile_ahead = functools.partial(compile_graph_kernels_ahead, device=spec.device,
-                                                 watch=spec.compile_watch, marks=marks)
+    """graphs.capture(); what the capture compiled itself, after the pass ahead of it, goes to `lines`."""
+    watch = spec.compile_watch if _compiles_ahead(spec) else None
+    mark = watch.compiles if watch is not None else 0
     capture = graphs.capture()
-    if marks and spec.compile_watch is not None:  # what the pass missed: compiles inside the capture loop
-        lines.append(f"the capture compiled {len(spec.compile_watch.kernels_since(marks[0]))} more kernels")
+    if watch is not None:
+        lines.append(f"the capture compiled {len(watch.kernels_since(mark))} more kernels")
     return capture
 
 
@@ -298,6 +292,38 @@ def check_decode_graphs(spec: KVSpec, step: DecodeStep, runners: tuple[CudaGraph
             step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
 
 
+def _plan_on_gpu(spec: KVSpec, backend: CudaGraphBackend | None, block_bytes: int, compiling: RunningPass | None,
+                 lines: list[str]) -> tuple[KVCachePlan, int, int]:
+    """Profile the activation peak, finish the compile-ahead pass, estimate the graphs' memory and give the KV pool
+    the rest of the budget: (the plan, the decode and the prefill graph estimates)."""
+    gc_cfg, sizes = spec.graph_config, spec.graph_config.capture_sizes
+    estimate = prefill_estimate = 0
+    logger.info("profiling a worst-case step to size the KV cache")
+    t0 = time.perf_counter()
+    activation = _profile_activation_peak(spec)
+    if compiling is not None:  # before the reading below: the kernels it loaded stay on the device
+        compiling.finish()
+    free, total = torch.cuda.mem_get_info()
+    # Everything in use now except the allocator's cached free memory: weights, CUDA context, other
+    # processes. Charged as "weights" so the budget counts the whole device, as vLLM does. Read before
+    # the graph probe: what the probe leaves behind (the capture stream's workspace) is in its estimate.
+    in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+    if not gc_cfg.enforce_eager:
+        estimate = _estimate_or_zero(lambda: estimate_graph_bytes(spec, max(sizes), backend), gc_cfg)
+        if gc_cfg.prefill_sizes:
+            prefill_estimate = _estimate_or_zero(lambda: _estimate_prefill_graph_bytes(spec, backend), gc_cfg)
+    # The decode rows' logits-processor tables are allocated with the decode step, after the KV pool.
+    tables = state_bytes(decode_layout(spec, 0, sizes).rows, spec.model_config.vocab_size)
+    plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation + tables,
+                         estimate + prefill_estimate, block_bytes, spec.block_size, spec.scheduler_config.max_model_len)
+    lines.append(plan.summary())
+    lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
+                 f"{spec.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
+                 f"graph estimate {estimate / 2**20:.0f} MiB decode + {prefill_estimate / 2**20:.0f} MiB "
+                 "prefill)")
+    return plan, estimate, prefill_estimate
+
+
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size,
@@ -309,39 +335,22 @@ def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     backend = CudaGraphBackend(spec.device, compile_watch=spec.compile_watch, **mode) \
         if sizes or gc_cfg.prefill_sizes else None
     estimate = prefill_estimate = 0
+    compiling = start_graph_kernel_compiles_early(spec, backend)  # its compiles run on while the profiling does
     if spec.num_kv_blocks is not None:
         num_blocks = spec.num_kv_blocks
     elif spec.device.type != "cuda":
         want = spec.scheduler_config.max_num_seqs * max_blocks_per_seq(spec)
         num_blocks = max(max_blocks_per_seq(spec), min(want, CPU_KV_BUDGET_BYTES // block_bytes))
     else:
-        logger.info("profiling a worst-case step to size the KV cache")
-        t0 = time.perf_counter()
-        activation = _profile_activation_peak(spec)
-        free, total = torch.cuda.mem_get_info()
-        # Everything in use now except the allocator's cached free memory: weights, CUDA context, other
-        # processes. Charged as "weights" so the budget counts the whole device, as vLLM does. Read before
-        # the graph probe: what the probe leaves behind (the capture stream's workspace) is in its estimate.
-        in_use = total - free - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
-        if not gc_cfg.enforce_eager:
-            estimate = _estimate_or_zero(lambda: estimate_graph_bytes(spec, max(sizes), backend), gc_cfg)
-            if gc_cfg.prefill_sizes:
-                prefill_estimate = _estimate_or_zero(lambda: _estimate_prefill_graph_bytes(spec, backend), gc_cfg)
-        # The decode rows' logits-processor tables are allocated with the decode step, after the KV pool.
-        tables = state_bytes(decode_layout(spec, 0, sizes).rows, spec.model_config.vocab_size)
-        plan = plan_kv_cache(total, spec.gpu_memory_utilization, in_use, activation + tables,
-                             estimate + prefill_estimate, block_bytes, spec.block_size, max_len)
+        plan, estimate, prefill_estimate = _plan_on_gpu(spec, backend, block_bytes, compiling, lines)
         num_blocks = plan.num_blocks
-        lines.append(plan.summary())
-        lines.append(f"memory profiling took {time.perf_counter() - t0:.1f} s (weights "
-                     f"{spec.weights_bytes / 2**30:.2f} GiB, activation peak {activation / 2**30:.2f} GiB, "
-                     f"graph estimate {estimate / 2**20:.0f} MiB decode + {prefill_estimate / 2**20:.0f} MiB "
-                     "prefill)")
     if spec.agree_num_blocks is not None:
         fits = num_blocks
         num_blocks = spec.agree_num_blocks(fits)
         lines.append(f"KV blocks: this rank fits {fits}, every rank uses {num_blocks} (the smallest over the "
                      "tensor-parallel ranks)")
+    if compiling is not None:  # (again: finishing twice waits once)
+        compiling.finish()
     caches = allocate_kv_cache(spec, num_blocks)
     step, graphs, processor_graphs = make_graph_runner(spec, num_blocks, sizes, gc_cfg.enforce_eager,
                                                        gc_cfg.fallback, progress=spec.device.type == "cuda",
