@@ -1,8 +1,9 @@
 """runner/compile_ahead.py on CPU, through a stand-in for Triton's two compile hooks: compiles overlap, device
 work never does, each step keeps its order, hooks set before are chained and put back, a failing step neither
-hangs the pool nor stops the others; and the graph runner hands it one step per size before it captures. Deferred
-launches (kernels/deferred_launch.py) are built once per specialisation, side by side, on prepared threads, each
-with its launcher, and a failed warm-up is reported apart."""
+hangs the pool nor stops the others; the graph runner gives it one step call per size, as its capture records
+them. Deferred launches (kernels/deferred_launch.py) are built once per specialisation, side by side, on prepared
+threads, each with its launcher; a failed warm-up is reported apart; and a pass started before the memory profiling
+leaves its warm-ups compiling until `finish`."""
 
 import threading
 import time
