@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A first start on a machine (empty Triton cache) against a later one, on the llama-3.2-1b and llama-3.1-8b shapes:
 # the decode graphs' capture time, what was compiled ahead of it (runner/compile_ahead.py) and what the capture
-# still compiled, where the compile time went (benchmarks/step/compile_times.py's "##" lines), and the warm start's
-# step times (bs 1 and 64), to set beside docs/PERFORMANCE.md's. Then the GPU tests of the compile-ahead pass.
+# still compiled, the memory profiling's and the whole start's time, where the compile time went
+# (benchmarks/step/compile_times.py's "##" lines), and the warm start's step times (bs 1 and 64), to set beside
+# docs/PERFORMANCE.md's. Then the GPU tests of the compile-ahead pass.
 #
 #     OUT=/tmp/cold bash benchmarks/step/cold_start_check.sh     # full logs under $OUT
 #
@@ -14,6 +15,11 @@ export PYTHONPATH=src
 OUT=${OUT:-/tmp/cold-start}
 mkdir -p "$OUT"
 
+# The start-up log's lines shown for each start.
+lines="loading weights|compiling the decode|profiling a worst|kernels ahead|captured [0-9]+ CUDA graphs"
+lines+="|the capture compiled|memory profiling took|warmed the prefill|could not start|warm-up failed"
+lines+="|step [0-9]+ of [0-9]+ failed"
+
 for shape in llama-3.2-1b llama-3.1-8b; do
     ck=/tmp/ck-$shape
     [ -f "$ck/config.json" ] || python3 -m ostinato make-checkpoint "$ck" --shape "$shape" --dtype bfloat16 --quiet
@@ -23,8 +29,8 @@ for shape in llama-3.2-1b llama-3.1-8b; do
         TRITON_CACHE_DIR=$cache python3 benchmarks/step/compile_times.py bench "$ck" --max-model-len 1024 \
             --gpu-memory-utilization 0.5 --batch-sizes 1,64 --context 512 --no-hf --iters 20 >"$log" 2>&1
         echo "== $shape, $start start (exit $?)"
-        grep -E "kernels ahead|captured [0-9]+ CUDA graphs|the capture compiled|warm-up failed|step [0-9]+ of [0-9]+ failed" \
-            "$log" | sed -E 's/^.*(INFO|WARNING)[^A-Za-z]*//' | cut -c1-600
+        # With their times of day: the start runs from "loading weights" to "warmed the prefill path".
+        grep -E "$lines" "$log" | sed -E 's/^[0-9-]+ ([0-9:,]+) (INFO|WARNING) [a-z_.]+: /\1 /' | cut -c1-600
         grep -E "^## (COMPILES|C MODULES)" "$log"
         grep -E "^## KERNEL" "$log" | head -8
         # Per kind of thread (compile_warmup: the warm-ups; compile: the steps; MainThread: in line): how many
