@@ -5,9 +5,10 @@ actually read (the type's blocks and scales, or the bf16 weight) and that over t
 Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to defeat L2, median per call.
 Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). The rows "TYPE" take
 gguf_linear_into's default path; beside them, above GEMV_MAX_ROWS "TYPE fused" (the tensor-core GEMM that decodes
-in the kernel, where the default is dense slices and cuBLAS), and for Q4_K / Q6_K / Q8_0 "TYPE decoded to fp32"
-where the default is integer dot products (gguf_int8_dot.INT8_DOT_ROWS) and "TYPE int8 dot" at the other rows up
-to GEMV_MAX_ROWS.
+in the kernel) where the default is dense slices and cuBLAS, "TYPE dense slices" where it is not; for Q4_K / Q6_K /
+Q8_0 "TYPE decoded to fp32" where the default is dp4a dot products (gguf_int8_dot.INT8_DOT_ROWS), "TYPE int8 dot"
+at the other rows up to GEMV_MAX_ROWS, and "TYPE int8 mma" (kernels/gguf_int8_mma.py) from 2 rows where it is not
+the default.
 --sweep instead times each candidate tile setting over the four projections and prints, per type and batch, the
 settings by total time beside the default path's own: the table choose_tiles and the int8-dot tiles are read off.
 
@@ -30,8 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
-from ostinato.kernels.gguf_gemv import GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles, gguf_linear_into  # noqa: E402
-from ostinato.kernels.gguf_gemv import INT8_DOT_KERNELS  # noqa: E402
+from ostinato.kernels.gguf_gemv import (GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles,  # noqa: E402
+                                        gguf_linear_into, gguf_matmul_dequantized)
+from ostinato.kernels.gguf_int8_mma import MmaTiles  # noqa: E402
+from ostinato.kernels.gguf_int8_route import INT8_DOT_KERNELS, takes_int8_mma  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q8_tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear, block_rows,  # noqa: E402
@@ -84,13 +87,7 @@ def main() -> int:
                 err = ((layers[0].linear(x, pdl=pdl).float() - ref).norm() / ref.norm()).item()
                 us = time_graph(lambda i: layers[i].linear(x, pdl=pdl), copies)
                 rows.append({**_row(name, m, type_name, layers[0].weight_bytes(), us), "rel_err": err})
-                own = choose_tiles(qtype, m, n, k)
-                if m > GEMV_MAX_ROWS:
-                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " fused"))
-                elif int8_dot_applies(x, qtype):
-                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " decoded to fp32"))
-                elif qtype in INT8_TILES:  # the integer-dot kernels where they are not (yet) the default
-                    rows.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, int8_tiles(qtype, m), " int8 dot"))
+                rows += _beside_default(name, m, type_name, layers, x, ref, pdl)
     print("| projection | rows | type | us | GB/s | of HBM | rel. error |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
@@ -100,6 +97,39 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _beside_default(name, m, type_name, layers, x, ref, pdl) -> list[dict]:
+    """The other paths worth timing beside the default one at m rows (the module's docstring)."""
+    qtype = layers[0].qtype
+    n, k = layers[0].out_features, x.shape[1]
+    own = choose_tiles(qtype, m, n, k)
+    out = []
+    if takes_int8_mma(x, qtype):
+        if m <= GEMV_MAX_ROWS:
+            out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, int8_tiles(qtype, m), " int8 dot"))
+        else:
+            out.append(_dense_row(name, m, type_name, layers, x, ref))
+    elif m > GEMV_MAX_ROWS:
+        out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " fused"))
+    elif int8_dot_applies(x, qtype):
+        out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " decoded to fp32"))
+    elif qtype in INT8_TILES:  # the integer-dot kernels where they are not (yet) the default
+        out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, int8_tiles(qtype, m), " int8 dot"))
+    if qtype in INT8_TILES and m > 1 and not takes_int8_mma(x, qtype):
+        out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, MmaTiles(), " int8 mma"))
+    return out
+
+
+def _dense_row(name, m, type_name, layers, x, ref) -> dict:
+    """The dense slices (W decoded into a bf16 scratch a slice at a time, then cuBLAS) where they are not the
+    default."""
+    n = layers[0].out_features
+    out = torch.empty(m, n, device="cuda", dtype=x.dtype)
+    gguf_matmul_dequantized(x, layers[0].blocks, layers[0].qtype, None, out)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    us = time_graph(lambda i: gguf_matmul_dequantized(x, layers[i].blocks, layers[i].qtype, None, out), len(layers))
+    return {**_row(name, m, f"{type_name} dense slices", layers[0].weight_bytes(), us), "rel_err": err}
 
 
 def _tiles_row(name, m, type_name, layers, x, ref, pdl, tiles, what) -> dict:

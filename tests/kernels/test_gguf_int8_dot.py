@@ -12,12 +12,14 @@ gguf_quants = pytest.importorskip("gguf.quants")
 pytest.importorskip("triton")
 
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, q4k_rows_into, quantize_x  # noqa: E402
+from ostinato.kernels.gguf_int8_mma import MmaTiles, mma_rows_into  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, planar_rows  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BY_NAME = {"Q4_K": Q4_K, "Q6_K": Q6_K, "Q8_0": Q8_0}
+BY_TYPE = {qtype: name for name, qtype in BY_NAME.items()}
 
 
 def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +148,20 @@ def test_q80_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     _run(q80_rows_into, "Q8_0", _q80_formula, m, n, k, tiles, bias)
 
 
+# (type, rows of x, N, K, tiles, bias): the int8 MMA kernels (kernels/gguf_int8_mma.py)
+@pytest.mark.parametrize("name,m,n,k,tiles,bias", [
+    ("Q4_K", 3, 80, 512, MmaTiles(split_programs=4, min_split_super_blocks=1), True),  # K split in 2, merged
+    ("Q4_K", 40, 20, 768, MmaTiles(block_n=16, max_row_tile=16), False),  # 3 row tiles, N ragged, unsplit
+    ("Q6_K", 5, 80, 768, MmaTiles(split_programs=8, min_split_super_blocks=1), False),  # 3 splits, odd blocks
+    ("Q6_K", 17, 13, 512, MmaTiles(block_n=16), True),  # a row tile of 32, unsplit
+    ("Q8_0", 9, 70, 512, MmaTiles(split_programs=4, min_split_super_blocks=1), True),
+    ("Q8_0", 33, 16, 256, MmaTiles(block_n=16, max_row_tile=32), False)])  # 2 row tiles, the second of one row
+def test_mma_kernels_equal_their_formula_in_float64(name, m, n, k, tiles, bias):
+    formula = {"Q4_K": _q4k_formula, "Q6_K": _q6k_formula, "Q8_0": _q80_formula}[name]
+    _run(lambda *a, tiles, **kw: mma_rows_into(*a[:2], BY_NAME[name], *a[2:], tiles=tiles, **kw), name, formula, m,
+         n, k, tiles, bias)
+
+
 def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
     """The one approximation: x rounded to int8 per 32-block. On random Q4_K rows (codes uniform, offsets
     centring the weights) that is about 0.5% of the output's norm; with the codes not centred on 8 in the
@@ -161,25 +177,34 @@ def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
 
 
 def test_gguf_linear_takes_them_for_half_precision_rows_where_the_tables_say(monkeypatch):
-    """INT8_DOT_ROWS: Q4_K, Q6_K and Q8_0 at 1-8 rows, never float32 rows; INT8_DOT_K: Q8_0 rows of an odd number of
-    blocks are not whole words, and are never taken."""
-    from ostinato.kernels import gguf_gemv
+    """INT8_DOT_ROWS and INT8_MMA_ROWS (here 5-64 for the three): Q4_K, Q6_K and Q8_0 take the dp4a kernels at 1-4
+    rows, the MMA kernels at 5-64, never float32 rows; INT8_DOT_K: Q8_0 rows of an odd number of blocks are not
+    whole words, and are never taken; the MMA kernels take whole super-blocks only, and leave other K to the dp4a
+    kernels."""
+    from ostinato.kernels import gguf_gemv, gguf_int8_mma, gguf_int8_route
 
     taken = []
     for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K"), (Q8_0, "Q8_0")):
-        tiles, _ = gguf_gemv.INT8_DOT_KERNELS[qtype]
-        monkeypatch.setitem(gguf_gemv.INT8_DOT_KERNELS, qtype,
-                            (tiles, lambda *a, name=name, **kw: taken.append((name, a[0].shape[0]))))
+        monkeypatch.setitem(gguf_int8_mma.INT8_MMA_ROWS, qtype, (5, 64))
+        tiles, _ = gguf_int8_route.INT8_DOT_KERNELS[qtype]
+        monkeypatch.setitem(gguf_int8_route.INT8_DOT_KERNELS, qtype,
+                            (tiles, lambda *a, name=name, **kw: taken.append(("dot", name, a[0].shape[0]))))
+    monkeypatch.setattr(gguf_int8_route, "mma_rows_into",
+                        lambda x, blocks, qtype, *a, **kw: taken.append(("mma", BY_TYPE[qtype], x.shape[0])))
+    cases = [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16), (4, torch.float16),
+             (5, torch.bfloat16), (8, torch.float16), (8, torch.float32), (64, torch.bfloat16), (65, torch.bfloat16)]
     for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", Q8_0)]:
         blocks = planar_rows(torch.from_numpy(random_blocks(name, 4, 512, np.random.default_rng(0))), qtype).to(DEV)
-        for m, dtype in [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16),
-                         (8, torch.float16), (8, torch.float32), (9, torch.bfloat16)]:
+        for m, dtype in cases:
             gguf_gemv.gguf_linear_into(torch.randn(m, 512, device=DEV).to(dtype), blocks, qtype, None,
                                        torch.empty(m, 4, device=DEV, dtype=dtype))
-    blocks = planar_rows(torch.from_numpy(random_blocks("Q8_0", 4, 96, np.random.default_rng(0))), Q8_0).to(DEV)
-    gguf_gemv.gguf_linear_into(torch.randn(2, 96, device=DEV).to(torch.bfloat16), blocks, Q8_0, None,
-                               torch.empty(2, 4, device=DEV, dtype=torch.bfloat16))
-    assert taken == [(name, m) for name in ("Q4_K", "Q6_K", "Q8_0") for m in (1, 1, 2, 8)]
+    expected = [(kernel, name, m) for name in ("Q4_K", "Q6_K", "Q8_0")
+                for kernel, m in (("dot", 1), ("dot", 1), ("dot", 2), ("dot", 4), ("mma", 5), ("mma", 8), ("mma", 64))]
+    for m, k in ((2, 96), (6, 320)):  # 3 blocks: no whole words; 10 blocks: no whole super-blocks
+        blocks = planar_rows(torch.from_numpy(random_blocks("Q8_0", 4, k, np.random.default_rng(0))), Q8_0).to(DEV)
+        gguf_gemv.gguf_linear_into(torch.randn(m, k, device=DEV).to(torch.bfloat16), blocks, Q8_0, None,
+                                   torch.empty(m, 4, device=DEV, dtype=torch.bfloat16))
+    assert taken == expected + [("dot", "Q8_0", 6)]
 
 
 def test_a_concat_quantizes_x_once_for_its_integer_dot_parts(monkeypatch):

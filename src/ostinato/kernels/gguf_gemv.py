@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import Q4kTiles, QuantizedX, int8_dot_applies, q4k_rows_into, quantize_x
-from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
+from ostinato.kernels.gguf_int8_dot import QuantizedX, quantize_x
 from ostinato.kernels.gguf_int8_input import glu_quantize_x, norm_quantize_x
+from ostinato.kernels.gguf_int8_route import Int8Tiles, int8_linear_into, takes_quantized_x
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, KernelParts
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
@@ -295,18 +295,7 @@ def gguf_matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, b
             cols += bias[start:start + w.shape[0]]
 
 
-GivenTiles = GGUFTiles | Q4kTiles | Q6kTiles | Q8Tiles
-# The integer-dot kernels by ggml type, each with its tiles: the default path at the rows
-# gguf_int8_dot.INT8_DOT_ROWS gives, and wherever the benchmark gives their tiles.
-INT8_DOT_KERNELS = {Q4_K: (Q4kTiles, q4k_rows_into), Q6_K: (Q6kTiles, q6k_rows_into), Q8_0: (Q8Tiles, q80_rows_into)}
-
-
-def takes_int8_dot(x: torch.Tensor, qtype: int, tiles: GivenTiles | None = None) -> bool:
-    """Whether gguf_linear_into multiplies x by qtype's blocks as integer dot products (x quantized first)."""
-    int8_tiles, _ = INT8_DOT_KERNELS.get(qtype, (None, None))
-    if tiles is not None:
-        return int8_tiles is not None and isinstance(tiles, int8_tiles)
-    return int8_dot_applies(x, qtype)
+GivenTiles = GGUFTiles | Int8Tiles
 
 
 def gguf_concat_into(x: torch.Tensor, parts: KernelParts, out: torch.Tensor, pdl: bool = False,
@@ -314,7 +303,7 @@ def gguf_concat_into(x: torch.Tensor, parts: KernelParts, out: torch.Tensor, pdl
     """out [M, sum of the parts' N] = x @ [W_0; W_1; ...]^T, parts of different types (GGUFConcat), each writing
     its own columns. x is quantized once for the parts that take integer dot products, where more than one does:
     each would otherwise quantize it again, a launch on the one-row step's path (qx: already done)."""
-    if qx is None and sum(takes_int8_dot(x, qtype) for _, qtype, _ in parts) > 1:
+    if qx is None and sum(takes_quantized_x(x, qtype) for _, qtype, _ in parts) > 1:
         qx = quantize_x(x, pdl)
     start = 0
     for blocks, qtype, bias in parts:
@@ -325,7 +314,7 @@ def gguf_concat_into(x: torch.Tensor, parts: KernelParts, out: torch.Tensor, pdl
 def quantization_folds(x: torch.Tensor, qtypes: Sequence[int]) -> bool:
     """Whether the kernel that quantizes x for these types' blocks may take what precedes the projection
     (gguf_norm_linear, gguf_glu_linear): all of them take integer dot products."""
-    return all(takes_int8_dot(x, qtype) for qtype in qtypes)
+    return all(takes_quantized_x(x, qtype) for qtype in qtypes)
 
 
 def _from_quantized(x: torch.Tensor, qx: QuantizedX, parts: KernelParts, pdl: bool) -> torch.Tensor:
@@ -355,19 +344,18 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
                      qx: QuantizedX | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
     slice of a wider tensor (its rows strided, its columns contiguous). Half-precision x times Q4_K, Q6_K or
-    Q8_0 blocks at the rows gguf_int8_dot.INT8_DOT_ROWS gives: integer dot products (kernels/gguf_int8_dot.py,
-    gguf_int8_q6k_q80.py; qx: x already quantized for them, where takes_int8_dot); otherwise up to GEMV_MAX_ROWS
-    rows one kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0.
-    tiles: the default path's unless given (the benchmark's sweep: Q4kTiles / Q6kTiles / Q8Tiles run the
-    integer-dot kernels at any row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""
+    Q8_0 blocks at the rows kernels/gguf_int8_route.py gives: x quantized to int8, then dp4a dot products or int8
+    MMAs (qx: x already quantized for them, where takes_quantized_x); otherwise up to GEMV_MAX_ROWS rows one
+    kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0.
+    tiles: the default path's unless given (the benchmark's sweep: Q4kTiles / Q6kTiles / Q8Tiles / MmaTiles
+    run the int8 kernels at any row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""
     m, k = x.shape
     n = blocks.shape[0]
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.shape == (m, n) and out.stride(-1) == 1
     assert qtype in KERNEL_TYPES, f"no GGUF kernel for ggml type {qtype}"
     if m == 0:
         return
-    if takes_int8_dot(x, qtype, tiles):
-        INT8_DOT_KERNELS[qtype][1](x, blocks, bias, out, pdl, tiles, qx)
+    if int8_linear_into(x, blocks, qtype, bias, out, pdl, tiles, qx):
         return
     if tiles is None and m > GEMV_MAX_ROWS:
         gguf_matmul_dequantized(x, blocks, qtype, bias, out)

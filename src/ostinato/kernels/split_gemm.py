@@ -84,20 +84,9 @@ def _split_gemm_kernel(
     if PARALLEL:
         acc = _split_dot(x_cols, w_rows, m_mask, n_mask, k_first, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N,
                          BLOCK_K, PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
-        # Publish this split's partial, then count it in; the program that arrives last sums all the tile's
-        # partials in split order (whoever arrives last, the order is the same), as the decode attention's
-        # single-launch merge does (kernels/decode_attention.py says why barrier + acq_rel).
-        parts = part_ptr + offs_m.to(tl.int64)[None, :] * stride_pm + offs_n[:, None]
-        tl.store(parts + pid_s.to(tl.int64) * stride_ps, acc, mask=tile_mask)
-        tl.debug_barrier()
-        counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            tl.debug_barrier()
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-            total = tl.load(parts, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLITS):
-                total += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
+        last, total = merge_splits(acc, part_ptr, counters_ptr, offs_m, offs_n, tile_mask, stride_ps, stride_pm,
+                                   SPLITS)
+        if last:
             _store_tile(total, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE, HAS_BIAS)
     else:
         acc = _split_dot(x_cols, w_rows, m_mask, n_mask, 0, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N, BLOCK_K,
@@ -106,6 +95,29 @@ def _split_gemm_kernel(
             acc += _split_dot(x_cols, w_rows, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, w_first, ROW_TILE,
                               BLOCK_N, BLOCK_K, False, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
         _store_tile(acc, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE, HAS_BIAS)
+
+
+@jit
+def merge_splits(acc, part_ptr, counters_ptr, offs_m, offs_n, tile_mask, stride_ps, stride_pm, SPLITS):
+    """(whether this program arrived last, the tile's sum): this split's partial acc [BLOCK_N, ROW_TILE] published
+    at part_ptr [splits, M, N] (fp32), then counted in at the tile's counter; the program that arrives last adds
+    all the tile's partials in split order (whoever arrives last, the order is the same), as the decode
+    attention's single-launch merge does (kernels/decode_attention.py says why barrier + acq_rel). Other
+    programs get their own acc back, not to be stored."""
+    parts = part_ptr + offs_m.to(tl.int64)[None, :] * stride_pm + offs_n[:, None]
+    tl.store(parts + tl.program_id(2).to(tl.int64) * stride_ps, acc, mask=tile_mask)
+    tl.debug_barrier()
+    counter = counters_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLITS - 1
+    total = acc
+    if last:
+        tl.debug_barrier()
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+        total = tl.load(parts, mask=tile_mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLITS):
+            total += tl.load(parts + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
+    return last, total
 
 
 @jit
@@ -189,11 +201,28 @@ class SplitTiles:
 
     def split(self, n: int, k: int) -> tuple[int, int]:
         """(splits, keys per split) of the K range of an [N, K] weight: from N, K and the tiles only."""
-        n_tiles = -(-n // self.block_n)
-        k_tiles = max(1, -(-k // self.block_k))
-        wanted = max(1, min(k_tiles, self.split_programs // n_tiles))
-        per_split = max(-(-k_tiles // wanted), self.min_split_k_tiles)  # whole K tiles: then no split is empty
-        return -(-k_tiles // per_split), per_split * self.block_k
+        splits, per_split = split_steps(-(-n // self.block_n), max(1, -(-k // self.block_k)), self.split_programs,
+                                        self.min_split_k_tiles)
+        return splits, per_split * self.block_k
+
+
+def split_steps(n_tiles: int, steps: int, split_programs: int, min_per_split: int) -> tuple[int, int]:
+    """(splits, K steps a split) of a K range of `steps` steps: enough splits that n_tiles tiles make about
+    split_programs programs, each split whole steps (then none is empty) and at least min_per_split of them."""
+    wanted = max(1, min(steps, split_programs // n_tiles))
+    per_split = max(-(-steps // wanted), min_per_split)
+    return -(-steps // per_split), per_split
+
+
+def split_buffers(out: torch.Tensor, splits: int, n_tiles: int, m_tiles: int, split_programs: int,
+                  ) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(parallel, partials, counters) of a split launch writing out [M, N]. Splits in parallel only where the row
+    tiles alone leave the GPU short of programs (decode): then the fp32 partials are at most splits x
+    split_programs tiles, and the counters fewer than split_programs. Serial launches read neither (out stands in)."""
+    if splits > 1 and n_tiles * m_tiles < split_programs:
+        partials = torch.empty(splits, *out.shape, device=out.device, dtype=torch.float32)
+        return True, partials, ARRIVAL_COUNTERS.get(out.device, n_tiles * m_tiles)
+    return False, out, out
 
 
 def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: SplitTiles,
@@ -212,14 +241,7 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     splits, per_split = tiles.split(n, k)
     row_tile = tiles.row_tile(m)
     n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(m, row_tile)
-    # Splits in parallel only where the row tiles alone leave the GPU short of programs (decode): then the fp32
-    # partials are at most splits x split_programs tiles, and the counters fewer than split_programs.
-    parallel = splits > 1 and n_tiles * m_tiles < tiles.split_programs
-    if parallel:
-        partials = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-        counters = ARRIVAL_COUNTERS.get(x.device, n_tiles * m_tiles)
-    else:
-        partials = counters = out  # unread
+    parallel, partials, counters = split_buffers(out, splits, n_tiles, m_tiles, tiles.split_programs)
     _split_gemm_kernel[(n_tiles, m_tiles, splits if parallel else 1)](
         x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, partials,
         counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), partials.stride(0), partials.stride(1),

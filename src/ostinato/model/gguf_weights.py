@@ -26,7 +26,7 @@ import torch
 from ostinato.attention.base import AttentionBackend
 from ostinato.config import ModelConfig
 from ostinato.errors import CheckpointError, ConfigError
-from ostinato.kernels.gguf_int8_dot import INT8_DOT_ROWS
+from ostinato.kernels.gguf_int8_route import int8_rows
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFConcat, GGUFLinear, dequantize_blocks
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
 from ostinato.model.gguf_native import native_marker, tensor_table
@@ -226,11 +226,12 @@ def int8_dot_line(kept: Counter, device: torch.device, dtype: torch.dtype) -> st
     """The start-up log's word on the one approximation the GGUF path adds (kernels/gguf_int8_dot.py), when it
     applies: projections of those types kept, on CUDA, in 16-bit activations."""
     by_rows: dict[tuple[int, int], list[str]] = {}
-    for qtype, rows in sorted(INT8_DOT_ROWS.items()):
-        if KERNEL_TYPES[qtype][0] in kept:
+    for qtype in sorted(KERNEL_TYPES):
+        rows = int8_rows(qtype)
+        if rows is not None and KERNEL_TYPES[qtype][0] in kept:
             by_rows.setdefault(rows, []).append(KERNEL_TYPES[qtype][0])
     if not by_rows or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     steps = "; ".join(f"{' and '.join(types)} at {first}-{last} rows" for (first, last), types in by_rows.items())
     return (f"decode steps multiply these projections as int8 dot products ({steps}): their input rounded to "
-            "int8 per 32 values, as llama.cpp's mat-vec kernels (kernels/gguf_int8_dot.py)")
+            "int8 per 32 values, as llama.cpp's mat-vec and MMQ kernels (kernels/gguf_int8_route.py)")
