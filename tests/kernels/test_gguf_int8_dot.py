@@ -177,29 +177,28 @@ def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
 
 
 def test_gguf_linear_takes_them_for_half_precision_rows_where_the_tables_say(monkeypatch):
-    """INT8_DOT_ROWS and INT8_MMA_ROWS (here 5-64 for the three): Q4_K, Q6_K and Q8_0 take the dp4a kernels at 1-4
-    rows, the MMA kernels at 5-64, never float32 rows; INT8_DOT_K: Q8_0 rows of an odd number of blocks are not
-    whole words, and are never taken; the MMA kernels take whole super-blocks only, and leave other K to the dp4a
+    """INT8_DOT_ROWS and INT8_MMA_ROWS: Q4_K, Q6_K and Q8_0 take the dp4a kernels at 1-4 rows, the MMA kernels at
+    5-16, never float32 rows, neither above 16; INT8_DOT_K: Q8_0 rows of an odd number of blocks are not whole
+    words, and are never taken; the MMA kernels take whole super-blocks only, and leave other K to the dp4a
     kernels."""
-    from ostinato.kernels import gguf_gemv, gguf_int8_mma, gguf_int8_route
+    from ostinato.kernels import gguf_gemv, gguf_int8_route
 
     taken = []
     for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K"), (Q8_0, "Q8_0")):
-        monkeypatch.setitem(gguf_int8_mma.INT8_MMA_ROWS, qtype, (5, 64))
         tiles, _ = gguf_int8_route.INT8_DOT_KERNELS[qtype]
         monkeypatch.setitem(gguf_int8_route.INT8_DOT_KERNELS, qtype,
                             (tiles, lambda *a, name=name, **kw: taken.append(("dot", name, a[0].shape[0]))))
     monkeypatch.setattr(gguf_int8_route, "mma_rows_into",
                         lambda x, blocks, qtype, *a, **kw: taken.append(("mma", BY_TYPE[qtype], x.shape[0])))
     cases = [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16), (4, torch.float16),
-             (5, torch.bfloat16), (8, torch.float16), (8, torch.float32), (64, torch.bfloat16), (65, torch.bfloat16)]
+             (5, torch.bfloat16), (8, torch.float16), (8, torch.float32), (16, torch.bfloat16), (17, torch.bfloat16)]
     for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", Q8_0)]:
         blocks = planar_rows(torch.from_numpy(random_blocks(name, 4, 512, np.random.default_rng(0))), qtype).to(DEV)
         for m, dtype in cases:
             gguf_gemv.gguf_linear_into(torch.randn(m, 512, device=DEV).to(dtype), blocks, qtype, None,
                                        torch.empty(m, 4, device=DEV, dtype=dtype))
     expected = [(kernel, name, m) for name in ("Q4_K", "Q6_K", "Q8_0")
-                for kernel, m in (("dot", 1), ("dot", 1), ("dot", 2), ("dot", 4), ("mma", 5), ("mma", 8), ("mma", 64))]
+                for kernel, m in (("dot", 1), ("dot", 1), ("dot", 2), ("dot", 4), ("mma", 5), ("mma", 8), ("mma", 16))]
     for m, k in ((2, 96), (6, 320)):  # 3 blocks: no whole words; 10 blocks: no whole super-blocks
         blocks = planar_rows(torch.from_numpy(random_blocks("Q8_0", 4, k, np.random.default_rng(0))), Q8_0).to(DEV)
         gguf_gemv.gguf_linear_into(torch.randn(m, k, device=DEV).to(torch.bfloat16), blocks, Q8_0, None,

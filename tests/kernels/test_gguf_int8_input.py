@@ -73,20 +73,15 @@ def test_a_projection_fed_from_it_gives_what_the_normed_rows_give():
     torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
 
 
-def test_it_folds_where_every_part_takes_integer_dot_products(monkeypatch):
-    from ostinato.kernels import gguf_int8_mma
-
+def test_it_folds_where_every_part_takes_integer_dot_products():
     k = 512
     one, two = torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(2, k, dtype=torch.bfloat16)
     assert gguf_gemv.quantization_folds(one, [Q4_K, Q6_K]) and gguf_gemv.quantization_folds(two, [Q8_0])
     assert gguf_gemv.quantization_folds(one, [Q4_K, Q8_0])
     assert not gguf_gemv.quantization_folds(one, [Q4_K, Q4_0])  # Q4_0 has no integer-dot kernel
     assert not gguf_gemv.quantization_folds(one.float(), [Q4_K])
-    assert not gguf_gemv.quantization_folds(torch.zeros(9, k, dtype=torch.bfloat16), [Q4_K])  # no MMA rows
-    for qtype in (Q4_K, Q6_K):
-        monkeypatch.setitem(gguf_int8_mma.INT8_MMA_ROWS, qtype, (5, 64))
-    assert gguf_gemv.quantization_folds(torch.zeros(64, k, dtype=torch.bfloat16), [Q4_K, Q6_K])  # the MMA kernels'
-    assert not gguf_gemv.quantization_folds(torch.zeros(65, k, dtype=torch.bfloat16), [Q4_K])  # the dense slices
+    assert gguf_gemv.quantization_folds(torch.zeros(16, k, dtype=torch.bfloat16), [Q4_K, Q6_K])  # the MMA kernels'
+    assert not gguf_gemv.quantization_folds(torch.zeros(17, k, dtype=torch.bfloat16), [Q4_K])  # the dense slices
     layer = GGUFLinear(Q4_K, torch.from_numpy(random_blocks("Q4_K", 4, k, np.random.default_rng(0))), k)
     assert not layer.folds(one, norm=True)  # a CPU tensor: the torch path, no kernel to fold into
     assert not layer.folds(one)  # never the activation after it

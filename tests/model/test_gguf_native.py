@@ -176,18 +176,15 @@ def test_the_log_says_when_activations_are_rounded_to_int8(monkeypatch):
     from collections import Counter
 
     from ostinato.kernels import gguf_int8_route
-    from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0
     from ostinato.model.gguf_weights import int8_dot_line
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for qtype in (Q4_K, Q6_K, Q8_0):  # the MMA kernels' rows as a default would give them
-        monkeypatch.setitem(gguf_int8_route.INT8_MMA_ROWS, qtype, (5, 64))
     line = int8_dot_line(Counter({"Q4_K": 160, "Q6_K": 48}), cuda, torch.bfloat16)
-    assert "(Q4_K and Q6_K at 1-64 rows)" in line and "int8" in line  # the dp4a kernels' rows and the MMAs'
-    assert "(Q8_0 and Q6_K at 1-64 rows)" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda, torch.float16)
+    assert "(Q4_K and Q6_K at 1-16 rows)" in line and "int8" in line  # the dp4a kernels' rows and the MMAs'
+    assert "(Q8_0 and Q6_K at 1-16 rows)" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda, torch.float16)
     monkeypatch.setitem(gguf_int8_route.INT8_DOT_ROWS, 8, (2, 8))  # types at different rows: one clause each
     monkeypatch.setitem(gguf_int8_route.INT8_MMA_ROWS, 8, (9, 32))
-    assert "(Q8_0 at 2-32 rows; Q6_K at 1-64 rows)" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda,
+    assert "(Q8_0 at 2-32 rows; Q6_K at 1-16 rows)" in int8_dot_line(Counter({"Q6_K": 1, "Q8_0": 3}), cuda,
                                                                     torch.float16)
     assert int8_dot_line(Counter({"Q4_1": 210}), cuda, torch.bfloat16) is None  # SmolLM2: no such type
     assert int8_dot_line(Counter({"Q4_K": 1}), cuda, torch.float32) is None  # float32 keeps the fp32 decoding

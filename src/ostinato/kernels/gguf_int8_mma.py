@@ -1,11 +1,12 @@
-"""Activations times Q4_K, Q6_K or Q8_0 blocks as int8 tensor-core MMAs: the GGUF projections of decode batches,
-from a few rows of x to a few dozen.
+"""Activations times Q4_K, Q6_K or Q8_0 blocks as int8 tensor-core MMAs: the GGUF projections of decode batches
+of 5 to 16 rows (INT8_MMA_ROWS).
 
 Why: the dp4a kernels (kernels/gguf_int8_dot.py) keep one accumulator a row of x and pass over W once per four
 rows, and each row costs every code word its own dp4a and x loads: at 8 rows a Q4_K_M step took 1.7x bf16's.
-Above them the dense slices (gguf_gemv.gguf_matmul_dequantized) write and read a bf16 copy of W: 2x bf16's step at
-64 rows. Here W is read once for up to 64 rows, and its codes meet x's codes on the tensor cores, as llama.cpp's
-MMQ kernels do: the sub-block's int8 codes times the 32 int8 codes x has there, one MMA, exact in int32.
+Above them the dense slices (gguf_gemv.gguf_matmul_dequantized) write and read a bf16 copy of W. Here W is read
+once for a tile of up to 64 rows, and its codes meet x's codes on the tensor cores, as llama.cpp's MMQ kernels
+do: the sub-block's int8 codes times the 32 int8 codes x has there, one MMA, exact in int32. What bounds them is
+the scaling of every sub-block's sums in fp32, which grows with the rows: past 16 rows the dense slices win.
 
 How: the product is computed transposed, acc [BLOCK_N, ROW_TILE] = W tile @ x tile^T: W's rows on the MMA's wide
 side, x's rows (padded to 16) on its narrow side, as kernels/split_gemm.py does and for the same reasons, K split
@@ -33,11 +34,12 @@ from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.split_gemm import merge_splits, split_buffers, split_steps
 from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
-# The ggml types whose projections take these kernels by default, and at how many rows of x (first, last): above
-# the last, the dense slices; below the first, the dp4a kernels (gguf_int8_dot.INT8_DOT_ROWS). None yet: a default
-# is chosen by whole decode steps on the GPU, which these kernels have not been timed in; until then they run
-# where tiles are given (benchmarks/kernels/gguf_linear.py).
-INT8_MMA_ROWS: dict[int, tuple[int, int]] = {}
+# The ggml types whose projections take these kernels by default, and at how many rows of x (first, last): below
+# the first, the dp4a kernels (gguf_int8_dot.INT8_DOT_ROWS); above the last, the dense slices. Chosen by whole 8B
+# decode steps (docs/PERFORMANCE.md, GGUF): faster than either at 8 and 16 rows, slower than the dp4a kernels at
+# 4 and than the dense slices at 32 and 64, where the per-sub-block scaling of a 32- or 64-row tile costs more
+# than the dense slices' extra bytes.
+INT8_MMA_ROWS = {Q4_K: (5, 16), Q6_K: (5, 16), Q8_0: (5, 16)}
 _BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
 
 
