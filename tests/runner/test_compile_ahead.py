@@ -14,11 +14,18 @@ import pytest
 import torch
 
 from ostinato.kernels.deferred_launch import launch
-from ostinato.runner.compile_ahead import (MAX_COMPILE_THREADS, DeferredCompiles, compile_ahead,
-                                           default_compile_threads, start_compile_ahead)
+from ostinato.runner.compile_ahead import (MAX_COMPILE_THREADS, DeferredCompiles, default_compile_threads,
+                                           start_compile_ahead)
 from ostinato.runner.graphs import CudaGraphRunner, RecordingGraphBackend, StaticInput
 
 COMPILE_S = 0.15
+
+
+def compile_ahead(steps, prepare_thread=lambda: None, **kwargs):
+    """A whole pass: start_compile_ahead, then finish (start-up calls the two apart, with memory profiling
+    between them)."""
+    running = start_compile_ahead(steps, prepare_thread, **kwargs)
+    return None if running is None else running.finish()
 
 
 class FakeTriton:

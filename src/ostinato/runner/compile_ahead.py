@@ -233,15 +233,6 @@ def _triton_runtime_knobs():
     return getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
-def compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[], None] = lambda: None,
-                  workers: int = DEFAULT_WORKERS, knobs: Any = None,
-                  synchronize: Callable[[], None] = lambda: None,
-                  deferred: DeferredCompiles | None = None) -> CompileAheadReport | None:
-    """start_compile_ahead, then finish: the steps run and their warm-ups built."""
-    running = start_compile_ahead(steps, prepare_thread, workers, knobs, synchronize, deferred)
-    return None if running is None else running.finish()
-
-
 def start_compile_ahead(steps: Sequence[Callable[[], Any]], prepare_thread: Callable[[], None] = lambda: None,
                         workers: int = DEFAULT_WORKERS, knobs: Any = None,
                         synchronize: Callable[[], None] = lambda: None,
