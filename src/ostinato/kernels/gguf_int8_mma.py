@@ -18,7 +18,7 @@ walks its K range a super-block (256 weights) at a time; each sub-block's codes 
     Q6_K  acc += d dx (sc_a dot_a + sc_b dot_b)      (codes made signed, q - 32; its sub-blocks are 16 weights,
                                                      so each 32-block is two MMAs with the other half zeroed)
     Q8_0  acc += d dx dot                            (Q8_0's planar rows: its codes, then its scales)
-The rows these kernels take by default are INT8_MMA_ROWS (gguf_gemv.gguf_linear_into dispatches). Graph safe: the
+The rows these kernels take by default are INT8_MMA_ROWS (kernels/gguf_int8_route.py dispatches). Graph safe: the
 grid and the split come from the shapes alone.
 """
 
