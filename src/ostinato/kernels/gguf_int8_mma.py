@@ -31,7 +31,7 @@ import torch
 from ostinato.kernels.gguf_int8_dot import SUPER_BLOCK, QuantizedX, quantize_x
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
-from ostinato.kernels.split_gemm import merge_splits, split_buffers, split_steps
+from ostinato.kernels.split_gemm import jit_any_m, merge_splits, split_buffers, split_steps
 from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 # The ggml types whose projections take these kernels by default, and at how many rows of x (first, last): below
@@ -64,11 +64,6 @@ class MmaTiles:
     def split(self, n: int, k: int) -> tuple[int, int]:
         """(splits, super-blocks a split) of an [N, K] weight: from N, K and the tiles only."""
         return split_steps(-(-n // self.block_n), k // SUPER_BLOCK, self.split_programs, self.min_split_super_blocks)
-
-
-def _jit_any_m(fn):
-    """triton.jit with M not specialised: one compiled kernel serves every row count of a row tile."""
-    return triton.jit(fn, do_not_specialize=["M"]) if triton is not None else fn
 
 
 @jit
@@ -186,7 +181,7 @@ def _range_sum(w_rows, x_cols, m_mask, stat_rows, dx_ptr, sx_ptr, cx_ptr, sb_sta
     return acc
 
 
-@_jit_any_m
+@jit_any_m
 def _gguf_mma_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
                 row_bytes, stride_om, stride_ps, stride_pm, SB_PER_SPLIT, SPLITS, QTYPE: tl.constexpr,
                 ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PARALLEL: tl.constexpr,

@@ -45,13 +45,13 @@ if triton is not None:
 ARRIVAL_COUNTERS = SplitCounters()
 
 
-def _jit_any_m(fn):
+def jit_any_m(fn):
     """triton.jit with M not specialised (Triton compiles M == 1 and M % 16 == 0 apart by default): one compiled
     kernel serves every row count of a row tile."""
     return triton.jit(fn, do_not_specialize=["M"]) if triton is not None else fn
 
 
-@_jit_any_m
+@jit_any_m
 def _split_gemm_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     stride_ps, stride_pm, K_PER_SPLIT, SPLITS,
