@@ -214,7 +214,7 @@ def _workload(n: int = 7):
 
 def _use_recording_graphs(llm: LLM, sizes=(1, 2, 4)) -> None:
     """Swap the CPU engine's eager decode for graphs recorded by RecordingGraphBackend, self-check included."""
-    from ostinato.runner.kv_setup import _random_decode_rows
+    from ostinato.runner.decode_graph_check import random_decode_rows
 
     runner = llm.engine.runner
     step = runner.decode_step
@@ -224,7 +224,7 @@ def _use_recording_graphs(llm: LLM, sizes=(1, 2, 4)) -> None:
     spec = type("Spec", (), {"device": runner.device, "block_size": runner.block_size,
                              "model_config": runner.model_config})
     with torch.inference_mode():
-        graphs.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
+        graphs.check(lambda n: random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
     runner.graphs = graphs
 
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ostinato import cli
 from ostinato.errors import ConfigError, InvalidRequestError
-from ostinato.runner import kv_setup
+from ostinato.runner import decode_graph_check
 from ostinato.runner.decode_batch import BLOCKS, POS, DecodeLayout
 from ostinato.sampling_params import SamplingParams
 
@@ -88,13 +88,13 @@ def test_self_check_inputs_cost_nothing_per_block():
     num_blocks = 5_000_000
     layout = DecodeLayout(rows=8, blocks_per_seq=32, block_size=16, scratch_block=num_blocks)
     with _LargestTensor() as mode:
-        rows = kv_setup._random_decode_rows(spec, layout, 8)["batch"]
+        rows = decode_graph_check.random_decode_rows(spec, layout, 8)["batch"]
     tables = rows[:, BLOCKS:]
     assert tables.shape == (8, 32) and tables.dtype == torch.int32
     assert 0 <= int(tables.min()) and int(tables.max()) < num_blocks  # real blocks (see the test below)
     assert mode.largest <= 8 * layout.width, f"an op built a tensor of {mode.largest} elements"
     small_layout = DecodeLayout(rows=4, blocks_per_seq=32, block_size=16, scratch_block=3)
-    small = kv_setup._random_decode_rows(spec, small_layout, 4)["batch"][:, BLOCKS:]  # fewer blocks than a row
+    small = decode_graph_check.random_decode_rows(spec, small_layout, 4)["batch"][:, BLOCKS:]  # fewer blocks than a row
     assert small.shape == (4, 32) and int(small.max()) <= 3
 
 
@@ -107,7 +107,7 @@ def test_self_check_rows_never_read_what_another_row_writes(num_blocks, size):
     layout = DecodeLayout(rows=size, blocks_per_seq=6, block_size=4, scratch_block=num_blocks)
     for seed in range(20):
         torch.manual_seed(seed)
-        rows = kv_setup._random_decode_rows(spec, layout, size)["batch"]
+        rows = decode_graph_check.random_decode_rows(spec, layout, size)["batch"]
         pos = rows[:, POS].tolist()
         tables = rows[:, BLOCKS:].tolist()
         assert max(max(t) for t in tables) < num_blocks  # real blocks only: the scratch block is for pad rows

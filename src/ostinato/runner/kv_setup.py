@@ -8,11 +8,12 @@ graph memory in KV blocks. On CPU, or with --num-kv-blocks, the pool size is giv
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ from ostinato.sampling_params import SamplingParams
 from ostinato.runner.compile_ahead import RunningPass, start_graph_kernel_compiles
 from ostinato.runner.compile_watch import CompileWatch
 from ostinato.runner.decode_batch import DecodeLayout
-from ostinato.runner.decode_step import DecodeStep, compare_step, processor_sizes
+from ostinato.runner.decode_graph_check import check_decode_graphs
+from ostinato.runner.decode_step import DecodeStep, processor_sizes
 from ostinato.runner.logits_processors import state_bytes
 from ostinato.runner.graphs import CaptureReport, CudaGraphBackend, CudaGraphRunner
 from ostinato.runner.inputs import build_prefill_inputs
@@ -91,6 +93,18 @@ def allocate_kv_cache(spec: KVSpec, num_blocks: int) -> list[tuple[torch.Tensor,
     return caches
 
 
+@contextlib.contextmanager
+def temporary_kv_pool(spec: KVSpec, num_blocks: int) -> Iterator[None]:
+    """A KV pool of num_blocks blocks bound to the model while a probe runs. On exit the model lets go of it (it
+    is bound to a pool of the scratch block alone), so its memory is free for what is measured or allocated next:
+    the model's attention layers hold the pool, so dropping the caller's reference alone would keep it."""
+    allocate_kv_cache(spec, num_blocks)
+    try:
+        yield
+    finally:
+        allocate_kv_cache(spec, 0)
+
+
 def max_blocks_per_seq(spec: KVSpec) -> int:
     return math.ceil(spec.scheduler_config.max_model_len / spec.block_size)
 
@@ -138,15 +152,12 @@ def make_prefill_graphs(spec: KVSpec, num_blocks: int, sizes: tuple[int, ...], p
 def _estimate_prefill_graph_bytes(spec: KVSpec, backend: CudaGraphBackend) -> int:
     """Capture the largest prefill size once into a throwaway pool over a small temporary KV pool."""
     tmp_blocks = max_blocks_per_seq(spec)
-    caches = allocate_kv_cache(spec, tmp_blocks)
-    probe = make_prefill_graphs(spec, tmp_blocks, (max(spec.graph_config.prefill_sizes),), False, backend)
     try:
-        return probe.capture().total_bytes
+        with temporary_kv_pool(spec, tmp_blocks):
+            sizes = (max(spec.graph_config.prefill_sizes),)
+            return make_prefill_graphs(spec, tmp_blocks, sizes, False, backend).capture().total_bytes
     finally:
-        del probe, caches
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _release_cached_memory()
 
 
 def _estimate_or_zero(estimate: Callable[[], int], gc_cfg: GraphConfig) -> int:
@@ -158,30 +169,6 @@ def _estimate_or_zero(estimate: Callable[[], int], gc_cfg: GraphConfig) -> int:
         # Opted into eager fallback: the real capture below fails the same way, warns once and turns those
         # graphs off, so no memory is set aside for them.
         return 0
-
-
-def _random_decode_rows(spec: KVSpec, layout: DecodeLayout, size: int) -> dict[str, torch.Tensor]:
-    """Self-check rows: random greedy tokens and context lengths over random real blocks.
-
-    Rows run concurrently on the GPU, so no row may read a slot another row writes in the same step (the
-    order of those writes and reads differs between runs, and eager and replay would disagree for no fault
-    of the graph). Each row therefore writes its token's K/V into a block of its own, and reads its earlier
-    positions from blocks no row writes. Those are real blocks: the check runs at start-up, before any
-    sequence holds KV. With fewer blocks than rows, the extra rows repeat earlier ones (a repeated row writes
-    the very same values). O(size x width): a pool of tiny blocks can hold tens of millions."""
-    num_blocks, width, bs, dev = layout.scratch_block, layout.blocks_per_seq, spec.block_size, spec.device
-    distinct = min(size, num_blocks)
-    readable = num_blocks - distinct  # blocks no row writes
-    max_ctx = width * bs if readable else bs  # no block to read from: stay inside the own block
-    ctx = torch.randint(1, max_ctx + 1, (distinct,), device=dev)
-    pos = ctx - 1
-    first = torch.randint(0, num_blocks, (1,), device=dev)
-    own = (first + torch.arange(distinct, device=dev)) % num_blocks  # [distinct], all different
-    tables = (first + distinct + torch.randint(0, max(readable, 1), (distinct, width), device=dev)) % num_blocks
-    tables.scatter_(1, (pos // bs)[:, None], own[:, None])
-    ids = torch.randint(0, spec.model_config.vocab_size, (distinct,), device=dev)
-    repeat = torch.arange(size, device=dev) % distinct
-    return {"batch": layout.pack(ids[repeat], pos[repeat], tables[repeat])}
 
 
 def _profile_activation_peak(spec: KVSpec) -> int:
@@ -197,20 +184,20 @@ def _profile_activation_peak(spec: KVSpec) -> int:
     tmp_blocks = num_seqs * per_seq
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    caches = allocate_kv_cache(spec, tmp_blocks)
-    cache_bytes = torch.cuda.memory_allocated() - base
-    torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(temperature=0.0, max_tokens=1)
     seqs = tuple(ScheduledSeq(i, tuple([1] * seq_len), context - seq_len, tuple(range(i * per_seq, (i + 1) * per_seq)),
                               params, 0) for i in range(num_seqs))
-    out = SchedulerOutput("prefill", seqs)
-    with torch.inference_mode():
-        inp = build_prefill_inputs(out, spec.block_size, tmp_blocks, spec.device)
-        hidden = spec.model(inp.input_ids, inp.positions, inp.meta)
-        spec.model.compute_logits(hidden[inp.last_token_indices])
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base - cache_bytes
-    del caches, inp, hidden
+    with temporary_kv_pool(spec, tmp_blocks):
+        cache_bytes = torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            inp = build_prefill_inputs(SchedulerOutput("prefill", seqs), spec.block_size, tmp_blocks, spec.device)
+            hidden = spec.model(inp.input_ids, inp.positions, inp.meta)
+            spec.model.compute_logits(hidden[inp.last_token_indices])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base - cache_bytes
+        del inp, hidden
+    # The pool is let go of here, before start-up reads what is in use (charged as weights).
     gc.collect()
     torch.cuda.empty_cache()
     return max(0, peak)
@@ -222,18 +209,28 @@ def estimate_graph_bytes(spec: KVSpec, largest: int, backend: CudaGraphBackend) 
     The probe shares the real runner's backend (its capture stream), so what a capture stream costs once
     (its cuBLAS workspace) is counted in the estimate and not allocated a second time later."""
     tmp_blocks = max_blocks_per_seq(spec)
-    caches = allocate_kv_cache(spec, tmp_blocks)
-    step, probe, probe_processors = make_graph_runner(spec, tmp_blocks, (largest,), False, "error", progress=False,
-                                                      backend=backend)
     try:
-        report = probe.capture()
-        probe_processors.share_output_of(probe)
-        return report.total_bytes + probe_processors.capture().total_bytes
+        with temporary_kv_pool(spec, tmp_blocks):
+            return _capture_decode_probe(spec, tmp_blocks, largest, backend)
     finally:
-        del probe, probe_processors, step, caches
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _release_cached_memory()
+
+
+def _capture_decode_probe(spec: KVSpec, tmp_blocks: int, largest: int, backend: CudaGraphBackend) -> int:
+    """Both graph sets' largest size captured over the temporary pool: their bytes. The runners, and the graph
+    memory they hold, go when it returns."""
+    _, probe, probe_processors = make_graph_runner(spec, tmp_blocks, (largest,), False, "error", progress=False,
+                                                   backend=backend)
+    report = probe.capture()
+    probe_processors.share_output_of(probe)
+    return report.total_bytes + probe_processors.capture().total_bytes
+
+
+def _release_cached_memory() -> None:
+    """What a probe freed, back to the device (the collector first: its graphs and runners hold tensors)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def _compiles_ahead(spec: KVSpec) -> bool:
@@ -262,13 +259,10 @@ def start_graph_kernel_compiles_early(spec: KVSpec, backend: CudaGraphBackend | 
 def _run_steps_over_a_throwaway_pool(spec: KVSpec, backend: CudaGraphBackend | None) -> RunningPass | None:
     """Each size's step, with and without the logits processors, once over a KV pool of one sequence's blocks: the
     kernels' specialisations depend on the pool's strides, not its length."""
-    allocate_kv_cache(spec, max_blocks_per_seq(spec))
-    try:
+    with temporary_kv_pool(spec, max_blocks_per_seq(spec)):
         _, plain, with_processors = make_graph_runner(spec, max_blocks_per_seq(spec), spec.graph_config.capture_sizes,
                                                       False, "error", progress=False, backend=backend)
         return start_graph_kernel_compiles(plain.step_calls() + with_processors.step_calls(), spec.device)
-    finally:
-        allocate_kv_cache(spec, 0)  # the model lets go of the throwaway pool (it holds the one scratch block now)
 
 
 def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str]) -> CaptureReport:
@@ -279,17 +273,6 @@ def capture_decode_graphs(spec: KVSpec, graphs: CudaGraphRunner, lines: list[str
     if watch is not None:
         lines.append(f"the capture compiled {len(watch.kernels_since(mark))} more kernels")
     return capture
-
-
-def check_decode_graphs(spec: KVSpec, step: DecodeStep, runners: tuple[CudaGraphRunner, ...]) -> None:
-    """The start-up self-check of each decode graph set (unless --skip-graph-check), on random greedy rows."""
-    if not spec.graph_config.capture_sizes or spec.graph_config.skip_graph_check:
-        return
-    for runner in runners:
-        if runner.graphs_enabled:
-            with torch.inference_mode():
-                runner.check(lambda n: _random_decode_rows(spec, step.layout, n), compare_step, step.sampled_rows)
-            step.batch.reset()  # the check wrote its rows into the static buffer: padding again before serving
 
 
 def _plan_on_gpu(spec: KVSpec, backend: CudaGraphBackend | None, block_bytes: int, compiling: RunningPass | None,

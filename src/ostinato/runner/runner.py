@@ -232,7 +232,7 @@ class ModelRunner:
     def probe_decode_graph_bytes(self, size: int) -> int:
         """Bytes a decode graph of `size` rows adds when captured alone, measured by capturing it into a
         throwaway pool over a temporary KV pool (`ostinato advise` weighs graph memory this way). The model is
-        left bound to the temporary pool: rebind self.kv_caches after the last probe."""
+        left bound to a pool of the scratch block alone: rebind self.kv_caches after the last probe."""
         # The decode graphs' own backend (its capture stream): what a capture stream costs once is not counted twice.
         return estimate_graph_bytes(self.kv_spec, size, self.graphs._backend)
 
