@@ -169,6 +169,12 @@ def _code_words(w_rows, j0, offs_j, n_words, EVEN: tl.constexpr):
 
 
 @_jit
+def low_half(h):
+    """The fp16 in the low 16 bits of int32 h, as float."""
+    return (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@_jit
 def _byte(word, shift):
     return ((word >> shift) & 255).to(tl.float32)
 
@@ -256,8 +262,8 @@ def _q4k_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_
         h1 = tl.load(head + 1, mask=g_mask, other=0)
         h2 = tl.load(head + 2, mask=g_mask, other=0)
         h3 = tl.load(head + 3, mask=g_mask, other=0)
-        d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = (h0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d = low_half(h0)
+        dmin = low_half(h0 >> 16)
         # The eight six-bit scales and mins, one a byte, four to a word: sub-blocks 0-3 in words a, 4-7 in b
         # (ggml's get_scale_min_k4, four bytes at a time). Chunk c's sub-blocks 2c and 2c + 1 are bytes
         # 2(c % 2) and 2(c % 2) + 1 of word a (c < 2) or b.
@@ -288,9 +294,14 @@ def int8_dot_applies(x: torch.Tensor, qtype: int) -> bool:
     """Whether gguf_linear_into sends x times qtype's blocks to these kernels by default: half-precision rows, as
     many as INT8_DOT_ROWS gives the type, K as INT8_DOT_K (float32 runs, the reference runs, keep the fp32
     decoding)."""
-    first, last = INT8_DOT_ROWS.get(qtype, (1, 0))
-    return first <= x.shape[0] <= last and x.dtype in (torch.bfloat16, torch.float16) \
-        and x.shape[1] % INT8_DOT_K[qtype] == 0
+    return half_rows_within(x, INT8_DOT_ROWS.get(qtype), INT8_DOT_K.get(qtype, 1))
+
+
+def half_rows_within(x: torch.Tensor, rows: tuple[int, int] | None, k_multiple: int) -> bool:
+    """x [M, K] is half precision, M within rows (first, last; None: none) and K a multiple of k_multiple: where
+    an int8 kernel takes x by default."""
+    return rows is not None and rows[0] <= x.shape[0] <= rows[1] and x.dtype in (torch.bfloat16, torch.float16) \
+        and x.shape[1] % k_multiple == 0
 
 
 class QuantizedX(NamedTuple):

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import SUPER_BLOCK, QuantizedX, quantize_x
+from ostinato.kernels.gguf_int8_dot import SUPER_BLOCK, QuantizedX, half_rows_within, low_half, quantize_x
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0
+from ostinato.kernels.gguf_linear import row_bytes as gguf_row_bytes
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.split_gemm import jit_any_m, merge_splits, split_buffers, split_steps
 from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -40,7 +41,6 @@ from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl:
 # 4 and than the dense slices at 32 and 64, where the per-sub-block scaling of a 32- or 64-row tile costs more
 # than the dense slices' extra bytes.
 INT8_MMA_ROWS = {Q4_K: (5, 16), Q6_K: (5, 16), Q8_0: (5, 16)}
-_BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,6 @@ def _k4_scale_min(h1, h2, h3, s: tl.constexpr):
 
 
 @jit
-def _half(h):
-    """The fp16 in the low 16 bits of int32 h, as float."""
-    return (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@jit
 def _q4k_super_block(acc, w_rows, sb, x_cols, m_mask, stat_rows, dx_ptr, sx_ptr, cx_ptr):
     """acc + super-block sb of the Q4_K rows times x there. Byte p of code chunk c holds sub-block 2c's weight p
     (low nibble) and sub-block 2c + 1's (high)."""
@@ -107,8 +101,8 @@ def _q4k_super_block(acc, w_rows, sb, x_cols, m_mask, stat_rows, dx_ptr, sx_ptr,
     h1 = tl.load(head + 1)
     h2 = tl.load(head + 2)
     h3 = tl.load(head + 3)
-    d = _half(h0)
-    dmin = _half(h0 >> 16)
+    d = low_half(h0)
+    dmin = low_half(h0 >> 16)
     p = tl.arange(0, 32)[None, :]
     for c in tl.static_range(4):
         codes = tl.load(block + 16 + 32 * c + p)  # [BLOCK_N, 32] uint8
@@ -221,9 +215,7 @@ def _gguf_mma_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, part
 def int8_mma_applies(x: torch.Tensor, qtype: int) -> bool:
     """Whether gguf_linear_into sends x times qtype's blocks here by default: half-precision rows, as many as
     INT8_MMA_ROWS gives the type, K whole super-blocks."""
-    first, last = INT8_MMA_ROWS.get(qtype, (1, 0))
-    return first <= x.shape[0] <= last and x.dtype in (torch.bfloat16, torch.float16) \
-        and x.shape[1] % SUPER_BLOCK == 0
+    return half_rows_within(x, INT8_MMA_ROWS.get(qtype), SUPER_BLOCK)
 
 
 def mma_rows_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None, out: torch.Tensor,
@@ -233,7 +225,7 @@ def mma_rows_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch
     already quantized (quantize_x), else it is here."""
     (m, k), n = x.shape, blocks.shape[0]
     assert qtype in (Q4_K, Q6_K, Q8_0) and k % SUPER_BLOCK == 0 and out.shape == (m, n)
-    assert blocks.shape[1] == (k // 32 * 34 if qtype == Q8_0 else k // SUPER_BLOCK * _BLOCK_BYTES[qtype])
+    assert blocks.shape[1] == gguf_row_bytes(qtype, k)  # Q8_0's planar rows hold the same bytes
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
     tiles = tiles or MmaTiles()
     qx = qx if qx is not None else quantize_x(x, pdl)
