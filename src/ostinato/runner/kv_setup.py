@@ -197,9 +197,7 @@ def _profile_activation_peak(spec: KVSpec) -> int:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base - cache_bytes
         del inp, hidden
-    # The pool is let go of here, before start-up reads what is in use (charged as weights).
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release_cached_memory()  # the pool let go of, before start-up reads what is in use (charged as weights)
     return max(0, peak)
 
 
@@ -251,17 +249,17 @@ def start_graph_kernel_compiles_early(spec: KVSpec, backend: CudaGraphBackend | 
         running = _run_steps_over_a_throwaway_pool(spec, backend)
     except Exception as exc:  # as a failing step: the capture compiles in line, and says how many
         logger.warning("compiling ahead could not start, left to the capture: %s", exc, exc_info=exc)
-    gc.collect()  # the throwaway pool and steps, before the profiling reads what is in use
-    torch.cuda.empty_cache()
+    _release_cached_memory()  # the throwaway pool and steps, before the profiling reads what is in use
     return running
 
 
 def _run_steps_over_a_throwaway_pool(spec: KVSpec, backend: CudaGraphBackend | None) -> RunningPass | None:
     """Each size's step, with and without the logits processors, once over a KV pool of one sequence's blocks: the
     kernels' specialisations depend on the pool's strides, not its length."""
-    with temporary_kv_pool(spec, max_blocks_per_seq(spec)):
-        _, plain, with_processors = make_graph_runner(spec, max_blocks_per_seq(spec), spec.graph_config.capture_sizes,
-                                                      False, "error", progress=False, backend=backend)
+    tmp_blocks = max_blocks_per_seq(spec)
+    with temporary_kv_pool(spec, tmp_blocks):
+        _, plain, with_processors = make_graph_runner(spec, tmp_blocks, spec.graph_config.capture_sizes, False, "error",
+                                                      progress=False, backend=backend)
         return start_graph_kernel_compiles(plain.step_calls() + with_processors.step_calls(), spec.device)
 
 
