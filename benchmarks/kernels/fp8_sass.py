@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from ostinato.kernels import fp8_gemv, fp8_stream, gemv, gguf_int8_dot, gguf_int8_q6k_q80
 
 TARGET = GPUTarget("cuda", 90, 32)
-SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_halves", "row_len")  # integer arguments the JIT sees as multiples of 16
+SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_len")  # integer arguments the JIT sees as multiples of 16
 _NVIDIA_BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 
 
@@ -103,8 +103,8 @@ Q4K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "cx_ptr": "*f
            "stride_om": "i32"}
 Q8_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "w_ptr": "*i32", "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
           "n_words": "i32", "row_len": "i32", "stride_om": "i32"}
-Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "h_ptr": "*i16", "b8_ptr": "*u8",
-           "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_pos": "i32", "row_halves": "i32",
+Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "w_ptr": "*i32", "b8_ptr": "*u8",
+           "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_pos": "i32", "row_words": "i32",
            "stride_om": "i32"}
 
 
@@ -133,7 +133,7 @@ def main() -> None:
     report("stream FP8 GEMV 4x1024 p1, 4 rows", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
         ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False, K_PAD=1,
         GLU=False, ASM=True, EMULATE_BF16=False, PDL=True)), tile // 2, 128, out_dir)
-    q4k, q6k = gguf_int8_dot.Q4kTiles(), gguf_int8_q6k_q80.Q6kTiles()
+    q4k, q6k = gguf_int8_dot.Q4kTiles(), gguf_int8_q6k_q80.q6k_tiles(1)
     report(f"GGUF Q4_K int8 dot {q4k.block_n}x{q4k.block_j} words", _compile(
         gguf_int8_dot._q4k_row_kernel, Q4K_SIG, dict(ROWS=1, BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True,
                                                       HAS_BIAS=False, PDL=True, ASM=True), num_warps=q4k.num_warps),

@@ -37,8 +37,8 @@ from ostinato.kernels.gguf_int8_mma import MmaTiles  # noqa: E402
 from ostinato.kernels.gguf_int8_route import INT8_DOT_KERNELS, takes_int8_mma  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q8_tiles  # noqa: E402
-from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear, block_rows,  # noqa: E402
-                                          dequantize_blocks, planar_rows)
+from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear, file_rows,  # noqa: E402
+                                          dequantize_blocks, device_rows)
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
@@ -185,14 +185,14 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
         for _, n, k in SHAPES:
             blocks = torch.from_numpy(random_blocks(type_name, n, k, np.random.default_rng(0))).cuda()
             copies = max(2, 2 * L2_BYTES // blocks.numel() + 1)
-            layers.append((n, k, [planar_rows(blocks, qtype).clone() for _ in range(copies)]))
+            layers.append((n, k, [device_rows(blocks, qtype).clone() for _ in range(copies)]))
         nbytes = sum(copies[0].numel() for _, _, copies in layers)
         for m in batches:
             n0, k0, copies0 = layers[0]
             x0 = torch.randn(m, k0, device="cuda", dtype=torch.bfloat16)
             default = int8_tiles(qtype, m) if int8_dot_applies(x0, qtype) else choose_tiles(qtype, m, n0, k0)
             results = []
-            w0 = dequantize_blocks(block_rows(copies0[0], qtype), qtype, k0)
+            w0 = dequantize_blocks(file_rows(copies0[0], qtype), qtype, k0)
             ref = F.linear(x0, w0.to(torch.bfloat16)).float()
             for tiles in candidates(qtype, m) + [default]:
                 try:

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, q4k_rows_into, quantize_x  # noqa: E402
 from ostinato.kernels.gguf_int8_mma import MmaTiles, mma_rows_into  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into  # noqa: E402
-from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, planar_rows  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, device_rows  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,7 +104,7 @@ def _run(kernel, qtype_name, formula, m, n, k, tiles, bias):
     x = _x(m, k, n + m)
     b = torch.randn(n) if bias else None
     wide = torch.zeros(m, n + 5, device=DEV)
-    rows = planar_rows(torch.from_numpy(blocks), BY_NAME[qtype_name]).to(DEV)
+    rows = device_rows(torch.from_numpy(blocks), BY_NAME[qtype_name]).to(DEV)
     kernel(x.to(DEV), rows, b.to(DEV) if bias else None, wide[:, 2:2 + n], tiles=tiles)
     want = formula(x, blocks, n, k) + (b.double().numpy() if bias else 0)
     got = wide.double().cpu().numpy()
@@ -193,14 +193,14 @@ def test_gguf_linear_takes_them_for_half_precision_rows_where_the_tables_say(mon
     cases = [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16), (4, torch.float16),
              (5, torch.bfloat16), (8, torch.float16), (8, torch.float32), (16, torch.bfloat16), (17, torch.bfloat16)]
     for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", Q8_0)]:
-        blocks = planar_rows(torch.from_numpy(random_blocks(name, 4, 512, np.random.default_rng(0))), qtype).to(DEV)
+        blocks = device_rows(torch.from_numpy(random_blocks(name, 4, 512, np.random.default_rng(0))), qtype).to(DEV)
         for m, dtype in cases:
             gguf_gemv.gguf_linear_into(torch.randn(m, 512, device=DEV).to(dtype), blocks, qtype, None,
                                        torch.empty(m, 4, device=DEV, dtype=dtype))
     expected = [(kernel, name, m) for name in ("Q4_K", "Q6_K", "Q8_0")
                 for kernel, m in (("dot", 1), ("dot", 1), ("dot", 2), ("dot", 4), ("mma", 5), ("mma", 8), ("mma", 16))]
     for m, k in ((2, 96), (6, 320)):  # 3 blocks: no whole words; 10 blocks: no whole super-blocks
-        blocks = planar_rows(torch.from_numpy(random_blocks("Q8_0", 4, k, np.random.default_rng(0))), Q8_0).to(DEV)
+        blocks = device_rows(torch.from_numpy(random_blocks("Q8_0", 4, k, np.random.default_rng(0))), Q8_0).to(DEV)
         gguf_gemv.gguf_linear_into(torch.randn(m, k, device=DEV).to(torch.bfloat16), blocks, Q8_0, None,
                                    torch.empty(m, 4, device=DEV, dtype=torch.bfloat16))
     assert taken == expected + [("dot", "Q8_0", 6)]
@@ -212,7 +212,7 @@ def test_a_concat_quantizes_x_once_for_its_integer_dot_parts(monkeypatch):
     from ostinato.kernels import gguf_gemv, gguf_int8_dot, gguf_int8_q6k_q80
 
     k = 512
-    parts = [(planar_rows(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))), qtype).to(DEV),
+    parts = [(device_rows(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))), qtype).to(DEV),
               qtype, None)
              for name, qtype, n in (("Q4_K", Q4_K, 7), ("Q8_0", Q8_0, 3), ("Q4_0", Q4_0, 4), ("Q6_K", Q6_K, 5))]
     x = _x(1, k, 3).to(DEV)

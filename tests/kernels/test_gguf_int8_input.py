@@ -16,7 +16,7 @@ from ostinato.kernels import gguf_gemv  # noqa: E402
 from ostinato.kernels.fused import fused_add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import quantize_x  # noqa: E402
 from ostinato.kernels.gguf_int8_input import glu_quantize_x, norm_quantize_x  # noqa: E402
-from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, GGUFConcat, GGUFLinear, planar_rows  # noqa: E402
+from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, GGUFConcat, GGUFLinear, device_rows  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,8 +33,8 @@ def _file_rows(k: int, types=((Q4_K, "Q4_K", 7), (Q6_K, "Q6_K", 5))):
 
 
 def _parts(k: int):
-    """The kernels' parts (rows as planar_rows gives them)."""
-    return [(planar_rows(blocks, qtype).to(DEV), qtype, None) for blocks, qtype in _file_rows(k)]
+    """The kernels' parts (rows as device_rows gives them)."""
+    return [(device_rows(blocks, qtype).to(DEV), qtype, None) for blocks, qtype in _file_rows(k)]
 
 
 def _same_quantization(got, want):

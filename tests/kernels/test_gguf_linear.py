@@ -8,8 +8,9 @@ import torch
 
 gguf_quants = pytest.importorskip("gguf.quants")
 
-from ostinato.kernels.gguf_linear import (KERNEL_TYPES, PLANE_FIELDS, Q8_0, GGUFConcat, GGUFLinear,  # noqa: E402
-                                          block_rows, dequantize_blocks, planar_rows)
+from ostinato.kernels.gguf_linear import (KERNEL_TYPES, PADDED_BLOCK_BYTES, PLANE_FIELDS, Q6_K, Q8_0,  # noqa: E402
+                                          GGUFConcat, GGUFLinear, dequantize_blocks, device_row_bytes, device_rows,
+                                          file_rows)
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
 TYPES = sorted(KERNEL_TYPES, key=lambda t: KERNEL_TYPES[t][0])
@@ -21,7 +22,7 @@ def _blocks(qtype, n, k, seed=0):
 
 def _rows(blocks: np.ndarray, qtype: int) -> torch.Tensor:
     """The file's rows as the kernels take them."""
-    return planar_rows(torch.from_numpy(blocks), qtype)
+    return device_rows(torch.from_numpy(blocks), qtype)
 
 
 def _reference(x: torch.Tensor, blocks: np.ndarray, qtype: int) -> np.ndarray:
@@ -36,21 +37,28 @@ def test_torch_dequantize_equals_the_gguf_library(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: KERNEL_TYPES[t][0])
-def test_planar_rows_hold_the_same_bytes_and_undo(qtype):
-    """The kernels' rows (planar for PLANE_FIELDS' types, Q8_0; as they are for the rest) give the file's rows back."""
+def test_device_rows_hold_the_same_bytes_and_undo(qtype):
+    """The kernels' rows (planar for PLANE_FIELDS' types, Q8_0; each block padded with zeros for
+    PADDED_BLOCK_BYTES', Q6_K; as they are for the rest) give the file's rows back."""
     blocks = torch.from_numpy(_blocks(qtype, 3, 1024))
-    rows = planar_rows(blocks, qtype)
-    assert rows.shape == blocks.shape
-    assert torch.equal(torch.sort(rows.flatten()).values, torch.sort(blocks.flatten()).values)
-    assert torch.equal(block_rows(rows, qtype), blocks)
-    assert (qtype in PLANE_FIELDS) == (not torch.equal(rows, blocks))
+    rows = device_rows(blocks, qtype)
+    assert rows.shape == (3, device_row_bytes(qtype, 1024))
+    padding = rows.shape[1] - blocks.shape[1]
+    assert padding == (1024 // 256 * 14 if qtype == Q6_K else 0)
+    with_padding = torch.cat([blocks.flatten(), torch.zeros(3 * padding, dtype=torch.uint8)])
+    assert torch.equal(torch.sort(rows.flatten()).values, torch.sort(with_padding).values)
+    assert torch.equal(file_rows(rows, qtype), blocks)
+    assert (qtype in PLANE_FIELDS or qtype in PADDED_BLOCK_BYTES) == (not torch.equal(rows[:, :blocks.shape[1]],
+                                                                                       blocks))
+    if qtype in PADDED_BLOCK_BYTES:
+        assert rows.shape[1] // (1024 // 256) % 16 == 0  # every block 16-byte aligned
 
 
 def test_a_planar_q8_0_row_is_its_codes_then_its_scales():
     """Read the way the kernels read it, a planar Q8_0 row gives the gguf library's weights."""
     n, k = 3, 256
     blocks = _blocks(Q8_0, n, k)
-    rows = planar_rows(torch.from_numpy(blocks), Q8_0)
+    rows = device_rows(torch.from_numpy(blocks), Q8_0)
     codes = rows[:, :k].view(torch.int8).float()
     d = rows[:, k:].contiguous().view(torch.float16).float()
     assert d.shape == (n, k // 32)

@@ -192,7 +192,7 @@ def _step(acc, row, mask, g2, l2, x_ptr, stride_xm, offs_m, m_mask, M, K,
         sb = g // 4
         h = (g // 2) % 2
         u = g % 2
-        blk = row + sb * 210
+        blk = row + sb * 224  # blocks padded on the device (gguf_linear.device_rows)
         qa = _u8(blk + 64 * h + 16 * u + l, mask)  # quarters 0 (low nibbles) and 2 (high)
         qb = _u8(blk + 64 * h + 16 * u + 32 + l, mask)  # quarters 1 and 3
         qh = _u8(blk + 128 + 32 * h + 16 * u + l, mask)  # two high bits for each quarter

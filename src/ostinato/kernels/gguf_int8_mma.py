@@ -30,7 +30,7 @@ import torch
 
 from ostinato.kernels.gguf_int8_dot import SUPER_BLOCK, QuantizedX, half_rows_within, low_half, quantize_x
 from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0
-from ostinato.kernels.gguf_linear import row_bytes as gguf_row_bytes
+from ostinato.kernels.gguf_linear import device_row_bytes
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.split_gemm import jit_any_m, merge_splits, split_buffers, split_steps
 from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -123,7 +123,7 @@ def _q6k_super_block(acc, w_rows, sb, x_cols, m_mask, stat_rows, dx_ptr):
     """acc + super-block sb of the Q6_K rows times x there. Half h's ql bytes 64h + l hold quarters 0 (low) and 2
     (high), 64h + 32 + l quarters 1 and 3, qh byte 32h + l the top two bits of each (bits 2t, 2t + 1);
     quarter t's weight l has scale 8h + 2t + l // 16 (gguf_int8_q6k_q80.py has the layout)."""
-    block = w_rows + sb * 210
+    block = w_rows + sb * 224  # padded on the device (gguf_linear.device_rows)
     d = tl.load((block + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)  # [BLOCK_N, 1]
     p = tl.arange(0, 32)[None, :]
     first = p < 16
@@ -221,11 +221,11 @@ def int8_mma_applies(x: torch.Tensor, qtype: int) -> bool:
 def mma_rows_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None, out: torch.Tensor,
                   pdl: bool = False, tiles: MmaTiles | None = None, qx: QuantizedX | None = None) -> None:
     """out [M, N] = x [M, K] @ W^T (+ bias), W qtype's rows [N, row_bytes] uint8 (Q8_0's planar: gguf_linear.
-    planar_rows), K a multiple of 256; out's and x's columns contiguous, their rows may be strided. qx: x
+    device_rows), K a multiple of 256; out's and x's columns contiguous, their rows may be strided. qx: x
     already quantized (quantize_x), else it is here."""
     (m, k), n = x.shape, blocks.shape[0]
     assert qtype in (Q4_K, Q6_K, Q8_0) and k % SUPER_BLOCK == 0 and out.shape == (m, n)
-    assert blocks.shape[1] == gguf_row_bytes(qtype, k)  # Q8_0's planar rows hold the same bytes
+    assert blocks.shape[1] == device_row_bytes(qtype, k)
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
     tiles = tiles or MmaTiles()
     qx = qx if qx is not None else quantize_x(x, pdl)

@@ -1,6 +1,6 @@
 """Activations times Q6_K or Q8_0 rows as integer dot products: the two GGUF types whose blocks (210 and 34 bytes)
-leave every other block only 2-byte aligned. Q6_K's words are read as two 16-bit halves; Q8_0's rows are planar
-(kernels/gguf_linear.py: all codes, then all scales), so its code words load 16 bytes at a time. The quantized
+leave every other block only 2-byte aligned in the file. On the device Q6_K's blocks are padded to 224 bytes and
+Q8_0's rows are planar (kernels/gguf_linear.py), so both load their words 16 bytes at a time. The quantized
 activations, the dp4a and the row handling are kernels/gguf_int8_dot.py's (its docstring says why and how). Q4_K_M
 files mix Q6_K in. Both are default paths where gguf_int8_dot.INT8_DOT_ROWS says.
 """
@@ -13,6 +13,7 @@ import torch
 
 from ostinato.kernels.gguf_int8_dot import (SUPER_BLOCK, QuantizedX, dp4a, dp4a_signed, group_sums, load_words,
                                             program_rows, quantize_x, row_groups, store_rows)
+from ostinato.kernels.gguf_linear import Q6_K, device_row_bytes
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -24,34 +25,42 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 # 32h + l the top two bits of all four (bits 2t, 2t + 1 for quarter t); quarter t's weight l has scale
 # 8h + 2t + l // 16. A word of four ql bytes thus makes four weights of two quarters, contiguous in K, and one
 # qh word completes four of each quarter: a *position* (h, w) of a super-block is words w of ql's two halves and
-# of qh, 16 weights, all of one sub-block per quarter. Blocks are 210 bytes, so odd ones are only 2-byte aligned:
-# the words are read as two 16-bit halves.
+# of qh, 16 weights, all of one sub-block per quarter. On the device a block is 224 bytes, 56 words (14 bytes of
+# padding after d: gguf_linear.device_rows). Where a tile gives each thread 4 positions (Q6K_ONE_ROW), they are
+# one run, w = 4i..4i + 3: 16 aligned bytes of each of the three, loaded at once, and one sub-block of each
+# quarter, summed without the other threads.
 @dataclass(frozen=True)
 class Q6kTiles:
-    """A program's share: block_n rows of W, K walked block_j positions (16 weights each) at a time. The default:
-    the fastest summed over Llama-3.1-8B's four projections in `benchmarks/kernels/gguf_linear.py --sweep --types
-    Q6_K --batches 1` (docs/PERFORMANCE.md, GGUF)."""
+    """A program's share: block_n rows of W, K walked block_j positions (16 weights each) at a time. The default
+    at 2-8 rows; Q6K_ONE_ROW at one."""
 
     block_n: int = 2
     block_j: int = 64
     num_warps: int = 4
 
 
-@_jit
-def _word_at_halves(h_rows, at, mask, EVEN: tl.constexpr):
-    """The 32-bit word at 16-bit half `at` of each row (2-byte aligned): two loads, one word."""
-    lo = load_words(h_rows + at, mask, EVEN)
-    hi = load_words(h_rows + at + 1, mask, EVEN)
-    return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+# At one row 4 positions a thread: whole 8B decode steps ran faster with it than the 16-bit halves of the file's
+# blocks did; at 4 rows neither it nor the other tiles tried beat the default (docs/PERFORMANCE.md, GGUF).
+Q6K_ONE_ROW = Q6kTiles(block_n=4, block_j=128)
+
+
+def q6k_tiles(m: int) -> Q6kTiles:
+    """The default tiles at m rows."""
+    return Q6K_ONE_ROW if m == 1 else Q6kTiles()
 
 
 @_jit
-def _q6k_tile(h_rows, j0, offs_j, n_pos, EVEN: tl.constexpr):
+def _q6k_tile(w_rows, j0, offs_j, n_pos, EVEN: tl.constexpr):
     """Positions j0 + offs_j of each row: (ql word w of half h, ql word w + 8, qh word w), [BLOCK_N, BLOCK_J]."""
-    at = (j0 // 16) * 105 + ((offs_j // 16) * 105 + ((offs_j % 16) // 8) * 32 + (offs_j % 8) * 2)[None, :]
+    block = (j0 // 16) * 56 + (offs_j // 16) * 56 + offs_j % 8
+    half = (offs_j % 16) // 8
+    # Runs of 4 words from a multiple of 4, which the compiler cannot prove from the // and %: so it loads each
+    # run as one 16-byte word.
+    ql = tl.max_contiguous(tl.multiple_of(block + 16 * half, 4), 4)[None, :]
+    qh = tl.max_contiguous(tl.multiple_of(block + 8 * half + 32, 4), 4)[None, :]
     mask = (j0 + offs_j < n_pos)[None, :]
-    return _word_at_halves(h_rows, at, mask, EVEN), _word_at_halves(h_rows, at + 16, mask, EVEN), \
-        _word_at_halves(h_rows, at + 64 - ((offs_j % 16) // 8)[None, :] * 16, mask, EVEN)
+    return load_words(w_rows + ql, mask, EVEN), load_words(w_rows + ql + 8, mask, EVEN), \
+        load_words(w_rows + qh, mask, EVEN)
 
 
 @_jit
@@ -90,28 +99,29 @@ def _scale(scale_at, t, g_mask):
 
 
 @_jit
-def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_halves, stride_om,
+def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, w_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_words, stride_om,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
-    """out [ROWS, N] = x W^T: W's rows as 16-bit halves at h_ptr and as bytes at b8_ptr (the same memory); x as
+    """out [ROWS, N] = x W^T: W's rows as words at w_ptr and as bytes at b8_ptr (the same memory); x as
     quantize_x gives it. A group of 4 positions is one sub-block of each quarter: its dp4a sums take the
     sub-block's scale, and the codes' offset of 32 comes off as 32 times the sub-block's sum of x codes."""
     pdl_begin(PDL)
     GROUPS: tl.constexpr = BLOCK_J // 4
-    offs_n, rows, h_rows = program_rows(h_ptr, row_halves, N, BLOCK_N)
-    b_rows = b8_ptr + rows.to(tl.int64)[:, None] * (2 * row_halves)
+    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
+    b_rows = b8_ptr + rows.to(tl.int64)[:, None] * (4 * row_words)
     offs_j = tl.arange(0, BLOCK_J)
     # x's word for quarter 0 of position j: super-block j // 16 (64 words), half (32), word j % 8 (+ 8 a quarter)
-    x_at = ((offs_j // 16) * 64 + ((offs_j % 16) // 8) * 32 + offs_j % 8)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+    x_at = tl.max_contiguous(tl.multiple_of((offs_j // 16) * 64 + ((offs_j % 16) // 8) * 32 + offs_j % 8, 4), 4)
+    x_at = x_at[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
     g = tl.arange(0, GROUPS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # group: super-block g // 4, half
     # (g % 4) // 2, sub-block g % 2 of each quarter
-    a_next, b_next, h_next = _q6k_tile(h_rows, 0, offs_j, n_pos, EVEN)
+    a_next, b_next, h_next = _q6k_tile(w_rows, 0, offs_j, n_pos, EVEN)
     pdl_wait(PDL)
     acc0 = tl.zeros([BLOCK_N, GROUPS], tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     for j0 in range(0, n_pos, BLOCK_J):
         a, b, hb = a_next, b_next, h_next
-        a_next, b_next, h_next = _q6k_tile(h_rows, tl.minimum(j0 + BLOCK_J, n_pos - BLOCK_J) if EVEN else
+        a_next, b_next, h_next = _q6k_tile(w_rows, tl.minimum(j0 + BLOCK_J, n_pos - BLOCK_J) if EVEN else
                                            j0 + BLOCK_J, offs_j, n_pos, EVEN)
         x_words = (j0 // 16) * 64 + x_at
         j_mask = j0 + offs_j[None, :] < n_pos
@@ -122,8 +132,8 @@ def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n
         # x's 16-block for quarter t: 16 sb + 8 half + 2 t + g % 2; its 32-block: 8 sb + 4 half + t
         at16 = 16 * sb + 8 * half + gg % 2
         at32 = 8 * sb + 4 * half
-        scale_at = b_rows + sb * 210 + 192 + 8 * half + gg % 2  # quarter t's int8 scale at + 2t
-        d = tl.load((b_rows + sb * 210 + 208).to(tl.pointer_type(tl.float16)), mask=g_mask, other=0.0).to(tl.float32)
+        scale_at = b_rows + sb * 224 + 192 + 8 * half + gg % 2  # quarter t's int8 scale at + 2t
+        d = tl.load((b_rows + sb * 224 + 208).to(tl.pointer_type(tl.float16)), mask=g_mask, other=0.0).to(tl.float32)
         q0 = (a & 0x0F0F0F0F) | ((hb << 4) & 0x30303030)
         q1 = (b & 0x0F0F0F0F) | ((hb << 2) & 0x30303030)
         q2 = ((a >> 4) & 0x0F0F0F0F) | (hb & 0x30303030)
@@ -148,20 +158,20 @@ def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, h_ptr, b8_ptr, b_ptr, out_ptr, N, n
 
 def q6k_rows_into(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                   pdl: bool = False, tiles: Q6kTiles | None = None, qx: QuantizedX | None = None) -> None:
-    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q6_K blocks [N, 210 K / 256] uint8; out's and x's columns
-    contiguous, their rows may be strided. qx: x already quantized (quantize_x), else it is here."""
+    """out [M, N] = x [M, K] @ W^T (+ bias), W the Q6_K blocks padded to 224 bytes [N, 224 K / 256] uint8; out's
+    and x's columns contiguous, their rows may be strided. qx: x already quantized (quantize_x), else it is here."""
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     (m, k), n = x.shape, blocks.shape[0]
-    assert k % SUPER_BLOCK == 0 and blocks.shape[1] == k // SUPER_BLOCK * 210 and out.shape == (m, n)
+    assert k % SUPER_BLOCK == 0 and blocks.shape[1] == device_row_bytes(Q6_K, k) and out.shape == (m, n)
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
-    tiles = tiles or Q6kTiles()
-    halves = blocks.view(torch.int16)
+    tiles = tiles or q6k_tiles(m)
+    words = blocks.view(torch.int32)
     n_pos = k // 16
     qx = qx if qx is not None else quantize_x(x, pdl)
     for rows, q, outs in row_groups(qx, out):
         _q6k_row_kernel[(triton.cdiv(n, tiles.block_n),)](
-            q.xq, q.dx, q.s16, halves, blocks, bias if bias is not None else q.dx, outs, n, n_pos, halves.shape[1],
+            q.xq, q.dx, q.s16, words, blocks, bias if bias is not None else q.dx, outs, n, n_pos, words.shape[1],
             outs.stride(0), ROWS=rows, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j,
             EVEN=n_pos % tiles.block_j == 0, HAS_BIAS=bias is not None, PDL=pdl, ASM=not KERNELS_INTERPRETED,
             num_warps=tiles.num_warps, **launch_options(pdl))

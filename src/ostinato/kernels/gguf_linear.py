@@ -7,11 +7,15 @@ a step's reads at what the file holds.
 Layout: a projection [N, K] is a uint8 tensor [N, row_bytes]: each row holds the K / block_size blocks of the
 type that the file holds for it (ggml quantizes along K, row by row), so rows of one type concatenate (the fused
 q|k|v and gate|up projections) and permute (llama.cpp's q/k RoPE order) as plain byte rows. Rows are the file's
-bytes as they are, but for Q8_0, whose rows are *planar* (planar_rows): the same bytes, each field of every block
+bytes as they are, but for Q8_0, whose rows are *planar* (device_rows): the same bytes, each field of every block
 gathered into one plane of the row, all codes then all d. Why: its 34-byte blocks leave every other block's codes
 only 2-byte aligned, so a kernel reading the file's order makes 16-bit loads; in planes the codes load 16 bytes at
 a time. (llama.cpp's SYCL backend reorders Q4_0 blocks the same way, for the same reason.) Q6_K's 210-byte blocks
-have the same alignment, but its kernel ran slower on planes (ql, qh, scales, d): docs/PERFORMANCE.md, GGUF.
+have the same alignment; on the device each is padded to 224 bytes instead, so that every block starts 16-byte
+aligned and the kernels load its words 16 bytes at a time, a block staying one run of its row (the kernel ran
+slower on planes: docs/PERFORMANCE.md, GGUF). The padding costs memory (Q6_K tensors take 7% more), hardly any
+bandwidth: HBM moves 32-byte sectors, and a 210-byte block spans 7 or 8 of them wherever it starts, the padded
+block exactly 7.
 
 The block formats (ggml-common.h; little-endian fp16 scales):
     Q8_0  32 weights, 34 B: d, int8 q[32]                                  w = d * q
@@ -39,7 +43,7 @@ from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.triton_optional import triton
 
 # A projection's parts as the kernels take them (kernels/gguf_gemv.py): (blocks, qtype, bias) each, in output order,
-# blocks as planar_rows gives them.
+# blocks as device_rows gives them.
 KernelParts = list[tuple[torch.Tensor, int, torch.Tensor | None]]
 
 # ggml type ids (gguf.GGMLQuantizationType) -> (name, weights per block, bytes per block), for the typed kernels.
@@ -60,23 +64,37 @@ def row_bytes(qtype: int, k: int) -> int:
 
 # The planar types: each block's fields as (first byte, end) in the block, in the order their planes take in a row.
 PLANE_FIELDS = {Q8_0: ((2, 34), (0, 2))}
+# The padded types: a block's bytes on the device, zeros after the file's.
+PADDED_BLOCK_BYTES = {Q6_K: 224}  # the kernels hold literal 224 (Triton reads no globals)
 
 
-def planar_rows(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """The file's rows [N, row_bytes] uint8 -> the kernels' rows: planar for PLANE_FIELDS' types (the module's
-    docstring), the same tensor for the others."""
-    if qtype not in PLANE_FIELDS:
-        return blocks
+def device_row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of k weights of type qtype as the kernels hold it (device_rows)."""
+    _, _, nbytes = KERNEL_TYPES[qtype]
+    return row_bytes(qtype, k) // nbytes * PADDED_BLOCK_BYTES.get(qtype, nbytes)
+
+
+def device_rows(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The file's rows [N, row_bytes] uint8 -> the kernels' rows: planar for PLANE_FIELDS' types, each block padded
+    for PADDED_BLOCK_BYTES' (the module's docstring), the same tensor for the others."""
     n, nbytes = blocks.shape[0], KERNEL_TYPES[qtype][2]
     b = blocks.reshape(n, -1, nbytes)
+    if qtype in PADDED_BLOCK_BYTES:
+        padded = b.new_zeros(n, b.shape[1], PADDED_BLOCK_BYTES[qtype])
+        padded[:, :, :nbytes] = b
+        return padded.reshape(n, -1)
+    if qtype not in PLANE_FIELDS:
+        return blocks
     return torch.cat([b[:, :, start:end].reshape(n, -1) for start, end in PLANE_FIELDS[qtype]], dim=1)
 
 
-def block_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
-    """planar_rows undone: the kernels' rows -> the file's block order."""
+def file_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """device_rows undone: the kernels' rows -> the file's block order."""
+    n, nbytes = rows.shape[0], KERNEL_TYPES[qtype][2]
+    if qtype in PADDED_BLOCK_BYTES:
+        return rows.reshape(n, -1, PADDED_BLOCK_BYTES[qtype])[:, :, :nbytes].reshape(n, -1)
     if qtype not in PLANE_FIELDS:
         return rows
-    n, nbytes = rows.shape[0], KERNEL_TYPES[qtype][2]
     blocks = rows.shape[1] // nbytes
     fields = PLANE_FIELDS[qtype]
     planes = torch.split(rows, [blocks * (end - start) for start, end in fields], dim=1)
@@ -148,7 +166,7 @@ def _dequant_32(b: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """blocks [N, row_bytes] uint8 of type qtype in the file's order (block_rows) -> the weight [N, k] float32,
+    """blocks [N, row_bytes] uint8 of type qtype in the file's order (file_rows) -> the weight [N, k] float32,
     with torch ops on its device."""
     _, block, nbytes = KERNEL_TYPES[qtype]
     b = blocks.reshape(blocks.shape[0], k // block, nbytes)
@@ -199,7 +217,7 @@ class GGUFProjection(QuantizedLinear):
 
 class GGUFLinear(GGUFProjection):
     """One projection of one GGUF type, from the file's rows blocks [N, row_bytes] uint8, held as the kernels'
-    rows (planar_rows) in the buffer `blocks`; bias in the activation dtype."""
+    rows (device_rows) in the buffer `blocks`; bias in the activation dtype."""
 
     def __init__(self, qtype: int, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -210,7 +228,7 @@ class GGUFLinear(GGUFProjection):
                              f"{row_bytes(qtype, in_features)}] uint8, got {tuple(blocks.shape)} {blocks.dtype}")
         self.qtype = qtype
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.register_buffer("blocks", planar_rows(blocks, qtype).contiguous())
+        self.register_buffer("blocks", device_rows(blocks, qtype).contiguous())
         self.bias = bias
         self.host_weight: torch.Tensor | None = None  # the torch path's dequantized weight (see linear_into)
 
@@ -244,7 +262,7 @@ class GGUFLinear(GGUFProjection):
             out += self.bias
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_blocks(block_rows(self.blocks, self.qtype), self.qtype, self.in_features)
+        return dequantize_blocks(file_rows(self.blocks, self.qtype), self.qtype, self.in_features)
 
     def weight_bytes(self) -> int:
         return self.blocks.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
