@@ -177,10 +177,10 @@ def test_int8_activations_cost_about_a_percent_against_dequantize_then_matmul():
 
 
 def test_gguf_linear_takes_them_for_half_precision_rows_where_the_tables_say(monkeypatch):
-    """INT8_DOT_ROWS and INT8_MMA_ROWS: Q4_K, Q6_K and Q8_0 take the dp4a kernels at 1-4 rows, the MMA kernels at
-    5-16, never float32 rows, neither above 16; INT8_DOT_K: Q8_0 rows of an odd number of blocks are not whole
-    words, and are never taken; the MMA kernels take whole super-blocks only, and leave other K to the dp4a
-    kernels."""
+    """INT8_DOT_ROWS, INT8_MMA_ROWS and HALF_MMA_ROWS: Q4_K, Q6_K and Q8_0 take the dp4a kernels at 1-4 rows, the
+    int8 MMA kernels at 5-16, the half-precision ones at 17-64, never float32 rows, none above 64; INT8_DOT_K:
+    Q8_0 rows of an odd number of blocks are not whole words, and are never taken; the MMA kernels take whole
+    super-blocks only, and leave other K to the dp4a kernels."""
     from ostinato.kernels import gguf_gemv, gguf_int8_route
 
     taken = []
@@ -188,17 +188,21 @@ def test_gguf_linear_takes_them_for_half_precision_rows_where_the_tables_say(mon
         tiles, _ = gguf_int8_route.INT8_DOT_KERNELS[qtype]
         monkeypatch.setitem(gguf_int8_route.INT8_DOT_KERNELS, qtype,
                             (tiles, lambda *a, name=name, **kw: taken.append(("dot", name, a[0].shape[0]))))
-    monkeypatch.setattr(gguf_int8_route, "mma_rows_into",
-                        lambda x, blocks, qtype, *a, **kw: taken.append(("mma", BY_TYPE[qtype], x.shape[0])))
+    monkeypatch.setattr(gguf_int8_route, "mma_rows_into", lambda x, blocks, qtype, bias, out, pdl, tiles, *a:
+                        taken.append(("half" if tiles and tiles.decode_to_x else "mma", BY_TYPE[qtype], x.shape[0])))
+    monkeypatch.setattr(gguf_gemv, "gguf_matmul_dequantized",
+                        lambda x, blocks, qtype, *a: taken.append(("dense", BY_TYPE[qtype], x.shape[0])))
     cases = [(1, torch.bfloat16), (1, torch.float16), (1, torch.float32), (2, torch.bfloat16), (4, torch.float16),
-             (5, torch.bfloat16), (8, torch.float16), (8, torch.float32), (16, torch.bfloat16), (17, torch.bfloat16)]
+             (5, torch.bfloat16), (8, torch.float16), (8, torch.float32), (16, torch.bfloat16), (17, torch.bfloat16),
+             (64, torch.float16), (32, torch.float32), (65, torch.bfloat16)]
     for name, qtype in [("Q4_K", Q4_K), ("Q6_K", Q6_K), ("Q8_0", Q8_0)]:
         blocks = device_rows(torch.from_numpy(random_blocks(name, 4, 512, np.random.default_rng(0))), qtype).to(DEV)
         for m, dtype in cases:
             gguf_gemv.gguf_linear_into(torch.randn(m, 512, device=DEV).to(dtype), blocks, qtype, None,
                                        torch.empty(m, 4, device=DEV, dtype=dtype))
     expected = [(kernel, name, m) for name in ("Q4_K", "Q6_K", "Q8_0")
-                for kernel, m in (("dot", 1), ("dot", 1), ("dot", 2), ("dot", 4), ("mma", 5), ("mma", 8), ("mma", 16))]
+                for kernel, m in (("dot", 1), ("dot", 1), ("dot", 2), ("dot", 4), ("mma", 5), ("mma", 8), ("mma", 16),
+                                  ("half", 17), ("half", 64), ("dense", 32), ("dense", 65))]
     for m, k in ((2, 96), (6, 320)):  # 3 blocks: no whole words; 10 blocks: no whole super-blocks
         blocks = device_rows(torch.from_numpy(random_blocks("Q8_0", 4, k, np.random.default_rng(0))), Q8_0).to(DEV)
         gguf_gemv.gguf_linear_into(torch.randn(m, k, device=DEV).to(torch.bfloat16), blocks, Q8_0, None,
@@ -243,3 +247,20 @@ def test_x_quantized_ahead_is_what_the_kernel_multiplies():
     q4k_rows_into(x, blocks, None, got, qx=quantize_x(other))
     q4k_rows_into(other, blocks, None, want)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,m,n,k,tiles", [
+    ("Q4_K", 3, 80, 512, MmaTiles(split_programs=4, min_split_super_blocks=1, decode_to_x=True)),
+    ("Q6_K", 20, 13, 768, MmaTiles(block_n=16, decode_to_x=True)),
+    ("Q8_0", 40, 16, 256, MmaTiles(block_n=16, max_row_tile=32, decode_to_x=True))])
+def test_mma_kernels_decoding_to_half_precision_equal_dequantize_then_matmul(name, m, n, k, tiles):
+    """W decoded to x's dtype in registers and multiplied unquantized (fp16 here: the interpreter's bf16 tl.dot is
+    wrong): off by the 16-bit rounding of W and of the output only."""
+    blocks = random_blocks(name, n, k, np.random.default_rng(n + k + m))
+    x = _x(m, k, n + m).to(torch.float16)
+    out = torch.empty(m, n, device=DEV, dtype=torch.float16)
+    mma_rows_into(x.to(DEV), device_rows(torch.from_numpy(blocks), BY_NAME[name]).to(DEV), BY_NAME[name], None, out,
+                  tiles=tiles)
+    want = x.double().numpy() @ gguf_quants.dequantize(blocks, BY_NAME[name]).astype(np.float64).T
+    err = np.linalg.norm(out.double().cpu().numpy() - want) / np.linalg.norm(want)
+    assert err < 1e-3, err

@@ -30,7 +30,7 @@ import torch
 
 from ostinato.kernels.gguf_int8_dot import QuantizedX, quantize_x
 from ostinato.kernels.gguf_int8_input import glu_quantize_x, norm_quantize_x
-from ostinato.kernels.gguf_int8_route import Int8Tiles, int8_linear_into, takes_quantized_x
+from ostinato.kernels.gguf_int8_route import Int8Tiles, block_kernel_into, takes_quantized_x
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, KernelParts
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
@@ -345,17 +345,18 @@ def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: to
     """out [M, N] = x [M, K] @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype; out may be a column
     slice of a wider tensor (its rows strided, its columns contiguous). Half-precision x times Q4_K, Q6_K or
     Q8_0 blocks at the rows kernels/gguf_int8_route.py gives: x quantized to int8, then dp4a dot products or int8
-    MMAs (qx: x already quantized for them, where takes_quantized_x); otherwise up to GEMV_MAX_ROWS rows one
-    kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized); nothing at M = 0.
+    MMAs (qx: x already quantized for them, where takes_quantized_x), or W decoded to x's dtype in MMAs;
+    otherwise up to GEMV_MAX_ROWS rows one kernel, above them dense slices and cuBLAS (gguf_matmul_dequantized);
+    nothing at M = 0.
     tiles: the default path's unless given (the benchmark's sweep: Q4kTiles / Q6kTiles / Q8Tiles / MmaTiles
-    run the int8 kernels at any row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""
+    run the route's kernels at any row count, GGUFTiles this module's, the GEMM mode from 16 rows)."""
     m, k = x.shape
     n = blocks.shape[0]
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.shape == (m, n) and out.stride(-1) == 1
     assert qtype in KERNEL_TYPES, f"no GGUF kernel for ggml type {qtype}"
     if m == 0:
         return
-    if int8_linear_into(x, blocks, qtype, bias, out, pdl, tiles, qx):
+    if block_kernel_into(x, blocks, qtype, bias, out, pdl, tiles, qx):
         return
     if tiles is None and m > GEMV_MAX_ROWS:
         gguf_matmul_dequantized(x, blocks, qtype, bias, out)
