@@ -6,6 +6,7 @@ rows. The int8 kernels read x quantized to int8 per 32 values (quantize_x), whic
 kernels/gguf_int8_input.py may fold into what comes before the projection; gguf_gemv.gguf_linear_into asks here
 first.
 """
+
 from __future__ import annotations
 
 import torch
