@@ -37,8 +37,8 @@ from ostinato.kernels.gguf_int8_mma import MmaTiles  # noqa: E402
 from ostinato.kernels.gguf_int8_route import INT8_DOT_KERNELS, takes_int8_mma  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q8_tiles  # noqa: E402
-from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear, file_rows,  # noqa: E402
-                                          dequantize_blocks, device_rows)
+from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear,  # noqa: E402
+                                          dequantize_blocks, device_rows, file_rows)
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
 from ostinato.tools.checkpoint_gguf import random_blocks  # noqa: E402
 
