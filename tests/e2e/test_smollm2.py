@@ -23,7 +23,7 @@ from ostinato.model.gguf_sources import gguf_to_hf_dir, short_name_path
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 24
-CHAT_TOKENS = 48
+CHAT_TOKENS = 32
 QUESTIONS = [
     "What is the capital of France? Please answer in one short sentence.",
     "Name three primary colors and explain in one sentence why they are called primary.",
