@@ -32,10 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.kernels.gguf_int8_dot import SUPER_BLOCK, QuantizedX, half_rows_within, low_half, quantize_x
-from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0
-from ostinato.kernels.gguf_linear import device_row_bytes
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K, Q8_0, device_row_bytes
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
-from ostinato.kernels.split_gemm import jit_any_m, merge_splits, split_buffers, split_steps
+from ostinato.kernels.split_gemm import jit_any_m, merge_splits, split_buffers, split_steps, tile_offsets
 from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 # The ggml types whose projections take these kernels by default, and at how many rows of x (first, last): below
@@ -281,13 +280,7 @@ def _gguf_mma_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, part
     int8 [M, K]). PARALLEL: program (n, m, s) sums split s and the last to arrive adds the splits; else program
     (n, m) sums all of K."""
     pdl_begin(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * ROW_TILE + tl.arange(0, ROW_TILE)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    tile_mask = n_mask[:, None] & m_mask[None, :]
+    offs_n, offs_m, n_mask, m_mask, tile_mask = tile_offsets(N, M, BLOCK_N, ROW_TILE)
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * row_bytes  # past N: the last row, unstored
     x_cols = xq_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     stat_rows = offs_m.to(tl.int64) * (K // 32)

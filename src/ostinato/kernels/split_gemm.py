@@ -67,13 +67,7 @@ def _split_gemm_kernel(
     # fp32 operations in the same order. PREFETCH: the split's first weight tile is loaded before the PDL wait
     # (weights are never written by a step): the same values into the same sums, only earlier.
     pdl_begin(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * ROW_TILE + tl.arange(0, ROW_TILE)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    tile_mask = n_mask[:, None] & m_mask[None, :]  # [BLOCK_N, ROW_TILE]
+    offs_n, offs_m, n_mask, m_mask, tile_mask = tile_offsets(N, M, BLOCK_N, ROW_TILE)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, ROW_TILE]: x read transposed, [BLOCK_K, ROW_TILE]
     out_offsets = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -95,6 +89,17 @@ def _split_gemm_kernel(
             acc += _split_dot(x_cols, w_rows, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, w_first, ROW_TILE,
                               BLOCK_N, BLOCK_K, False, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
         _store_tile(acc, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE, HAS_BIAS)
+
+
+@jit
+def tile_offsets(N, M, BLOCK_N: tl.constexpr, ROW_TILE: tl.constexpr):
+    """Program (n, m)'s output tile out[rows, cols]^T: its W rows and x rows (offs_n, offs_m), their masks, and
+    the tile's mask [BLOCK_N, ROW_TILE]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * ROW_TILE + tl.arange(0, ROW_TILE)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    return offs_n, offs_m, n_mask, m_mask, n_mask[:, None] & m_mask[None, :]
 
 
 @jit
