@@ -5,10 +5,10 @@ actually read (the type's blocks and scales, or the bf16 weight) and that over t
 Timing as benchmarks/kernels/gemv.py: a CUDA graph over enough weight copies to defeat L2, median per call.
 Each GGUF call is checked against the dequantized weight's F.linear (relative error printed). The rows "TYPE" take
 gguf_linear_into's default path; beside them, above GEMV_MAX_ROWS "TYPE fused" (the tensor-core GEMM that decodes
-in the kernel) where the default is dense slices and cuBLAS, "TYPE dense slices" where it is not; for Q4_K / Q6_K /
-Q8_0 "TYPE decoded to fp32" where the default is dp4a dot products (gguf_int8_dot.INT8_DOT_ROWS), "TYPE int8 dot"
-at the other rows up to GEMV_MAX_ROWS, and "TYPE int8 mma" (kernels/gguf_int8_mma.py) from 2 rows where it is not
-the default.
+in the kernel) where the default is dense slices and cuBLAS, "TYPE dense slices" above GEMV_MAX_ROWS where the
+default is an MMA kernel (int8, or W decoded to x's dtype); for Q4_K / Q6_K / Q8_0 "TYPE decoded to fp32" where the
+default is dp4a dot products (gguf_int8_dot.INT8_DOT_ROWS), "TYPE int8 dot" at the other rows up to GEMV_MAX_ROWS,
+and "TYPE int8 mma" (kernels/gguf_int8_mma.py) from 2 rows where it is not the default.
 --sweep instead times each candidate tile setting over the four projections and prints, per type and batch, the
 settings by total time beside the default path's own: the table choose_tiles and the int8-dot tiles are read off.
 
@@ -34,7 +34,7 @@ from ostinato.kernels.gemv import small_batch_linear  # noqa: E402
 from ostinato.kernels.gguf_gemv import (GEMV_MAX_ROWS, GROUPING, GGUFTiles, choose_tiles,  # noqa: E402
                                         gguf_linear_into, gguf_matmul_dequantized)
 from ostinato.kernels.gguf_int8_mma import MmaTiles  # noqa: E402
-from ostinato.kernels.gguf_int8_route import INT8_DOT_KERNELS, takes_int8_mma  # noqa: E402
+from ostinato.kernels.gguf_int8_route import INT8_DOT_KERNELS, takes_half_mma, takes_int8_mma  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q8_tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear,  # noqa: E402
@@ -105,11 +105,10 @@ def _beside_default(name, m, type_name, layers, x, ref, pdl) -> list[dict]:
     n, k = layers[0].out_features, x.shape[1]
     own = choose_tiles(qtype, m, n, k)
     out = []
-    if takes_int8_mma(x, qtype):
-        if m <= GEMV_MAX_ROWS:
-            out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, int8_tiles(qtype, m), " int8 dot"))
-        else:
-            out.append(_dense_row(name, m, type_name, layers, x, ref))
+    if m > GEMV_MAX_ROWS and (takes_int8_mma(x, qtype) or takes_half_mma(x, qtype)):
+        out.append(_dense_row(name, m, type_name, layers, x, ref))
+    elif takes_int8_mma(x, qtype):
+        out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, int8_tiles(qtype, m), " int8 dot"))
     elif m > GEMV_MAX_ROWS:
         out.append(_tiles_row(name, m, type_name, layers, x, ref, pdl, own, " fused"))
     elif int8_dot_applies(x, qtype):
