@@ -81,7 +81,7 @@ def test_it_folds_where_every_part_takes_integer_dot_products():
     assert not gguf_gemv.quantization_folds(one, [Q4_K, Q4_0])  # Q4_0 has no integer-dot kernel
     assert not gguf_gemv.quantization_folds(one.float(), [Q4_K])
     assert gguf_gemv.quantization_folds(torch.zeros(16, k, dtype=torch.bfloat16), [Q4_K, Q6_K])  # the MMA kernels'
-    assert not gguf_gemv.quantization_folds(torch.zeros(17, k, dtype=torch.bfloat16), [Q4_K])  # the dense slices
+    assert not gguf_gemv.quantization_folds(torch.zeros(17, k, dtype=torch.bfloat16), [Q4_K])  # x unquantized above
     layer = GGUFLinear(Q4_K, torch.from_numpy(random_blocks("Q4_K", 4, k, np.random.default_rng(0))), k)
     assert not layer.folds(one, norm=True)  # a CPU tensor: the torch path, no kernel to fold into
     assert not layer.folds(one)  # never the activation after it
