@@ -264,3 +264,22 @@ def test_mma_kernels_decoding_to_half_precision_equal_dequantize_then_matmul(nam
     want = x.double().numpy() @ gguf_quants.dequantize(blocks, BY_NAME[name]).astype(np.float64).T
     err = np.linalg.norm(out.double().cpu().numpy() - want) / np.linalg.norm(want)
     assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 8, 24, 70])  # dp4a, int8 MMA, W decoded in MMAs, dense slices
+def test_float32_out_from_half_precision_rows_on_every_path(name, m):
+    """What a quantized lm_head asks (model/layers.QuantizedLMHead): float32 out from 16-bit rows, on each path
+    the rows take (fp16 here: the interpreter's bf16 tl.dot is wrong): every element written, within the path's
+    error of the float64 reference, and not rounded to 16 bits on the way."""
+    from ostinato.kernels.gguf_gemv import gguf_linear_into
+
+    n, k = 24, 512
+    blocks = random_blocks(name, n, k, np.random.default_rng(m))
+    x = _x(m, k, m).to(torch.float16)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.float32)
+    gguf_linear_into(x.to(DEV), device_rows(torch.from_numpy(blocks), BY_NAME[name]).to(DEV), BY_NAME[name], None, out)
+    want = x.double().numpy() @ gguf_quants.dequantize(blocks, BY_NAME[name]).astype(np.float64).T
+    err = np.linalg.norm(out.double().cpu().numpy() - want) / np.linalg.norm(want)
+    assert err < (1e-2 if m <= 16 else 1e-3), err  # x rounded to int8 per 32 values up to 16 rows
+    assert not torch.equal(out, out.half().float())  # float32 sums, not 16-bit results widened

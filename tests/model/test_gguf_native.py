@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ pytest.importorskip("gguf")
 
 from ostinato import LLM, SamplingParams  # noqa: E402
 from ostinato.kernels.gguf_linear import GGUFConcat, GGUFLinear  # noqa: E402
+from ostinato.model.layers import QuantizedLMHead  # noqa: E402
 from ostinato.tools.checkpoint import make_gguf_checkpoint  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -54,7 +56,9 @@ def test_random_q4_k_m_matches_hf_on_the_same_dequantized_weights(q4_k_m, cache,
     qk, v = layers[1].self_attn.qkv_proj.parts  # q and k share a kernel
     # q: 256 rows, k as many as v
     assert (qk.type_name, qk.out_features, v.type_name) == ("Q4_K", 256 + v.out_features, "Q6_K")
-    assert "dequantized to float32 at load: 1 x Q4_K, 1 x Q6_K" in caplog.text  # the embedding and lm_head
+    assert "dequantized to float32 at load: 1 x Q4_K\n" in caplog.text  # the embedding only
+    head = llm.engine.runner.model.lm_head  # untied, Q6_K in the _M recipe: kept in its blocks
+    assert isinstance(head, QuantizedLMHead) and head.linear.type_name == "Q6_K" and head.weight is None
     # The bench's floor counts the bytes held: the blocks, and the dense rest (less the untied table's unread rows).
     from ostinato.tools.bench.decode import weights_read_per_step
 
@@ -189,3 +193,20 @@ def test_the_log_says_when_activations_are_rounded_to_int8(monkeypatch):
     assert int8_dot_line(Counter({"Q4_1": 210}), cuda, torch.bfloat16) is None  # SmolLM2: no such type
     assert int8_dot_line(Counter({"Q4_K": 1}), cuda, torch.float32) is None  # float32 keeps the fp32 decoding
     assert int8_dot_line(Counter({"Q4_K": 1}), cpu, torch.bfloat16) is None  # the torch path on CPU
+
+
+def test_a_quantized_head_gives_float32_logits_from_16_bit_rows():
+    """QuantizedLMHead on the CPU path: float32 logits accumulated from the bf16 rows upcast, never rounded to bf16
+    (compute_logits' contract), and the rows' dtype when asked."""
+    from ostinato.kernels.gguf_linear import Q6_K
+    from ostinato.tools.checkpoint_gguf import random_blocks
+
+    blocks = torch.from_numpy(random_blocks("Q6_K", 40, 256, np.random.default_rng(0)))
+    head = QuantizedLMHead(GGUFLinear(Q6_K, blocks, 256), vocab_size=40)
+    hidden = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w = GGUFLinear(Q6_K, blocks, 256).dequantize().to(torch.bfloat16).float()
+    logits = head.logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ w.T, rtol=0, atol=0)
+    assert head(hidden).dtype == torch.bfloat16
+    assert not torch.equal(logits, head(hidden).float())  # bf16 logits are rounded; float32 ones are not

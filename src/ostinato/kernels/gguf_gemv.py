@@ -281,7 +281,8 @@ def gguf_dequantize_into(blocks: torch.Tensor, qtype: int, out: torch.Tensor) ->
 def gguf_matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,
                             out: torch.Tensor) -> None:
     """out [M, N] = x @ W^T (+ bias) above GEMV_MAX_ROWS: W's rows decoded a slice at a time into one dense
-    scratch of x's dtype (at most DEQUANT_SCRATCH_BYTES), each slice multiplied by torch.mm into its columns."""
+    scratch of x's dtype (at most DEQUANT_SCRATCH_BYTES), each slice multiplied by torch.mm into its columns
+    (out in x's dtype or float32)."""
     m, k = x.shape
     n = blocks.shape[0]
     rows = max(64, DEQUANT_SCRATCH_BYTES // (k * x.element_size()) // 64 * 64)
@@ -290,7 +291,10 @@ def gguf_matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, b
         w = scratch[:min(rows, n - start)]
         gguf_dequantize_into(blocks[start:start + w.shape[0]], qtype, w)
         cols = out[:, start:start + w.shape[0]]
-        torch.mm(x, w.t(), out=cols)
+        if cols.dtype == x.dtype:
+            torch.mm(x, w.t(), out=cols)
+        else:  # float32 logits (QuantizedLMHead): accumulated in float32, never rounded to x's dtype
+            cols.copy_(torch.mm(x, w.t(), out_dtype=cols.dtype) if x.is_cuda else x.float() @ w.t().float())
         if bias is not None:
             cols += bias[start:start + w.shape[0]]
 

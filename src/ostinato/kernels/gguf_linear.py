@@ -257,7 +257,12 @@ class GGUFLinear(GGUFProjection):
         if self.host_weight is None or self.host_weight.dtype != x.dtype:
             self.host_weight = self.dequantize().to(x.dtype)
         w = self.host_weight
-        torch.matmul(x, w.T, out=out) if out.is_contiguous() else out.copy_(x @ w.T)
+        if out.dtype != x.dtype:  # float32 logits from 16-bit rows (QuantizedLMHead): CPU has no mixed-dtype mm
+            out.copy_(x.float() @ w.float().T)
+        elif out.is_contiguous():
+            torch.matmul(x, w.T, out=out)
+        else:
+            out.copy_(x @ w.T)
         if self.bias is not None:
             out += self.bias
 

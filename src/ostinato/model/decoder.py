@@ -26,6 +26,7 @@ from torch import nn
 
 from ostinato.attention.base import AttentionBackend, AttentionMetadata
 from ostinato.config import ModelConfig
+from ostinato.errors import ConfigError
 from ostinato.kernels.fused import TORCH_KERNELS, DecoderKernels, kernels_for
 from ostinato.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from ostinato.model.parallel import SINGLE_RANK, RowParallelLinear, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, local_heads
@@ -224,6 +225,12 @@ class DecoderForCausalLM(nn.Module):
         upcasting after cannot undo that. Measured at M=1: as fast as the bf16 GEMM (docs/PERFORMANCE.md,
         "Why these defaults")."""
         weight = self.lm_head.weight  # [vocab (this rank's rows under tensor parallelism), hidden]
+        if weight is None:  # the head kept quantized (QuantizedLMHead)
+            if float32 and self.kernels.logits is not None:
+                raise ConfigError("--batch-invariant supports unquantized checkpoints only: this model's output "
+                                  "projection is kept quantized; drop --batch-invariant or load a bf16/fp16/fp32 "
+                                  "checkpoint")
+            return self.lm_head.logits(hidden, float32)
         if float32 and self.kernels.logits is not None:  # the set's own (batch invariant): one rank, no assemble
             return self.kernels.logits(hidden, weight)
         if not float32 or hidden.dtype == torch.float32:

@@ -6,8 +6,10 @@ memory holds the mapping's touched pages and one tensor in flight, never a float
       GGUFLinear modules: raw rows on the device. The fused ones concatenate their shards' rows when the
       shards share a type, else (Q4_K_M mixes types per tensor) keep one kernel per run of shards of one type
       (GGUFConcat), which quantizes the activations once for all of them.
-    - Everything else (embedding, lm_head, norms, projections of other types) is dequantized to the model dtype
-      at load, and the log says which tensors and types.
+    - An untied lm_head whose type has a kernel (Q4_K_M's Q6_K, Q8_0's Q8_0) stays in its blocks too, as a
+      QuantizedLMHead (model/layers.py): the largest projection, read whole each decode step.
+    - Everything else (embedding, a tied lm_head, norms, projections of other types) is dequantized to the model
+      dtype at load, and the log says which tensors and types.
 llama.cpp stores llama q/k rows permuted for its RoPE; the rows are put back with transformers' own tensor
 processor, the code the dequantizing path runs. The blocks are per row, so permuting byte rows is exact.
 """
@@ -29,6 +31,7 @@ from ostinato.errors import CheckpointError, ConfigError
 from ostinato.kernels.gguf_int8_route import int8_rows
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, GGUFConcat, GGUFLinear, dequantize_blocks
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
+from ostinato.model.layers import QuantizedLMHead
 from ostinato.model.gguf_native import native_marker, tensor_table
 from ostinato.model.loader import materialize
 from ostinato.model.parallel import TPGroup
@@ -170,6 +173,16 @@ def _replace_projections(model: DecoderForCausalLM, tensors: GGUFTensors, device
     return kept
 
 
+def _replace_head(model: DecoderForCausalLM, tensors: GGUFTensors, device) -> Counter:
+    """The untied lm_head kept in its blocks where its type has a kernel (QuantizedLMHead); its type counted."""
+    qtype = tensors.qtype("lm_head.weight")
+    if model.tied or qtype not in KERNEL_TYPES:
+        return Counter()
+    head = GGUFLinear(qtype, _to_device(tensors.raw("lm_head.weight"), device), model.config.hidden_size)
+    model.lm_head = QuantizedLMHead(head, model.config.vocab_size)
+    return Counter({KERNEL_TYPES[qtype][0]: 1})
+
+
 def _fill_dense(model: DecoderForCausalLM, tensors: GGUFTensors) -> Counter:
     """Every remaining parameter, dequantized into place (fused ones by row slice); counts the types."""
     rows = fused_shards(model.config)
@@ -202,7 +215,7 @@ def load_gguf_model(model_dir: Path, model_config: ModelConfig, dtype: torch.dty
         logger.info("%s has no output.weight: tying the output projection to the embedding", tensors.path.name)
         model.tie_weights()
     with torch.no_grad():
-        kept = _replace_projections(model, tensors, device, dtype)
+        kept = _replace_projections(model, tensors, device, dtype) + _replace_head(model, tensors, device)
         materialize(model, device, dtype)
         model.model.rotary_emb.rebuild(device, dtype)
         dequantized = _fill_dense(model, tensors)

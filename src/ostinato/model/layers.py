@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding (default and llama3 scaling), SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm, rotary embedding (default and llama3 scaling), SwiGLU MLP, and the
+output projection kept quantized.
 
 Each block is written to match HF transformers numerically (fp32 on CPU agrees to ~1e-6) while keeping
 the number of kernels per decode step low, since inside a CUDA graph every kernel still costs ~2 us.
@@ -113,3 +114,32 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         # Tensor parallelism passes a row-parallel down projection (model/parallel.py); same shape.
         self.down_proj = down_proj if down_proj is not None else nn.Linear(intermediate_size, hidden_size, bias=False)
+
+
+class QuantizedLMHead(nn.Module):
+    """The output projection kept in a quantized layout (a QuantizedLinear: a GGUF file's Q6_K or Q8_0 head,
+    model/gguf_weights.py), in place of VocabParallelLMHead on one rank. `weight` is None: nothing dense is held.
+
+    Why: the head is the largest single projection (the 8B's 128256 x 4096 is 1.05 GB in bf16, 0.46 GB in padded
+    Q6_K), read whole every decode step."""
+
+    weight = None
+
+    def __init__(self, linear: nn.Module, vocab_size: int):
+        super().__init__()
+        self.linear = linear
+        self.vocab_size = vocab_size
+
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size]: float32 straight from the kernels' accumulators
+        (compute_logits says why), or in hidden's dtype."""
+        out = torch.empty(hidden.shape[0], self.vocab_size, device=hidden.device,
+                          dtype=torch.float32 if float32 else hidden.dtype)
+        self.linear.linear_into(hidden, out)
+        return out
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden, float32=False)
+
+    def assemble(self, local_logits: torch.Tensor) -> torch.Tensor:
+        return local_logits  # one rank: quantized heads are never split
