@@ -22,7 +22,7 @@ from ostinato import LLM, SamplingParams
 from ostinato.model.gguf_sources import gguf_to_hf_dir, short_name_path
 
 MODEL = "smollm2-135m"
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 CHAT_TOKENS = 32
 QUESTIONS = [
     "What is the capital of France? Please answer in one short sentence.",
