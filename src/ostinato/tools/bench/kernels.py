@@ -7,8 +7,9 @@ the steps. Beside it, the graph replay of the same step, measured in the same ru
 time over the replay, and the replay minus the kernel sum is the gap between dependent kernels.
 
 Bytes per class, where the class has a clear count: attention reads the K and V of every context token
-(all layers); the KV write moves one token's K and V per row; projections read every linear weight once
-plus the lm_head. GB/s = bytes / time, and its share of the measured HBM read bandwidth.
+(all layers); the KV write moves one token's K and V per row; projections read every weight once as the model
+holds it (bf16, FP8 or GGUF blocks), the lm_head included. GB/s = bytes / time, and its share of the measured
+HBM read bandwidth.
 Writes a JSON report and a PNG bar chart (`--output-json`, `--plot`).
 """
 
@@ -18,7 +19,7 @@ import json
 from collections import defaultdict
 
 from ostinato.tools.bench.ceilings import engine_ceilings
-from ostinato.tools.bench.decode import replay_ms, rows_loaded
+from ostinato.tools.bench.decode import replay_ms, rows_loaded, weights_read_per_step
 
 # (class, name fragments): the first class with a fragment in the kernel's name (lower case) wins.
 KERNEL_CLASSES = (
@@ -46,17 +47,15 @@ def classify(kernel_name: str) -> str:
     return OTHER
 
 
-def class_bytes(mc, itemsize: int, batch: int, context: int) -> dict[str, int]:
-    """Bytes each class must move per step (its floor), for the classes with a clear count."""
-    q_rows = mc.num_heads * mc.head_dim
-    kv_rows = mc.num_kv_heads * mc.head_dim
-    layer_weights = (mc.hidden_size * (q_rows + 2 * kv_rows) + q_rows * mc.hidden_size
-                     + 3 * mc.hidden_size * mc.intermediate_size)
-    kv_per_token = 2 * mc.num_layers * kv_rows * itemsize
+def class_bytes(mc, kv_itemsize: int, batch: int, context: int, weights_read: int) -> dict[str, int]:
+    """Bytes each class must move per step (its floor), for the classes with a clear count. The projections read
+    the weights as the model holds them (`weights_read`, bench.decode.weights_read_per_step): FP8 or GGUF blocks
+    where the model keeps them, so their HBM share is of the format's own bytes."""
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_itemsize
     return {
         "attention": batch * (context + 1) * kv_per_token,
         "kv write": batch * kv_per_token,
-        "projections": (mc.num_layers * layer_weights + mc.vocab_size * mc.hidden_size) * itemsize,
+        "projections": weights_read,
     }
 
 
@@ -156,11 +155,12 @@ def run(args) -> int:
               "device": ceilings.device, "read_bytes_per_s": ceilings.read_bytes_per_s,
               "graph_status": engine.graph_status, "batches": []}
     print(f"HBM shares of {ceilings.describe()}")
+    weights_read = weights_read_per_step(runner)
     with torch.inference_mode():
         for bs in args.batch_sizes:
             _, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, 10)
             kernels = profile_step(runner, bs, args.context, args.steps, gen)
-            nbytes = class_bytes(runner.model_config, runner.dtype.itemsize, bs, args.context)
+            nbytes = class_bytes(runner.model_config, runner.dtype.itemsize, bs, args.context, weights_read)
             summary = summarize(kernels, nbytes, graph_ms * 1e3 if graph_ms else None, ceilings.read_bytes_per_s)
             report["batches"].append({"batch": bs, **summary})
             print("\n".join(report_lines(bs, summary, args.top)))
