@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,27 @@ def run_setup(*args: str, gpu: str, ci: str | None = None, timeout: float = 30) 
     return subprocess.run(["bash", str(SETUP), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("gpu, ci, flags, extras", [
+PLANS = [
     ("0", None, [], "[test]"),  # a CPU machine: no triton (about 1 GB it would not use)
     ("0", "true", [], "[test,triton]"),  # CI on CPU runs the Triton kernels in the interpreter
     ("0", None, ["--triton"], "[test,triton]"),
     ("1", None, [], "[test,triton]"),  # a GPU machine runs the Triton kernels
     ("1", None, ["--no-triton"], "[test]"),
-])
-def test_triton_is_installed_where_it_is_used(gpu, ci, flags, extras):
-    r = run_setup(*flags, "--plan", gpu=gpu, ci=ci)
+]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """Each case's --plan run, all started together: each spends its seconds in the script's `import torch`,
+    which two cores do side by side."""
+    with ThreadPoolExecutor(len(PLANS)) as pool:
+        return list(pool.map(lambda case: run_setup(*case[2], "--plan", gpu=case[0], ci=case[1]), PLANS))
+
+
+@pytest.mark.parametrize("case", range(len(PLANS)), ids=["-".join([f"gpu{g}", f"ci{c}", *f]) for g, c, f, _ in PLANS])
+def test_triton_is_installed_where_it_is_used(plans, case):
+    gpu, _, _, extras = PLANS[case]
+    r = plans[case]
     assert r.returncode == 0, r.stderr
     assert f"setup: GPU={gpu}, " in r.stdout and f"then ostinato -e .{extras}\n" in r.stdout
 
