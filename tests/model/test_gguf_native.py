@@ -126,43 +126,48 @@ print(status("VmHWM:") - before, weights_nbytes(model))
 """
 
 
-def test_loading_keeps_peak_host_memory_under_twice_the_file_size():
-    """The real SmolLM2 file (98 MB), loaded on the CPU: what loading adds to the process beyond the model's own
-    tensors (on a GPU those are device memory) stays under twice the file, where the float32 path held ~5x."""
+@pytest.fixture(scope="module")
+def smollm2_loads():
+    """The real SmolLM2 file (98 MB) loaded on the CPU by three processes started together, each alone in its
+    memory (what they measure is their own): _RSS_PROBE, and benchmarks/step/gguf_load.py keeping the blocks and
+    with --gguf-dequantize. Each is one core's import and load, so two cores run them side by side.
+    {name: (file, stdout)}."""
     from ostinato.model.gguf_sources import short_name_path
 
     path = short_name_path("smollm2-135m")
     shared = str(Path(tempfile.gettempdir()) / "ostinato-test-cache")
     env = {**os.environ, "PYTHONPATH": str(SRC), "OSTINATO_CACHE_DIR": shared}  # test_smollm2's cache
-    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    grown, model_bytes = map(int, out.stdout.split()[-2:])
+    bench = [sys.executable, str(SRC.parent / "benchmarks" / "step" / "gguf_load.py"), str(path)]
+    commands = {"probe": [sys.executable, "-c", _RSS_PROBE, str(path)], "blocks": bench,
+                "float32": [*bench, "--gguf-dequantize"]}
+    procs = {name: subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, cmd in commands.items()}
+    outs = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: {err[-2000:]}"
+        outs[name] = (path, out)
+    return outs
+
+
+def test_loading_keeps_peak_host_memory_under_twice_the_file_size(smollm2_loads):
+    """What loading adds to the process beyond the model's own tensors (on a GPU those are device memory) stays
+    under twice the file, where the float32 path held ~5x."""
+    path, out = smollm2_loads["probe"]
+    grown, model_bytes = map(int, out.split()[-2:])
     size = path.stat().st_size
     assert model_bytes < size * 2  # the projections stayed in their blocks (float32 would be 540 MB)
     assert grown - model_bytes < 2 * size, f"grew {grown / 1e6:.0f} MB, model {model_bytes / 1e6:.0f} MB, file {size / 1e6:.0f} MB"
 
 
-def test_the_load_benchmark_reports_the_blocks_and_the_float32_paths():
-    """benchmarks/step/gguf_load.py on the real SmolLM2 file: the blocks path holds far fewer bytes than the
-    float32 one, and each figure it prints is there."""
-    from ostinato.model.gguf_sources import short_name_path
-
-    path = short_name_path("smollm2-135m")
-    shared = str(Path(tempfile.gettempdir()) / "ostinato-test-cache")
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OSTINATO_CACHE_DIR": shared}  # test_smollm2's cache
-    script = SRC.parent / "benchmarks" / "step" / "gguf_load.py"
-    runs = {}
-    for flag in ((), ("--gguf-dequantize",)):
-        out = subprocess.run([sys.executable, str(script), str(path), *flag], env=env, capture_output=True,
-                             text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        runs[bool(flag)] = json.loads(out.stdout.strip().splitlines()[-1])
-    blocks, dense = runs[False], runs[True]
+def test_the_load_benchmark_reports_the_blocks_and_the_float32_paths(smollm2_loads):
+    """benchmarks/step/gguf_load.py: the blocks path holds far fewer bytes than the float32 one, and each figure
+    it prints is there."""
+    blocks, dense = (json.loads(smollm2_loads[name][1].strip().splitlines()[-1]) for name in ("blocks", "float32"))
     assert blocks["gguf_dequantize"] is False and dense["gguf_dequantize"] is True
     # 135M parameters: float32 is 0.5 GiB; the blocks (and the float32 embedding on CPU) well under that.
     assert blocks["model_GiB"] < 0.6 * dense["model_GiB"] and 0.45 < dense["model_GiB"] < 0.6
-    assert all(r["peak_rss_GiB"] >= r["rss_before_load_GiB"] > 0 and r["load_s"] >= 0 for r in runs.values())
+    assert all(r["peak_rss_GiB"] >= r["rss_before_load_GiB"] > 0 and r["load_s"] >= 0 for r in (blocks, dense))
 
 
 def test_qwen2_q8_0_with_qkv_biases_matches_hf(tmp_path, cache):
