@@ -2,8 +2,8 @@
 the KV blocks, a core that dies or fails a step turns the server's /health 503 and fails pending requests with
 EngineDeadError, and shutdown stops the process.
 
-Each test starts a real core process (spawn: a fresh interpreter importing torch), so they are few and share
-one where they can.
+Each test needs a real core process (spawn: a fresh interpreter importing torch), so they are few, share one
+where they can, and the two alike start together.
 """
 
 import asyncio
@@ -63,11 +63,27 @@ def args(tmp_path_factory):
                       max_num_seqs=8)
 
 
-async def _started(args, factory=_slow_engine) -> ProcessAsyncEngine:
-    core = ProcessAsyncEngine(args, factory=factory)
-    core.start()
+@pytest.fixture(scope="module")
+def slow_cores(args):
+    """Two cores of _slow_engine, started together: each spends seconds importing torch and building its engine,
+    which two CPU cores do side by side. One is shut down in order, the other killed."""
+    cores = {name: ProcessAsyncEngine(args, factory=_slow_engine) for name in ("stopped", "killed")}
+    for core in cores.values():
+        core.start()
+    yield cores
+    for core in cores.values():
+        core.shutdown(timeout=10)
+
+
+async def _ready(core: ProcessAsyncEngine) -> ProcessAsyncEngine:
     await asyncio.wait_for(core.wait_ready(), 120)
     return core
+
+
+async def _started(args, factory) -> ProcessAsyncEngine:
+    core = ProcessAsyncEngine(args, factory=factory)
+    core.start()
+    return await _ready(core)
 
 
 async def _wait_idle(core: ProcessAsyncEngine, timeout: float = 20.0):
@@ -93,7 +109,7 @@ def assert_logprobs_close(got, want):
         assert [lp for _, lp in g.top] == pytest.approx([lp for _, lp in w.top], abs=1e-4)
 
 
-def test_streams_match_offline_and_an_abort_frees_the_blocks(args):
+def test_streams_match_offline_and_an_abort_frees_the_blocks(args, slow_cores):
     offline = LLMEngine(args)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zz"], output_kind=RequestOutputKind.DELTA)
     n_params = SamplingParams(temperature=1.0, n=2, seed=4, max_tokens=10, ignore_eos=True, logprobs=2,
@@ -107,7 +123,7 @@ def test_streams_match_offline_and_an_abort_frees_the_blocks(args):
         expected[rid] = merge_deltas(deltas)
 
     async def main():
-        core = await _started(args)
+        core = await _ready(slow_cores["stopped"])
         try:
             async def collect(rid, prompt, p):
                 return merge_deltas([out async for out in core.generate(rid, prompt, p)])
@@ -138,9 +154,9 @@ def test_streams_match_offline_and_an_abort_frees_the_blocks(args):
     asyncio.run(main())
 
 
-def test_a_killed_core_fails_pending_requests_and_health_says_503(args):
+def test_a_killed_core_fails_pending_requests_and_health_says_503(slow_cores):
     async def main():
-        core = await _started(args)
+        core = await _ready(slow_cores["killed"])
         app = build_app(core, served_model_name="m")
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
