@@ -157,7 +157,8 @@ def test_loading_keeps_peak_host_memory_under_twice_the_file_size(smollm2_loads)
     grown, model_bytes = map(int, out.split()[-2:])
     size = path.stat().st_size
     assert model_bytes < size * 2  # the projections stayed in their blocks (float32 would be 540 MB)
-    assert grown - model_bytes < 2 * size, f"grew {grown / 1e6:.0f} MB, model {model_bytes / 1e6:.0f} MB, file {size / 1e6:.0f} MB"
+    assert grown - model_bytes < 2 * size, \
+        f"grew {grown / 1e6:.0f} MB, model {model_bytes / 1e6:.0f} MB, file {size / 1e6:.0f} MB"
 
 
 def test_the_load_benchmark_reports_the_blocks_and_the_float32_paths(smollm2_loads):
