@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,15 +48,22 @@ def _tokens(llm: LLM, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
-def _run_tp(path: str, tp: int, params=GREEDY, **extra):
-    llm = LLM(path, tensor_parallel_size=tp, **ENGINE, **extra)
+@contextmanager
+def _tp_llm(path: str, tp: int):
+    """An LLM over `tp` ranks; leaving the block shuts it down, and then no worker rank may still run."""
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+    workers = list(llm.engine.runner._workers)
     try:
-        outs = llm.generate(PROMPTS, params)
-        llm.engine.runner.call_all(AGREE)  # every rank sampled the same tokens and holds the same rows
-        workers = list(llm.engine.runner._workers)
+        yield llm
     finally:
         llm.engine.shutdown()
     assert all(w.proc.poll() is not None for w in workers), "shutdown left a worker rank running"
+
+
+def _run_tp(path: str, tp: int, params=GREEDY):
+    with _tp_llm(path, tp) as llm:
+        outs = llm.generate(PROMPTS, params)
+        llm.engine.runner.call_all(AGREE)  # every rank sampled the same tokens and holds the same rows
     return outs
 
 
@@ -105,7 +113,7 @@ def test_sizes_that_do_not_split_are_refused_with_the_sizes_that_do(tmp_path_fac
 
 # ---- TP=2 and TP=4 against TP=1, real worker processes ----------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])  # llama: with the agreement check below
 def test_tp2_greedy_matches_tp1(tmp_path_factory, family):
     path = _checkpoint(tmp_path_factory, "tiny", family)
     expected = _tokens(LLM(path, **ENGINE))
@@ -147,17 +155,17 @@ def test_tp2_one_kv_head_padded_vocab_tied_head_and_sampling_match_tp1(tmp_path_
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_ranks_that_disagree_are_caught_and_stop_every_rank(tmp_path_factory):
-    """The agreement check can fail: rank 0's rows changed behind the others' backs is reported."""
+def test_tp2_llama_greedy_matches_tp1_and_ranks_that_disagree_are_caught(tmp_path_factory):
+    """Llama over two ranks gives TP=1's tokens; then the agreement check can fail on the same engine (a TP
+    engine costs seconds of worker start-up): rank 0's rows changed behind the others' backs is reported."""
     path = _checkpoint(tmp_path_factory, "tiny", "llama")
-    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
-    try:
-        llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    expected = _tokens(LLM(path, **ENGINE))
+    with _tp_llm(path, 2) as llm:
+        assert _tokens(llm) == expected, "llama"
+        llm.engine.runner.call_all(AGREE)
         llm.engine.runner.runner.decode_batch.host[0, 0] += 1  # only on rank 0
         with pytest.raises((RuntimeError, TensorParallelError), match=r"ranks \[1\] hold decode state different"):
             llm.engine.runner.call_all(AGREE)
-    finally:
-        llm.engine.shutdown()
 
 
 def test_tp4_with_fewer_kv_heads_than_ranks_matches_tp1(tmp_path_factory):
@@ -276,6 +284,8 @@ def test_a_call_that_fails_on_a_dead_worker_waits_for_its_watcher_to_say_why():
     assert isinstance(caught.value.__cause__, BrokenPipeError)
 
 
+# ---- rank 0 in a process of its own ------------------------------------------------------------------------
+
 _RANK0_DIES = """
 import os, sys, time
 from ostinato import LLM
@@ -285,11 +295,50 @@ os._exit(0)  # rank 0 vanishes without shutting anything down
 """
 
 
-def test_workers_exit_when_rank_0_dies_without_a_shutdown(tmp_path_factory):
+def _env(**extra) -> dict:
+    """For processes started before _bounded_waits applies (module fixtures): its bound, set here."""
+    return dict(os.environ, PYTHONPATH=SRC, OSTINATO_TP_TIMEOUT_S="60", **extra)
+
+
+def _start_rank0_that_dies(path: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _RANK0_DIES, path], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _start_torchrun_style(path: str) -> list[subprocess.Popen]:
+    """Every rank runs the same command: rank 0 the CLI, rank 1 a Python script (LLM(...) on a rank > 0 serves
+    rank 0, then exits with code 0)."""
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ostinato", "generate", path, "--prompt", "hello there", "--raw", "--max-tokens",
+           "8", "--temperature", "0", "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
+           "--num-kv-blocks", "64", "--max-model-len", "64"]
+    script = [sys.executable, "-c", "import sys; from ostinato import LLM; LLM(sys.argv[1], tensor_parallel_size=2, "
+              "device='cpu', dtype='float32', num_kv_blocks=64, max_model_len=64); print('unreachable')", path]
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    return [subprocess.Popen(c, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for r, c in enumerate((cmd, script))]
+
+
+@pytest.fixture(scope="module")
+def own_rank0s(tmp_path_factory):
+    """Both launches whose rank 0 is a process of its own, started together: each is seconds of interpreters
+    importing torch, which two cores do side by side. (llama checkpoint, rank 0 that dies, torchrun ranks)."""
     path = _checkpoint(tmp_path_factory, "tiny", "llama")
-    out = subprocess.run([sys.executable, "-c", _RANK0_DIES, path], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=SRC))
-    pid = int(out.stdout.split()[0])
+    launched = (path, _start_rank0_that_dies(path), _start_torchrun_style(path))
+    yield launched
+    for proc in (launched[1], *launched[2]):
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_workers_exit_when_rank_0_dies_without_a_shutdown(own_rank0s):
+    rank0 = own_rank0s[1]
+    line = rank0.stdout.readline()  # not communicate(): the worker holds rank 0's stderr open while it lives
+    assert line.strip().isdigit(), f"rank 0 did not start its worker: {rank0.stderr.read()[-2000:]}"
+    pid = int(line)
+    rank0.wait(timeout=60)
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -304,23 +353,9 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-# ---- torchrun-style launch: every rank runs the same command -------------------------------------------------
-
-def test_torchrun_style_variables_make_rank_1_a_worker_of_rank_0(tmp_path_factory):
-    path = _checkpoint(tmp_path_factory, "tiny", "llama")
+def test_torchrun_style_variables_make_rank_1_a_worker_of_rank_0(own_rank0s):
+    path, _, procs = own_rank0s
     expected = LLM(path, **ENGINE).generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=8))
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "ostinato", "generate", path, "--prompt", "hello there", "--raw", "--max-tokens",
-           "8", "--temperature", "0", "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
-           "--num-kv-blocks", "64", "--max-model-len", "64"]
-    # Rank 1 runs a Python script instead: LLM(...) on a rank > 0 serves rank 0, then exits with code 0.
-    script = [sys.executable, "-c", "import sys; from ostinato import LLM; LLM(sys.argv[1], tensor_parallel_size=2, "
-              "device='cpu', dtype='float32', num_kv_blocks=64, max_model_len=64); print('unreachable')", path]
-    env = dict(os.environ, PYTHONPATH=SRC, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    procs = [subprocess.Popen(c, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r, c in enumerate((cmd, script))]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert expected[0].outputs[0].text in outs[0][0]
