@@ -327,7 +327,7 @@ def mma_rows_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch
     assert blocks.shape[1] == device_row_bytes(qtype, k)
     assert x.stride(-1) == 1 and blocks.is_contiguous() and out.stride(-1) == 1
     tiles = tiles or MmaTiles()
-    if tiles.decode_to_x:
+    if tiles.decode_to_x:  # x as it is; these kernels read no 32-block statistics, so x fills their slots unread
         xs, stride_xm, stats = x, x.stride(0), (x, x, x)
     else:
         qx = qx if qx is not None else quantize_x(x, pdl)
