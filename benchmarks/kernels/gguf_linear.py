@@ -36,7 +36,7 @@ from ostinato.kernels.gguf_gemv import (GEMV_MAX_ROWS, GROUPING, GGUFTiles, choo
 from ostinato.kernels.gguf_int8_mma import MmaTiles  # noqa: E402
 from ostinato.kernels.gguf_int8_route import INT8_DOT_KERNELS, takes_half_mma, takes_int8_mma  # noqa: E402
 from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
-from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q8_tiles  # noqa: E402
+from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_tiles, q8_tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear,  # noqa: E402
                                           dequantize_blocks, device_rows, file_rows)
 from ostinato.kernels.pdl import pdl_unsupported_reason  # noqa: E402
@@ -46,12 +46,14 @@ INT8_TILES = {qtype: tiles() for qtype, (tiles, _) in INT8_DOT_KERNELS.items()} 
 
 
 def int8_tiles(qtype: int, m: int):
-    """The integer-dot kernel's default tiles at m rows (Q8_0's differ at one row)."""
-    return q8_tiles(m) if qtype == Q8_0 else INT8_TILES[qtype]
+    """The integer-dot kernel's default tiles at m rows (Q6_K's and Q8_0's differ at one row)."""
+    return {Q8_0: q8_tiles, Q6_K: q6k_tiles}.get(qtype, lambda _: INT8_TILES[qtype])(m)
 
 
 # Llama-3.1-8B: (name, N, K) of qkv, o, gate_up, down.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+# The other shapes a Q4_K_M file gives its kernels: q and k without v where v is Q6_K, v alone, the lm_head.
+MORE_SHAPES = {"qk": ("qk", 5120, 4096), "v": ("v", 1024, 4096), "head": ("head", 128256, 4096)}
 BY_NAME = {v[0]: t for t, v in KERNEL_TYPES.items()}
 L2_BYTES = 60 << 20
 
@@ -62,10 +64,14 @@ def main() -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="time candidate tile settings instead")
+    ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES] +
+                    list(MORE_SHAPES), help="--sweep: the projections summed (each one's own best is printed too)")
     args = ap.parse_args()
     pdl = pdl_unsupported_reason(torch.device("cuda")) is None
     if args.sweep:
-        return sweep(args.types, args.batches, pdl)
+        shapes = [next(s for s in SHAPES if s[0] == name) if name not in MORE_SHAPES else MORE_SHAPES[name]
+                  for name in args.shapes]
+        return sweep(args.types, args.batches, pdl, shapes)
     rows = []
     for name, n, k in SHAPES:
         copies_bf16 = max(2, 2 * L2_BYTES // (n * k * 2) + 1)
@@ -177,11 +183,11 @@ def triton_pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
+def sweep(types: list[str], batches: list[int], pdl: bool, shapes: list[tuple[str, int, int]]) -> int:
     for type_name in types:
         qtype = BY_NAME[type_name]
         layers = []
-        for _, n, k in SHAPES:
+        for _, n, k in shapes:
             blocks = torch.from_numpy(random_blocks(type_name, n, k, np.random.default_rng(0))).cuda()
             copies = max(2, 2 * L2_BYTES // blocks.numel() + 1)
             layers.append((n, k, [device_rows(blocks, qtype).clone() for _ in range(copies)]))
@@ -198,19 +204,31 @@ def sweep(types: list[str], batches: list[int], pdl: bool) -> int:
                     out0 = torch.empty(m, n0, device="cuda", dtype=torch.bfloat16)
                     gguf_linear_into(x0, copies0[0], qtype, None, out0, pdl, tiles)
                     err = ((out0.float() - ref).norm() / ref.norm()).item()
-                    total = sum(_time_tiles(qtype, m, n, k, copies, tiles, pdl) for n, k, copies in layers)
+                    each = [_time_tiles(qtype, m, n, k, copies, tiles, pdl) for n, k, copies in layers]
                 except Exception as e:  # a setting the compiler refuses (registers, shared memory): skip it
                     print(f"{type_name} rows {m} {tiles}: failed, {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
-                results.append((total, tiles))
-                print(f"{type_name} rows {m} {tiles}: {total:.1f} us for the 4 projections, rel. error {err:.1e}"
+                total = sum(each)
+                results.append((total, tiles, each))
+                print(f"{type_name} rows {m} {tiles}: {total:.1f} us for the {len(each)} projections "
+                      f"({' / '.join(f'{us:.1f}' for us in each)}), rel. error {err:.1e}"
                       f"{'' if err < 2e-2 else '  WRONG'}", flush=True)
             results.sort(key=lambda r: r[0])
             print(f"## {type_name} rows {m}: choose_tiles {default} -> "
                   f"{[r[0] for r in results if r[1] == default][0]:.1f} us; best:")
-            for total, tiles in results[:4]:
+            for total, tiles, _ in results[:4]:
                 print(f"   {total:7.1f} us  {nbytes / (total * 1e-6) / HBM_READ_BYTES_PER_S:.2f} of HBM  {tiles}")
+            _print_per_shape(results, default, shapes, layers)
     return 0
+
+
+def _print_per_shape(results, default, shapes, layers) -> None:
+    """Each projection's fastest setting beside the default's time on it."""
+    own = [r for r in results if r[1] == default][0][2]
+    for i, ((name, n, k), (_, _, copies)) in enumerate(zip(shapes, layers)):
+        us, tiles = min(((r[2][i], r[1]) for r in results), key=lambda t: t[0])
+        hbm = copies[0].numel() / (us * 1e-6) / HBM_READ_BYTES_PER_S
+        print(f"   {name} {n}x{k}: best {us:.1f} us ({hbm:.2f} of HBM) {tiles}; default {own[i]:.1f} us")
 
 
 def _time_tiles(qtype, m, n, k, copies, tiles, pdl):
