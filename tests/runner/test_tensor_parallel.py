@@ -32,12 +32,14 @@ PROMPTS = ["hello there", "the quick brown fox", [5, 6, 7, 8, 9], "a"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 AGREE = "ostinato.runner.distributed:check_ranks_agree"
+# A broken failure path must fail these tests in a minute, not hang for the default 10.
+BOUNDED_WAITS = {"OSTINATO_TP_TIMEOUT_S": "60"}
 
 
 @pytest.fixture(autouse=True)
 def _bounded_waits(monkeypatch):
-    """A broken failure path must fail these tests in a minute, not hang for the default 10."""
-    monkeypatch.setenv("OSTINATO_TP_TIMEOUT_S", "60")
+    for name, value in BOUNDED_WAITS.items():
+        monkeypatch.setenv(name, value)
 
 
 def _checkpoint(tmp_path_factory, shape: str, family: str) -> str:
@@ -297,7 +299,7 @@ os._exit(0)  # rank 0 vanishes without shutting anything down
 
 def _env(**extra) -> dict:
     """For processes started before _bounded_waits applies (module fixtures): its bound, set here."""
-    return dict(os.environ, PYTHONPATH=SRC, OSTINATO_TP_TIMEOUT_S="60", **extra)
+    return dict(os.environ, PYTHONPATH=SRC, **BOUNDED_WAITS, **extra)
 
 
 def _start_rank0_that_dies(path: str) -> subprocess.Popen:
