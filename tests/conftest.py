@@ -19,6 +19,33 @@ for _layer in sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name not in
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# In a worker of pytest-xdist (pyproject.toml runs the suite in one per core), one intra-op thread: a thread pool
+# in every worker puts two threads on each core, and OpenMP's threads spin while they wait for the others, so the
+# workers slowed each other down more than they gained. The environment variable carries it to the processes the
+# tests start (servers, engine cores, tensor-parallel ranks).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+# Memory a worker may need at its peak: it holds torch, Triton's interpreter and the tests' models, and some tests
+# start processes of their own (servers, engine cores, tensor-parallel ranks); the heaviest modules reach about
+# 3 GiB together.
+WORKER_MEMORY = 4 << 30
+
+
+def pytest_xdist_auto_num_workers(config):
+    """How many worker processes `-n auto` starts: none on a CUDA machine, where the GPU tests would share one
+    device's memory; else one per core this process may run on, as many as the memory holds."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # the variable xdist itself reads: its value wins
+    if torch.cuda.is_available():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    workers = min(cores, memory // WORKER_MEMORY)
+    return workers if workers > 1 else 0  # one worker would only add its start-up
+
 
 # Test modules skip themselves when these are missing (the GPU machine has no server stack), which in CI would
 # turn a broken install into a few SKIPPED lines and drop dozens of tests. With CI set, a missing or broken one

@@ -24,8 +24,9 @@ def start_pytest(tmp_path, ci: str | None) -> subprocess.Popen:
     if ci is not None:
         env["CI"] = ci
     quick = "tests/engine/test_sampling_params.py::test_greedy_is_the_one_rule_the_sampler_applies"
-    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", quick], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # -n 0: one test needs no worker processes (the configuration would start one per core).
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", quick]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
