@@ -1,8 +1,8 @@
 """What the few-rows GEMVs compile to on sm_90, without a GPU: registers, shared memory, and the innermost loop's
 SASS (instructions a thread a weight byte, and the opcode mix), for the first FP8 GEMV (kernels/fp8_gemv.py), the
 streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and the GGUF Q4_K / Q6_K / Q8_0
-integer-dot GEMVs (kernels/gguf_int8_dot.py, gguf_int8_q6k_q80.py; code bytes only, not their headers and scales)
-at the 8B's one-row tiles.
+integer-dot GEMVs (kernels/gguf_int8_q4k.py, gguf_int8_q6k_q80.py; code bytes only, not their headers and scales)
+at the 8B's one-row tiles, and Q4_K's 4-row kernel.
 
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
 re-laying data out through shared memory; both show in the SASS, which Triton's bundled ptxas and nvdisasm
@@ -27,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ostinato.kernels import fp8_gemv, fp8_stream, gemv, gguf_int8_dot, gguf_int8_q6k_q80
+from ostinato.kernels import fp8_gemv, fp8_stream, gemv, gguf_int8_q4k, gguf_int8_q6k_q80
 
 TARGET = GPUTarget("cuda", 90, 32)
 SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_len")  # integer arguments the JIT sees as multiples of 16
@@ -98,9 +98,9 @@ STREAM_SIG = {"x_ptr": "*bf16", "x64_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*f
 GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
             "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
             "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_rom": "i32", "eps": "fp32"}
-Q4K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*i32",
-           "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_words": "i32", "row_words": "i32",
-           "stride_om": "i32"}
+Q4K_ONE_ROW_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*i32",
+                   "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_words": "i32", "row_words": "i32"}
+Q4K_SIG = dict(Q4K_ONE_ROW_SIG, stride_om="i32")
 Q8_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "w_ptr": "*i32", "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
           "n_words": "i32", "row_len": "i32", "stride_om": "i32"}
 Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "w_ptr": "*i32", "b8_ptr": "*u8",
@@ -133,12 +133,16 @@ def main() -> None:
     report("stream FP8 GEMV 4x1024 p1, 4 rows", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
         ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False, K_PAD=1,
         GLU=False, ASM=True, EMULATE_BF16=False, PDL=True)), tile // 2, 128, out_dir)
-    q4k, q6k = gguf_int8_dot.Q4kTiles(), gguf_int8_q6k_q80.q6k_tiles(1)
+    q4k, q6k = gguf_int8_q4k.Q4kTiles(), gguf_int8_q6k_q80.q6k_tiles(1)
+    q4k_meta = dict(BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True, HAS_BIAS=False, PDL=True, ASM=True)
+    q4k_step = (q4k.block_n * q4k.block_j * 4, 32 * q4k.num_warps, out_dir)
+    words_a_thread = q4k.block_n * q4k.block_j // (32 * q4k.num_warps)
     report(f"GGUF Q4_K int8 dot {q4k.block_n}x{q4k.block_j} words", _compile(
-        gguf_int8_dot._q4k_row_kernel, Q4K_SIG, dict(ROWS=1, BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True,
-                                                      HAS_BIAS=False, PDL=True, ASM=True), num_warps=q4k.num_warps),
-        q4k.block_n * q4k.block_j * 4, 32 * q4k.num_warps, out_dir,
-        dp4a_per_step=2 * q4k.block_n * q4k.block_j // (32 * q4k.num_warps))  # a word's low and high nibbles
+        gguf_int8_q4k._q4k_one_row_kernel, Q4K_ONE_ROW_SIG, q4k_meta, num_warps=q4k.num_warps), *q4k_step,
+        dp4a_per_step=2 * words_a_thread)  # a word's low and high nibbles
+    report(f"GGUF Q4_K int8 dot {q4k.block_n}x{q4k.block_j} words, 4 rows", _compile(
+        gguf_int8_q4k._q4k_rows_kernel, Q4K_SIG, dict(q4k_meta, ROWS=4), num_warps=q4k.num_warps), *q4k_step,
+        dp4a_per_step=8 * words_a_thread)
     report(f"GGUF Q6_K int8 dot {q6k.block_n}x{q6k.block_j} positions", _compile(
         gguf_int8_q6k_q80._q6k_row_kernel, Q6K_SIG, dict(ROWS=1, BLOCK_N=q6k.block_n, BLOCK_J=q6k.block_j,
                                                         EVEN=True, HAS_BIAS=False, PDL=True, ASM=True),

@@ -35,7 +35,8 @@ from ostinato.kernels.gguf_gemv import (GEMV_MAX_ROWS, GROUPING, GGUFTiles, choo
                                         gguf_linear_into, gguf_matmul_dequantized)
 from ostinato.kernels.gguf_int8_mma import MmaTiles  # noqa: E402
 from ostinato.kernels.gguf_int8_route import INT8_DOT_KERNELS, takes_half_mma, takes_int8_mma  # noqa: E402
-from ostinato.kernels.gguf_int8_dot import Q4kTiles, int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import int8_dot_applies  # noqa: E402
+from ostinato.kernels.gguf_int8_q4k import Q4kTiles  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_tiles, q8_tiles  # noqa: E402
 from ostinato.kernels.gguf_linear import (KERNEL_TYPES, Q4_K, Q6_K, Q8_0, GGUFLinear,  # noqa: E402
                                           dequantize_blocks, device_rows, file_rows)

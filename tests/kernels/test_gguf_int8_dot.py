@@ -11,7 +11,8 @@ import torch
 gguf_quants = pytest.importorskip("gguf.quants")
 pytest.importorskip("triton")
 
-from ostinato.kernels.gguf_int8_dot import Q4kTiles, q4k_rows_into, quantize_x  # noqa: E402
+from ostinato.kernels.gguf_int8_dot import quantize_x  # noqa: E402
+from ostinato.kernels.gguf_int8_q4k import Q4kTiles, q4k_rows_into  # noqa: E402
 from ostinato.kernels.gguf_int8_mma import MmaTiles, mma_rows_into  # noqa: E402
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into  # noqa: E402
 from ostinato.kernels.gguf_linear import Q4_0, Q4_K, Q6_K, Q8_0, device_rows  # noqa: E402
@@ -123,7 +124,8 @@ def _run(kernel, qtype_name, formula, m, n, k, tiles, bias):
                                               (1, 3, 512, Q4kTiles(8, 64), False),  # more rows of W a program than N
                                               (1, 9, 1024, Q4kTiles(4, 128), True),  # the K step divides K: no masks
                                               (3, 13, 768, Q4kTiles(4, 64), True),  # three accumulators
-                                              (6, 9, 1024, Q4kTiles(4, 128), False)])  # two groups of rows: 4, then 2
+                                              (6, 9, 1024, Q4kTiles(4, 128), False),  # two groups of rows: 4, then 2
+                                              (5, 9, 1024, Q4kTiles(4, 128), True)])  # 4 rows, then 1: both kernels
 def test_q4k_kernel_equals_its_formula_in_float64(m, n, k, tiles, bias):
     _run(q4k_rows_into, "Q4_K", _q4k_formula, m, n, k, tiles, bias)
 

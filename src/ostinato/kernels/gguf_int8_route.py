@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import INT8_DOT_ROWS, Q4kTiles, QuantizedX, int8_dot_applies, q4k_rows_into
+from ostinato.kernels.gguf_int8_dot import INT8_DOT_ROWS, QuantizedX, int8_dot_applies
+from ostinato.kernels.gguf_int8_q4k import Q4kTiles, q4k_rows_into
 from ostinato.kernels.gguf_int8_mma import (HALF_MMA, INT8_MMA_ROWS, MmaTiles, half_mma_applies, int8_mma_applies,
                                             mma_rows_into)
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6kTiles, Q8Tiles, q6k_rows_into, q80_rows_into
