@@ -132,7 +132,7 @@ def _q4k_one_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N
         sc, mn, shift = _chunk_scales(h1, h2, h3, g % 4)
         acc += _one_row_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, j0, x_at, j_mask, lo, hi, g, g_mask, sc, mn, shift, d,
                              dmin, BLOCK_N, CHUNKS, EVEN, ASM)
-    store_rows(out_ptr, acc, acc, acc, acc, 0, b_ptr, rows, offs_n, N, 1, HAS_BIAS)
+    store_rows(out_ptr, acc, acc, acc, acc, 0, b_ptr, rows, offs_n, N, 1, HAS_BIAS)  # one row: acc alone stored
 
 
 @_jit
@@ -182,8 +182,8 @@ def _q4k_chunk_part(xq_ptr, dx_ptr, sx_ptr, cx_ptr, r, n_words, g3, k3, g_mask3,
 def _q4k_rows_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_words, stride_om,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
-    """out [ROWS, N] = x W^T, x as quantize_x gives it (ROWS <= MAX_ROWS rows, one accumulator each): the codes
-    and scales of a K step are decoded once for all rows."""
+    """out [ROWS, N] = x W^T, x as quantize_x gives it (2-4 rows; it also computes one, which the one-row kernel
+    does faster): the codes and scales of a K step are decoded once for all rows, one accumulator a row."""
     pdl_begin(PDL)
     CHUNKS: tl.constexpr = BLOCK_J // 8
     offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
