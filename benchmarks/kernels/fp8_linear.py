@@ -15,7 +15,8 @@ PDL on either side); every output is checked against F.linear(x, the dequantized
 a config over 5e-2 is reported and never picked). Default: the 8B's qkv, o, gate_up and down at 1, 16 and 64
 rows, about a minute on an H200, most of it Triton compiling:
 
-    PYTHONPATH=src python3 benchmarks/kernels/fp8_linear.py [--shapes llama-3.1-8b] [--batches 1,16,64] [--json out.json]
+    PYTHONPATH=src python3 benchmarks/kernels/fp8_linear.py [--shapes llama-3.1-8b] [--batches 1,16,64] \
+        [--json out.json]
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def make_inputs(seqs: list[tuple[int, int]]):
     num_blocks = sum(nblks)  # + 1: the scratch block pads the tables
     caches = [tuple(torch.randn(num_blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", generator=gen,
                                 dtype=torch.bfloat16) for _ in range(2)) for _ in range(LAYERS)]
-    width = max([math.ceil(8448 / BLOCK)] + nblks)  # the engine's table at max_model_len 8448 (benchmarks/step/mixed_step.py)
+    # the engine's table at max_model_len 8448 (benchmarks/step/mixed_step.py)
+    width = max([math.ceil(8448 / BLOCK)] + nblks)
     tables = torch.full((len(seqs), width), num_blocks, dtype=torch.int32, device="cuda")
     perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
     used = 0

@@ -12,7 +12,8 @@ time, bench serve shows its progress, and a load run past --load-timeout stops w
 On a GPU (the measurement in docs/PERFORMANCE.md):
 
     ostinato make-checkpoint /tmp/ck-qwen3-0.6b --shape qwen3-0.6b --dtype bfloat16
-    PYTHONPATH=src python3 benchmarks/online/serve_vs_offline.py /tmp/ck-qwen3-0.6b -- --max-num-seqs 64 --max-model-len 1024
+    PYTHONPATH=src python3 benchmarks/online/serve_vs_offline.py /tmp/ck-qwen3-0.6b -- --max-num-seqs 64 \
+        --max-model-len 1024
 
 CPU, with the forward replaced by a no-op (tools/bench/noop_forward.py: the Python around the model, server and offline
 alike), acting as an asynchronous GPU step of --noop-forward-ms (0: the host's ceiling):

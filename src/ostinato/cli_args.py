@@ -91,7 +91,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for what a request leaves unset: auto (the model's "
                         "generation_config.json), vllm (none: ostinato's own) or a folder holding one")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every decode and prefill step runs eager")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode and prefill steps run eager")
     g.add_argument("--cuda-graph-sizes", type=arg_type(read_cuda_graph_sizes), default=None,
                    help="batch sizes to capture, e.g. '1 2 4 8 16', or @FILE (as `ostinato advise` writes)")
     g.add_argument("--max-cuda-graph-size", type=int, default=None)

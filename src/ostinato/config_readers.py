@@ -122,7 +122,8 @@ def read_prefill_graph_tokens(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(w) for w in text.replace(",", " ").split())
     except ValueError:
-        raise ConfigError(f"--prefill-graph-tokens must hold integers like '16 32 64' or 'none', got {text!r}") from None
+        raise ConfigError(f"--prefill-graph-tokens must hold integers like '16 32 64' or 'none', "
+                          f"got {text!r}") from None
     if any(s < 1 for s in sizes):
         raise ConfigError(f"--prefill-graph-tokens must hold positive integers, got {list(sizes)}")
     return sizes

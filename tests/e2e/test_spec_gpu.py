@@ -57,8 +57,8 @@ def test_smollm2_ngram_fp32_greedy_equals_plain_decoding():
 
 def test_bf16_stays_logprob_close_to_plain_decoding(ckpt):
     """In bf16 a verified token is computed in a batch of another shape than a decoded one, RoPE in its own
-    kernel: their logits differ in the last bits, so greedy may flip where two logits tie. Up to the first divergence every
-    token matches and the logprobs are close (test_gpu_e2e.close_until_divergence)."""
+    kernel: their logits differ in the last bits, so greedy may flip where two logits tie. Up to the first divergence
+    every token matches and the logprobs are close (test_gpu_e2e.close_until_divergence)."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=TOP)
     plain = make(ckpt, spec=False, dtype="bfloat16").generate(PROMPTS, params)
     llm = make(ckpt, dtype="bfloat16")

@@ -39,7 +39,8 @@ def test_constrained_rows_in_graph_steps(llm):
                     for s in range(6)]
     outs = llm.generate(["hello", "world"] + ["x"] * 12, plain + constrained)
     assert [o.outputs[0].token_ids for o in outs[:2]] == alone
-    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", o.outputs[0].text) for o in outs[2:8]), [o.outputs[0].text for o in outs]
+    texts = [o.outputs[0].text for o in outs]
+    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", t) for t in texts[2:8]), texts
     assert all(o.outputs[0].text in ("alpha", "beta gamma") for o in outs[8:])
     after = llm.engine.stats()
     assert after.graphs_enabled and after.decode_steps_graph > before.decode_steps_graph

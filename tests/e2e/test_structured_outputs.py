@@ -71,7 +71,8 @@ def test_unconstrained_rows_unchanged_beside_constrained_ones(llm):
     plain = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=1.0, seed=7, max_tokens=12)]
     prompts = ["The capital of France is", "Once upon a time"]
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
-    constrained = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputs(json_object=True)),
+    constrained = [SamplingParams(temperature=0.0, max_tokens=12,
+                                  structured_outputs=StructuredOutputs(json_object=True)),
                    SamplingParams(temperature=1.0, seed=3, max_tokens=12,
                                   structured_outputs=StructuredOutputs(regex="[0-9]+"))]
     mixed = llm.generate(["Data:", prompts[0], "Count:", prompts[1]],

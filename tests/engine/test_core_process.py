@@ -111,7 +111,8 @@ def assert_logprobs_close(got, want):
 
 def test_streams_match_offline_and_an_abort_frees_the_blocks(args, slow_cores):
     offline = LLMEngine(args)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zz"], output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zz"],
+                            output_kind=RequestOutputKind.DELTA)
     n_params = SamplingParams(temperature=1.0, n=2, seed=4, max_tokens=10, ignore_eos=True, logprobs=2,
                               output_kind=RequestOutputKind.DELTA)
     expected = {}

@@ -163,12 +163,12 @@ def test_stream_chunks_written_directly_equal_the_pydantic_models():
             return {5: "é", 6: " \"q\"\n", 7: "x"}[ids[0]]
 
     fmt = Formatter(Tokenizer())
-    steps = [RequestOutput("r", None, [1, 2], [CompletionOutput(0, "é", [5], None, [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)])])],
-                           False, 0.0),
-             RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [7], None, [TokenLogprob(7, -2.0, [(7, -2.0)])])],
-                           False, 0.0),  # no text yet (a special token, or part of a character): content null
-             RequestOutput("r", None, [1, 2], [CompletionOutput(0, ' "q"\n', [6], "stop", [TokenLogprob(6, -0.25, [(6, -0.25)])])],
-                           True, 0.0)]
+    logprobs = [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)]), TokenLogprob(7, -2.0, [(7, -2.0)]),
+                TokenLogprob(6, -0.25, [(6, -0.25)])]
+    steps = [RequestOutput("r", None, [1, 2], [CompletionOutput(0, "é", [5], None, [logprobs[0]])], False, 0.0),
+             # no text yet (a special token, or part of a character): content null
+             RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [7], None, [logprobs[1]])], False, 0.0),
+             RequestOutput("r", None, [1, 2], [CompletionOutput(0, ' "q"\n', [6], "stop", [logprobs[2]])], True, 0.0)]
 
     async def stream():
         for out in steps:
@@ -275,7 +275,8 @@ def test_deltas_join_into_the_final_text_with_split_characters_and_a_stop_string
     [(mapped, _)] = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text)
     ids = [engine.tokenizer.convert_tokens_to_ids(c) for c in mapped]
     assert len(ids) == len(text.encode()) and engine.tokenizer.unk_token_id not in ids
-    for stop, want in (((), text), (("🚀",), text[: text.index("🚀")]), (("ve 🚀",), text[: text.index("ve 🚀")])):
+    for stop, want in (((), text), (("🚀",), text[: text.index("🚀")]),
+                       (("ve 🚀",), text[: text.index("ve 🚀")])):
         texts = {}
         for kind in (DELTA, FINAL):
             play(ids)

@@ -160,7 +160,8 @@ def run(prompts, *, k=3, block_size=2, num_blocks=64, max_num_seqs=4, budget=16,
         prefix_caching=True, waves=1, eos=EOS, method="ngram"):
     model = make_model(model_seed)
     sched = SpecScheduler(SchedulerConfig(max_num_seqs, budget, 64),
-                          CacheConfig(block_size, num_blocks, enable_prefix_caching=prefix_caching, prefix_cache_salt="m"),
+                          CacheConfig(block_size, num_blocks, enable_prefix_caching=prefix_caching,
+                                      prefix_cache_salt="m"),
                           SpeculativeConfig(method, k, 1, 3))
     runner = FakeRunner(model, sched, block_size, draft=method == "draft")
     results, accepted = {}, 0

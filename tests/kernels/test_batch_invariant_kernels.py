@@ -173,7 +173,8 @@ def _prefill(backend, streams: Streams, chunks: list[tuple[int, int]], dtype) ->
     ctx = [c + n for c, n in chunks]
     starts = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     meta = AttentionMetadata(True, torch.zeros(sum(lens), dtype=torch.int64, device=DEVICE), streams.tables.to(DEVICE),
-                             torch.tensor(ctx, dtype=torch.int32, device=DEVICE), starts, lens, ctx, max(lens), max(ctx))
+                             torch.tensor(ctx, dtype=torch.int32, device=DEVICE), starts, lens, ctx, max(lens),
+                             max(ctx))
     return backend.prefill(q, streams.k.to(DEVICE), streams.v.to(DEVICE), meta, DIM ** -0.5).cpu()
 
 

@@ -183,7 +183,8 @@ def test_the_invariant_mode_reaches_the_kernels_from_the_decode_step_and_the_sam
 
     asked = []
     monkeypatch.setattr(sampling_kernel, "available_for", lambda _logits: True)
-    monkeypatch.setattr(sampling_kernel, "sample", lambda *a, batch_invariant=False, **kw: asked.append(batch_invariant))
+    monkeypatch.setattr(sampling_kernel, "sample",
+                        lambda *a, batch_invariant=False, **kw: asked.append(batch_invariant))
     logits, rows = torch.zeros(2, 50), torch.zeros(2, BLOCKS, dtype=torch.int32)
     for invariant in (True, False):
         step = DecodeStep(lambda *a: None, DecodeLayout(2, 4, 16, scratch_block=0), torch.device("cpu"), 0,

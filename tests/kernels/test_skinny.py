@@ -66,7 +66,8 @@ def test_small_batch_linear_takes_the_rows_the_rule_gives_it(monkeypatch):
     the rest, or more than MAX_ROWS rows, to the layer's own forward."""
     calls = []
     real = skinny.skinny_linear
-    monkeypatch.setattr(skinny, "choose_skinny_tiles", lambda m, n, k, pdl=False: SkinnyTiles(16, 32) if m > 1 else None)
+    monkeypatch.setattr(skinny, "choose_skinny_tiles",
+                        lambda m, n, k, pdl=False: SkinnyTiles(16, 32) if m > 1 else None)
     monkeypatch.setattr(skinny, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     layer = torch.nn.Linear(64, 40, bias=True).to(DEVICE, torch.bfloat16)
     for m in (1, 6, 16, 17):

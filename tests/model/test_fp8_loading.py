@@ -68,7 +68,8 @@ def test_transformers_reads_compressed_tensors_as_we_do(tmp_path):
     qkv = layer.self_attn.qkv_proj.dequantize()
     gate_up = layer.mlp.gate_up_proj.dequantize()
     for hf, mine in [(hf_layer.self_attn.q_proj, qkv[:256]), (hf_layer.self_attn.k_proj, qkv[256:384]),
-                     (hf_layer.self_attn.v_proj, qkv[384:]), (hf_layer.self_attn.o_proj, layer.self_attn.o_proj.dequantize()),
+                     (hf_layer.self_attn.v_proj, qkv[384:]),
+                     (hf_layer.self_attn.o_proj, layer.self_attn.o_proj.dequantize()),
                      (hf_layer.mlp.gate_proj, gate_up[:256]), (hf_layer.mlp.up_proj, gate_up[256:]),
                      (hf_layer.mlp.down_proj, layer.mlp.down_proj.dequantize())]:
         assert hf.weight.dtype == torch.float32 and torch.equal(hf.weight, mine)

@@ -105,7 +105,8 @@ def test_rank_shards_reassemble_the_whole_weights(tmp_path_factory, shape, tp):
 
 def test_sizes_that_do_not_split_are_refused_with_the_sizes_that_do(tmp_path_factory):
     config = ModelConfig.from_dir(_checkpoint(tmp_path_factory, "tiny", "llama"))  # 4 heads, 2 KV heads
-    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 does not divide num_attention_heads 4.*\[1, 2, 4\]"):
+    with pytest.raises(ConfigError,
+                       match=r"--tensor-parallel-size 3 does not divide num_attention_heads 4.*\[1, 2, 4\]"):
         check_tp_size(config, 3)
     with pytest.raises(ConfigError, match="cuda-graph-fallback eager cannot be used"):
         EngineArgs(model="x", tensor_parallel_size=2, cuda_graph_fallback="eager")
@@ -194,7 +195,8 @@ def test_a_rank_failing_mid_generation_stops_every_rank_with_its_cause(tmp_path_
     try:
         workers = list(llm.engine.runner._workers)
         t0 = time.monotonic()
-        with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: failure injected on rank 1 at step 4"):
+        with pytest.raises(TensorParallelError,
+                           match="rank 1 failed: RuntimeError: failure injected on rank 1 at step 4"):
             llm.generate(PROMPTS, GREEDY)
         assert time.monotonic() - t0 < 60
         deadline = time.monotonic() + 10

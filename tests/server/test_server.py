@@ -505,7 +505,8 @@ def test_cached_prompt_tokens_in_usage_and_metrics(server, reference):
     text = httpx.get(server.base_url + "/metrics").text
     hits = 32 * 2 + 2 * chat[1].usage.prompt_tokens_details.cached_tokens + \
         chat[0].usage.prompt_tokens_details.cached_tokens
-    assert _metric(text, "ostinato:prefix_cache_hits_total") - _metric(before, "ostinato:prefix_cache_hits_total") == hits
+    hits_metric = "ostinato:prefix_cache_hits_total"
+    assert _metric(text, hits_metric) - _metric(before, hits_metric) == hits
     queries = 3 * 40 + 3 * chat[0].usage.prompt_tokens
     assert _metric(text, "ostinato:prefix_cache_queries_total") - \
         _metric(before, "ostinato:prefix_cache_queries_total") == queries

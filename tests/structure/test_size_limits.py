@@ -1,13 +1,17 @@
-"""Size limits that keep the code readable: no module in src/ over MAX_MODULE_LINES lines, and no function over
+"""Size limits that keep the code readable: no module in src/ over MAX_MODULE_LINES lines, no function over
 MAX_FUNCTION_LINES lines except Triton kernel bodies (a kernel is one launch: splitting it costs registers or a
-launch, and its helpers are @triton.jit functions inlined anyway)."""
+launch, and its helpers are @triton.jit functions inlined anyway), and no line of the repository's Python over
+MAX_LINE characters."""
 
 import ast
+import subprocess
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
+MAX_LINE = 120
 
 
 def is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -56,3 +60,19 @@ def test_the_function_check_counts_lines_and_spares_only_kernels():
     assert long_functions(source, limit=6) == []
     assert sorted(f.split(", line")[0] for f in long_functions(source, limit=5)) == [
         "cached (6 lines", "method (6 lines", "short (6 lines"]
+
+
+def python_files() -> list[Path]:
+    """The repository's Python files, tracked or new (git's view: ignored folders, such as a local virtual
+    environment, left out)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [ROOT / name for name in out.split() if (ROOT / name).is_file()]
+
+
+def test_no_line_is_over_the_character_limit():
+    files = python_files()
+    assert ROOT / "src" / "ostinato" / "engine" / "scheduler.py" in files and Path(__file__).resolve() in files
+    too_long = [f"{p.relative_to(ROOT)}:{i} ({len(line)} characters)" for p in files
+                for i, line in enumerate(p.read_text(encoding="utf-8").split("\n"), 1) if len(line) > MAX_LINE]
+    assert not too_long, f"lines over {MAX_LINE} characters:\n" + "\n".join(too_long)

@@ -58,7 +58,8 @@ def test_the_cpu_resolution_pulls_no_cuda_package(tmp_path):
     report = tmp_path / "report.json"
     r = run_setup("--dry-run", str(report), gpu="0", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+                for i in json.loads(report.read_text())["install"]}
     assert "torch" in installs and "+cu" not in installs["torch"], installs
     assert not [name for name in installs if name.startswith("nvidia-")], installs
     assert "triton" not in installs

@@ -26,7 +26,8 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
-            raise ConfigError(f"unknown engine argument(s) {sorted(unknown)}; valid: {sorted(EngineArgs.field_names())}")
+            raise ConfigError(f"unknown engine argument(s) {sorted(unknown)}; "
+                              f"valid: {sorted(EngineArgs.field_names())}")
         self.engine = LLMEngine(_offline(EngineArgs(model=model, **engine_args)))
         self._next_id = 0
 

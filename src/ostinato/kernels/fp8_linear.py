@@ -95,12 +95,12 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
       budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
     - 5-16 rows, per-row scales, bf16, and up to 64 rows where N <= 3072: the W8A16 split GEMM
       (kernels/split_gemm.py), 256-wide K steps: the weight on the MMA's wide side, K split so that one wave of
-      about 256 programs covers the projection, no activation quantization. Chosen by whole steps, not by the kernel sweep: alone, on Llama-3.1-8B's
-      projections, it is slower than the tensor-core kernel at 16 x 32 x 256 tiles and than its own 128-wide K
-      steps, yet whole FP8 steps at 8 rows of the 8B and the 1B were fastest with it, and the tensor-core kernel
-      made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8). Why the sweep and the step disagree is not
-      yet traced. The narrow projections (the 1B's qkv, o and down) at 32 and 64 rows made the 1B's step faster
-      than with _scaled_mm, whose 128-wide tiles leave most SMs idle there.
+      about 256 programs covers the projection, no activation quantization. Chosen by whole steps, not by the kernel
+      sweep: alone, on Llama-3.1-8B's projections, it is slower than the tensor-core kernel at 16 x 32 x 256 tiles and
+      than its own 128-wide K steps, yet whole FP8 steps at 8 rows of the 8B and the 1B were fastest with it, and the
+      tensor-core kernel made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8). Why the sweep and the step
+      disagree is not yet traced. The narrow projections (the 1B's qkv, o and down) at 32 and 64 rows made the 1B's step
+      faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there.
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.

@@ -129,6 +129,7 @@ def quantize_tokens(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, t
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m == 0:
         return q, scale
-    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=min(2048, triton.next_power_of_2(k)),
-                                  FP8_LIMIT=FP8_MAX, FLOOR=SCALE_FLOOR, PDL=pdl, num_warps=4, **launch_options(pdl))
+    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
+                                  BLOCK_K=min(2048, triton.next_power_of_2(k)), FP8_LIMIT=FP8_MAX, FLOOR=SCALE_FLOOR,
+                                  PDL=pdl, num_warps=4, **launch_options(pdl))
     return q, scale

@@ -8,10 +8,10 @@ import torch
 
 class SplitCounters:
     """Arrival counters: one int32 per group of programs whose partials one launch merges (the decode
-    attention: per (sequence, kv head)), zero between launches (the merging program resets its own). Allocated once per device, zeroed, and never freed or
-    moved while a graph may read it: a CUDA graph bakes in the address, and a zero-fill inside the graph
-    would be one more kernel per layer. Every layer shares one, since launches on one stream run one after
-    another; launches sharing one must not run concurrently on two streams.
+    attention: per (sequence, kv head)), zero between launches (the merging program resets its own). Allocated once per
+    device, zeroed, and never freed or moved while a graph may read it: a CUDA graph bakes in the address, and a
+    zero-fill inside the graph would be one more kernel per layer. Every layer shares one, since launches on one stream
+    run one after another; launches sharing one must not run concurrently on two streams.
 
     Sized generously (MIN_COUNTERS covers every batch the split rule splits: programs < SMs); a launch
     that needs more grows it outside a capture only (the warm-up before each capture does), keeping the

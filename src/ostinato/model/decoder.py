@@ -29,7 +29,8 @@ from ostinato.config import ModelConfig
 from ostinato.errors import ConfigError
 from ostinato.kernels.fused import TORCH_KERNELS, DecoderKernels, kernels_for
 from ostinato.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from ostinato.model.parallel import SINGLE_RANK, RowParallelLinear, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, local_heads
+from ostinato.model.parallel import (SINGLE_RANK, RowParallelLinear, TPGroup, VocabParallelEmbedding,
+                                     VocabParallelLMHead, local_heads)
 
 
 def projection_biases(config: ModelConfig) -> tuple[bool, bool]:

@@ -82,7 +82,8 @@ class GGUFReport:
                 f"parameters) to float32")
         if self.dequantize_seconds is None:
             return f"GGUF {self.path.name} ({self.architecture}): {what} earlier; using the cache {self.hf_dir}"
-        return f"GGUF {self.path.name} ({self.architecture}): {what} in {self.dequantize_seconds:.1f} s, cached in {self.hf_dir}"
+        return (f"GGUF {self.path.name} ({self.architecture}): {what} in {self.dequantize_seconds:.1f} s, "
+                f"cached in {self.hf_dir}")
 
 
 def cache_root() -> Path:

@@ -24,9 +24,11 @@ from ostinato.config import ModelConfig
 from ostinato.errors import CheckpointError, ConfigError
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.model.decoder import DecoderForCausalLM, fused_shards
-from ostinato.model.fp8_weights import SCALE_LEAVES, Fp8Scheme, expected_fp8_names, fp8_scheme, place_fp8_tensor, swap_projections
+from ostinato.model.fp8_weights import (SCALE_LEAVES, Fp8Scheme, expected_fp8_names, fp8_scheme, place_fp8_tensor,
+                                        swap_projections)
 from ostinato.model.gguf_native import is_native_gguf_dir
-from ostinato.model.parallel import SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of, placements
+from ostinato.model.parallel import (SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of,
+                                     placements)
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import Any
 from ostinato.config import ParallelConfig, RunnerConfig
 from ostinato.errors import TensorParallelError
 from ostinato.model.parallel import check_tp_size
-from ostinato.runner.distributed import (BroadcastChannel, PipeChannel, RankInfo, agree_min, check_world, env_rank_info, init_group,
-                          leave_process, timeout_seconds)
+from ostinato.runner.distributed import (BroadcastChannel, PipeChannel, RankInfo, agree_min, check_world, env_rank_info,
+                                         init_group, leave_process, timeout_seconds)
 from ostinato.runner.runner import ModelRunner, pick_device
 from ostinato.runner.tp_worker import CONFIG_ENV, resolve_call, run_worker, runner_config_env
 

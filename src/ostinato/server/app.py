@@ -40,10 +40,11 @@ from ostinato.server.errors import APIError, install_error_handlers
 from ostinato.server.limits import ServerLimits
 from ostinato.server.metrics import ServerMetrics
 from ostinato.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from ostinato.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                       CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList,
-                       UsageInfo, ChatCompletionChunk, streaming_responses)
-from ostinato.server.streaming import ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events, usage_of
+from ostinato.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionChoice, CompletionRequest, CompletionResponse, ErrorResponse, ModelCard,
+                                      ModelList, UsageInfo, ChatCompletionChunk, streaming_responses)
+from ostinato.server.streaming import (ChoiceCursor, EngineStreamResponse, Formatter, chat_events, completion_events,
+                                       usage_of)
 from ostinato.server.tool_calls import ToolRequest, template_messages
 from ostinato.server.tool_stream import tool_chat_events
 

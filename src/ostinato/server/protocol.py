@@ -6,11 +6,12 @@ extra ones. OpenAI fields that ostinato does not implement (echo, best_of) are a
 no-op values, so a request never silently gets something other than what it asked for. A sampling field left
 out takes the model's default (--generation-config) where it has one.
 
-These models check shapes and types, and what the schema can state (no empty prompt, only text content parts,
-a role that is a name, a 64-bit seed); SamplingParams checks the values' ranges and holds the defaults (one
-message per bad value, naming its parameter), and the engine what only the model knows (the vocabulary). Types are strict, as the OpenAI API's are:
-`"temperature": "0.5"`, `"stream": "yes"`, `"n": true` and `"max_tokens": "3"` are refused (400), not coerced. Every string must be valid Unicode: a lone UTF-16
-surrogate (`"\\ud800"` in JSON) is refused with the field named, before a tokenizer could choke on it.
+These models check shapes and types, and what the schema can state (no empty prompt, only text content parts, a role
+that is a name, a 64-bit seed); SamplingParams checks the values' ranges and holds the defaults (one message per bad
+value, naming its parameter), and the engine what only the model knows (the vocabulary). Types are strict, as the OpenAI
+API's are: `"temperature": "0.5"`, `"stream": "yes"`, `"n": true` and `"max_tokens": "3"` are refused (400), not
+coerced. Every string must be valid Unicode: a lone UTF-16 surrogate (`"\\ud800"` in JSON) is refused with the field
+named, before a tokenizer could choke on it.
 """
 
 from __future__ import annotations

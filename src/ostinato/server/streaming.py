@@ -23,9 +23,9 @@ from starlette.types import Receive, Scope, Send
 
 from ostinato.engine.async_engine import EngineDeadError, RequestStream
 from ostinato.engine.outputs import CompletionOutput
-from ostinato.server.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
-                       CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, TopLogprob,
-                       UsageInfo)
+from ostinato.server.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob,
+                                      CompletionLogprobs, CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
+                                      PromptTokensDetails, TopLogprob, UsageInfo)
 
 logger = logging.getLogger(__name__)
 

@@ -112,13 +112,15 @@ SHAPES: dict[str, Shape] = {
     "llama-3.1-8b": Shape(
         family="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
         intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, init_std=0.02, final_norm_gain=3.0, rope_scaling=_LLAMA31_ROPE_SCALING),
+        max_position_embeddings=131072, rms_norm_eps=1e-5, init_std=0.02, final_norm_gain=3.0,
+        rope_scaling=_LLAMA31_ROPE_SCALING),
     # Does not fit one H200 in bf16 (141 GB of weights): the tensor-parallel shape. init_std keeps
     # init_std * sqrt(hidden) at ~1.4, as the scales note above asks.
     "llama-3.1-70b": Shape(
         family="llama", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
         intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, init_std=0.016, final_norm_gain=3.0, rope_scaling=_LLAMA31_ROPE_SCALING),
+        max_position_embeddings=131072, rms_norm_eps=1e-5, init_std=0.016, final_norm_gain=3.0,
+        rope_scaling=_LLAMA31_ROPE_SCALING),
 }
 
 

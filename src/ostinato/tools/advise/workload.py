@@ -11,10 +11,11 @@
 `simulate` plays a request workload through a model of the engine's scheduler (engine/scheduler.py): each
 step decodes every running sequence whose prompt is done, and prefills chunks with the rest of
 max_num_batched_tokens (first the prompts already started, then waiting prompts admitted in order while
-seats and KV blocks allow; the chunk that ends a prompt samples its first token). Its assumptions: a sequence reserves the KV blocks of its final length when admitted, so there is no preemption
-(the engine reserves as it grows and preempts instead: the model is a little pessimistic about concurrency
-when the cache is tight); no prefix is cached; every request runs to its output length (ignore_eos); step
-times come from a CostModel (measured, forward-only): a step costs its decode plus prefill_ms of each chunk.
+seats and KV blocks allow; the chunk that ends a prompt samples its first token). Its assumptions: a sequence reserves
+the KV blocks of its final length when admitted, so there is no preemption (the engine reserves as it grows and preempts
+instead: the model is a little pessimistic about concurrency when the cache is tight); no prefix is cached; every
+request runs to its output length (ignore_eos); step times come from a CostModel (measured, forward-only): a step costs
+its decode plus prefill_ms of each chunk.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ whole LLMEngine.step(); "core" is its scheduling and runner part (the Scheduler'
 without the per-token output work (detokenization, stop checks, the outputs). The requests' outputs are of
 each `--output-kinds`: final_only is what LLM.generate asks for (one output per request, when it finishes),
 timed as LLMEngine.step(); delta what the server streams (each step's new tokens and text), timed as the
-server's engine core runs a step: LLMEngine.step_records() and pickling the step's one message. Each point is the median of `--repeats`
-runs: the machine may be shared.
+server's engine core runs a step: LLMEngine.step_records() and pickling the step's one message. Each point is the median
+of `--repeats` runs: the machine may be shared.
 
 `--num-speculative-tokens K` times speculative steps instead (prompt lookup, every decoding sequence a verify row:
 runner/spec_verify.py's path, its forward and logits no-ops too). The no-op repeats one token, so prompt lookup

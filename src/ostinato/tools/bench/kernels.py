@@ -132,7 +132,8 @@ def report_lines(batch: int, summary: dict, top: int) -> list[str]:
         lines.append(f"  {name:40s} {c['us']:8.1f} us  {c['kernels']:5.0f} kernels  {bw}  {share} of replay")
     if top > 0:
         lines.append("  longest kernels:")
-        lines += [f"    {k['us']:8.1f} us  {k['calls']:5.0f} calls  {k['name'][:90]}" for k in summary["top_kernels"][:top]]
+        lines += [f"    {k['us']:8.1f} us  {k['calls']:5.0f} calls  {k['name'][:90]}"
+                  for k in summary["top_kernels"][:top]]
     return lines
 
 
