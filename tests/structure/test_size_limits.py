@@ -36,8 +36,17 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     return found
 
 
+def python_files() -> list[Path]:
+    """The repository's Python files, tracked or new (git's view: ignored folders, such as a local virtual
+    environment, left out)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [ROOT / name for name in out.split() if (ROOT / name).is_file()]
+
+
 def sources() -> list[Path]:
-    return sorted(SRC.rglob("*.py"))
+    """The package's modules."""
+    return sorted(p for p in python_files() if p.is_relative_to(SRC))
 
 
 def test_no_module_is_over_the_line_limit():
@@ -60,14 +69,6 @@ def test_the_function_check_counts_lines_and_spares_only_kernels():
     assert long_functions(source, limit=6) == []
     assert sorted(f.split(", line")[0] for f in long_functions(source, limit=5)) == [
         "cached (6 lines", "method (6 lines", "short (6 lines"]
-
-
-def python_files() -> list[Path]:
-    """The repository's Python files, tracked or new (git's view: ignored folders, such as a local virtual
-    environment, left out)."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    return [ROOT / name for name in out.split() if (ROOT / name).is_file()]
 
 
 def test_no_line_is_over_the_character_limit():

@@ -1,16 +1,13 @@
 """How many pytest-xdist workers the suite starts (tests/conftest.py's pytest_xdist_auto_num_workers): one per core
 as the memory allows, none on a CUDA machine or where only one would fit, and PYTEST_XDIST_AUTO_NUM_WORKERS wins."""
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-_spec = importlib.util.spec_from_file_location("suite_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
-suite_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(suite_conftest)
+import conftest as suite_conftest  # tests/conftest.py, as pytest already imported it (the suite's only conftest)
+
 GIB = 1 << 30
 
 
