@@ -157,7 +157,11 @@ def test_path_rule():
     assert choose_fp8_path(1, 3072, 1024, False, cuda=True) == StreamTiles(4, 1024)
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, bf16=False), Fp8Tiles)
     assert isinstance(choose_fp8_path(1, 4096, 4098, False, cuda=True), Fp8Tiles)  # K not whole words
-    assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True), Fp8Tiles)
+    assert choose_fp8_path(1, 4096, 4096, True, cuda=True) == StreamTiles(4, 2048)  # block scales stream too
+    assert choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True) == StreamTiles(4, 2048)
+    # x's rows not readable as words (Fp8Linear's fallback): the first GEMV, block scales or not
+    assert isinstance(choose_fp8_path(1, 4096, 4096, True, cuda=True, stream=False), Fp8Tiles)
+    assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, stream=False), Fp8Tiles)
     assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(16, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(17, 4096, 4096, False, cuda=True) == "scaled_mm"
@@ -171,10 +175,10 @@ def test_path_rule():
     assert choose_fp8_path(64, 4096, 4096, False, cuda=True, bf16=False) == "dequantize"
     assert choose_fp8_path(1, 4096, 4096, False, cuda=False) == "dequantize"
     for m in range(1, FP8_GEMV_MAX_ROWS + 1):  # the accumulator stays within the register budget at every row count
-        tiles = choose_fp8_path(m, 6144, 4096, True, cuda=True)
+        tiles = choose_fp8_path(m, 6144, 4096, True, cuda=True, stream=False)
         assert triton_next_pow2(m) * tiles.block_n * tiles.block_k <= 8192
     # one row: as many bytes in flight a step as the bf16 GEMV's 8 x 1024 tile of two-byte weights
-    tiles = choose_fp8_path(1, 6144, 4096, True, cuda=True)
+    tiles = choose_fp8_path(1, 6144, 4096, True, cuda=True, stream=False)
     assert tiles.block_n * tiles.block_k * tiles.k_tiles == 8 * 1024 * 2
 
 

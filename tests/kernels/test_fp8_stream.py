@@ -1,6 +1,7 @@
 """The streaming FP8 GEMV (kernels/fp8_stream.py) against a float64 dequantize-then-matmul reference: plain, with
 the RMSNorm before it folded in (against fused.py's torch reference norm, then the reference matmul), and with
-the SwiGLU after it folded in; ragged N, K past one tile and not a multiple of it, 1-4 rows, both prefetch depths.
+the SwiGLU after it folded in; ragged N, K past one tile and not a multiple of it, 1-4 rows, both prefetch depths;
+per-row and block scales (blocks narrower and wider than a K step, ragged at both edges).
 CPU: under TRITON_INTERPRET=1 (tests/conftest.py), which takes the kernel's plain byte-unpacking path; the GPU
 test runs the inline-PTX conversion at a real shape."""
 
@@ -34,8 +35,14 @@ def _case(m, n, k, dtype, seed, bias=False):
     return w, scale, x, b
 
 
-def _reference(x, w, scale, b):
-    return F.linear(x.double(), dequantize_fp8(w, scale, None).double(), None if b is None else b.double())
+def _reference(x, w, scale, b, block=None):
+    return F.linear(x.double(), dequantize_fp8(w, scale, block).double(), None if b is None else b.double())
+
+
+def _block_scales(n, k, block, seed):
+    """A scale table [cdiv(N, bn), cdiv(K, bk)] whose blocks differ by up to 100x, so a misplaced block shows."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) ** 4 * 0.01 + 1e-4
 
 
 def _dev(*tensors):
@@ -93,6 +100,44 @@ def test_stream_with_the_glu_folded_in(m, n):
     _close(out, ref, dtype)
 
 
+# Blocks narrower than a K step (several a step) and wider (one across steps); N and K not multiples of the block
+# (or of the step), and a K of whole steps.
+@pytest.mark.parametrize("m,n,k,block,tiles", [
+    (1, 37, 100, (8, 16), StreamTiles(4, 64, prefetch=2)),
+    (2, 21, 264, (4, 128), StreamTiles(8, 32)),
+    (4, 19, 136, (16, 12), StreamTiles(2, 32)),
+    (3, 24, 256, (8, 32), StreamTiles(4, 64, prefetch=2)),  # K a multiple of the step: the scalar clamp
+])
+def test_stream_with_block_scales_matches_float64_reference(m, n, k, block, tiles):
+    w, _, x, b = _case(m, n, k, torch.bfloat16, 5 * m + n, bias=True)
+    scale = _block_scales(n, k, block, m)
+    out, _ = fp8_stream(*_dev(x, w, scale, b), tiles, block=block)
+    _close(out, _reference(x, w, scale, b, block), torch.bfloat16)
+
+
+# 2 x 16 rows: each program's gate rows in one row block, its up rows in another (the scales read once for all a
+# half's rows); 2 x 20: the up half starts inside a row block, so each row reads its own.
+@pytest.mark.parametrize("n", [2 * 16, 2 * 20])
+def test_stream_with_block_scales_and_both_folds(n):
+    """The norm before and the SwiGLU after, on a gate | up weight whose scale table covers both halves."""
+    m, k, block = 1, 72, (8, 8)
+    w, _, x, _ = _case(m, n, k, torch.bfloat16, 17)
+    scale = _block_scales(n, k, block, 4)
+    gen = torch.Generator().manual_seed(12)
+    residual = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(torch.bfloat16)
+    out, residual_out = fp8_stream(*_dev(x, w, scale), None, StreamTiles(4, 32), glu=True,
+                                   norm=(*_dev(residual, norm_weight), 1e-6), block=block)
+    summed = x + residual
+    # the kernel's rounding order (HF's RMSNorm: the normalized sum rounded, then times the weight), which
+    # fused_add_rms_norm_ref's one rounding differs from by an ulp here and there
+    normed = norm_weight * (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+                            ).to(torch.bfloat16)
+    torch.testing.assert_close(residual_out.cpu(), summed, rtol=0, atol=0)
+    gate_up = _reference(normed, w, scale, None, block).to(torch.bfloat16)
+    _close(out, silu_and_mul_ref(gate_up).double(), torch.bfloat16)
+
+
 def test_stream_takes_only_what_it_can_read_as_words():
     w = torch.zeros(8, 64, dtype=FP8_DTYPE)
     assert stream_takes(torch.zeros(4, 64, dtype=torch.bfloat16), w)
@@ -100,6 +145,8 @@ def test_stream_takes_only_what_it_can_read_as_words():
     assert not stream_takes(torch.zeros(1, 62, dtype=torch.bfloat16), torch.zeros(8, 62, dtype=FP8_DTYPE))
     assert not stream_takes(torch.zeros(1, 64, dtype=torch.float32), w)
     assert not stream_takes(torch.zeros(2, 66, dtype=torch.bfloat16)[:, 1:65], w)  # rows not word-aligned
+    assert stream_takes(torch.zeros(1, 64, dtype=torch.bfloat16), w, (128, 128))
+    assert not stream_takes(torch.zeros(1, 64, dtype=torch.bfloat16), w, (8, 6))  # a word across two blocks
 
 
 @pytest.mark.gpu

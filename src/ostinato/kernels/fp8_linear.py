@@ -10,9 +10,9 @@ Scales, two layouts, both meaning W[n, k] = fp8[n, k] * scale[...]:
     per block   scale [cdiv(N, bn), cdiv(K, bk)]: block-scaled FP8 (`weight_block_size`, `weight_scale_inv`)
 
 Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before graph capture:
-    stream      1-4 rows, per-row scales, bf16: the streaming W8A16 GEMV (kernels/fp8_stream.py), which also
-                takes the RMSNorm before the projection (one row) and the SwiGLU after it (1-4 rows): `folds`
-    gemv        a few rows otherwise (block scales, fp16/fp32 activations): the first Triton weight-only GEMV
+    stream      1-4 rows, bf16, per-row or block scales: the streaming W8A16 GEMV (kernels/fp8_stream.py), which
+                also takes the RMSNorm before the projection (one row) and the SwiGLU after it (1-4 rows): `folds`
+    gemv        a few rows otherwise (fp16/fp32 activations, x's rows not word-aligned): the first Triton GEMV
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)
     split       5-16 rows (up to 64 where N <= 3072), per-row scales, bf16, and where FP8_MEASURED names
@@ -77,7 +77,8 @@ FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
 }
 
 
-def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16: bool = True) -> Fp8Path:
+def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16: bool = True,
+                    stream: bool = True) -> Fp8Path:
     """How Fp8Linear computes [m, k] @ W[n, k]^T: the GEMV's tiles (Fp8Tiles), the tensor-core kernel's
     (MmaTiles), the W8A8 few-rows kernel's (W8a8Tiles), "scaled_mm" or "dequantize". From shapes only, so
     fixed before graph capture.
@@ -85,14 +86,16 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there does the W8A8
       few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 kernels
       keep them in 16 bits, so it is taken only where it was measured faster.
-    - m <= 4, per-row scales, bf16, k % 4 == 0: the streaming GEMV (kernels/fp8_stream.py), block_n for ~768
-      programs as the bf16 rule, at most 4 above two rows (one accumulator a row); block_k 2048 where K allows:
-      at 8 x 2048 a thread holds all 8 rows of its columns, so x (and the folded norm's work on it) is shared
-      by 8 rows, not 4 (sm_90 SASS, benchmarks/kernels/fp8_sass.py: 3.7 instructions a byte against 4.1, and
-      4.8 against 6.4 with the norm and SwiGLU folded in).
-    - else m <= FP8_GEMV_MAX_ROWS on CUDA: the first W8A16 GEMV. It reads each weight byte once and needs no activation
-      quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
-      budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
+    - m <= 4, bf16, k % 4 == 0, and x's rows readable as words (`stream`, fp8_stream.stream_takes): the streaming
+      GEMV (kernels/fp8_stream.py), per-row or block scales, block_n for ~768 programs as the bf16 rule, at most
+      4 above two rows (one accumulator a row); block_k 2048 where K allows: at 8 x 2048 a thread holds all 8
+      rows of its columns, so x (and the folded norm's work on it) is shared by 8 rows, not 4 (sm_90 SASS,
+      benchmarks/kernels/fp8_sass.py: 3.7 instructions a byte against 4.1, and 4.8 against 6.4 with the norm and
+      SwiGLU folded in).
+    - else m <= FP8_GEMV_MAX_ROWS on CUDA: the first W8A16 GEMV (kernels/fp8_gemv.py; fp16 activations, or x's
+      rows not words). It reads each weight byte once and needs no activation quantization. block_n gives ~768
+      programs at m = 1 as the bf16 rule does; block_k fills the accumulator budget, and two K tiles a step put
+      as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
     - 5-16 rows, per-row scales, bf16, and up to 64 rows where N <= 3072: the W8A16 split GEMM
       (kernels/split_gemm.py), 256-wide K steps: the weight on the MMA's wide side, K split so that one wave of
       about 256 programs covers the projection, no activation quantization. Chosen by whole steps, not by the kernel
@@ -110,9 +113,9 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     if not cuda:
         return "dequantize"
     measured = FP8_MEASURED.get((m, n, k)) if not block_scales and bf16 else None
-    if measured is not None:
+    if measured is not None and (stream or not isinstance(measured, StreamTiles)):
         return measured
-    if m <= STREAM_MAX_ROWS and not block_scales and bf16 and k % 4 == 0:
+    if m <= STREAM_MAX_ROWS and stream and bf16 and k % 4 == 0:
         return _stream_tiles(m, n, k)
     if m <= FP8_GEMV_MAX_ROWS:
         m_pad = triton.next_power_of_2(max(m, 1)) if triton is not None else m
@@ -180,10 +183,11 @@ class Fp8Linear(QuantizedLinear):
     def _path(self, x: torch.Tensor) -> Fp8Path:
         m, k = x.shape
         cuda = x.is_cuda and triton is not None
-        path = choose_fp8_path(m, self.out_features, k, self.block is not None, cuda, x.dtype == torch.bfloat16)
-        if isinstance(path, StreamTiles) and not stream_takes(x, self.weight):
-            # x's rows not word-aligned (a view): the first GEMV, which the rule gives block-scaled weights
-            return choose_fp8_path(m, self.out_features, k, True, cuda, x.dtype == torch.bfloat16)
+        bf16 = x.dtype == torch.bfloat16
+        path = choose_fp8_path(m, self.out_features, k, self.block is not None, cuda, bf16)
+        if isinstance(path, StreamTiles) and not stream_takes(x, self.weight, self.block):
+            # x's rows not word-aligned (a view), or blocks narrower than a word: the first GEMV
+            return choose_fp8_path(m, self.out_features, k, self.block is not None, cuda, bf16, stream=False)
         return path
 
     def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
@@ -194,12 +198,12 @@ class Fp8Linear(QuantizedLinear):
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         path = self._path(x)
         assert isinstance(path, StreamTiles), "fused_linear only where folds(x)"
-        return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, glu, norm)
+        return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, glu, norm, self.block)
 
     def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         path = self._path(x)
         if isinstance(path, StreamTiles):
-            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl)[0]
+            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, block=self.block)[0]
         if isinstance(path, Fp8Tiles):
             return fp8_gemv(x.contiguous(), self.weight, self.weight_scale, self.bias, path, self.block, pdl)
         if isinstance(path, MmaTiles):
