@@ -111,6 +111,20 @@ def test_split_gemm_on_fp8_weights_matches_float64_reference(m, n, k, tiles, bia
     _assert_close(out, _reference(x, w, scale, None, b), 1e-5 if dtype == torch.float32 else 8e-3)
 
 
+# Block scales: blocks as wide as a K step and two steps wide, rows blocks narrower and wider than a program's;
+# K split in parallel, one split after another, and unsplit; N and K ragged against the blocks.
+@pytest.mark.parametrize("m,n,k,block,tiles", [
+    (1, 37, 100, (8, 32), SplitTiles(16, 16, min_split_k_tiles=1)),
+    (5, 40, 256, (32, 32), SplitTiles(16, 32, max_row_tile=16, split_programs=8, min_split_k_tiles=1)),
+    (20, 17, 90, (4, 16), SplitTiles(16, 16, max_row_tile=16, split_programs=1)),
+    (40, 70, 200, (64, 32), SplitTiles(32, 16, max_row_tile=16, split_programs=4, min_split_k_tiles=2)),
+])
+def test_split_gemm_with_block_scales_matches_float64_reference(m, n, k, block, tiles):
+    w, scale, x, b = _inputs(m, n, k, block, True, torch.bfloat16, seed=m + n + k)
+    out = split_gemm(_device(x), _device(w), _device(b), tiles, scale=_device(scale), block=block)
+    _assert_close(out, _reference(x, w, scale, block, b), 8e-3)
+
+
 # W8A8: rows below and above one 16-row tile; N and K ragged against the tiles; one K step and several.
 @pytest.mark.parametrize("m,n,k,tiles,bias", [
     (1, 37, 100, W8a8Tiles(16, 32), False),
@@ -169,7 +183,8 @@ def test_path_rule():
     assert choose_fp8_path(64, 2048, 8192, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(65, 2048, 8192, False, cuda=True) == "scaled_mm"
     assert choose_fp8_path(64, 16384, 2048, False, cuda=True) == "scaled_mm"
-    assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # block scales, few rows
+    assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == SplitTiles(block_k=128)  # block scales, few rows
+    assert choose_fp8_path(64, 3072, 2048, True, cuda=True) == SplitTiles(block_k=128)  # block scales, narrow
     assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == MmaTiles()  # block scales above 16 rows
     assert choose_fp8_path(64, 4096, 4100, False, cuda=True) == "dequantize"  # _scaled_mm needs K % 16 == 0
     assert choose_fp8_path(64, 4096, 4096, False, cuda=True, bf16=False) == "dequantize"
@@ -187,7 +202,7 @@ def test_measured_table_overrides_the_rule_at_its_exact_shape_only(monkeypatch):
     monkeypatch.setitem(fp8_linear.FP8_MEASURED, (16, 6144, 4096), tile)
     assert choose_fp8_path(16, 6144, 4096, False, cuda=True) == tile
     assert choose_fp8_path(8, 6144, 4096, False, cuda=True) == SplitTiles(block_k=256)  # other rows: the rule
-    assert choose_fp8_path(16, 6144, 4096, True, cuda=True) == MmaTiles(16, 64, 128)  # measured per-row only
+    assert choose_fp8_path(16, 6144, 4096, True, cuda=True) == SplitTiles(block_k=128)  # measured per-row only
     assert choose_fp8_path(16, 6144, 4096, False, cuda=False) == "dequantize"
 
 

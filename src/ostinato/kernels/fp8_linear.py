@@ -15,10 +15,11 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
     gemv        a few rows otherwise (fp16/fp32 activations, x's rows not word-aligned): the first Triton GEMV
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)
-    split       5-16 rows (up to 64 where N <= 3072), per-row scales, bf16, and where FP8_MEASURED names
+    split       5-16 rows (up to 64 where N <= 3072), per-row or block scales, bf16, and where FP8_MEASURED names
                 SplitTiles: the split GEMM (kernels/split_gemm.py), W8A16 with the weight on the MMA's wide
                 side and K split to fill the GPU in one wave, no activation quantization
-    mma         5 or more rows with block scales, on CUDA: the Triton W8A16 tensor-core kernel (kernels/fp8_mma.py)
+    mma         above 16 rows with block scales (64 where N <= 3072), on CUDA: the Triton W8A16 tensor-core kernel
+                (kernels/fp8_mma.py)
     scaled_mm   above 16 rows (64 where N <= 3072), per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor
                 cores) with the activations quantized per token, each row with its own scale, by one kernel
                 (kernels/fp8_mma.py)
@@ -55,6 +56,8 @@ _ACC_BUDGET = 8192
 FP8_GEMV_MAX_ROWS = 4
 _SMALL_MMA_ROWS = 16
 _FEW_ROWS_SPLIT = SplitTiles(block_k=256)  # per-row scales at 5-16 rows, and narrow projections (choose_fp8_path)
+# Block scales: a K step may not cross a 128-wide scale block.
+_FEW_ROWS_SPLIT_BLOCKS = SplitTiles(block_k=128)
 # Up to this many rows and output columns, _scaled_mm's 128 x 128 tiles cover the projection in at most 24 CTAs on
 # 132 SMs: the split GEMM, which splits K to fill the GPU, takes those too.
 _NARROW_ROWS, _NARROW_N = 64, 3072
@@ -96,19 +99,21 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
       rows not words). It reads each weight byte once and needs no activation quantization. block_n gives ~768
       programs at m = 1 as the bf16 rule does; block_k fills the accumulator budget, and two K tiles a step put
       as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
-    - 5-16 rows, per-row scales, bf16, and up to 64 rows where N <= 3072: the W8A16 split GEMM
-      (kernels/split_gemm.py), 256-wide K steps: the weight on the MMA's wide side, K split so that one wave of
+    - 5-16 rows, bf16, and up to 64 rows where N <= 3072: the W8A16 split GEMM (kernels/split_gemm.py), 256-wide
+      K steps (128 with block scales, one block a step): the weight on the MMA's wide side, K split so that one wave of
       about 256 programs covers the projection, no activation quantization. Chosen by whole steps, not by the kernel
       sweep: alone, on Llama-3.1-8B's projections, it is slower than the tensor-core kernel at 16 x 32 x 256 tiles and
       than its own 128-wide K steps, yet whole FP8 steps at 8 rows of the 8B and the 1B were fastest with it, and the
       tensor-core kernel made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8). Why the sweep and the step
       disagree is not yet traced. The narrow projections (the 1B's qkv, o and down) at 32 and 64 rows made the 1B's step
-      faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there.
+      faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there. Block scales took the
+      tensor-core kernel there before, with the same idle SMs: the split GEMM made the 1B's block-scaled steps at
+      8 / 64 rows 33% / 53% faster.
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.
     - block scales at more rows: the Triton tensor-core kernel (_scaled_mm's row-wise scaling cannot express
-      128 x 128 blocks), with 16-row tiles up to 16 rows (four times fewer padded rows, twice the programs).
+      128 x 128 blocks).
     - else the weight dequantized for the call (CPU, fp32 activations on CUDA)."""
     if not cuda:
         return "dequantize"
@@ -124,12 +129,12 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
             block_n *= 2
         block_k = max(128, min(1024, _ACC_BUDGET // (m_pad * block_n)))
         return Fp8Tiles(block_n, block_k, k_tiles=2)
-    if not block_scales and bf16 and (m <= _SMALL_MMA_ROWS or (m <= _NARROW_ROWS and n <= _NARROW_N)):
-        return _FEW_ROWS_SPLIT
+    if bf16 and (m <= _SMALL_MMA_ROWS or (m <= _NARROW_ROWS and n <= _NARROW_N)):
+        return _FEW_ROWS_SPLIT_BLOCKS if block_scales else _FEW_ROWS_SPLIT
     if not block_scales and bf16 and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
     if block_scales and bf16:
-        return MmaTiles(16, 64, 128) if m <= _SMALL_MMA_ROWS else MMA_TILE
+        return MMA_TILE
     return "dequantize"
 
 
@@ -209,7 +214,8 @@ class Fp8Linear(QuantizedLinear):
         if isinstance(path, MmaTiles):
             return fp8_mma(x.contiguous(), self.weight, self.weight_scale, self.bias, self.block, path, pdl)
         if isinstance(path, SplitTiles):
-            return split_gemm(x.contiguous(), self.weight, self.bias, path, scale=self.weight_scale, pdl=pdl)
+            return split_gemm(x.contiguous(), self.weight, self.bias, path, scale=self.weight_scale, pdl=pdl,
+                              block=self.block)
         if isinstance(path, W8a8Tiles):
             xq, x_scale = quantize_tokens(x.contiguous(), pdl)
             return fp8_w8a8(xq, x_scale, self.weight, self.weight_scale, self.bias, path, x.dtype, pdl)

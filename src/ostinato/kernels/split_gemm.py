@@ -13,7 +13,9 @@ its narrow side, ROW_TILE the next power of two of the row count between the til
 row). K is cut into `splits` equal ranges, the count from N and K alone (`SplitTiles.split`: enough programs to
 fill the GPU at one row tile). Each split is summed from zero in BLOCK_K steps, acc += tl.dot(W tile, x tile^T)
 in fp32, and the tile is split 0 + split 1 + ... in that order, then times each weight row's scale (FP8
-weights, widened to the activations' dtype in registers: W8A16), then the bias. Two launches compute exactly that:
+weights, widened to the activations' dtype in registers: W8A16), then the bias. Block-scaled FP8 weights multiply
+each K step's products by the step's block scales instead (BLOCK_K divides the block's width, so a step lies in
+one block). Two launches compute exactly that:
   - parallel (the row tiles alone leave the GPU short of programs: decode): grid (N tiles, M tiles, splits);
     a program writes its split's fp32 partial tile and counts itself in; the last to arrive for a tile adds
     the partials in split order and stores (which program merges depends on timing, the order does not);
@@ -53,11 +55,12 @@ def jit_any_m(fn):
 
 @jit_any_m
 def _split_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    stride_ps, stride_pm, K_PER_SPLIT, SPLITS,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+    stride_om, stride_ps, stride_pm, K_PER_SPLIT, SPLITS,
     ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARALLEL: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr, PDL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr, PDL: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
 ):
     # A program owns the output tile out[rows, cols]^T as acc [BLOCK_N, ROW_TILE]: W's rows are the MMA's rows, the
     # activations' rows its columns. Split s of a tile is the sum over K range [s * K_PER_SPLIT, (s + 1) *
@@ -65,29 +68,32 @@ def _split_gemm_kernel(
     # BLOCK_K and SPLITS comes from (N, K) alone (SplitTiles.split). PARALLEL: program (n, m, s) computes split s
     # and the last to arrive adds them up; else program (n, m) computes the splits one after another: the same
     # fp32 operations in the same order. PREFETCH: the split's first weight tile is loaded before the PDL wait
-    # (weights are never written by a step): the same values into the same sums, only earlier.
+    # (weights are never written by a step): the same values into the same sums, only earlier. BLOCK_SCALES: each
+    # K step's products times its [BLOCK_N] block scales (a step never crosses a block: SCALE_BK % BLOCK_K == 0).
     pdl_begin(PDL)
     offs_n, offs_m, n_mask, m_mask, tile_mask = tile_offsets(N, M, BLOCK_N, ROW_TILE)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, ROW_TILE]: x read transposed, [BLOCK_K, ROW_TILE]
     out_offsets = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    s_rows = s_ptr + (tl.minimum(offs_n, N - 1) // SCALE_BN) * stride_sn  # [BLOCK_N]: read with BLOCK_SCALES only
     pid_s = tl.program_id(2)  # the split; always 0 in the serial launch
     k_first = pid_s * K_PER_SPLIT
     w_first = _weight_tile(w_rows, n_mask, k_first, K, BLOCK_K) if PREFETCH else None
     pdl_wait(PDL)
     if PARALLEL:
-        acc = _split_dot(x_cols, w_rows, m_mask, n_mask, k_first, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N,
-                         BLOCK_K, PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        acc = _split_dot(x_cols, w_rows, s_rows, m_mask, n_mask, k_first, K_PER_SPLIT, K, w_first, ROW_TILE,
+                         BLOCK_N, BLOCK_K, PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT, BLOCK_SCALES, SCALE_BK)
         last, total = merge_splits(acc, part_ptr, counters_ptr, offs_m, offs_n, tile_mask, stride_ps, stride_pm,
                                    SPLITS)
         if last:
             _store_tile(total, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE, HAS_BIAS)
     else:
-        acc = _split_dot(x_cols, w_rows, m_mask, n_mask, 0, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N, BLOCK_K,
-                         PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        acc = _split_dot(x_cols, w_rows, s_rows, m_mask, n_mask, 0, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N,
+                         BLOCK_K, PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT, BLOCK_SCALES, SCALE_BK)
         for s in range(1, SPLITS):
-            acc += _split_dot(x_cols, w_rows, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, w_first, ROW_TILE,
-                              BLOCK_N, BLOCK_K, False, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+            acc += _split_dot(x_cols, w_rows, s_rows, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, w_first,
+                              ROW_TILE, BLOCK_N, BLOCK_K, False, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT, BLOCK_SCALES,
+                              SCALE_BK)
         _store_tile(acc, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE, HAS_BIAS)
 
 
@@ -133,35 +139,44 @@ def _weight_tile(w_rows, n_mask, k0, k_end, BLOCK_K: tl.constexpr):
 
 
 @jit
-def _split_dot(x_cols, w_rows, m_mask, n_mask, k_start, K_PER_SPLIT, K, w_first, ROW_TILE: tl.constexpr,
+def _split_dot(x_cols, w_rows, s_rows, m_mask, n_mask, k_start, K_PER_SPLIT, K, w_first, ROW_TILE: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr):
+               UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+               SCALE_BK: tl.constexpr):
     """One split's [BLOCK_N, ROW_TILE] fp32 sum over K range [k_start, k_start + K_PER_SPLIT), from zero, one
-    BLOCK_K tile after another. HAS_FIRST: w_first is the split's first weight tile, already loaded."""
+    BLOCK_K tile after another (each times its block scales s_rows[k0 // SCALE_BK] with BLOCK_SCALES). HAS_FIRST:
+    w_first is the split's first weight tile, already loaded."""
     offs_k = tl.arange(0, BLOCK_K)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_N, ROW_TILE], tl.float32)
     k_loop = k_start
     if HAS_FIRST:
-        acc = _tile_step(acc, w_first, x_cols, m_mask, k_start + offs_k, k_end, DOT_PRECISION, UPCAST_DOT,
-                         ROWWISE_DOT)
+        acc = _tile_step(acc, w_first, x_cols, s_rows, m_mask, k_start, offs_k, k_end, DOT_PRECISION, UPCAST_DOT,
+                         ROWWISE_DOT, BLOCK_SCALES, SCALE_BK)
         k_loop = k_start + BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
         w = _weight_tile(w_rows, n_mask, k0, k_end, BLOCK_K)
-        acc = _tile_step(acc, w, x_cols, m_mask, k0 + offs_k, k_end, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT)
+        acc = _tile_step(acc, w, x_cols, s_rows, m_mask, k0, offs_k, k_end, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT,
+                         BLOCK_SCALES, SCALE_BK)
     return acc
 
 
 @jit
-def _tile_step(acc, w, x_cols, m_mask, ks, k_end, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-               ROWWISE_DOT: tl.constexpr):
-    """acc + w [BLOCK_N, BLOCK_K] @ x[:, ks]^T [BLOCK_K, ROW_TILE]; w widened to x's dtype first (FP8 weights:
-    their scales multiply the sums at the end, W8A16)."""
+def _tile_step(acc, w, x_cols, s_rows, m_mask, k0, offs_k, k_end, DOT_PRECISION: tl.constexpr,
+               UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+               SCALE_BK: tl.constexpr):
+    """acc + w [BLOCK_N, BLOCK_K] @ x[:, k0 + offs_k]^T [BLOCK_K, ROW_TILE]; w widened to x's dtype first (FP8
+    weights, W8A16: per-row scales multiply the sums at the end, block scales each step's products)."""
+    ks = k0 + offs_k
     x_t = tl.load(x_cols + ks[:, None], mask=(ks < k_end)[:, None] & m_mask[None, :], other=0.0)
     w = w.to(x_t.dtype)
     if ROWWISE_DOT:  # the interpreter (attention_common.rowwise_dot)
-        return acc + rowwise_dot(w, x_t)
-    return acc + dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
+        product = rowwise_dot(w, x_t)
+    else:
+        product = dot(w, x_t, DOT_PRECISION, UPCAST_DOT)
+    if BLOCK_SCALES:
+        return acc + product * tl.load(s_rows + k0 // SCALE_BK)[:, None]
+    return acc + product
 
 
 @jit
@@ -232,14 +247,17 @@ def split_buffers(out: torch.Tensor, splits: int, n_tiles: int, m_tiles: int, sp
 
 def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: SplitTiles,
                scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-               pdl: bool = False) -> torch.Tensor:
-    """x [M, K] (K contiguous), weight [N, K] contiguous (x's dtype, or FP8 with `scale`, float32 [N]: W[n] =
-    weight[n] * scale[n]), bias [N] or None -> [M, N] in out_dtype (default x's), accumulated in fp32. Graph
-    safe: grid from shapes only. pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
+               pdl: bool = False, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (K contiguous), weight [N, K] contiguous (x's dtype, or FP8 with `scale`: float32 [N], W[n] =
+    weight[n] * scale[n], or with `block` (bn, bk) [cdiv(N, bn), cdiv(K, bk)], each block of W its own; bk a
+    multiple of tiles.block_k), bias [N] or None -> [M, N] in out_dtype (default x's), accumulated in fp32.
+    Graph safe: grid from shapes only. pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.shape[0]
     assert x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()
-    assert scale is None or (scale.shape == (n,) and scale.is_contiguous())
+    scale_shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    assert scale is None or (scale.shape == scale_shape and scale.is_contiguous())
+    assert block is None or (scale is not None and block[1] % tiles.block_k == 0)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
         return out
@@ -249,9 +267,11 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     parallel, partials, counters = split_buffers(out, splits, n_tiles, m_tiles, tiles.split_programs)
     _split_gemm_kernel[(n_tiles, m_tiles, splits if parallel else 1)](
         x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, partials,
-        counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), partials.stride(0), partials.stride(1),
-        per_split, splits, ROW_TILE=row_tile, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARALLEL=parallel,
+        counters, m, n, k, x.stride(0), weight.stride(0), scale.stride(0) if block is not None else 1, out.stride(0),
+        partials.stride(0), partials.stride(1), per_split, splits, ROW_TILE=row_tile, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, HAS_SCALE=scale is not None and block is None, HAS_BIAS=bias is not None,
+        PARALLEL=parallel, BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block is not None else 1,
+        SCALE_BK=block[1] if block is not None else 1,
         PREFETCH=m <= tiles.prefetch_max_rows, **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     return out
