@@ -9,6 +9,7 @@ from ostinato.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_GRAPH_MAX_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS, MIXED_STEPS,
     PDL_MODES, EngineArgs, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
 )
+from ostinato.config_readers import KV_CACHE_DTYPES
 from ostinato.errors import ConfigError
 from ostinato.speculative_config import DEFAULT_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
@@ -82,10 +83,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                         "next token waits behind at most N prompt tokens (default: "
                         f"{_prefill_cap_default(offline)}; a step with nothing to decode always fills "
                         "the budget)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="fixed KV block count instead of sizing from GPU memory")
+    _add_kv_cache_args(g)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
@@ -135,6 +133,17 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                    help="reuse the KV cache of full blocks of earlier requests' identical prefixes "
                         "(--no-enable-prefix-caching computes every prompt whole)")
     add_speculative_args(p)
+
+
+def _add_kv_cache_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="fixed KV block count instead of sizing from GPU memory")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="the KV cache's element type: auto (the model's dtype) or fp8 (E4M3, unscaled: half the "
+                        "bytes a cached token, so twice the tokens in the same memory and half the attention's "
+                        "reads, at FP8's rounding of every key and value)")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

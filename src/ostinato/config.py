@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ostinato.config_readers import (  # noqa: F401 - re-exported: callers import the flag readers from here
-    read_generation_defaults,
+    read_generation_defaults, read_kv_cache_dtype,
     DEFAULT_PREFILL_GRAPH_MAX_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS, MIXED_STEPS, PDL_MODES, default_capture_sizes,
     plan_capture_sizes, plan_prefill_graph_tokens, read_cuda_graph_sizes, read_int_list, read_prefill_graph_tokens,
     warn_dropped_prefill_graph_tokens,
@@ -37,10 +37,9 @@ if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the ker
 
 logger = logging.getLogger(__name__)
 
-# `ostinato serve` bounds its waiting queue by default (sequences: a request with n counts n); the offline API
-# and the tools leave it unbounded, as a batch job queues all its prompts at once. 256 is the default
-# --max-num-seqs: one more full batch may wait behind the running one, so a queued request starts within about
-# one batch's lifetime, and past that a client gets a 429 with Retry-After at once instead of waiting unbounded
+# `ostinato serve` bounds its waiting queue by default (sequences: a request with n counts n); the offline API and
+# the tools leave it unbounded, as a batch job queues all its prompts at once. 256, the default --max-num-seqs: one
+# more full batch may wait, and past that a client gets a 429 with Retry-After at once instead of waiting unbounded
 # under a full KV cache. TGI bounds a public server the same way (--max-concurrent-requests, 128).
 SERVER_MAX_QUEUED_REQUESTS = 256
 
@@ -119,6 +118,7 @@ class KVPoolConfig:
     block_size: int
     num_blocks: int | None  # a fixed count (--num-kv-blocks) instead of profiling GPU memory
     gpu_memory_utilization: float
+    cache_dtype: str = "auto"  # --kv-cache-dtype: "auto" (the model's dtype) or "fp8_e4m3" (read_kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -218,24 +218,23 @@ class EngineArgs:
     prefill_graph_max_seqs: int = DEFAULT_PREFILL_GRAPH_MAX_SEQS
     # How a step with decode rows and prefill chunks runs (GraphConfig.mixed_step).
     mixed_step: str = "one-replay"
-    # Programmatic dependent launch of the Triton kernels (kernels/pdl.py): auto (where the GPU and triton support it),
-    # on (an error where they do not) or off.
+    # Programmatic dependent launch of the Triton kernels (kernels/pdl.py): auto (where supported), on or off.
     pdl: str = "auto"
-    # Launch settings of the Triton decode attention (kernels/decode_plan.py); None: its defaults. --pdl still
-    # decides its `pdl` field.
+    # The Triton decode attention's launch settings (kernels/decode_plan.py; None: its defaults; --pdl sets `pdl`).
     decode_tuning: DecodeTuning | None = None
     # A request's tokens and logprobs never depend on what else runs, on padding or on the graph size: the
     # batch-invariant kernels (docs/ARCHITECTURE.md, "Batch-invariant mode"). Slower; off by default.
     batch_invariant: bool = False
-    # Sampling defaults for what a request leaves unset (vLLM's flag): auto (the model's generation_config.json),
-    # vllm (SamplingParams' own) or a folder holding a generation_config.json.
+    # Defaults for what a request leaves unset (vLLM's flag): auto (generation_config.json), vllm, or a folder.
     generation_config: str = "auto"
     # "fp8": quantize a 16/32-bit checkpoint's projections to FP8 E4M3 at load, per output channel (embeddings and
     # lm_head stay as stored). An FP8 checkpoint (config.json's quantization_config) runs as stored either way.
     quantization: str | None = None
+    # KV cache element type (vLLM's flag): auto (the model's dtype) or fp8 (E4M3: half the bytes a cached token).
+    kv_cache_dtype: str = "auto"
     # Speculative decoding (vLLM's names; speculative_config.py checks them): "ngram" proposes up to
-    # num_speculative_tokens tokens a step by prompt lookup, "draft" by decode steps of speculative_model (a
-    # smaller model of the same vocabulary), and one forward verifies them.
+    # num_speculative_tokens tokens a step by prompt lookup, "draft" by decode steps of speculative_model (a smaller
+    # model of the same vocabulary), and one forward verifies them.
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 1
@@ -251,6 +250,7 @@ class EngineArgs:
             object.__setattr__(self, "prefill_graph_tokens", read_prefill_graph_tokens(self.prefill_graph_tokens))
         if self.prefill_graph_tokens is not None and not isinstance(self.prefill_graph_tokens, tuple):
             object.__setattr__(self, "prefill_graph_tokens", tuple(self.prefill_graph_tokens))
+        object.__setattr__(self, "kv_cache_dtype", read_kv_cache_dtype(self.kv_cache_dtype))
         checks = [
             (self.dtype in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
              f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}"),
@@ -387,7 +387,7 @@ class EngineArgs:
                               "or add --enforce-eager")
         runner = RunnerConfig(
             model_dir=model_dir, model=model, scheduler=self.scheduler_config(model), graph=graph,
-            kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization),
+            kv_pool=KVPoolConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.kv_cache_dtype),
             dtype=self.dtype, device=device, attention_backend=backend, pdl=self.pdl, seed=self.seed,
             decode_tuning=self.decode_tuning, batch_invariant=self.batch_invariant,
             speculative=resolve_speculative(self, model, draft_model_dir))

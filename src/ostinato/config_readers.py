@@ -91,6 +91,14 @@ DEFAULT_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_PREFILL_GRAPH_MAX_SEQS = 16
 MIXED_STEPS = ("one-replay", "two-replays")
 PDL_MODES = ("auto", "on", "off")  # --pdl (kernels/pdl.py)
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}  # --kv-cache-dtype (vLLM's names)
+
+
+def read_kv_cache_dtype(value: str) -> str:
+    """--kv-cache-dtype as the runner takes it: "auto" (the model's dtype) or "fp8_e4m3" ("fp8" names it too)."""
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+    return KV_CACHE_DTYPES[value]
 
 
 def plan_prefill_graph_tokens(max_num_batched_tokens: int, given: Sequence[int] | None = None) -> tuple[int, ...]:

@@ -26,8 +26,8 @@ class BoundModel:
 
 def _spec():
     config = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
-    return SimpleNamespace(model_config=config, block_size=4, dtype=torch.float32, device=torch.device("cpu"),
-                           model=BoundModel())
+    return SimpleNamespace(model_config=config, block_size=4, dtype=torch.float32, kv_dtype=torch.float32,
+                           device=torch.device("cpu"), model=BoundModel())
 
 
 @pytest.mark.parametrize("fails", [False, True])

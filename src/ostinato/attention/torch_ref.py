@@ -4,7 +4,8 @@ Runs on CPU and GPU with plain torch ops. It favours clarity over speed (decode 
 blocks into a dense tensor), so the Triton backend is tested against it, not the other way round. It is
 also the CPU decode path, so there decode gathers only the blocks the longest sequence holds, not the
 whole max_model_len window of the block table. Scores and softmax are computed in float32 whatever the
-model dtype.
+model dtype. An FP8 cache (--kv-cache-dtype fp8) holds K and V rounded to E4M3, beyond 448 saturated (torch's
+conversion, which the Triton kernels' clamp matches), and they are read back in float32 as every other cache.
 
 batch_invariant (--batch-invariant on the torch path): every query row, of a prefill or a decode, is attended
 alone by `attend_row`, over exactly the keys it sees: each op's shapes then depend on that row's position only, so
@@ -18,6 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from ostinato.attention.base import AttentionBackend, AttentionMetadata
+
+
+def _bytes_if_fp8(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as uint8 where it holds FP8 (torch's CPU index ops take no float8; a byte is a byte), else itself."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, blocks), in the cache's dtype."""
+    return _bytes_if_fp8(cache).index_select(0, blocks).view(cache.dtype)
 
 
 def held_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -52,8 +63,8 @@ class TorchRefBackend(AttentionBackend):
         # k, v: [num_tokens, num_kv_heads, head_dim]; caches viewed as [num_slots, num_kv_heads, head_dim].
         # index_copy_ is a device-side scatter: no host sync, so it is safe inside a CUDA graph. Padded
         # decode rows all target scratch-block slots; which duplicate wins there does not matter.
-        k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            _bytes_if_fp8(cache).flatten(0, 1).index_copy_(0, slot_mapping, _bytes_if_fp8(new.to(cache.dtype)))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -64,8 +75,8 @@ class TorchRefBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         block_tables = held_blocks(meta.block_tables, meta.context_lens, k_cache.shape[1])  # [num_seqs, W]
         # Gather each sequence's pages into one dense context: [num_seqs, W * block_size, Hkv, D].
-        keys = k_cache.index_select(0, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)
-        values = v_cache.index_select(0, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)
+        keys = gather_blocks(k_cache, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)
+        values = gather_blocks(v_cache, block_tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim)
 
         # Query head h reads kv head h // group: [num_seqs, Hkv, group, D].
         q_grouped = q.float().view(num_seqs, num_kv_heads, group, head_dim)
@@ -100,8 +111,8 @@ class TorchRefBackend(AttentionBackend):
             num_blocks = -(-context_len // block_size)
             blocks = meta.block_tables[seq, :num_blocks]
             # The whole context read back from the cache (cached prefix + this step's writes).
-            keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len]  # [C, Hkv, D]
-            values = v_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+            keys = gather_blocks(k_cache, blocks).flatten(0, 1)[:context_len]  # [C, Hkv, D]
+            values = gather_blocks(v_cache, blocks).flatten(0, 1)[:context_len]
             # SDPA wants [heads, len, D]; repeat kv heads so the memory-efficient kernel can run (GQA).
             keys = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, C, D]
             values = values.float().transpose(0, 1).repeat_interleave(group, dim=0)
@@ -143,8 +154,8 @@ def attend_row(q_row: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_heads, head_dim = q_row.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     blocks = block_table[:-(-num_keys // block_size)]
-    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].float().permute(1, 2, 0)  # [Hkv, D, C]
-    values = v_cache.index_select(0, blocks).flatten(0, 1)[:num_keys].float().transpose(0, 1)  # [Hkv, C, D]
+    keys = gather_blocks(k_cache, blocks).flatten(0, 1)[:num_keys].float().permute(1, 2, 0)  # [Hkv, D, C]
+    values = gather_blocks(v_cache, blocks).flatten(0, 1)[:num_keys].float().transpose(0, 1)  # [Hkv, C, D]
     q = q_row.float().view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # query head h reads h // group
     probs = torch.softmax(torch.matmul(q, keys.contiguous()) * scale, dim=-1)  # [Hkv, group, C]
     return torch.matmul(probs, values.contiguous()).reshape(num_heads, head_dim).to(q_row.dtype)

@@ -20,6 +20,31 @@ def paged_kv_offsets(block_tables_ptr, seq_row, toks, tok_mask, kv_head, stride_
 
 
 @triton.jit
+def kv_to_cache(x, cache_ptr):
+    """x as the cache stores it. An FP8 cache takes x through float32, clamped to E4M3's largest finite value
+    first, so that a K or V beyond 448 saturates on every backend as torch's conversion does (E4M3 has no infinity:
+    a cast that does not saturate makes it NaN)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_KV_MAX), FP8_KV_MAX)
+        if EMULATE_FP8_ROUNDING:
+            x = _round_to_e4m3(x)
+        return x.to(tl.float8e4nv)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to E4M3's grid, to nearest even, still in fp32: the interpreter's own cast rounds
+    ties away from zero and flushes subnormals, where a GPU (cvt.rn.satfinite) and torch round to nearest even; on
+    the grid already, its cast is exact. Normal values keep 3 of fp32's 23 mantissa bits; below 2^-6 the grid is
+    2^-9 apart (subnormals), rounded with the 1.5 * 2^23 trick."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """tl.dot; UPCAST_DOT multiplies in fp32 instead (exact for 16-bit inputs, fp32 accumulation either
     way). Set only under the interpreter, whose bf16 tl.dot multiplies raw bit patterns (triton 3.9)."""
@@ -40,8 +65,12 @@ def rowwise_dot(a, b):
 
 # True when triton was imported with TRITON_INTERPRET=1: kernels then run on CPU tensors (tests, CI).
 KERNELS_INTERPRETED = type(dot).__name__ == "InterpretedFunction"
+EMULATE_FP8_ROUNDING: tl.constexpr = tl.constexpr(KERNELS_INTERPRETED)  # kv_to_cache rounds by hand (interpreter)
 LOG2E = 1.4426950408889634
+FP8_KV_MAX: tl.constexpr = tl.constexpr(448.0)  # E4M3's largest finite magnitude
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# --kv-cache-dtype fp8: the cache holds E4M3, attention computes in the activations' dtype.
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 def check_inputs(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -51,10 +80,11 @@ def check_inputs(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
             f"the triton attention backend runs on CUDA tensors, got {x.device}; use "
             "--attention-backend torch on CPU (tests may set TRITON_INTERPRET=1 before importing triton)"
         )
-    if x.dtype not in _SUPPORTED_DTYPES or k_cache.dtype != x.dtype:
+    if x.dtype not in _SUPPORTED_DTYPES or k_cache.dtype not in (x.dtype, FP8_KV_DTYPE):
         raise ConfigError(
             f"the triton attention backend supports float32, bfloat16 and float16 with a KV cache of the "
-            f"same dtype; got activations {x.dtype} and cache {k_cache.dtype}: pick one of those with --dtype"
+            f"same dtype or FP8 E4M3; got activations {x.dtype} and cache {k_cache.dtype}: pick one of those with "
+            "--dtype and --kv-cache-dtype"
         )
     # Internal invariants: the runner allocates both caches identically.
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()

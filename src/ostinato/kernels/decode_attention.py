@@ -76,7 +76,8 @@ from ostinato.kernels.split_counters import SplitCounters
 from ostinato.kernels.decode_plan import DecodeRope, DecodeTuning, choose_num_splits
 from ostinato.kernels.device import num_sms
 from ostinato.kernels.rope_tile import load_norm_rope, norm_weights, rope_table
-from ostinato.kernels.attention_common import KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets
+from ostinato.kernels.attention_common import (KERNELS_INTERPRETED, LOG2E, dot, dot_settings, kv_to_cache, pad_dim,
+                                               paged_kv_offsets)
 
 __all__ = ["DecodeRope", "DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
 
@@ -105,11 +106,11 @@ def _slices(context_len, num_splits, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_row, tok0, end, kv_head, offs_n, offs_d, d_mask,
-                  stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE: tl.constexpr,
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, q_ptr, block_tables_ptr, seq_row, tok0, end, kv_head, offs_n, offs_d,
+                  d_mask, stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """K and V of tokens [tok0, tok0 + BLOCK_N) below `end`, [BLOCK_N, HEAD_DIM_PAD] each (0 past end), and
-    the token mask [BLOCK_N]."""
+    """K and V of tokens [tok0, tok0 + BLOCK_N) below `end`, [BLOCK_N, HEAD_DIM_PAD] each (0 past end) in q's
+    dtype, and the token mask [BLOCK_N]."""
     toks = tok0 + offs_n
     n_mask = toks < end
     if HEAD_DIM == HEAD_DIM_PAD:
@@ -119,8 +120,8 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_row, tok0, end
     kv_offs = paged_kv_offsets(block_tables_ptr, seq_row, toks, n_mask, kv_head, stride_cache_block,
                                stride_cache_tok, stride_cache_head, BLOCK_SIZE)
     tile = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-    k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # an FP8 cache widens
+    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
     return k, v, n_mask
 
 
@@ -201,8 +202,8 @@ def _decode_split_kernel(
         end = tl.minimum(start + span, context_len)
     # Every tile holds at least one valid token (tok0 < end), so m_i is finite after the first. The first
     # tile is loaded ahead of the loop (before the wait with PREFETCH).
-    k_first, v_first, n_first = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq * stride_bt, start,
-                                              end, kv_head, offs_n, offs_d, d_mask, stride_cache_block,
+    k_first, v_first, n_first = _load_kv_tile(k_cache_ptr, v_cache_ptr, q_ptr, block_tables_ptr, seq * stride_bt,
+                                              start, end, kv_head, offs_n, offs_d, d_mask, stride_cache_block,
                                               stride_cache_tok, stride_cache_head, BLOCK_SIZE, HEAD_DIM,
                                               HEAD_DIM_PAD)
     if PREFETCH:
@@ -226,8 +227,12 @@ def _decode_split_kernel(
             if slot >= 0:  # a negative slot writes nowhere (as write_kv); padded rows use the scratch block
                 dst = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok \
                     + kv_head * stride_cache_head + offs_d[None, :]
-                tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
-                tl.store(v_cache_ptr + dst, v_new, mask=d_mask[None, :])
+                tl.store(k_cache_ptr + dst, kv_to_cache(k_new, k_cache_ptr), mask=d_mask[None, :])
+                tl.store(v_cache_ptr + dst, kv_to_cache(v_new, v_cache_ptr), mask=d_mask[None, :])
+        if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            # The newest key and value enter the sums as the cache holds them, as every later step reads them.
+            k_new = kv_to_cache(k_new, k_cache_ptr).to(tl.float32)
+            v_new = kv_to_cache(v_new, v_cache_ptr).to(q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
@@ -238,8 +243,8 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_tile(q, k_first, v_first, n_first, m_i, l_i, acc, scale_log2e, DOT_PRECISION,
                                      UPCAST_DOT)
     for tok0 in range(start + BLOCK_N, end, BLOCK_N):
-        k, v, n_mask = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq * stride_bt, tok0, end,
-                                     kv_head, offs_n, offs_d, d_mask, stride_cache_block, stride_cache_tok,
+        k, v, n_mask = _load_kv_tile(k_cache_ptr, v_cache_ptr, q_ptr, block_tables_ptr, seq * stride_bt, tok0,
+                                     end, kv_head, offs_n, offs_d, d_mask, stride_cache_block, stride_cache_tok,
                                      stride_cache_head, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PRECISION, UPCAST_DOT)
     if not early_trigger:

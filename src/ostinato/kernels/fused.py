@@ -59,6 +59,7 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:  # the torch path needs none of these
+    from ostinato.kernels.attention_common import kv_to_cache
     from ostinato.kernels.rope_tile import norm_rope, rope_partner, rope_table
     from ostinato.kernels.rope_tile import round_like as _round_like
     from ostinato.kernels.linear_epilogue import silu_mul
@@ -157,8 +158,8 @@ def _qk_norm_rope_kernel(
             is_v = (head >= NUM_QK_HEADS)[:, None]
             k_dst = k_cache_ptr + cache_row + (head - NUM_HEADS)[:, None] * stride_cache_head + d[None, :]
             v_dst = v_cache_ptr + cache_row + (head - NUM_QK_HEADS)[:, None] * stride_cache_head + d[None, :]
-            tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=mask & is_k)
-            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask & is_v)
+            tl.store(k_dst, kv_to_cache(out, k_cache_ptr), mask=mask & is_k)
+            tl.store(v_dst, kv_to_cache(v, v_cache_ptr), mask=mask & is_v)
     else:
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -300,7 +301,7 @@ def _launch_qk_norm_rope(heads, q_weight, k_weight, cos_sin_cache, positions, nu
         assert total_heads == qk_heads + num_kv_heads, "the v heads must follow the k heads"
         assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
         assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
-        assert k_cache.dtype == heads.dtype and slot_mapping.shape == (num_tokens,)
+        assert k_cache.dtype in (heads.dtype, torch.float8_e4m3fn) and slot_mapping.shape == (num_tokens,)
         out_heads, grid_heads = num_heads, total_heads
     else:
         k_cache = v_cache = slot_mapping = heads  # unread placeholders

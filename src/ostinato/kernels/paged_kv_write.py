@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.attention_common import check_inputs, pad_dim
+from ostinato.kernels.attention_common import check_inputs, kv_to_cache, pad_dim
 
 
 @triton.jit
@@ -29,8 +29,8 @@ def _write_kv_kernel(
         v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         dst = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok
         dst_offs = dst + offs_h[:, None] * stride_cache_head + offs_d[None, :]
-        tl.store(k_cache_ptr + dst_offs, k, mask=mask)
-        tl.store(v_cache_ptr + dst_offs, v, mask=mask)
+        tl.store(k_cache_ptr + dst_offs, kv_to_cache(k, k_cache_ptr), mask=mask)
+        tl.store(v_cache_ptr + dst_offs, kv_to_cache(v, v_cache_ptr), mask=mask)
 
 
 def paged_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

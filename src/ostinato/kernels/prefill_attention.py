@@ -97,8 +97,8 @@ def _attend_tile(acc, m_i, l_i, q, tok0, end, q_pos, k_cache_ptr, v_cache_ptr, b
     kv_offs = paged_kv_offsets(block_tables_ptr, seq_row, toks, n_mask, kv_head,
                                stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE)
     tile = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-    k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0).to(q.dtype)  # an FP8 cache widens to q's dtype
+    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0).to(q.dtype)
     s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [ROWS, BLOCK_N]
     if CAUSAL:
         s = tl.where(n_mask[None, :] & (toks[None, :] <= q_pos[:, None]), s, float("-inf"))

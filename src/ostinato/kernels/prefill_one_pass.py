@@ -64,7 +64,7 @@ def _prefill_kernel(
         kv_offs = paged_kv_offsets(block_tables_ptr, seq * stride_bt, toks, n_mask, kv_head,
                                     stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE)
         k_t = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
-                      mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+                      mask=n_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [HEAD_DIM_PAD, BLOCK_N]
         if ROWWISE_DOT:  # the interpreter: a query's row moves within the tile with the chunking (rowwise_dot)
             s = rowwise_dot(q, k_t) * scale_log2e
         else:
@@ -76,7 +76,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
         if ROWWISE_DOT:
             acc = acc * alpha[:, None] + rowwise_dot(p.to(v.dtype), v)
         else:

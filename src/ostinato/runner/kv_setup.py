@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 1 << 30  # default KV pool on CPU when --num-kv-blocks is not given
 
 
+# --kv-cache-dtype (config_readers.read_kv_cache_dtype) as the pool's element type; None: the model's dtype.
+KV_CACHE_TORCH_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """What start-up needs from the runner, passed explicitly (kv_setup does not import the runner)."""
@@ -64,6 +68,11 @@ class KVSpec:
     # Bytes per block of another KV pool allocated beside this one under the same block ids (the speculative
     # draft model's, runner/draft.py): the budget pays for both.
     extra_block_bytes: int = 0
+    cache_dtype: torch.dtype | None = None  # the pool's element type (--kv-cache-dtype); None: `dtype`
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
 
 
 @dataclass
@@ -87,7 +96,7 @@ def allocate_kv_cache(spec: KVSpec, num_blocks: int) -> list[tuple[torch.Tensor,
     the scratch block padded rows use. Zeroed so that reads of never-written slots stay finite."""
     mc = spec.model_config
     pool = torch.zeros(mc.num_layers, 2, num_blocks + 1, spec.block_size, mc.num_kv_heads, mc.head_dim,
-                       dtype=spec.dtype, device=spec.device)
+                       dtype=spec.kv_dtype, device=spec.device)
     caches = [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
     spec.model.bind_kv_caches(caches)
     return caches
@@ -308,7 +317,7 @@ def _plan_on_gpu(spec: KVSpec, backend: CudaGraphBackend | None, block_bytes: in
 def allocate_kv_and_graphs(spec: KVSpec) -> KVSetup:
     gc_cfg, mc = spec.graph_config, spec.model_config
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec.block_size,
-                                 spec.dtype.itemsize) + spec.extra_block_bytes
+                                 spec.kv_dtype.itemsize) + spec.extra_block_bytes
     max_len = spec.scheduler_config.max_model_len
     lines, plan = [], None
     sizes = gc_cfg.capture_sizes
@@ -373,7 +382,8 @@ def _pool_line(spec: KVSpec, num_blocks: int, block_bytes: int) -> str:
     """The start-up log's line on the KV pool (with the draft model's pool beside it, when there is one)."""
     draft = ", the draft model's pool included" if spec.extra_block_bytes else ""
     gib = num_blocks * block_bytes / 2**30
-    return f"KV cache: {num_blocks} blocks x {spec.block_size} tokens ({gib:.3f} GiB{draft})"
+    dtype = str(spec.kv_dtype).removeprefix("torch.")
+    return f"KV cache: {num_blocks} blocks x {spec.block_size} tokens, {dtype} ({gib:.3f} GiB{draft})"
 
 
 def _summed(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:

@@ -47,7 +47,7 @@ from ostinato.runner.decode_step import DecodeStep
 from ostinato.runner.draft import DraftModel, draft_block_bytes
 from ostinato.runner.sampling_state import FLAGS
 from ostinato.runner.inputs import build_prefill_inputs, decode_metadata, to_device
-from ostinato.runner.kv_setup import KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
+from ostinato.runner.kv_setup import KV_CACHE_TORCH_DTYPES, KVSpec, allocate_kv_and_graphs, estimate_graph_bytes
 from ostinato.runner.pending import ChunkSamples, PendingStep, plain_result
 from ostinato.runner.sampler import Sampler, finish_sampling
 from ostinato.runner.spec_verify import SpecVerifier
@@ -143,7 +143,8 @@ class ModelRunner:
             agree_num_blocks=agree_num_blocks, capture_error_mode="thread_local" if tp.world_size > 1 else "global",
             compile_watch=self.compile_watch,
             extra_block_bytes=0 if self._draft_model is None else draft_block_bytes(
-                config.speculative.draft_model, self.block_size, self.dtype))
+                config.speculative.draft_model, self.block_size, self.dtype),
+            cache_dtype=KV_CACHE_TORCH_DTYPES[config.kv_pool.cache_dtype])
         setup = allocate_kv_and_graphs(self.kv_spec)
         self._graph_backend = setup.graph_backend
         self.cache_config: CacheConfig = setup.cache_config
@@ -158,6 +159,11 @@ class ModelRunner:
         self.memory_report = setup.report
         self.kv_plan = setup.plan
         self.scratch_block = self.cache_config.num_blocks
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's element type (--kv-cache-dtype; the model's dtype by default)."""
+        return self.kv_spec.kv_dtype
 
     def _warm_up(self) -> None:
         """Compile the eager prefill path's kernel variants now, not inside a user's step."""

@@ -94,7 +94,7 @@ def measure(engine, contexts: list[int], prefill_lens: list[int], iters: int, wa
     offset = charged - probes.get(sizes[-1], charged)
     first = {s: max(0, b + offset) for s, b in probes.items()} or {sizes[-1]: charged}
     block_bytes = kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.block_size,
-                                 runner.dtype.itemsize)
+                                 runner.kv_dtype.itemsize)
     without = (plan.num_blocks + plan.graph_blocks if plan is not None
                else runner.cache_config.num_blocks + math.ceil(runner.graph_memory_bytes / block_bytes))
     return Measurements(

@@ -267,7 +267,7 @@ def run(args) -> int:
     runner = engine.runner
     weights = weights_read_per_step(runner)
     mc = runner.model_config
-    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
+    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_dtype.itemsize
     gen = torch.Generator().manual_seed(0)
     rows = []
     if not args.no_hf and not has_hf_weights(engine.model_dir):

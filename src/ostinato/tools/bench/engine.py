@@ -50,11 +50,11 @@ def register(sub) -> None:
 
 
 def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: list[int], output_lens: list[int],
-                           ceilings: Ceilings) -> float:
+                           ceilings: Ceilings, kv_itemsize: int | None = None) -> float:
     """Seconds the workload needs at the device's read bandwidth and matmul rate, with every sequence decoded
     together (the first output token comes from the prefill; sequence s then takes output_lens[s] - 1 decode
-    steps)."""
-    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+    steps). kv_itemsize: bytes a cached K or V value (default itemsize, the model's)."""
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (kv_itemsize or itemsize)
     decode_bytes = 0
     for t in range(max(output_lens, default=1) - 1):
         running = [p + 1 + t for p, o in zip(prompt_lens, output_lens) if o - 1 > t]  # context of each row
@@ -148,7 +148,8 @@ def run_throughput(args) -> int:
     runner = llm.engine.runner
     mc = runner.model_config
     floor_s = workload_floor_seconds(mc, weights_read_per_step(runner), runner.dtype.itemsize,
-                                     [len(p) for p in prompts], [p.max_tokens for p in params], ceilings)
+                                     [len(p) for p in prompts], [p.max_tokens for p in params], ceilings,
+                                     kv_itemsize=runner.kv_dtype.itemsize)
     result = {"model": args.model, "num_seqs": args.num_seqs, "output_tokens": out_tokens,
               "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
               "output_tokens_per_s": out_tokens / seconds, "runs_seconds": runs, "floor_seconds": floor_s,

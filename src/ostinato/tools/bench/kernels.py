@@ -161,7 +161,7 @@ def run(args) -> int:
         for bs in args.batch_sizes:
             _, graph_ms = replay_ms(runner, bs, args.context, gen, args.iters, 10)
             kernels = profile_step(runner, bs, args.context, args.steps, gen)
-            nbytes = class_bytes(runner.model_config, runner.dtype.itemsize, bs, args.context, weights_read)
+            nbytes = class_bytes(runner.model_config, runner.kv_dtype.itemsize, bs, args.context, weights_read)
             summary = summarize(kernels, nbytes, graph_ms * 1e3 if graph_ms else None, ceilings.read_bytes_per_s)
             report["batches"].append({"batch": bs, **summary})
             print("\n".join(report_lines(bs, summary, args.top)))

@@ -81,7 +81,7 @@ def run(args) -> int:
     runner = engine.runner
     mc = runner.model_config
     gen = torch.Generator().manual_seed(0)
-    kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize * (args.context + 1)
+    kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_dtype.itemsize * (args.context + 1)
     floor_ms = (weights_read_per_step(runner) + kv_bytes) / ceilings.read_bytes_per_s * 1e3
     result: dict = {"model": args.model, "context": args.context, "batch": 1, "dtype": str(runner.dtype),
                     "torch": torch.__version__, "graph_status": engine.graph_status, "floor_ms": floor_ms,
