@@ -5,6 +5,7 @@
 # as one table: graph step, eager step, floor (bytes actually read), floor ratio, FP8 / bf16.
 # The GPU machine has no compressed-tensors: its layout is covered by the CPU tests; here FP8 comes from
 # --quantization fp8 (per channel, as compressed-tensors' FP8_DYNAMIC) and from --fp8-layout block.
+# KV=1 adds a fourth run, --quantization fp8 with --kv-cache-dtype fp8 (the FP8 KV cache), the table's "fp8+kv".
 #   bash benchmarks/kernels/fp8_check.sh            (SHAPES="qwen3-0.6b llama-3.2-1b llama-3.1-8b" by default;
 #                                                     TESTS=0 skips the tests, SWEEP=0 the kernel sweep)
 set -uo pipefail
@@ -14,7 +15,7 @@ SHAPES=${SHAPES:-"qwen3-0.6b llama-3.2-1b llama-3.1-8b"}
 BENCH=(--max-model-len 2048 --gpu-memory-utilization 0.6 --batch-sizes "1 64" --context 512 --no-hf)
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 600 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_fp8_linear.py tests/kernels/test_fp8_stream.py \
-    tests/kernels/test_quantized_linear.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+    tests/kernels/test_quantized_linear.py tests/kernels/test_fp8_kv_cache.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   python3 benchmarks/kernels/fp8_linear.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
@@ -24,6 +25,10 @@ for shape in $SHAPES; do
   [ -d "$ck" ] || python3 -m ostinato make-checkpoint "$ck" --shape "$shape" --dtype bfloat16 --quiet
   python3 -m ostinato bench "$ck" "${BENCH[@]}" --output-json "$OUT/$shape-bf16.json" 2>&1 | tail -4
   python3 -m ostinato bench "$ck" "${BENCH[@]}" --quantization fp8 --output-json "$OUT/$shape-fp8.json" 2>&1 | tail -4
+  if [ "${KV:-0}" = 1 ]; then
+    python3 -m ostinato bench "$ck" "${BENCH[@]}" --quantization fp8 --kv-cache-dtype fp8 \
+      --output-json "$OUT/$shape-fp8kv.json" 2>&1 | tail -4
+  fi
   [ -d "$ck8" ] || python3 -m ostinato make-checkpoint "$ck8" --shape "$shape" --dtype bfloat16 --quantization fp8 \
     --fp8-layout block --quiet
   python3 -m ostinato bench "$ck8" "${BENCH[@]}" --output-json "$OUT/$shape-fp8block.json" 2>&1 | tail -4
@@ -36,14 +41,15 @@ out, shapes = Path(sys.argv[1]), sys.argv[2:]
 print(f"{'shape':13s} {'weights':22s} {'bs':>3s} {'GB read':>7s} {'graph ms':>8s} {'eager ms':>8s} {'floor ms':>8s} "
       f"{'floor/graph':>11s} {'vs bf16':>7s}")
 for shape in shapes:
-    runs = {v: json.loads((out / f"{shape}-{v}.json").read_text()) for v in ("bf16", "fp8", "fp8block")
+    runs = {v: json.loads((out / f"{shape}-{v}.json").read_text()) for v in ("bf16", "fp8", "fp8kv", "fp8block")
             if (out / f"{shape}-{v}.json").is_file()}
     base = {r["batch"]: r["graph_ms"] or r["eager_ms"] for r in runs.get("bf16", {"rows": []})["rows"]}
     for name, run in runs.items():
+        label = run.get("quantization", "?") + ("+kv" if name == "fp8kv" else "")
         for r in run["rows"]:
             step = r["graph_ms"] or r["eager_ms"]
             ratio = step / base[r["batch"]] if r["batch"] in base else float("nan")
-            print(f"{shape:13s} {run.get('quantization', '?'):22s} {r['batch']:>3d} {run['weights_read_bytes'] / 1e9:7.2f} "
+            print(f"{shape:13s} {label:22s} {r['batch']:>3d} {run['weights_read_bytes'] / 1e9:7.2f} "
                   f"{r['graph_ms'] or float('nan'):8.3f} {r['eager_ms']:8.3f} {r['floor_ms']:8.3f} "
                   f"{r['floor_ratio']:11.2f} {ratio:7.2f}")
 PY
