@@ -275,7 +275,8 @@ def run(args) -> int:
     hf = None if args.no_hf or not has_hf_weights(engine.model_dir) else load_hf(engine.model_dir, runner.dtype,
                                                                                  runner.device)
     print(f"model {args.model}: {runner.weights_bytes / 1e9:.2f} GB weights ({weights / 1e9:.2f} GB read per step), "
-          f"{runner.dtype}, weights {quantization_label(mc.quantization)}, graphs: {engine.graph_status}")
+          f"{runner.dtype}, weights {quantization_label(mc.quantization)}, KV cache {runner.kv_dtype}, "
+          f"graphs: {engine.graph_status}")
     print(f"floors: bytes read over {ceilings.describe()}")
     with torch.inference_mode():
         for bs in args.batch_sizes:
@@ -285,7 +286,8 @@ def run(args) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "dtype": str(runner.dtype), "torch": torch.__version__,
-                       "quantization": quantization_label(mc.quantization), "weights_read_bytes": weights,
+                       "quantization": quantization_label(mc.quantization), "kv_cache_dtype": str(runner.kv_dtype),
+                       "weights_read_bytes": weights,
                        "device": ceilings.device, "read_bytes_per_s": ceilings.read_bytes_per_s,
                        "graph_status": engine.graph_status, "rows": rows}, f, indent=2)
     if args.plot:
