@@ -25,9 +25,10 @@ Scales: per row ([N], multiplying each row's sums once at the end) or per block 
 multiple of 4, so a word's four weights share one block): each word's four products are summed, then times its
 block's scale. The scale tile is loaded with the weight tile it scales (the same prefetch), from a table small
 enough to stay in cache; where a program's rows lie in one row block (every public shape at 128 x 128) the scale
-pointers are alike across rows and each scale is loaded once for all of them. At the 8B's one-row tiles (8 x 1024)
-the loop runs 299 instructions in 96 registers against per-row scales' 262 in 80 (benchmarks/kernels/fp8_sass.py).
-Scaling each weight by a scale loaded per element instead made one-row steps 1.25-1.5x slower.
+pointers are alike across rows and each scale is loaded once for all of them. At an 8 x 1024 tile the loop runs 299
+instructions in 96 registers against per-row scales' 262 in 80 (benchmarks/kernels/fp8_sass.py); at the 8B's 8 x
+2048 one-row tile it takes 162 registers against 128. Scaling each weight by a scale loaded per element instead
+made one-row steps 1.25-1.5x slower.
 
 K a multiple of 4 and x's rows 8-byte aligned (stream_takes). Rows past N are clamped onto the last row (read,
 never stored); K is masked (a multiple of 64 keeps every load 16 bytes wide). One kernel per call, grid from shapes
