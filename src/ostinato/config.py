@@ -37,10 +37,9 @@ if TYPE_CHECKING:  # a type only: config stays a leaf that never imports the ker
 
 logger = logging.getLogger(__name__)
 
-# `ostinato serve` bounds its waiting queue by default (sequences: a request with n counts n); the offline API and
-# the tools leave it unbounded, as a batch job queues all its prompts at once. 256, the default --max-num-seqs: one
-# more full batch may wait, and past that a client gets a 429 with Retry-After at once instead of waiting unbounded
-# under a full KV cache. TGI bounds a public server the same way (--max-concurrent-requests, 128).
+# `ostinato serve` bounds its waiting queue by default (sequences: a request with n counts n; offline, unbounded):
+# 256, the default --max-num-seqs, lets one more full batch wait; past that a client gets a 429 with Retry-After at
+# once instead of waiting unbounded under a full KV cache. TGI bounds a public server so (--max-concurrent-requests).
 SERVER_MAX_QUEUED_REQUESTS = 256
 
 
@@ -230,8 +229,7 @@ class EngineArgs:
     # "fp8": quantize a 16/32-bit checkpoint's projections to FP8 E4M3 at load, per output channel (embeddings and
     # lm_head stay as stored). An FP8 checkpoint (config.json's quantization_config) runs as stored either way.
     quantization: str | None = None
-    # KV cache element type (vLLM's flag): auto (the model's dtype) or fp8 (E4M3: half the bytes a cached token).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # vLLM's flag: auto (the model's dtype) or fp8 (E4M3, half the bytes a token)
     # Speculative decoding (vLLM's names; speculative_config.py checks them): "ngram" proposes up to
     # num_speculative_tokens tokens a step by prompt lookup, "draft" by decode steps of speculative_model (a smaller
     # model of the same vocabulary), and one forward verifies them.
@@ -345,6 +343,8 @@ class EngineArgs:
         if model.quantization is not None and self.tensor_parallel_size > 1:
             raise ConfigError("FP8 weights with --tensor-parallel-size > 1 are not supported yet; run on one GPU "
                               "(an 8B model in FP8 fits one H200) or leave out --quantization")
+        if model.quantization is not None:
+            model.quantization.check_kv_cache_dtype(self.kv_cache_dtype)
         return model
 
     def parallel_config(self) -> ParallelConfig:

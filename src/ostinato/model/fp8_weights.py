@@ -73,6 +73,16 @@ def _block_fp8_scheme(config: dict) -> Fp8Scheme:
     return Fp8Scheme("fp8 block 128x128 (weight_scale_inv)", block=SUPPORTED_BLOCK)
 
 
+def _check_kv_cache_scheme(kv) -> None:
+    """A kv_cache_scheme (calibrated KV-cache scales) is accepted where it is static FP8 E4M3 per tensor, as
+    llm-compressor writes it: its k_scale / v_scale tensors are left unread, and the cache runs in the model's
+    dtype (model_config.WeightQuantization.check_kv_cache_dtype refuses --kv-cache-dtype fp8 with it)."""
+    if kv is not None and (kv.type != "float" or kv.num_bits != 8 or kv.strategy != "tensor" or kv.dynamic):
+        raise CheckpointError(f"compressed-tensors kv_cache_scheme {kv.type}{kv.num_bits} per {kv.strategy} "
+                              f"(dynamic {kv.dynamic}) is not supported; ostinato loads static FP8 per-tensor KV "
+                              "scales (and leaves them unused)")
+
+
 def _compressed_tensors_scheme(config: dict) -> Fp8Scheme:
     try:
         from compressed_tensors.quantization import QuantizationConfig
@@ -103,10 +113,11 @@ def _compressed_tensors_scheme(config: dict) -> Fp8Scheme:
         if act is not None and not act.dynamic:
             raise CheckpointError(f"compressed-tensors scheme {name!r} has static input activation scales; "
                                   "ostinato loads weight-only or dynamic-activation FP8")
-        if group.output_activations is not None or parsed.kv_cache_scheme is not None:
-            raise CheckpointError(f"compressed-tensors scheme {name!r} quantizes outputs or the KV cache; ostinato "
-                                  "loads FP8 weights only")
+        if group.output_activations is not None:
+            raise CheckpointError(f"compressed-tensors scheme {name!r} quantizes its outputs; ostinato loads FP8 "
+                                  "weights only")
         strategies.add(w.strategy)
+    _check_kv_cache_scheme(parsed.kv_cache_scheme)
     if len(strategies) != 1:
         raise CheckpointError(f"compressed-tensors config mixes weight strategies {sorted(strategies)}; ostinato "
                               "loads one strategy per checkpoint")

@@ -36,6 +36,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold nothing to load (old Llama exports saved the RoPE table).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A compressed-tensors kv_cache_scheme's calibrated scales: read by no one (model_config's check_kv_cache_dtype).
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")
 
 _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -164,6 +166,10 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
         logger.info("%s has no lm_head.weight: tying the output projection to embed_tokens", model_dir)
         model.tie_weights()
     scheme = fp8_scheme(model_config.quantization) if model_config.quantization is not None else None
+    kv_scales = model_config.quantization is not None and model_config.quantization.kv_cache_scales
+    if kv_scales:
+        logger.info("%s: the checkpoint's calibrated KV-cache scales (kv_cache_scheme) are left unused: the KV cache "
+                    "runs in the model's dtype", model_dir)
     fp8_modules = swap_projections(model, scheme, set(files)) if scheme is not None else {}
     model.quantization_name = scheme.name if scheme is not None else None
     materialize(model, device, dtype)
@@ -189,6 +195,8 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
                     bar.update(1)
                     if hf_name.endswith(IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and model.tied):
                         continue  # a tied checkpoint may still store a copy of lm_head
+                    if kv_scales and hf_name.endswith(KV_SCALE_SUFFIXES):
+                        continue
                     place = placement_of(hf_name, table, tp)
                     module_path, _, leaf = place.param.rpartition(".")
                     if module_path in fp8_modules and leaf in ("weight", *SCALE_LEAVES):
