@@ -26,6 +26,12 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 
+def fp8_scale_shape(n: int, k: int, block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The float32 scale table of an FP8 [N, K] weight: per row [N], or per block (bn, bk) [cdiv(N, bn),
+    cdiv(K, bk)]."""
+    return (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+
+
 @dataclass(frozen=True)
 class Fp8Tiles:
     """block_n outputs by block_k inputs per K tile of the FP8 GEMV; k_tiles tiles loaded per loop step."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv
+from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv, fp8_scale_shape
 from ostinato.kernels.fp8_stream import MAX_ROWS as STREAM_MAX_ROWS
 from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes
 from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma, quantize_tokens
@@ -180,9 +180,8 @@ class Fp8Linear(QuantizedLinear):
         self.in_features, self.out_features = in_features, out_features
         self.block = tuple(block) if block is not None else None
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
-        scale_shape = (out_features,) if block is None else \
-            (-(-out_features // block[0]), -(-in_features // block[1]))
-        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(fp8_scale_shape(out_features, in_features, self.block),
+                                                     dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def _path(self, x: torch.Tensor) -> Fp8Path:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.kernels.fp8_gemv import fp8_scale_shape
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
@@ -319,8 +320,7 @@ def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.shape[0]
-    scale_shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
-    assert stream_takes(x, weight, block) and weight.shape == (n, k) and scale.shape == scale_shape
+    assert stream_takes(x, weight, block) and weight.shape == (n, k) and scale.shape == fp8_scale_shape(n, k, block)
     assert scale.dtype == torch.float32 and scale.is_contiguous()
     assert 1 <= tiles.prefetch <= 2 and tiles.block_k % 4 == 0
     assert not glu or (n % 2 == 0 and tiles.block_n >= 2)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.kernels.fp8_gemv import fp8_scale_shape
 from ostinato.kernels.split_counters import SplitCounters
 from ostinato.kernels.triton_optional import jit, tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
@@ -255,8 +256,7 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     m, k = x.shape
     n = weight.shape[0]
     assert x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()
-    scale_shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
-    assert scale is None or (scale.shape == scale_shape and scale.is_contiguous())
+    assert scale is None or (scale.shape == fp8_scale_shape(n, k, block) and scale.is_contiguous())
     assert block is None or (scale is not None and block[1] % tiles.block_k == 0)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
