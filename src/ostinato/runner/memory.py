@@ -50,6 +50,11 @@ def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
 
 
+def kv_token_bytes(mc, dtype_bytes: int) -> int:
+    """Bytes one token's K and V take across all layers of a model (mc: a ModelConfig), at dtype_bytes a value."""
+    return kv_block_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, dtype_bytes)
+
+
 @dataclass(frozen=True)
 class KVCachePlan:
     """How many KV blocks fit, and what the CUDA graphs cost in blocks. Sizes in bytes."""

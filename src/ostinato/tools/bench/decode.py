@@ -256,6 +256,7 @@ def run(args) -> int:
     from ostinato.config import quantization_label
     from ostinato.engine.engine import LLMEngine
     from ostinato.errors import ConfigError
+    from ostinato.runner.memory import kv_token_bytes
     from ostinato.tools.bench.ceilings import engine_ceilings
 
     if args.penalty_rows < 0:
@@ -267,7 +268,7 @@ def run(args) -> int:
     runner = engine.runner
     weights = weights_read_per_step(runner)
     mc = runner.model_config
-    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_dtype.itemsize
+    kv_bytes_per_token = kv_token_bytes(mc, runner.kv_dtype.itemsize)
     gen = torch.Generator().manual_seed(0)
     rows = []
     if not args.no_hf and not has_hf_weights(engine.model_dir):

@@ -19,6 +19,7 @@ import random
 import statistics
 import time
 
+from ostinato.runner.memory import kv_token_bytes
 from ostinato.tools.bench.ceilings import Ceilings, engine_ceilings
 
 
@@ -54,7 +55,7 @@ def workload_floor_seconds(mc, weights_read: int, itemsize: int, prompt_lens: li
     """Seconds the workload needs at the device's read bandwidth and matmul rate, with every sequence decoded
     together (the first output token comes from the prefill; sequence s then takes output_lens[s] - 1 decode
     steps). kv_itemsize: bytes a cached K or V value (default itemsize, the model's)."""
-    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (kv_itemsize or itemsize)
+    kv_per_token = kv_token_bytes(mc, kv_itemsize or itemsize)
     decode_bytes = 0
     for t in range(max(output_lens, default=1) - 1):
         running = [p + 1 + t for p, o in zip(prompt_lens, output_lens) if o - 1 > t]  # context of each row

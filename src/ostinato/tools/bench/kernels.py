@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from ostinato.runner.memory import kv_token_bytes
 from ostinato.tools.bench.ceilings import engine_ceilings
 from ostinato.tools.bench.decode import replay_ms, rows_loaded, weights_read_per_step
 
@@ -51,7 +52,7 @@ def class_bytes(mc, kv_itemsize: int, batch: int, context: int, weights_read: in
     """Bytes each class must move per step (its floor), for the classes with a clear count. The projections read
     the weights as the model holds them (`weights_read`, bench.decode.weights_read_per_step): FP8 or GGUF blocks
     where the model keeps them, so their HBM share is of the format's own bytes."""
-    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_itemsize
+    kv_per_token = kv_token_bytes(mc, kv_itemsize)
     return {
         "attention": batch * (context + 1) * kv_per_token,
         "kv write": batch * kv_per_token,

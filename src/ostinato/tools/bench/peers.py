@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 
+from ostinato.runner.memory import kv_token_bytes
 from ostinato.tools.bench.ceilings import engine_ceilings
 from ostinato.tools.bench.decode import hf_step_ms, load_hf, time_cuda, replay_ms, weights_read_per_step
 
@@ -81,7 +82,7 @@ def run(args) -> int:
     runner = engine.runner
     mc = runner.model_config
     gen = torch.Generator().manual_seed(0)
-    kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_dtype.itemsize * (args.context + 1)
+    kv_bytes = kv_token_bytes(mc, runner.kv_dtype.itemsize) * (args.context + 1)
     floor_ms = (weights_read_per_step(runner) + kv_bytes) / ceilings.read_bytes_per_s * 1e3
     result: dict = {"model": args.model, "context": args.context, "batch": 1, "dtype": str(runner.dtype),
                     "torch": torch.__version__, "graph_status": engine.graph_status, "floor_ms": floor_ms,
