@@ -106,9 +106,9 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
       than its own 128-wide K steps, yet whole FP8 steps at 8 rows of the 8B and the 1B were fastest with it, and the
       tensor-core kernel made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8). Why the sweep and the step
       disagree is not yet traced. The narrow projections (the 1B's qkv, o and down) at 32 and 64 rows made the 1B's step
-      faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there. Block scales took the
-      tensor-core kernel there before, with the same idle SMs: the split GEMM made the 1B's block-scaled steps at
-      8 / 64 rows 33% / 53% faster.
+      faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there. Block scales take it where
+      per-row scales do: the tensor-core kernel's 128-wide tiles leave the same SMs idle (docs/PERFORMANCE.md, FP8,
+      has the block-scaled steps before and after).
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.

@@ -27,8 +27,8 @@ block's scale. The scale tile is loaded with the weight tile it scales (the same
 enough to stay in cache; where a program's rows lie in one row block (every public shape at 128 x 128) the scale
 pointers are alike across rows and each scale is loaded once for all of them. At an 8 x 1024 tile the loop runs 299
 instructions in 96 registers against per-row scales' 262 in 80 (benchmarks/kernels/fp8_sass.py); at the 8B's 8 x
-2048 one-row tile it takes 162 registers against 128. Scaling each weight by a scale loaded per element instead
-made one-row steps 1.25-1.5x slower.
+2048 one-row tile it takes 162 registers against 128. Scaling each weight instead, by a scale gathered per word,
+costs four multiplies and a scale load a word where this costs one multiply a word and a load a block.
 
 K a multiple of 4 and x's rows 8-byte aligned (stream_takes). Rows past N are clamped onto the last row (read,
 never stored); K is masked (a multiple of 64 keeps every load 16 bytes wide). One kernel per call, grid from shapes
