@@ -343,8 +343,6 @@ class EngineArgs:
         if model.quantization is not None and self.tensor_parallel_size > 1:
             raise ConfigError("FP8 weights with --tensor-parallel-size > 1 are not supported yet; run on one GPU "
                               "(an 8B model in FP8 fits one H200) or leave out --quantization")
-        if model.quantization is not None:
-            model.quantization.check_kv_cache_dtype(self.kv_cache_dtype)
         return model
 
     def parallel_config(self) -> ParallelConfig:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ostinato.errors import CheckpointError, ConfigError
+from ostinato.errors import CheckpointError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
@@ -53,14 +53,6 @@ class WeightQuantization:
     def kv_cache_scales(self) -> bool:
         """The checkpoint carries calibrated FP8 KV-cache scales (compressed-tensors' kv_cache_scheme)."""
         return json.loads(self.config_json).get("kv_cache_scheme") is not None
-
-    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
-        """Raises ConfigError where the KV cache would need the checkpoint's scales, which ostinato does not apply."""
-        if self.kv_cache_scales and kv_cache_dtype != "auto":
-            raise ConfigError("this checkpoint calibrates FP8 KV-cache scales (its quantization_config's "
-                              "kv_cache_scheme), which ostinato does not apply yet, and an FP8 cache without them "
-                              "would saturate keys and values past 448: leave --kv-cache-dtype at auto (its weights "
-                              "still run as FP8, its KV cache in the model's dtype)")
 
 
 def quantization_label(quant: WeightQuantization | None) -> str:

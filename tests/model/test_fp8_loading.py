@@ -144,27 +144,6 @@ def test_an_unsupported_scheme_is_refused_by_name(qc, words, tmp_path):
         _llm(path)
 
 
-def test_calibrated_kv_scales_are_left_unused_and_an_fp8_cache_that_needs_them_is_refused(tmp_path):
-    """llm-compressor's FP8 recipes with a kv_cache_scheme add self_attn.k_scale / v_scale to every layer: the
-    weights load as FP8 and run as without them (the scales unread, the cache in the model's dtype); an FP8 KV
-    cache, which would need them, is refused by name."""
-    from safetensors.torch import load_file, save_file
-
-    src = make_checkpoint(tmp_path / "ct", shape="tiny-128", seed=6, fp8_layout="compressed-tensors")
-    config = json.loads((src / "config.json").read_text())
-    path = _with_quantization_config(src, tmp_path / "kv", {**config["quantization_config"],
-                                                              "kv_cache_scheme": KV_SCHEME})
-    tensors = load_file(str(path / "model.safetensors"))
-    for layer in range(config["num_hidden_layers"]):
-        for name in ("k_scale", "v_scale"):
-            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([0.25])
-    save_file(tensors, str(path / "model.safetensors"))
-    prompts = _prompts(config["vocab_size"])[:3]
-    assert _greedy(_llm(path), prompts) == _greedy(_llm(src), prompts)
-    with pytest.raises(ConfigError, match="kv_cache_scheme.*leave --kv-cache-dtype at auto"):
-        _llm(path, kv_cache_dtype="fp8")
-
-
 def test_fp8_with_tensor_parallelism_is_refused(tmp_path):
     path = make_checkpoint(tmp_path / "dense", shape="tiny", seed=1)
     with pytest.raises(ConfigError, match="tensor-parallel-size"):

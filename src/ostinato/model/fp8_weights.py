@@ -75,12 +75,12 @@ def _block_fp8_scheme(config: dict) -> Fp8Scheme:
 
 def _check_kv_cache_scheme(kv) -> None:
     """A kv_cache_scheme (calibrated KV-cache scales) is accepted where it is static FP8 E4M3 per tensor, as
-    llm-compressor writes it: its k_scale / v_scale tensors are left unread, and the cache runs in the model's
-    dtype (model_config.WeightQuantization.check_kv_cache_dtype refuses --kv-cache-dtype fp8 with it)."""
+    llm-compressor writes it: an FP8 cache applies its k_scale / v_scale (model/kv_scales.py); a cache in the
+    model's dtype leaves them unread."""
     if kv is not None and (kv.type != "float" or kv.num_bits != 8 or kv.strategy != "tensor" or kv.dynamic):
         raise CheckpointError(f"compressed-tensors kv_cache_scheme {kv.type}{kv.num_bits} per {kv.strategy} "
                               f"(dynamic {kv.dynamic}) is not supported; ostinato loads static FP8 per-tensor KV "
-                              "scales (and leaves them unused)")
+                              "scales")
 
 
 def _compressed_tensors_scheme(config: dict) -> Fp8Scheme:

@@ -27,8 +27,9 @@ from ostinato.model.decoder import DecoderForCausalLM, fused_shards
 from ostinato.model.fp8_weights import (SCALE_LEAVES, Fp8Scheme, expected_fp8_names, fp8_scheme, place_fp8_tensor,
                                         swap_projections)
 from ostinato.model.gguf_native import is_native_gguf_dir
-from ostinato.model.parallel import (SINGLE_RANK, TPGroup, VocabParallelEmbedding, VocabParallelLMHead, placement_of,
-                                     placements)
+from ostinato.model.kv_scales import KV_SCALE_SUFFIXES, fold_kv_cache_scales
+from ostinato.model.parallel import (SINGLE_RANK, Placement, TPGroup, VocabParallelEmbedding, VocabParallelLMHead,
+                                     placement_of, placements)
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold nothing to load (old Llama exports saved the RoPE table).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# A compressed-tensors kv_cache_scheme's calibrated scales: read by no one (model_config's check_kv_cache_dtype).
-KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")
 
 _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -148,12 +147,37 @@ def _check_complete(model_dir: Path, model_config: ModelConfig, model: DecoderFo
             f"{', '.join(missing[:5])}; the checkpoint is incomplete or config.json does not match it")
 
 
+def _copy_into(param: torch.Tensor, place: Placement, tensor: torch.Tensor, what: str) -> None:
+    """A dense checkpoint tensor into its parameter (or its rows of a fused one)."""
+    dest = param
+    if place.dest_start is not None:
+        rows = place.src_end - place.src_start if place.src_dim == 0 else tensor.shape[0]
+        dest = dest[place.dest_start:place.dest_start + rows]
+    if tensor.shape != dest.shape:
+        raise CheckpointError(f"{what} has shape {tuple(tensor.shape)}, the model built from config.json expects "
+                              f"{tuple(dest.shape)}; config.json does not match the weights")
+    dest.copy_(tensor)
+
+
+def _apply_kv_cache_scales(model: DecoderForCausalLM, model_dir: Path, scales: dict[str, torch.Tensor] | None) -> None:
+    """A checkpoint's calibrated KV-cache scales: folded in for an FP8 cache (`scales` read), else left unread."""
+    if scales is None:
+        logger.info("%s: the checkpoint's calibrated KV-cache scales (kv_cache_scheme) are left unused: the KV cache "
+                    "runs in the model's dtype (--kv-cache-dtype fp8 applies them)", model_dir)
+        return
+    k_max, v_max = fold_kv_cache_scales(model, scales)
+    logger.info("KV cache: the checkpoint's calibrated FP8 scales folded into the k, v and o projections and the "
+                "softmax scale (largest k_scale %.4g, v_scale %.4g)", k_max, v_max)
+
+
 def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               backend: AttentionBackend, progress: bool = True, tp: TPGroup = SINGLE_RANK) -> DecoderForCausalLM:
+               backend: AttentionBackend, progress: bool = True, tp: TPGroup = SINGLE_RANK,
+               fp8_kv_cache: bool = False) -> DecoderForCausalLM:
     """Build the decoder and fill it from `model_dir`'s safetensors files. Raises CheckpointError.
 
     Under tensor parallelism (`tp`) only this rank's part of each split tensor is read from disk and placed
-    on `device` (model/parallel.py says which part), so no rank ever holds the whole model."""
+    on `device` (model/parallel.py says which part), so no rank ever holds the whole model. fp8_kv_cache: the
+    KV cache will be FP8, so a checkpoint's calibrated KV-cache scales are folded in (model/kv_scales.py)."""
     model_dir = Path(model_dir)
     if is_native_gguf_dir(model_dir):  # a GGUF file's metadata folder: the blocks come from the file
         from ostinato.model.gguf_weights import load_gguf_model  # it builds on this module
@@ -167,9 +191,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
         model.tie_weights()
     scheme = fp8_scheme(model_config.quantization) if model_config.quantization is not None else None
     kv_scales = model_config.quantization is not None and model_config.quantization.kv_cache_scales
-    if kv_scales:
-        logger.info("%s: the checkpoint's calibrated KV-cache scales (kv_cache_scheme) are left unused: the KV cache "
-                    "runs in the model's dtype", model_dir)
+    kv_scale_tensors: dict[str, torch.Tensor] = {}
     fp8_modules = swap_projections(model, scheme, set(files)) if scheme is not None else {}
     model.quantization_name = scheme.name if scheme is not None else None
     materialize(model, device, dtype)
@@ -196,6 +218,8 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
                     if hf_name.endswith(IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and model.tied):
                         continue  # a tied checkpoint may still store a copy of lm_head
                     if kv_scales and hf_name.endswith(KV_SCALE_SUFFIXES):
+                        if fp8_kv_cache:
+                            kv_scale_tensors[hf_name] = f.get_tensor(hf_name).float().cpu()
                         continue
                     place = placement_of(hf_name, table, tp)
                     module_path, _, leaf = place.param.rpartition(".")
@@ -207,19 +231,12 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, dtype: torch.dt
                     if place.param not in params:
                         unexpected.append(hf_name)
                         continue
-                    tensor = place.read(f, hf_name)
-                    dest = params[place.param]
-                    if place.dest_start is not None:
-                        rows = place.src_end - place.src_start if place.src_dim == 0 else tensor.shape[0]
-                        dest = dest[place.dest_start:place.dest_start + rows]
-                    if tensor.shape != dest.shape:
-                        raise CheckpointError(
-                            f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, the model built "
-                            f"from config.json expects {tuple(dest.shape)}; config.json does not match the weights")
-                    dest.copy_(tensor)
+                    _copy_into(params[place.param], place, place.read(f, hf_name), f"{path.name}: tensor {hf_name}")
                     loaded.add(hf_name)
 
     _check_complete(model_dir, model_config, model, fp8_modules, loaded, unexpected)
+    if kv_scales:
+        _apply_kv_cache_scales(model, model_dir, kv_scale_tensors if fp8_kv_cache else None)
     logger.info("loaded %d tensors (%.2f GiB) from %s", len(loaded), weights_nbytes(model) / 2**30, model_dir)
     if scheme is not None:
         logger.info("weights: %s in %d projections, %.2f GiB of the %.2f GiB (embeddings and lm_head as stored)",

@@ -115,7 +115,8 @@ class ModelRunner:
         logger.info("loading weights from %s", self.config.model_dir)
         t0 = time.perf_counter()
         self.model = load_model(self.config.model_dir, self.model_config, self.dtype, self.device, self.backend,
-                                progress=self.tp.rank == 0, tp=self.tp)
+                                progress=self.tp.rank == 0, tp=self.tp,
+                                fp8_kv_cache=self.config.kv_pool.cache_dtype != "auto")
         self.load_seconds = time.perf_counter() - t0
         self.weights_bytes = weights_nbytes(self.model)
         logger.info("loaded %s (%.2f GiB, %s, weights %s) in %.1f s", self.config.model_dir,
