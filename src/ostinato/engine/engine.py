@@ -369,4 +369,5 @@ class LLMEngine:
             batch_invariant=self.config.runner.batch_invariant, **self.spec_totals.stats(),
             weights_bytes=getattr(self.runner, "weights_bytes", 0),
             quantization=quantization_label(self.model_config.quantization),
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."), kv_block_size=self.runner.block_size,
         )

@@ -136,6 +136,9 @@ class EngineStats:
     # The weights as loaded: bytes on the device (one rank's) and their scheme (config.quantization_label).
     weights_bytes: int = 0
     quantization: str = "none"
+    # The KV pool's element type as torch names it (bfloat16, float8_e4m3fn: --kv-cache-dtype) and its block size.
+    kv_cache_dtype: str = ""
+    kv_block_size: int = 0
     # Speculative decoding (--speculative-method): verify rows that carried proposals, tokens proposed, proposed
     # tokens accepted (vLLM's spec_decode counters). Acceptance rate = accepted / proposed; mean accepted length
     # (tokens a row gained per verify step, the bonus token included) = 1 + accepted / rows.

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class Runner(Protocol):
     cache_config: CacheConfig  # the KV pool as sized at start-up; the scheduler hands out its blocks
     dtype: Any  # the torch dtype the model runs in
+    block_size: int  # tokens a KV block holds
     compile_watch: CompileWatch
 
     def launch(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> PendingStep:
@@ -40,6 +41,10 @@ class Runner(Protocol):
 
     def shutdown(self) -> None:
         """Stop whatever the runner started (worker ranks); idempotent."""
+
+    @property
+    def kv_dtype(self) -> Any:
+        """The KV pool's torch element type (--kv-cache-dtype; the model's dtype by default)."""
 
     def graph_stats(self) -> GraphStats: ...
 

@@ -275,6 +275,8 @@ class TensorParallelRunner:
     # ---- the rest of the Runner protocol (runner/protocol.py): rank 0's runner's ---------------------------
     cache_config = _of_rank0("cache_config")
     dtype = _of_rank0("dtype")
+    block_size = _of_rank0("block_size")
+    kv_dtype = _of_rank0("kv_dtype")
     compile_watch = _of_rank0("compile_watch")
     graph_status = _of_rank0("graph_status")
     graphs_enabled = _of_rank0("graphs_enabled")

@@ -106,6 +106,11 @@ class _EngineStatsCollector(Collector):
                                     labels=["model_name", "quantization"])
         weights.add_metric([name, s.quantization], s.weights_bytes)
         yield weights
+        cache = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration in its labels (value "
+                                  "1): element type (--kv-cache-dtype) and tokens a block.",
+                                  labels=["model_name", "cache_dtype", "block_size"])
+        cache.add_metric([name, s.kv_cache_dtype, str(s.kv_block_size)], 1)
+        yield cache
         yield gauge("cuda_graphs_enabled", "1 when decode steps run as CUDA-graph replays.", int(s.graphs_enabled))
         yield gauge("batch_invariant", "1 when the engine runs batch invariant (--batch-invariant): a request's "
                     "tokens do not depend on its batch.", int(s.batch_invariant))
