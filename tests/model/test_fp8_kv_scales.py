@@ -148,3 +148,24 @@ def test_a_missing_or_bad_scale_is_refused_by_name(checkpoints, tmp_path):
         _llm(_edited(calibrated, tmp_path / "missing", drop), kv_cache_dtype="fp8")
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_scale is 0\.0: .* positive"):
         _llm(_edited(calibrated, tmp_path / "zero", zero), kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-row", "block"])
+def test_a_fold_scales_the_part_s_rows_alone(block):
+    """k_scale / v_scale reach a fused projection's part through its FP8 scales, row or block ones (model/kv_scales.py
+    `_scale_rows`): those rows' products change by the factor, the others' not at all."""
+    from ostinato.kernels.fp8_linear import Fp8Linear
+    from ostinato.model.kv_scales import _scale_rows
+
+    gen = torch.Generator().manual_seed(0)
+    module = Fp8Linear(256, 384, bias=True, block=block)
+    module.weight.data = torch.randn(384, 256, generator=gen).to(FP8)
+    module.weight_scale.data = torch.rand(module.weight_scale.shape, generator=gen) + 0.5
+    module.bias.data = torch.randn(384, generator=gen)
+    before_w, before_b = module.dequantize().clone(), module.bias.clone()
+    _scale_rows(module, 128, 128, 0.25)
+    after_w = module.dequantize()
+    torch.testing.assert_close(after_w[128:256], before_w[128:256] * 0.25)
+    torch.testing.assert_close(module.bias[128:256], before_b[128:256] * 0.25)
+    assert torch.equal(after_w[:128], before_w[:128]) and torch.equal(after_w[256:], before_w[256:])
+    assert torch.equal(module.bias[:128], before_b[:128]) and torch.equal(module.bias[256:], before_b[256:])
