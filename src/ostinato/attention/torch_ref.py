@@ -4,8 +4,9 @@ Runs on CPU and GPU with plain torch ops. It favours clarity over speed (decode 
 blocks into a dense tensor), so the Triton backend is tested against it, not the other way round. It is
 also the CPU decode path, so there decode gathers only the blocks the longest sequence holds, not the
 whole max_model_len window of the block table. Scores and softmax are computed in float32 whatever the
-model dtype. An FP8 cache (--kv-cache-dtype fp8) holds K and V rounded to E4M3, beyond 448 saturated (torch's
-conversion, which the Triton kernels' clamp matches), and they are read back in float32 as every other cache.
+model dtype. An FP8 cache (--kv-cache-dtype fp8) holds K and V rounded to E4M3, clamped to 448 first as the Triton
+kernels' kv_to_cache does (torch's own conversion saturates in some versions and in others makes NaN of what rounds
+past 448), and they are read back in float32 as every other cache.
 
 batch_invariant (--batch-invariant on the torch path): every query row, of a prefill or a decode, is attended
 alone by `attend_row`, over exactly the keys it sees: each op's shapes then depend on that row's position only, so
@@ -24,6 +25,15 @@ from ostinato.attention.base import AttentionBackend, AttentionMetadata
 def _bytes_if_fp8(cache: torch.Tensor) -> torch.Tensor:
     """The cache as uint8 where it holds FP8 (torch's CPU index ops take no float8; a byte is a byte), else itself."""
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
+def _as_stored(new: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K or V as a cache of cache_dtype stores it: FP8 clamped to its largest finite value, then rounded (the
+    module's docstring says why the clamp)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        fp8_max = torch.finfo(cache_dtype).max
+        return new.float().clamp(-fp8_max, fp8_max).to(cache_dtype)
+    return new.to(cache_dtype)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -64,7 +74,7 @@ class TorchRefBackend(AttentionBackend):
         # index_copy_ is a device-side scatter: no host sync, so it is safe inside a CUDA graph. Padded
         # decode rows all target scratch-block slots; which duplicate wins there does not matter.
         for cache, new in ((k_cache, k), (v_cache, v)):
-            _bytes_if_fp8(cache).flatten(0, 1).index_copy_(0, slot_mapping, _bytes_if_fp8(new.to(cache.dtype)))
+            _bytes_if_fp8(cache).flatten(0, 1).index_copy_(0, slot_mapping, _bytes_if_fp8(_as_stored(new, cache.dtype)))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
