@@ -2,7 +2,8 @@
 SASS (instructions a thread a weight byte, and the opcode mix), for the first FP8 GEMV (kernels/fp8_gemv.py), the
 streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and the GGUF Q4_K / Q6_K / Q8_0
 integer-dot GEMVs (kernels/gguf_int8_q4k.py, gguf_int8_q6k_q80.py; code bytes only, not their headers and scales)
-at the 8B's one-row tiles, and Q4_K's 4-row kernel.
+at the 8B's one-row tiles, and Q4_K's 4-row kernel; and the decode attention kernel (kernels/decode_attention.py)
+over a bf16 and an FP8 KV cache at llama-3.2-1b's heads, as a batch that fills the GPU launches it (K/V bytes).
 
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
 re-laying data out through shared memory; both show in the SASS, which Triton's bundled ptxas and nvdisasm
@@ -27,7 +28,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ostinato.kernels import fp8_gemv, fp8_stream, gemv, gguf_int8_q4k, gguf_int8_q6k_q80
+from ostinato.kernels import decode_attention, fp8_gemv, fp8_stream, gemv, gguf_int8_q4k, gguf_int8_q6k_q80
+from ostinato.kernels.decode_plan import DecodeTuning
 
 TARGET = GPUTarget("cuda", 90, 32)
 SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_len")  # integer arguments the JIT sees as multiples of 16
@@ -85,7 +87,7 @@ def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_di
     per_byte = total / unrolled / (weight_bytes_per_step / threads)
     note = f", {unrolled} K steps" if unrolled > 1 else ""
     print(f"{name:44s} regs {regs:>3s}  smem {compiled.metadata.shared:6d} B  loop {total:4d} instr{note} "
-          f"({per_byte:.2f} a weight byte)  {dict(ops.most_common(9))}")
+          f"({per_byte:.2f} a byte read)  {dict(ops.most_common(9))}")
 
 
 FP8_GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16",
@@ -107,6 +109,42 @@ Q8_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "w_ptr": "*i32", "b_ptr": "*fp32"
 Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "w_ptr": "*i32", "b8_ptr": "*u8",
            "b_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "n_pos": "i32", "row_words": "i32",
            "stride_om": "i32"}
+
+DECODE_POINTERS = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
+                   "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counters_ptr": "*i32",
+                   "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "cos_sin_ptr": "*bf16", "positions_ptr": "*i64",
+                   "slot_mapping_ptr": "*i64"}
+
+
+def decode_signature(cache: str) -> dict:
+    """The decode kernel's arguments: pointers as DECODE_POINTERS and `cache` for K and V, the rest int32 but for
+    the two float scalars."""
+    sig = {}
+    for name in decode_attention._decode_split_kernel.arg_names:
+        if name in ("k_cache_ptr", "v_cache_ptr"):
+            sig[name] = cache
+        elif name in DECODE_POINTERS:
+            sig[name] = DECODE_POINTERS[name]
+        elif name in ("scale_log2e", "eps"):
+            sig[name] = "fp32"
+        elif not name.isupper():
+            sig[name] = "i32"
+    return sig
+
+
+def report_decode_attention(out_dir: str) -> None:
+    """The decode kernel as a step at batch 64 launches it on llama-3.2-1b (32 heads on 8 KV heads of 64, RoPE in
+    the kernel, one slice a sequence): its K/V loop over a bf16 cache and over an FP8 one."""
+    tuning = DecodeTuning()
+    meta = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+                BLOCK_N=tuning.block_n, SPLIT=False, MERGE_GROUP=4, MERGE_CHUNK=1, SPLITS_PAD=1,
+                DOT_PRECISION="tf32", UPCAST_DOT=False, ROPE=True, QK_NORM=False, EMULATE_BF16=False, PDL=True,
+                PREFETCH=True)
+    for cache, itemsize in (("*bf16", 2), ("*fp8e4nv", 1)):
+        compiled = _compile(decode_attention._decode_split_kernel, decode_signature(cache), meta,
+                            num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+        report(f"decode attention, {cache[1:]} KV, 1B heads", compiled, 2 * tuning.block_n * 64 * itemsize,
+               32 * tuning.num_warps, out_dir)
 
 
 # The streaming GEMV's scale arguments for per-row scales.
@@ -167,6 +205,7 @@ def main() -> None:
         num_warps=q8.num_warps),
         q8.block_n * q8.block_j * 4, 32 * q8.num_warps, out_dir,
         dp4a_per_step=q8.block_n * q8.block_j // (32 * q8.num_warps))
+    report_decode_attention(out_dir)
     print(f"(files in {out_dir})")
 
 
