@@ -4,6 +4,8 @@ checkpoint folder can be broken (each must raise CheckpointError naming what is 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,3 +197,21 @@ def test_loads_straight_to_gpu(tmp_path):
     assert all(p.device.type == "cuda" for p in ours.parameters())
     assert ours.model.rotary_emb.cos_sin_cache.device.type == "cuda"
     assert_weights_match(ours.cpu(), hf, torch.bfloat16)
+
+
+def test_building_the_model_to_load_it_does_not_import_torch_dynamo(tmp_path):
+    """The loaders build the decoder on the meta device. An op there that goes through torch._refs (nn.Embedding's
+    normal_, the RoPE table) imports torch._dynamo on its first call, seconds of every start-up for nothing: the
+    weights and the table are filled on the real device. Run in a fresh interpreter, as this one may have it."""
+    path = tmp_path / "ckpt"
+    save_tiny(path)
+    code = (f"import sys, torch\n"
+            f"from ostinato.attention.torch_ref import TorchRefBackend\n"
+            f"from ostinato.config import ModelConfig\n"
+            f"from ostinato.model.loader import load_model\n"
+            f"load_model({str(path)!r}, ModelConfig.from_dir({str(path)!r}), torch.float32, torch.device('cpu'),\n"
+            f"           TorchRefBackend(), progress=False)\n"
+            f"print('torch._dynamo' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"

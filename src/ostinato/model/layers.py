@@ -75,8 +75,14 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.theta = theta
         self.rope_scaling = rope_scaling
-        # On the default device (the meta device while the loader builds the model); see rebuild().
-        self.register_buffer("cos_sin_cache", self._compute(None, torch.float32), persistent=False)
+        # On the default device. The loaders build the model on the meta device and rebuild() the table on the real
+        # one, so there it is only a shape: computing it on meta goes through torch._refs, whose first call imports
+        # torch._dynamo (seconds of every start-up).
+        if torch.get_default_device().type == "meta":
+            table = torch.empty(max_position_embeddings, 2 * head_dim)
+        else:
+            table = self._compute(None, torch.float32)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def _compute(self, device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
         # Like HF: inverse frequencies on the host, the position products and cos/sin on the device.

@@ -206,6 +206,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
         self.first = tp.rank * self.rows
 
+    def reset_parameters(self) -> None:
+        # The loaders build the model on the meta device, where there is nothing to draw; nn.Embedding's normal_
+        # there goes through torch._refs, whose first call imports torch._dynamo: seconds of every start-up.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(ids)
