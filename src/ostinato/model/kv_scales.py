@@ -3,13 +3,13 @@ llm-compressor writes them) applied by folding them into the weights at load, no
 
 The scheme stores K / k_scale and V / v_scale in the FP8 cache and multiplies them back when attention reads them.
 Every step between a projection and the cache is linear or scale-free, so the division goes into the weights that
-make K and V: the k and v rows of qkv_proj (their FP8 row or block scales, or the dense rows and bias), or, where
-Qwen3 normalises each k head, the k_norm weight (RMSNorm's output does not depend on its input's scale). On the read
-side k_scale goes into the softmax scale (q . (k_scale K') = k_scale (q . K')) and v_scale into o_proj, whose input
-is the attention output (o_proj(v_scale x) = (v_scale W) x + b). So every attention backend and kernel, the CUDA
-graphs and the prefix cache see one FP8 cache whatever the scales, and a step costs what it costs without them.
-A checkpoint's scales are used only with an FP8 cache (--kv-cache-dtype fp8); with the model's dtype they are not
-read."""
+make K and V: the k and v rows of qkv_proj (their FP8 row or block scales, in fp32; dense rows and bias rounded once
+more to their dtype), or, where Qwen3 normalises each k head, the k_norm weight (RMSNorm's output does not depend on
+its input's scale). On the read side k_scale goes into the softmax scale (q . (k_scale K') = k_scale (q . K')) and
+v_scale into o_proj, whose input is the attention output (o_proj(v_scale x) = (v_scale W) x + b). So every attention
+backend and kernel, the CUDA graphs and the prefix cache see one FP8 cache whatever the scales, and a step costs
+what it costs without them. A checkpoint's scales are used only with an FP8 cache (--kv-cache-dtype fp8); with the
+model's dtype they are not read."""
 
 from __future__ import annotations
 
