@@ -4,14 +4,17 @@ checkpoint folder can be broken (each must raise CheckpointError naming what is 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+import ostinato
 from ostinato.attention.base import AttentionMetadata
 from ostinato.attention.torch_ref import TorchRefBackend
 from ostinato.config import ModelConfig
@@ -208,10 +211,12 @@ def test_building_the_model_to_load_it_does_not_import_torch_dynamo(tmp_path):
     code = (f"import sys, torch\n"
             f"from ostinato.attention.torch_ref import TorchRefBackend\n"
             f"from ostinato.config import ModelConfig\n"
-            f"from ostinato.model.loader import load_model\n"
-            f"load_model({str(path)!r}, ModelConfig.from_dir({str(path)!r}), torch.float32, torch.device('cpu'),\n"
-            f"           TorchRefBackend(), progress=False)\n"
+            f"from ostinato.model.decoder import DecoderForCausalLM\n"
+            f"with torch.device('meta'):\n"
+            f"    DecoderForCausalLM(ModelConfig.from_dir({str(path)!r}), TorchRefBackend())\n"
             f"print('torch._dynamo' in sys.modules)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    src = str(Path(ostinato.__file__).parents[1])  # this ostinato, whichever checkout the interpreter would find
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"
