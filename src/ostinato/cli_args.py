@@ -141,9 +141,9 @@ def _add_kv_cache_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="fixed KV block count instead of sizing from GPU memory")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                   help="the KV cache's element type: auto (the model's dtype) or fp8 (E4M3, unscaled: half the "
-                        "bytes a cached token, so twice the tokens in the same memory and half the attention's "
-                        "reads, at FP8's rounding of every key and value)")
+                   help="the KV cache's element type: auto (the model's dtype) or fp8 (E4M3: half the bytes a "
+                        "cached token, so twice the tokens in the same memory, at FP8's rounding of every key and "
+                        "value; a checkpoint's calibrated KV scales are applied where it has them)")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

@@ -22,8 +22,8 @@ def paged_kv_offsets(block_tables_ptr, seq_row, toks, tok_mask, kv_head, stride_
 @triton.jit
 def kv_to_cache(x, cache_ptr):
     """x as the cache stores it. An FP8 cache takes x through float32, clamped to E4M3's largest finite value
-    first, so that a K or V beyond 448 saturates on every backend as torch's conversion does (E4M3 has no infinity:
-    a cast that does not saturate makes it NaN)."""
+    first, so that a K or V beyond 448 saturates (E4M3 has no infinity: a cast that does not saturate makes it NaN,
+    as torch's own conversion does in some versions); the torch backend clamps the same way."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_KV_MAX), FP8_KV_MAX)
         if EMULATE_FP8_ROUNDING:
