@@ -1,10 +1,12 @@
-"""--kv-cache-dtype fp8: K and V stored as E4M3, attention computed in the activations' dtype.
+"""--kv-cache-dtype fp8: K and V stored as E4M3, attention computed in the activations' dtype, or in fp16 where the
+decode kernel's loop multiplies 16-bit activations over an FP8 cache.
 
 What must hold, kernel by kernel: a write stores exactly torch's rounding of K and V to E4M3 (values beyond 448
-saturated, never NaN), and attention over an FP8 cache gives the bits it gives over a cache of the model's dtype
-holding the same values (E4M3 widens exactly to bf16 and fp32). The fused decode (q/k norm, RoPE and the K/V write
-in the attention kernel) must attend to the newest token as the cache holds it, as every later step will: checked in
-fp32, where the difference is far above the tolerance. CPU: the Triton interpreter (tests/conftest.py)."""
+saturated, never NaN); attention over an FP8 cache gives the bits it gives over a cache of the model's dtype holding
+the same values (E4M3 widens exactly to bf16 and fp32), but for that fp16 loop, which must be close to the float64
+reference and saturate a q beyond fp16's range. The fused decode (q/k norm, RoPE and the K/V write in the attention
+kernel) must attend to the newest token as the cache holds it, as every later step will: checked in fp32, where the
+difference is far above the tolerance. CPU: the Triton interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -76,15 +78,31 @@ def test_a_write_stores_torch_s_fp8_rounding_saturated(device, dtype, backend):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_decode_over_fp8_gives_the_bits_of_decode_over_the_widened_values(device, dtype, splits):
+def test_decode_over_fp8_attends_to_the_widened_values(device, dtype, splits):
+    """fp32 activations read the cache widened to fp32: the bits of decode over a cache holding those values. 16-bit
+    ones multiply in fp16 (attention_common.to_loop_type says why), not in bf16 as over a bf16 cache: close to the
+    float64 reference."""
     backend = backend_with(splits=splits, block_n=16)
     cache = PagedCache([1, 15, 17, 100], 2, 64, 16, dtype, device, seed=4, filler=0.0)
     fp8 = _as_fp8(cache)
     q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(5)).to(device, dtype)
     meta = decode_meta(cache)
     out = backend.decode(q, fp8.k_cache, fp8.v_cache, meta, 0.125)
-    assert torch.equal(out, backend.decode(q, cache.k_cache, cache.v_cache, meta, 0.125))
+    if dtype == torch.float32:
+        assert torch.equal(out, backend.decode(q, cache.k_cache, cache.v_cache, meta, 0.125))
     assert_close_to_reference(out, reference_attention(q, cache, [1] * 4, 0.125), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bf16_query_beyond_fp16_s_range_saturates_over_an_fp8_cache(device):
+    """The loop multiplies in fp16, whose largest value is 65504; a bf16 q past it saturates there rather than
+    become inf and make the scores NaN."""
+    cache = PagedCache([3, 40], 2, 32, 16, torch.bfloat16, device, seed=9, filler=0.0)
+    fp8 = _as_fp8(cache)
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    q[:, :, 0] = 1e6
+    out = backend_with(splits=2, block_n=16).decode(q.to(device), fp8.k_cache, fp8.v_cache, decode_meta(cache), 0.2)
+    assert_close_to_reference(out, reference_attention(q.clamp(-65504, 65504), cache, [1] * 2, 0.2), torch.bfloat16)
 
 
 # The default prefill (split over the context where a sequence is long) and the one-pass kernel.

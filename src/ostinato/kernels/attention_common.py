@@ -1,5 +1,6 @@
 """Pieces shared by the Triton attention kernels (attention/triton_paged.py, kernels/decode_attention.py):
-the paged-cache address arithmetic, the tl.dot wrapper for the interpreter, and host-side checks."""
+the paged-cache address arithmetic, the FP8 cache's conversions, the tl.dot wrapper for the interpreter, and
+host-side checks."""
 
 from __future__ import annotations
 
@@ -30,6 +31,27 @@ def kv_to_cache(x, cache_ptr):
             x = _round_to_e4m3(x)
         return x.to(tl.float8e4nv)
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def to_loop_type(x, k_cache_ptr, q_ptr):
+    """x in the type the K/V loop multiplies in: q's, but fp16 over an FP8 cache where q is 16-bit. E4M3 widens to
+    fp16 exactly, a pair an instruction; to bf16 only through fp32 (sm_90 has no E4M3 -> bf16 conversion). In bf16
+    the FP8 cache's loop took twice the instructions of a bf16 cache's for half the bytes, and a 64-row step over it
+    was slower than over the bf16 cache (docs/PERFORMANCE.md, FP8 KV cache). The decode kernel's loop takes it; the
+    prefill kernels keep q's type."""
+    wide = tl.float16 if k_cache_ptr.dtype.element_ty == tl.float8e4nv else q_ptr.dtype.element_ty
+    return x.to(q_ptr.dtype.element_ty if q_ptr.dtype.element_ty == tl.float32 else wide)
+
+
+@triton.jit
+def loop_query(q, k_cache_ptr, q_ptr):
+    """q [GROUP_PAD, HEAD_DIM_PAD] in the loop's type (to_loop_type). A bf16 q may lie beyond fp16's largest value
+    (65504): there it saturates instead of becoming inf (and the scores NaN)."""
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        if q_ptr.dtype.element_ty == tl.bfloat16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+    return to_loop_type(q, k_cache_ptr, q_ptr)
 
 
 @triton.jit

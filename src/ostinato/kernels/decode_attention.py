@@ -76,8 +76,8 @@ from ostinato.kernels.split_counters import SplitCounters
 from ostinato.kernels.decode_plan import DecodeRope, DecodeTuning, choose_num_splits
 from ostinato.kernels.device import num_sms
 from ostinato.kernels.rope_tile import load_norm_rope, norm_weights, rope_table
-from ostinato.kernels.attention_common import (KERNELS_INTERPRETED, LOG2E, dot, dot_settings, kv_to_cache, pad_dim,
-                                               paged_kv_offsets)
+from ostinato.kernels.attention_common import (KERNELS_INTERPRETED, LOG2E, dot, dot_settings, kv_to_cache, loop_query,
+                                               pad_dim, paged_kv_offsets, to_loop_type)
 
 __all__ = ["DecodeRope", "DecodeTuning", "SplitCounters", "choose_num_splits", "paged_decode"]
 
@@ -109,8 +109,8 @@ def _slices(context_len, num_splits, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, q_ptr, block_tables_ptr, seq_row, tok0, end, kv_head, offs_n, offs_d,
                   d_mask, stride_cache_block, stride_cache_tok, stride_cache_head, BLOCK_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """K and V of tokens [tok0, tok0 + BLOCK_N) below `end`, [BLOCK_N, HEAD_DIM_PAD] each (0 past end) in q's
-    dtype, and the token mask [BLOCK_N]."""
+    """K and V of tokens [tok0, tok0 + BLOCK_N) below `end`, [BLOCK_N, HEAD_DIM_PAD] each (0 past end) in the
+    loop's type (to_loop_type), and the token mask [BLOCK_N]."""
     toks = tok0 + offs_n
     n_mask = toks < end
     if HEAD_DIM == HEAD_DIM_PAD:
@@ -120,8 +120,8 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, q_ptr, block_tables_ptr, seq_row, to
     kv_offs = paged_kv_offsets(block_tables_ptr, seq_row, toks, n_mask, kv_head, stride_cache_block,
                                stride_cache_tok, stride_cache_head, BLOCK_SIZE)
     tile = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-    k = tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # an FP8 cache widens
-    v = tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
+    k = to_loop_type(tl.load(k_cache_ptr + tile, mask=kv_mask, other=0.0), k_cache_ptr, q_ptr)
+    v = to_loop_type(tl.load(v_cache_ptr + tile, mask=kv_mask, other=0.0), k_cache_ptr, q_ptr)
     return k, v, n_mask
 
 
@@ -232,9 +232,10 @@ def _decode_split_kernel(
         if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
             # The newest key and value enter the sums as the cache holds them, as every later step reads them.
             k_new = kv_to_cache(k_new, k_cache_ptr).to(tl.float32)
-            v_new = kv_to_cache(v_new, v_cache_ptr).to(q_ptr.dtype.element_ty)
+            v_new = to_loop_type(kv_to_cache(v_new, v_cache_ptr), k_cache_ptr, q_ptr)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = loop_query(q, k_cache_ptr, q_ptr)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
