@@ -36,10 +36,10 @@ def kv_to_cache(x, cache_ptr):
 @triton.jit
 def to_loop_type(x, k_cache_ptr, q_ptr):
     """x in the type the K/V loop multiplies in: q's, but fp16 over an FP8 cache where q is 16-bit. E4M3 widens to
-    fp16 exactly, a pair an instruction; to bf16 only through fp32 (sm_90 has no E4M3 -> bf16 conversion). In bf16
-    the FP8 cache's loop took twice the instructions of a bf16 cache's for half the bytes, and a 64-row step over it
-    was slower than over the bf16 cache (docs/PERFORMANCE.md, FP8 KV cache). The decode kernel's loop takes it; the
-    prefill kernels keep q's type."""
+    fp16 exactly, a pair an instruction on sm_90; to bf16 Triton goes through fp32 there. In bf16 the FP8 cache's
+    loop took twice the instructions of a bf16 cache's for half the bytes, and a 64-row step over it was slower than
+    over the bf16 cache (docs/PERFORMANCE.md, FP8 KV cache). The decode kernel's loop takes it; the prefill kernels
+    keep q's type."""
     wide = tl.float16 if k_cache_ptr.dtype.element_ty == tl.float8e4nv else q_ptr.dtype.element_ty
     return x.to(q_ptr.dtype.element_ty if q_ptr.dtype.element_ty == tl.float32 else wide)
 
