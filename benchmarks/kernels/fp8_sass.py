@@ -143,8 +143,8 @@ def report_decode_attention(out_dir: str) -> None:
     for cache, itemsize in (("*bf16", 2), ("*fp8e4nv", 1)):
         compiled = _compile(decode_attention._decode_split_kernel, decode_signature(cache), meta,
                             num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-        report(f"decode attention, {cache[1:]} KV, 1B heads", compiled, 2 * tuning.block_n * 64 * itemsize,
-               32 * tuning.num_warps, out_dir)
+        kv_bytes = 2 * tuning.block_n * meta["HEAD_DIM"] * itemsize
+        report(f"decode attention, {cache[1:]} KV, 1B heads", compiled, kv_bytes, 32 * tuning.num_warps, out_dir)
 
 
 # The streaming GEMV's scale arguments for per-row scales.

@@ -48,9 +48,10 @@ def to_loop_type(x, k_cache_ptr, q_ptr):
 def loop_query(q, k_cache_ptr, q_ptr):
     """q [GROUP_PAD, HEAD_DIM_PAD] in the loop's type (to_loop_type). A bf16 q may lie beyond fp16's largest value
     (65504): there it saturates instead of becoming inf (and the scores NaN)."""
+    # Two nested tests, not one `and`: the JIT folds each dtype comparison, but not an `and` of them.
     if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
         if q_ptr.dtype.element_ty == tl.bfloat16:
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -FP16_MAX), FP16_MAX)
     return to_loop_type(q, k_cache_ptr, q_ptr)
 
 
@@ -90,8 +91,10 @@ KERNELS_INTERPRETED = type(dot).__name__ == "InterpretedFunction"
 EMULATE_FP8_ROUNDING: tl.constexpr = tl.constexpr(KERNELS_INTERPRETED)  # kv_to_cache rounds by hand (interpreter)
 LOG2E = 1.4426950408889634
 FP8_KV_MAX: tl.constexpr = tl.constexpr(448.0)  # E4M3's largest finite magnitude
+FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # fp16's largest finite magnitude (loop_query)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# --kv-cache-dtype fp8: the cache holds E4M3, attention computes in the activations' dtype.
+# --kv-cache-dtype fp8: the cache holds E4M3; attention computes in the activations' dtype (fp16 in the decode loop
+# for 16-bit activations: to_loop_type).
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
