@@ -238,6 +238,30 @@ def test_a_concat_quantizes_x_once_for_its_integer_dot_parts(monkeypatch):
     torch.testing.assert_close(out, alone, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("k", [512, 4096])  # K steps that do not divide K, and that do
+def test_q4k_then_q6k_shards_take_one_launch_with_each_shard_s_values(monkeypatch, k):
+    """GGUFConcat's Q4_K then Q6_K shards at one bf16 row (Q4_K_M's q|k and v), a bias on each and N ragged: one
+    launch, no per-type kernel, and each shard's columns bit for bit as its own call makes them."""
+    from ostinato.kernels import gguf_gemv, gguf_int8_route
+
+    parts = [(device_rows(torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(n))), qtype).to(DEV),
+              qtype, torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEV, torch.bfloat16))
+             for name, qtype, n in (("Q4_K", Q4_K, 9), ("Q6_K", Q6_K, 6))]
+    x = _x(1, k, 7).to(DEV)
+    alone = torch.empty(1, 15, device=DEV, dtype=torch.bfloat16)
+    gguf_gemv.gguf_linear_into(x, parts[0][0], Q4_K, parts[0][2], alone[:, :9])
+    gguf_gemv.gguf_linear_into(x, parts[1][0], Q6_K, parts[1][2], alone[:, 9:])
+    calls = []
+    for qtype in (Q4_K, Q6_K):
+        monkeypatch.setitem(gguf_int8_route.INT8_DOT_KERNELS, qtype, (None, lambda *a: calls.append("per type")))
+    mixed = gguf_gemv.q4k_then_q6k_into
+    monkeypatch.setattr(gguf_gemv, "q4k_then_q6k_into", lambda *a: calls.append("mixed") or mixed(*a))
+    out = torch.full((1, 15), -1.0, device=DEV, dtype=torch.bfloat16)
+    gguf_gemv.gguf_concat_into(x, [(blocks, qtype, bias) for blocks, qtype, bias in parts], out)
+    assert calls == ["mixed"]
+    torch.testing.assert_close(out, alone, rtol=0, atol=0)
+
+
 def _one_call(x, blocks, qtype):
     from ostinato.kernels import gguf_gemv
 

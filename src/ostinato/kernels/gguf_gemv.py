@@ -30,7 +30,8 @@ import torch
 
 from ostinato.kernels.gguf_int8_dot import QuantizedX, quantize_x
 from ostinato.kernels.gguf_int8_input import glu_quantize_x, norm_quantize_x
-from ostinato.kernels.gguf_int8_route import Int8Tiles, block_kernel_into, takes_quantized_x
+from ostinato.kernels.gguf_int8_mixed import q4k_then_q6k_into
+from ostinato.kernels.gguf_int8_route import Int8Tiles, block_kernel_into, takes_int8_dot, takes_quantized_x
 from ostinato.kernels.gguf_linear import KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, KernelParts
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.triton_optional import jit as _jit
@@ -306,9 +307,15 @@ def gguf_concat_into(x: torch.Tensor, parts: KernelParts, out: torch.Tensor, pdl
                      qx: QuantizedX | None = None) -> None:
     """out [M, sum of the parts' N] = x @ [W_0; W_1; ...]^T, parts of different types (GGUFConcat), each writing
     its own columns. x is quantized once for the parts that take integer dot products, where more than one does:
-    each would otherwise quantize it again, a launch on the one-row step's path (qx: already done)."""
+    each would otherwise quantize it again, a launch on the one-row step's path (qx: already done). Q4_K rows then
+    Q6_K rows at one row of x (Q4_K_M's q|k and v) go in one launch (kernels/gguf_int8_mixed.py)."""
     if qx is None and sum(takes_quantized_x(x, qtype) for _, qtype, _ in parts) > 1:
         qx = quantize_x(x, pdl)
+    if [qtype for _, qtype, _ in parts] == [Q4_K, Q6_K] and all(takes_int8_dot(x, q) for q in (Q4_K, Q6_K)) \
+            and x.shape[0] == 1:
+        (blocks4, _, bias4), (blocks6, _, bias6) = parts
+        q4k_then_q6k_into(qx, (blocks4, bias4), (blocks6, bias6), out, pdl)
+        return
     start = 0
     for blocks, qtype, bias in parts:
         gguf_linear_into(x, blocks, qtype, bias, out[:, start:start + blocks.shape[0]], pdl, qx=qx)

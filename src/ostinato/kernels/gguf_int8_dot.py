@@ -146,10 +146,11 @@ def low_half(h):
 
 
 @_jit
-def program_rows(w_ptr, row_len, N, BLOCK_N: tl.constexpr):
-    """This program's rows of W: their output columns, the rows read (past N the last one, read and never
-    stored) and pointers to them, [BLOCK_N, 1] (row_len: a row's length in w_ptr's elements)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def program_rows(w_ptr, row_len, N, BLOCK_N: tl.constexpr, program):
+    """The rows of W of program `program` (tl.program_id(0) where a launch holds one projection): their output
+    columns, the rows read (past N the last one, read and never stored) and pointers to them, [BLOCK_N, 1]
+    (row_len: a row's length in w_ptr's elements)."""
+    offs_n = program * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)
     return offs_n, rows, w_ptr + rows.to(tl.int64)[:, None] * row_len
 

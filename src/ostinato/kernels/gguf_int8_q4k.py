@@ -103,9 +103,19 @@ def _q4k_one_row_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N
                         BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                         PDL: tl.constexpr, ASM: tl.constexpr):
     """out [1, N] = x W^T, x one row as quantize_x gives it."""
+    q4k_one_row(tl.program_id(0), xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_words,
+                BLOCK_N, BLOCK_J, EVEN, HAS_BIAS, PDL, ASM)
+
+
+@_jit
+def q4k_one_row(program, xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_words,
+                BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                PDL: tl.constexpr, ASM: tl.constexpr):
+    """_q4k_one_row_kernel's work for its program `program` (kernels/gguf_int8_mixed.py launches it beside
+    another type's rows)."""
     pdl_begin(PDL)
     CHUNKS: tl.constexpr = BLOCK_J // 8
-    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
+    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N, program)
     offs_j = tl.arange(0, BLOCK_J)
     x_at = ((offs_j // 8) * 16 + offs_j % 8)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # rows alike
     offs_c = tl.arange(0, CHUNKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
@@ -186,7 +196,7 @@ def _q4k_rows_kernel(xq_ptr, dx_ptr, sx_ptr, cx_ptr, w_ptr, b_ptr, out_ptr, N, n
     does faster): the codes and scales of a K step are decoded once for all rows, one accumulator a row."""
     pdl_begin(PDL)
     CHUNKS: tl.constexpr = BLOCK_J // 8
-    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
+    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N, tl.program_id(0))
     w3 = w_rows[:, :, None]
     c3 = tl.arange(0, CHUNKS)[None, :, None] + tl.zeros([BLOCK_N, 1, 1], tl.int32)  # x's pointers: rows alike
     k3 = tl.arange(0, 4)[None, None, :]

@@ -105,9 +105,19 @@ def _q6k_row_kernel(xq_ptr, dx_ptr, s16_ptr, w_ptr, b8_ptr, b_ptr, out_ptr, N, n
     """out [ROWS, N] = x W^T: W's rows as words at w_ptr and as bytes at b8_ptr (the same memory); x as
     quantize_x gives it. A group of 4 positions is one sub-block of each quarter: its dp4a sums take the
     sub-block's scale, and the codes' offset of 32 comes off as 32 times the sub-block's sum of x codes."""
+    q6k_rows(tl.program_id(0), xq_ptr, dx_ptr, s16_ptr, w_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_words, stride_om,
+             ROWS, BLOCK_N, BLOCK_J, EVEN, HAS_BIAS, PDL, ASM)
+
+
+@_jit
+def q6k_rows(program, xq_ptr, dx_ptr, s16_ptr, w_ptr, b8_ptr, b_ptr, out_ptr, N, n_pos, row_words, stride_om,
+             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr,
+             HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """_q6k_row_kernel's work for its program `program` (kernels/gguf_int8_mixed.py launches it beside another
+    type's rows)."""
     pdl_begin(PDL)
     GROUPS: tl.constexpr = BLOCK_J // 4
-    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
+    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N, program)
     b_rows = b8_ptr + rows.to(tl.int64)[:, None] * (4 * row_words)
     offs_j = tl.arange(0, BLOCK_J)
     # x's word for quarter 0 of position j: super-block j // 16 (64 words), half (32), word j % 8 (+ 8 a quarter)
@@ -244,7 +254,7 @@ def _q80_row_kernel(xq_ptr, dx_ptr, w_ptr, b_ptr, out_ptr, N, n_words, row_len, 
     pdl_begin(PDL)
     BLOCKS: tl.constexpr = BLOCK_J // 8
     row_words = _row_length(row_len, QUADS)
-    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N)
+    offs_n, rows, w_rows = program_rows(w_ptr, row_words, N, BLOCK_N, tl.program_id(0))
     d_rows = (w_rows + n_words).to(tl.pointer_type(tl.float16))  # each block's d, after the codes
     offs_j = tl.arange(0, BLOCK_J)
     offs_b = tl.arange(0, BLOCKS)[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
