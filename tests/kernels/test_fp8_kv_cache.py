@@ -1,12 +1,12 @@
 """--kv-cache-dtype fp8: K and V stored as E4M3, attention computed in the activations' dtype, or in fp16 where the
-decode kernel's loop multiplies 16-bit activations over an FP8 cache.
+Triton kernels' loops multiply 16-bit activations over an FP8 cache.
 
 What must hold, kernel by kernel: a write stores exactly torch's rounding of K and V to E4M3 (values beyond 448
 saturated, never NaN); attention over an FP8 cache gives the bits it gives over a cache of the model's dtype holding
-the same values (E4M3 widens exactly to bf16 and fp32), but for that fp16 loop, which must be close to the float64
-reference and saturate a q beyond fp16's range. The fused decode (q/k norm, RoPE and the K/V write in the attention
-kernel) must attend to the newest token as the cache holds it, as every later step will: checked in fp32, where the
-difference is far above the tolerance. CPU: the Triton interpreter (tests/conftest.py)."""
+the same values (E4M3 widens exactly to bf16 and fp32), but for that fp16 loop (decode and prefill), which must be
+close to the float64 reference and saturate a q beyond fp16's range. The fused decode (q/k norm, RoPE and the K/V
+write in the attention kernel) must attend to the newest token as the cache holds it, as every later step will:
+checked in fp32, where the difference is far above the tolerance. CPU: the Triton interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -95,30 +95,38 @@ def test_decode_over_fp8_attends_to_the_widened_values(device, dtype, splits):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_bf16_query_beyond_fp16_s_range_saturates_over_an_fp8_cache(device):
-    """The loop multiplies in fp16, whose largest value is 65504; a bf16 q past it saturates there rather than
-    become inf and make the scores NaN."""
+    """The loops multiply in fp16, whose largest value is 65504; a bf16 q past it saturates there rather than
+    become inf and make the scores NaN: decode and prefill."""
     cache = PagedCache([3, 40], 2, 32, 16, torch.bfloat16, device, seed=9, filler=0.0)
     fp8 = _as_fp8(cache)
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     q[:, :, 0] = 1e6
     out = backend_with(splits=2, block_n=16).decode(q.to(device), fp8.k_cache, fp8.v_cache, decode_meta(cache), 0.2)
     assert_close_to_reference(out, reference_attention(q.clamp(-65504, 65504), cache, [1] * 2, 0.2), torch.bfloat16)
+    query_lens = [3, 9]  # the prefill kernels' loops too
+    out = TritonPagedBackend().prefill(q.repeat(6, 1, 1)[:12].to(device), fp8.k_cache, fp8.v_cache,
+                                       prefill_meta(cache, query_lens), 0.2)
+    assert_close_to_reference(out, reference_attention(q.repeat(6, 1, 1)[:12].clamp(-65504, 65504), cache,
+                                                       query_lens, 0.2), torch.bfloat16)
 
 
 # The default prefill (split over the context where a sequence is long) and the one-pass kernel.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", [TritonPagedBackend(), TritonPagedBackend(batch_invariant_tuning(
     TritonPagedBackend().tuning)), TorchRefBackend()], ids=["triton", "triton-one-pass", "torch"])
-def test_prefill_over_fp8_gives_the_bits_of_prefill_over_the_widened_values(device, backend):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_over_fp8_attends_to_the_widened_values(device, backend, dtype):
+    """As decode: the bits of prefill over the widened values where the loop keeps q's type (fp32 activations, the
+    torch backend), close to the float64 reference where the Triton kernels multiply 16-bit ones in fp16."""
     query_lens, prefixes = [1, 7, 70, 20], [5, 16, 0, 31]
-    cache = PagedCache([p + q for p, q in zip(prefixes, query_lens)], 2, 32, 16, torch.bfloat16, device, seed=6,
-                       filler=0.0)
+    cache = PagedCache([p + q for p, q in zip(prefixes, query_lens)], 2, 32, 16, dtype, device, seed=6, filler=0.0)
     fp8 = _as_fp8(cache)
-    q = torch.randn(sum(query_lens), 4, 32, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
+    q = torch.randn(sum(query_lens), 4, 32, generator=torch.Generator().manual_seed(7)).to(device, dtype)
     meta = prefill_meta(cache, query_lens)
     out = backend.prefill(q, fp8.k_cache, fp8.v_cache, meta, 0.2)
-    assert torch.equal(out, backend.prefill(q, cache.k_cache, cache.v_cache, meta, 0.2))
-    assert_close_to_reference(out, reference_attention(q, cache, query_lens, 0.2), torch.bfloat16)
+    if dtype == torch.float32 or isinstance(backend, TorchRefBackend):
+        assert torch.equal(out, backend.prefill(q, cache.k_cache, cache.v_cache, meta, 0.2))
+    assert_close_to_reference(out, reference_attention(q, cache, query_lens, 0.2), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

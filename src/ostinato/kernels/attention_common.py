@@ -38,15 +38,14 @@ def to_loop_type(x, k_cache_ptr, q_ptr):
     """x in the type the K/V loop multiplies in: q's, but fp16 over an FP8 cache where q is 16-bit. E4M3 widens to
     fp16 exactly, a pair an instruction on sm_90; to bf16 Triton goes through fp32 there. In bf16 the FP8 cache's
     loop took twice the instructions of a bf16 cache's for half the bytes, and a 64-row step over it was slower than
-    over the bf16 cache (docs/PERFORMANCE.md, FP8 KV cache). The decode kernel's loop takes it; the prefill kernels
-    keep q's type."""
+    over the bf16 cache (docs/PERFORMANCE.md, FP8 KV cache). The decode and prefill kernels' loops take it."""
     wide = tl.float16 if k_cache_ptr.dtype.element_ty == tl.float8e4nv else q_ptr.dtype.element_ty
     return x.to(q_ptr.dtype.element_ty if q_ptr.dtype.element_ty == tl.float32 else wide)
 
 
 @triton.jit
 def loop_query(q, k_cache_ptr, q_ptr):
-    """q [GROUP_PAD, HEAD_DIM_PAD] in the loop's type (to_loop_type). A bf16 q may lie beyond fp16's largest value
+    """q (its rows of queries by HEAD_DIM_PAD) in the loop's type (to_loop_type). A bf16 q may lie beyond fp16's largest value
     (65504): there it saturates instead of becoming inf (and the scores NaN)."""
     # Two nested tests, not one `and`: the JIT folds each dtype comparison, but not an `and` of them.
     if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
@@ -93,7 +92,7 @@ LOG2E = 1.4426950408889634
 FP8_KV_MAX: tl.constexpr = tl.constexpr(448.0)  # E4M3's largest finite magnitude
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # fp16's largest finite magnitude (loop_query)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# --kv-cache-dtype fp8: the cache holds E4M3; attention computes in the activations' dtype (fp16 in the decode loop
+# --kv-cache-dtype fp8: the cache holds E4M3; attention computes in the activations' dtype (fp16 in the kernels' loops
 # for 16-bit activations: to_loop_type).
 FP8_KV_DTYPE = torch.float8_e4m3fn
 

@@ -57,7 +57,8 @@ import triton.language as tl
 from ostinato.kernels.attention_metadata import AttentionMetadata
 from ostinato.kernels.device import num_sms
 from ostinato.kernels.prefill_plan import PrefillPlan, PrefillSplitTuning, plan_prefill
-from ostinato.kernels.attention_common import LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets, prefill_shape
+from ostinato.kernels.attention_common import (LOG2E, dot, dot_settings, loop_query, pad_dim, paged_kv_offsets,
+                                               prefill_shape)
 
 _REDUCE_TILE = 4096  # fp32 partial-output values per reduce program (32 registers a thread at 4 warps)
 
@@ -167,6 +168,7 @@ def _prefill_split_kernel(
 
     q = tl.load(q_ptr + tok_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [ROWS, HEAD_DIM_PAD]
+    q = loop_query(q, k_cache_ptr, q_ptr)  # fp16 over an FP8 cache with 16-bit q; K and V widen to q's type
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)

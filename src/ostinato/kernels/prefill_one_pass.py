@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.attention_common import (KERNELS_INTERPRETED, LOG2E, dot, dot_settings, pad_dim, paged_kv_offsets,
-                                               prefill_shape, rowwise_dot)
+from ostinato.kernels.attention_common import (KERNELS_INTERPRETED, LOG2E, dot, dot_settings, loop_query, pad_dim,
+                                               paged_kv_offsets, prefill_shape, rowwise_dot)
 from ostinato.kernels.attention_metadata import AttentionMetadata
 from ostinato.kernels.prefill_plan import PrefillPlan
 
@@ -52,6 +52,7 @@ def _prefill_kernel(
     tok_rows = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + tok_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [ROWS, HEAD_DIM_PAD]
+    q = loop_query(q, k_cache_ptr, q_ptr)  # fp16 over an FP8 cache with 16-bit q; K and V widen to q's type
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
