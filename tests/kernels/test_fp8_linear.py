@@ -167,12 +167,17 @@ def test_quantize_rows_is_per_channel_and_within_e4m3_rounding():
 def test_path_rule():
     assert choose_fp8_path(1, 4096, 4096, False, cuda=True) == StreamTiles(4, 2048)
     assert choose_fp8_path(1, 28672, 4096, False, cuda=True) == StreamTiles(8, 2048)
-    assert choose_fp8_path(4, 28672, 4096, False, cuda=True) == StreamTiles(4, 2048)  # one accumulator a row
+    assert choose_fp8_path(3, 28672, 4096, False, cuda=True) == StreamTiles(4, 2048)  # one accumulator a row
+    assert choose_fp8_path(4, 28672, 4096, False, cuda=True) == SplitTiles(block_k=256)  # W read once for 4 rows
     assert choose_fp8_path(1, 3072, 1024, False, cuda=True) == StreamTiles(4, 1024)
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, bf16=False), Fp8Tiles)
     assert isinstance(choose_fp8_path(1, 4096, 4098, False, cuda=True), Fp8Tiles)  # K not whole words
     assert choose_fp8_path(1, 4096, 4096, True, cuda=True) == StreamTiles(4, 2048)  # block scales stream too
-    assert choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, True, cuda=True) == StreamTiles(4, 2048)
+    assert choose_fp8_path(2, 4096, 4096, True, cuda=True) == StreamTiles(4, 2048)
+    assert choose_fp8_path(3, 4096, 4096, True, cuda=True) == SplitTiles(block_k=128)  # a scale per block a row
+    # fp16 activations, or x's rows not words, at the rows the split GEMM takes in bf16: still the first GEMV
+    assert isinstance(choose_fp8_path(FP8_GEMV_MAX_ROWS, 4096, 4096, False, cuda=True, bf16=False), Fp8Tiles)
+    assert isinstance(choose_fp8_path(2, 4096, 4096, True, cuda=True, stream=False), Fp8Tiles)
     # x's rows not readable as words (Fp8Linear's fallback): the first GEMV, block scales or not
     assert isinstance(choose_fp8_path(1, 4096, 4096, True, cuda=True, stream=False), Fp8Tiles)
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, stream=False), Fp8Tiles)
@@ -190,7 +195,7 @@ def test_path_rule():
     assert choose_fp8_path(64, 4096, 4096, False, cuda=True, bf16=False) == "dequantize"
     assert choose_fp8_path(1, 4096, 4096, False, cuda=False) == "dequantize"
     for m in range(1, FP8_GEMV_MAX_ROWS + 1):  # the accumulator stays within the register budget at every row count
-        tiles = choose_fp8_path(m, 6144, 4096, True, cuda=True, stream=False)
+        tiles = choose_fp8_path(m, 6144, 4096, True, cuda=True, bf16=False)  # fp16: the first GEMV at every row
         assert triton_next_pow2(m) * tiles.block_n * tiles.block_k <= 8192
     # one row: as many bytes in flight a step as the bf16 GEMV's 8 x 1024 tile of two-byte weights
     tiles = choose_fp8_path(1, 6144, 4096, True, cuda=True, stream=False)

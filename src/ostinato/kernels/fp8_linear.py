@@ -10,12 +10,12 @@ Scales, two layouts, both meaning W[n, k] = fp8[n, k] * scale[...]:
     per block   scale [cdiv(N, bn), cdiv(K, bk)]: block-scaled FP8 (`weight_block_size`, `weight_scale_inv`)
 
 Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before graph capture:
-    stream      1-4 rows, bf16, per-row or block scales: the streaming W8A16 GEMV (kernels/fp8_stream.py), which
-                also takes the RMSNorm before the projection (one row) and the SwiGLU after it (1-4 rows): `folds`
+    stream      1-3 rows (1-2 with block scales), bf16: the streaming W8A16 GEMV (kernels/fp8_stream.py), which
+                also takes the RMSNorm before the projection (one row) and the SwiGLU after it: `folds`
     gemv        a few rows otherwise (fp16/fp32 activations, x's rows not word-aligned): the first Triton GEMV
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)
-    split       5-16 rows (up to 64 where N <= 3072), per-row or block scales, bf16, and where FP8_MEASURED names
+    split       4-16 rows (3-16 with block scales; up to 64 where N <= 3072), bf16, and where FP8_MEASURED names
                 SplitTiles: the split GEMM (kernels/split_gemm.py), W8A16 with the weight on the MMA's wide
                 side and K split to fill the GPU in one wave, no activation quantization
     mma         above 16 rows with block scales (64 where N <= 3072), on CUDA: the Triton W8A16 tensor-core kernel
@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv, fp8_scale_shape
-from ostinato.kernels.fp8_stream import MAX_ROWS as STREAM_MAX_ROWS
 from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes
 from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma, quantize_tokens
 from ostinato.kernels.fp8_w8a8 import W8a8Tiles, fp8_w8a8
@@ -54,8 +53,12 @@ _ACC_BUDGET = 8192
 # Above 4 rows the GEMV's tiles shrink to a few hundred bytes (the accumulator grows with the rows) and every
 # program re-reads all rows of x from L2, more bytes than the weight itself; the tensor cores take them.
 FP8_GEMV_MAX_ROWS = 4
+# Rows up to which the streaming GEMV takes bf16 activations. Above them the split GEMM, which reads W once for all
+# the rows where the GEMV keeps an accumulator a row, made whole steps faster: from 3 rows with block scales (the
+# GEMV applies a scale per 128-wide block of each row), from 4 with per-row ones (docs/PERFORMANCE.md, FP8).
+_STREAM_ROWS, _STREAM_ROWS_BLOCKS = 3, 2
 _SMALL_MMA_ROWS = 16
-_FEW_ROWS_SPLIT = SplitTiles(block_k=256)  # per-row scales at 5-16 rows, and narrow projections (choose_fp8_path)
+_FEW_ROWS_SPLIT = SplitTiles(block_k=256)  # per-row scales at 4-16 rows, and narrow projections (choose_fp8_path)
 # Block scales: a K step may not cross a 128-wide scale block.
 _FEW_ROWS_SPLIT_BLOCKS = SplitTiles(block_k=128)
 # Up to this many rows and output columns, _scaled_mm's 128 x 128 tiles cover the projection in at most 24 CTAs on
@@ -89,17 +92,17 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there does the W8A8
       few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 kernels
       keep them in 16 bits, so it is taken only where it was measured faster.
-    - m <= 4, bf16, k % 4 == 0, and x's rows readable as words (`stream`, fp8_stream.stream_takes): the streaming
-      GEMV (kernels/fp8_stream.py), per-row or block scales, block_n for ~768 programs as the bf16 rule, at most
+    - m <= 3 (2 with block scales: _STREAM_ROWS), bf16, k % 4 == 0, and x's rows readable as words (`stream`,
+      fp8_stream.stream_takes): the streaming GEMV (kernels/fp8_stream.py), per-row or block scales, block_n for ~768 programs as the bf16 rule, at most
       4 above two rows (one accumulator a row); block_k 2048 where K allows: at 8 x 2048 a thread holds all 8
       rows of its columns, so x (and the folded norm's work on it) is shared by 8 rows, not 4 (sm_90 SASS,
       benchmarks/kernels/fp8_sass.py: 3.7 instructions a byte against 4.1, and 4.8 against 6.4 with the norm and
       SwiGLU folded in).
-    - else m <= FP8_GEMV_MAX_ROWS on CUDA: the first W8A16 GEMV (kernels/fp8_gemv.py; fp16 activations, or x's
-      rows not words). It reads each weight byte once and needs no activation quantization. block_n gives ~768
+    - else m <= FP8_GEMV_MAX_ROWS on CUDA, up to the streaming GEMV's rows for bf16: the first W8A16 GEMV
+      (kernels/fp8_gemv.py; fp16 activations, or x's rows not words). It reads each weight byte once and needs no activation quantization. block_n gives ~768
       programs at m = 1 as the bf16 rule does; block_k fills the accumulator budget, and two K tiles a step put
       as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
-    - 5-16 rows, bf16, and up to 64 rows where N <= 3072: the W8A16 split GEMM (kernels/split_gemm.py), 256-wide
+    - bf16 above the streaming GEMV's rows up to 16, and up to 64 where N <= 3072: the W8A16 split GEMM (kernels/split_gemm.py), 256-wide
       K steps (128 with block scales, one block a step): the weight on the MMA's wide side, K split so that one wave of
       about 256 programs covers the projection, no activation quantization. Chosen by whole steps, not by the kernel
       sweep: alone, on Llama-3.1-8B's projections, it is slower than the tensor-core kernel at 16 x 32 x 256 tiles and
@@ -120,9 +123,10 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     measured = FP8_MEASURED.get((m, n, k)) if not block_scales and bf16 else None
     if measured is not None and (stream or not isinstance(measured, StreamTiles)):
         return measured
-    if m <= STREAM_MAX_ROWS and stream and bf16 and k % 4 == 0:
+    stream_rows = _STREAM_ROWS_BLOCKS if block_scales else _STREAM_ROWS
+    if m <= stream_rows and stream and bf16 and k % 4 == 0:
         return _stream_tiles(m, n, k)
-    if m <= FP8_GEMV_MAX_ROWS:
+    if m <= FP8_GEMV_MAX_ROWS and (m <= stream_rows or not bf16):
         m_pad = triton.next_power_of_2(max(m, 1)) if triton is not None else m
         block_n = 1
         while block_n < 8 and block_n * 2 <= n // 768 and m_pad * block_n * 2 * 1024 <= _ACC_BUDGET:
