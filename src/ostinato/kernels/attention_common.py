@@ -45,8 +45,8 @@ def to_loop_type(x, k_cache_ptr, q_ptr):
 
 @triton.jit
 def loop_query(q, k_cache_ptr, q_ptr):
-    """q (its rows of queries by HEAD_DIM_PAD) in the loop's type (to_loop_type). A bf16 q may lie beyond fp16's largest value
-    (65504): there it saturates instead of becoming inf (and the scores NaN)."""
+    """q (its rows of queries by HEAD_DIM_PAD) in the loop's type (to_loop_type). A bf16 q may lie beyond fp16's
+    largest value (65504): there it saturates instead of becoming inf (and the scores NaN)."""
     # Two nested tests, not one `and`: the JIT folds each dtype comparison, but not an `and` of them.
     if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
         if q_ptr.dtype.element_ty == tl.bfloat16:

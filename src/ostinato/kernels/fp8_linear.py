@@ -93,25 +93,25 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
       few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 kernels
       keep them in 16 bits, so it is taken only where it was measured faster.
     - m <= 3 (2 with block scales: _STREAM_ROWS), bf16, k % 4 == 0, and x's rows readable as words (`stream`,
-      fp8_stream.stream_takes): the streaming GEMV (kernels/fp8_stream.py), per-row or block scales, block_n for ~768 programs as the bf16 rule, at most
-      4 above two rows (one accumulator a row); block_k 2048 where K allows: at 8 x 2048 a thread holds all 8
-      rows of its columns, so x (and the folded norm's work on it) is shared by 8 rows, not 4 (sm_90 SASS,
-      benchmarks/kernels/fp8_sass.py: 3.7 instructions a byte against 4.1, and 4.8 against 6.4 with the norm and
-      SwiGLU folded in).
+      fp8_stream.stream_takes): the streaming GEMV (kernels/fp8_stream.py), per-row or block scales, block_n for ~768
+      programs as the bf16 rule, at most 4 above two rows (one accumulator a row); block_k 2048 where K allows: at 8 x
+      2048 a thread holds all 8 rows of its columns, so x (and the folded norm's work on it) is shared by 8 rows, not 4
+      (sm_90 SASS, benchmarks/kernels/fp8_sass.py: 3.7 instructions a byte against 4.1, and 4.8 against 6.4 with the
+      norm and SwiGLU folded in).
     - else m <= FP8_GEMV_MAX_ROWS on CUDA, up to the streaming GEMV's rows for bf16: the first W8A16 GEMV
-      (kernels/fp8_gemv.py; fp16 activations, or x's rows not words). It reads each weight byte once and needs no activation quantization. block_n gives ~768
-      programs at m = 1 as the bf16 rule does; block_k fills the accumulator budget, and two K tiles a step put
-      as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
-    - bf16 above the streaming GEMV's rows up to 16, and up to 64 where N <= 3072: the W8A16 split GEMM (kernels/split_gemm.py), 256-wide
-      K steps (128 with block scales, one block a step): the weight on the MMA's wide side, K split so that one wave of
-      about 256 programs covers the projection, no activation quantization. Chosen by whole steps, not by the kernel
-      sweep: alone, on Llama-3.1-8B's projections, it is slower than the tensor-core kernel at 16 x 32 x 256 tiles and
-      than its own 128-wide K steps, yet whole FP8 steps at 8 rows of the 8B and the 1B were fastest with it, and the
-      tensor-core kernel made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8). Why the sweep and the step
-      disagree is not yet traced. The narrow projections (the 1B's qkv, o and down) at 32 and 64 rows made the 1B's step
-      faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there. Block scales take it where
-      per-row scales do: the tensor-core kernel's 128-wide tiles leave the same SMs idle (docs/PERFORMANCE.md, FP8,
-      has the block-scaled steps before and after).
+      (kernels/fp8_gemv.py; fp16 activations, or x's rows not words). It reads each weight byte once and needs no
+      activation quantization. block_n gives ~768 programs at m = 1 as the bf16 rule does; block_k fills the accumulator
+      budget, and two K tiles a step put as many bytes in flight as the bf16 GEMV's tiles do (fp8_gemv.py).
+    - bf16 above the streaming GEMV's rows up to 16, and up to 64 where N <= 3072: the W8A16 split GEMM
+      (kernels/split_gemm.py), 256-wide K steps (128 with block scales, one block a step): the weight on the MMA's wide
+      side, K split so that one wave of about 256 programs covers the projection, no activation quantization. Chosen by
+      whole steps, not by the kernel sweep: alone, on Llama-3.1-8B's projections, it is slower than the tensor-core
+      kernel at 16 x 32 x 256 tiles and than its own 128-wide K steps, yet whole FP8 steps at 8 rows of the 8B and the
+      1B were fastest with it, and the tensor-core kernel made the 8B's slower than bf16's (docs/PERFORMANCE.md, FP8).
+      Why the sweep and the step disagree is not yet traced. The narrow projections (the 1B's qkv, o and down) at 32 and
+      64 rows made the 1B's step faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there. Block
+      scales take it where per-row scales do: the tensor-core kernel's 128-wide tiles leave the same SMs idle
+      (docs/PERFORMANCE.md, FP8, has the block-scaled steps before and after).
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.
