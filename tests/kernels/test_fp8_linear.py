@@ -289,7 +289,7 @@ def _relative_error(out, ref):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 4, 8, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 16, 64, 256])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_every_path_at_the_real_projection_shapes(m, n, k, block):
     gen = torch.Generator().manual_seed(n + k)
