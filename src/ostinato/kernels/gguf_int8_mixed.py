@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ostinato.kernels.gguf_int8_dot import QuantizedX
+from ostinato.kernels.gguf_int8_dot import SUPER_BLOCK, QuantizedX
 from ostinato.kernels.gguf_int8_q4k import Q4kTiles, q4k_one_row
 from ostinato.kernels.gguf_int8_q6k_q80 import Q6K_ONE_ROW, q6k_rows
+from ostinato.kernels.gguf_linear import Q4_K, Q6_K, device_row_bytes
 from ostinato.kernels.pdl import launch_options
 from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
@@ -47,6 +48,8 @@ def q4k_then_q6k_into(qx: QuantizedX, q4k: tuple[torch.Tensor, torch.Tensor | No
     (blocks4, bias4), (blocks6, bias6) = q4k, q6k
     n4, n6, k = blocks4.shape[0], blocks6.shape[0], qx.xq.shape[1] * 4
     assert qx.xq.shape[0] == 1 and out.shape == (1, n4 + n6) and out.stride(-1) == 1
+    assert k % SUPER_BLOCK == 0 and blocks4.is_contiguous() and blocks6.is_contiguous()
+    assert blocks4.shape[1] == device_row_bytes(Q4_K, k) and blocks6.shape[1] == device_row_bytes(Q6_K, k)
     assert _Q4K_TILES.num_warps == Q6K_ONE_ROW.num_warps, "one launch, one warp count"
     words4, words6 = blocks4.view(torch.int32), blocks6.view(torch.int32)
     q4k_programs = triton.cdiv(n4, _Q4K_TILES.block_n)
