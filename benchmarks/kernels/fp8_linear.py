@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, MmaTiles, SplitTiles, StreamTiles,  # noqa: E402
-                                         W8a8Tiles, choose_fp8_path, fp8_gemv, fp8_mma, fp8_stream, fp8_w8a8,
-                                         quantize_per_token, quantize_rows, quantize_tokens, split_gemm)
+from ostinato.kernels.fp8_linear import (Fp8Linear, Fp8Tiles, MmaTiles, SplitTiles, SplitW8a8,  # noqa: E402
+                                         StreamTiles, W8a8Tiles, choose_fp8_path, fp8_gemv, fp8_mma, fp8_stream,
+                                         fp8_w8a8, quantize_per_token, quantize_rows, quantize_tokens, split_gemm)
 from ostinato.kernels.gemv import choose_gemv_tiles, gemv_linear  # noqa: E402
 
 ERROR_LIMIT = 5e-2  # _scaled_mm rounds x to E4M3 too; the W8A16 kernels stay near 4e-3 (bf16 output)
@@ -55,12 +55,17 @@ W8A8 = [W8a8Tiles(16, 512), W8a8Tiles(16, 256), W8a8Tiles(32, 256), W8a8Tiles(32
 SPLIT = [SplitTiles(), SplitTiles(block_k=256), SplitTiles(block_k=256, num_stages=4),
          SplitTiles(block_k=256, split_programs=512), SplitTiles(block_n=128, block_k=128, num_warps=8),
          SplitTiles(block_k=256, prefetch_max_rows=64)]
+# W8A8: FP8 K tiles of 128 and 256 bytes, 64- and 128-row weight tiles, a wave of 256 or 512 programs.
+SPLIT_W8A8 = [SplitW8a8(t) for t in (
+    SplitTiles(), SplitTiles(block_k=256), SplitTiles(block_k=256, split_programs=512),
+    SplitTiles(block_n=128, block_k=128, num_warps=8), SplitTiles(block_n=128, block_k=256, num_warps=8),
+    SplitTiles(block_k=256, num_stages=4))]
 
 
 def candidates(m: int, kernels: tuple[str, ...] = ()):
     """(name, config) for what may compute m rows; config is what FP8_MEASURED would hold, or None. kernels:
-    only the candidates whose names start with one of these (stream, gemv, w8a8, split, mma, scaled_mm); all if
-    empty."""
+    only the candidates whose names start with one of these (stream, gemv, w8a8, split, split_w8a8, mma,
+    scaled_mm); all if empty."""
     for name, config in _all_candidates(m):
         if not kernels or name.startswith(kernels):
             yield name, config
@@ -75,6 +80,8 @@ def _all_candidates(m: int):
     yield from ((f"w8a8 bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} (+quant)", t) for t in W8A8)
     yield from ((f"split bn{t.block_n} bk{t.block_k} w{t.num_warps} s{t.num_stages} sp{t.split_programs} "
                  f"pf{t.prefetch_max_rows}", t) for t in SPLIT)
+    yield from ((f"split_w8a8 bn{t.tiles.block_n} bk{t.tiles.block_k} w{t.tiles.num_warps} s{t.tiles.num_stages} "
+                 f"sp{t.tiles.split_programs} (+quant)", t) for t in SPLIT_W8A8 if m > 1)
     if m > 1:
         yield from ((f"mma {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", t) for t in mma)
         yield "scaled_mm (one-kernel quant)", "scaled_mm"
@@ -108,6 +115,10 @@ def call(name: str, config, x: torch.Tensor, layer: Fp8Linear, pre: tuple) -> to
         return fp8_mma(x, layer.weight, layer.weight_scale, None, None, config)
     if isinstance(config, W8a8Tiles):
         return fp8_w8a8(*quantize_tokens(x), layer.weight, layer.weight_scale, None, config, x.dtype)
+    if isinstance(config, SplitW8a8):
+        xq, xs = quantize_tokens(x)
+        return split_gemm(xq, layer.weight, None, config.tiles, scale=layer.weight_scale, out_dtype=x.dtype,
+                          x_scale=xs)
     if isinstance(config, SplitTiles):
         return split_gemm(x, layer.weight, None, config, scale=layer.weight_scale)
     if config == "scaled_mm":
@@ -175,7 +186,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.1-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--kernels", default="", help="comma-separated name prefixes of the candidates to run "
-                    "(stream, gemv, w8a8, split, mma, scaled_mm); default all")
+                    "(stream, gemv, w8a8, split, split_w8a8, mma, scaled_mm); default all")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []

@@ -145,6 +145,23 @@ def test_fp8_w8a8_matches_float64_reference_on_the_quantized_activations(m, n, k
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+# The split GEMM on FP8 activations (W8A8): the parallel splits (few tiles) and the serial launch (enough row tiles
+# to fill the programs), N and K ragged against the tiles.
+@pytest.mark.parametrize("m,n,k,tiles,bias", [
+    (3, 70, 200, SplitTiles(32, 32, max_row_tile=16, split_programs=8, min_split_k_tiles=2), True),
+    (40, 37, 96, SplitTiles(16, 32, max_row_tile=16, split_programs=4, min_split_k_tiles=1), False),
+])
+def test_split_gemm_w8a8_matches_float64_reference_on_the_quantized_activations(m, n, k, tiles, bias):
+    gen = torch.Generator().manual_seed(m * 3 + n + k)
+    w, scale = _random_fp8(n, k, None, gen)
+    xq, x_scale = quantize_per_token(torch.randn(m, k, generator=gen))
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    out = split_gemm(xq.to(DEVICE), w.to(DEVICE), _device(b), tiles, scale=scale.to(DEVICE),
+                     out_dtype=torch.bfloat16, x_scale=x_scale.to(DEVICE))
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    _assert_close(out, _reference(xq.double() * x_scale.double(), w, scale, None, b), 8e-3)
+
+
 def test_block_dequantize_scales_each_block_by_its_own_factor():
     w = torch.ones(5, 7).to(FP8_DTYPE)
     scale = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # blocks 2 x 4: rows 0-1, 2-3, 4; cols 0-3, 4-6

@@ -30,6 +30,8 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +46,7 @@ from ostinato.kernels.triton_optional import triton
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Tiles", "MmaTiles", "SplitTiles", "StreamTiles",
            "choose_fp8_path", "dequantize_fp8", "fp8_gemv", "fp8_mma", "fp8_stream", "fp8_w8a8", "quantize_per_token",
-           "quantize_rows", "quantize_tokens", "split_gemm", "W8a8Tiles"]
+           "quantize_rows", "quantize_tokens", "split_gemm", "SplitW8a8", "W8a8Tiles"]
 
 
 # The GEMV's accumulator is M_PAD * block_n * block_k fp32 values over 128 threads: 8192 is 64 registers a
@@ -64,7 +66,18 @@ _FEW_ROWS_SPLIT_BLOCKS = SplitTiles(block_k=128)
 # Up to this many rows and output columns, _scaled_mm's 128 x 128 tiles cover the projection in at most 24 CTAs on
 # 132 SMs: the split GEMM, which splits K to fill the GPU, takes those too.
 _NARROW_ROWS, _NARROW_N = 64, 3072
-Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | SplitTiles | str
+
+
+@dataclass(frozen=True)
+class SplitW8a8:
+    """The split GEMM (kernels/split_gemm.py) on the activations quantized per token (quantize_tokens): W8A8, the
+    FP8 tensor cores multiply E4M3 by E4M3, nothing widened, K split to fill the GPU where _scaled_mm's 128-wide
+    tiles leave SMs idle."""
+
+    tiles: SplitTiles = SplitTiles(block_k=256)
+
+
+Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | SplitTiles | SplitW8a8 | str
 # The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
 # the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
 # SwiGLU folds at every row the streaming GEMV takes, as the bf16 fold won at 1-16 (kernels/gemv.py, choose_glu_fold).
@@ -219,6 +232,10 @@ class Fp8Linear(QuantizedLinear):
         if isinstance(path, SplitTiles):
             return split_gemm(x.contiguous(), self.weight, self.bias, path, scale=self.weight_scale, pdl=pdl,
                               block=self.block)
+        if isinstance(path, SplitW8a8):
+            xq, x_scale = quantize_tokens(x.contiguous(), pdl)
+            return split_gemm(xq, self.weight, self.bias, path.tiles, scale=self.weight_scale, out_dtype=x.dtype,
+                              pdl=pdl, x_scale=x_scale)
         if isinstance(path, W8a8Tiles):
             xq, x_scale = quantize_tokens(x.contiguous(), pdl)
             return fp8_w8a8(xq, x_scale, self.weight, self.weight_scale, self.bias, path, x.dtype, pdl)

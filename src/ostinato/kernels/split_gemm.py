@@ -56,9 +56,10 @@ def jit_any_m(fn):
 
 @jit_any_m
 def _split_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
     stride_om, stride_ps, stride_pm, K_PER_SPLIT, SPLITS,
     ROW_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_X_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARALLEL: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr, ROWWISE_DOT: tl.constexpr, PDL: tl.constexpr, BLOCK_SCALES: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
@@ -71,6 +72,7 @@ def _split_gemm_kernel(
     # fp32 operations in the same order. PREFETCH: the split's first weight tile is loaded before the PDL wait
     # (weights are never written by a step): the same values into the same sums, only earlier. BLOCK_SCALES: each
     # K step's products times its [BLOCK_N] block scales (a step never crosses a block: SCALE_BK % BLOCK_K == 0).
+    # HAS_X_SCALE: x holds FP8 codes, row m times xs[m] (W8A8: the tensor cores multiply E4M3 by E4M3, nothing widened).
     pdl_begin(PDL)
     offs_n, offs_m, n_mask, m_mask, tile_mask = tile_offsets(N, M, BLOCK_N, ROW_TILE)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -87,7 +89,8 @@ def _split_gemm_kernel(
         last, total = merge_splits(acc, part_ptr, counters_ptr, offs_m, offs_n, tile_mask, stride_ps, stride_pm,
                                    SPLITS)
         if last:
-            _store_tile(total, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE, HAS_BIAS)
+            _store_tile(total, s_ptr, xs_ptr, b_ptr, out_ptr, offs_n, n_mask, offs_m, m_mask, tile_mask, out_offsets,
+                        HAS_SCALE, HAS_X_SCALE, HAS_BIAS)
     else:
         acc = _split_dot(x_cols, w_rows, s_rows, m_mask, n_mask, 0, K_PER_SPLIT, K, w_first, ROW_TILE, BLOCK_N,
                          BLOCK_K, PREFETCH, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT, BLOCK_SCALES, SCALE_BK)
@@ -95,7 +98,8 @@ def _split_gemm_kernel(
             acc += _split_dot(x_cols, w_rows, s_rows, m_mask, n_mask, s * K_PER_SPLIT, K_PER_SPLIT, K, w_first,
                               ROW_TILE, BLOCK_N, BLOCK_K, False, DOT_PRECISION, UPCAST_DOT, ROWWISE_DOT, BLOCK_SCALES,
                               SCALE_BK)
-        _store_tile(acc, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE, HAS_BIAS)
+        _store_tile(acc, s_ptr, xs_ptr, b_ptr, out_ptr, offs_n, n_mask, offs_m, m_mask, tile_mask, out_offsets,
+                    HAS_SCALE, HAS_X_SCALE, HAS_BIAS)
 
 
 @jit
@@ -181,11 +185,13 @@ def _tile_step(acc, w, x_cols, s_rows, m_mask, k0, offs_k, k_end, DOT_PRECISION:
 
 
 @jit
-def _store_tile(acc, s_ptr, b_ptr, out_ptr, offs_n, n_mask, tile_mask, out_offsets, HAS_SCALE: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    """acc [BLOCK_N, ROW_TILE] (x each weight row's scale) (+ bias) stored as out[rows, cols]."""
+def _store_tile(acc, s_ptr, xs_ptr, b_ptr, out_ptr, offs_n, n_mask, offs_m, m_mask, tile_mask, out_offsets,
+                HAS_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, ROW_TILE] (x each weight row's scale) (x each x row's scale) (+ bias) stored as out[rows, cols]."""
     if HAS_SCALE:
         acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_X_SCALE:
+        acc *= tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
@@ -248,14 +254,19 @@ def split_buffers(out: torch.Tensor, splits: int, n_tiles: int, m_tiles: int, sp
 
 def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: SplitTiles,
                scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-               pdl: bool = False, block: tuple[int, int] | None = None) -> torch.Tensor:
+               pdl: bool = False, block: tuple[int, int] | None = None,
+               x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (K contiguous), weight [N, K] contiguous (x's dtype, or FP8 with `scale`: float32 [N], W[n] =
     weight[n] * scale[n], or with `block` (bn, bk) [cdiv(N, bn), cdiv(K, bk)], each block of W its own; bk a
     multiple of tiles.block_k), bias [N] or None -> [M, N] in out_dtype (default x's), accumulated in fp32.
-    Graph safe: grid from shapes only. pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
+    x_scale (float32, M values): x holds FP8 codes, x[m] = codes[m] * x_scale[m] (W8A8, per-row weight scales,
+    kernels/fp8_mma.quantize_tokens makes both). Graph safe: grid from shapes only. pdl: launch with programmatic
+    dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.shape[0]
     assert x.stride(-1) == 1 and weight.shape == (n, k) and weight.is_contiguous()
+    assert x_scale is None or (x_scale.numel() == m and x_scale.is_contiguous() and x.dtype == weight.dtype
+                               and block is None and out_dtype is not None)
     assert scale is None or (scale.shape == fp8_scale_shape(n, k, block) and scale.is_contiguous())
     assert block is None or (scale is not None and block[1] % tiles.block_k == 0)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
@@ -265,11 +276,13 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     row_tile = tiles.row_tile(m)
     n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(m, row_tile)
     parallel, partials, counters = split_buffers(out, splits, n_tiles, m_tiles, tiles.split_programs)
+    unread = weight  # stands in for the pointers a constexpr turns off
     _split_gemm_kernel[(n_tiles, m_tiles, splits if parallel else 1)](
-        x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, partials,
-        counters, m, n, k, x.stride(0), weight.stride(0), scale.stride(0) if block is not None else 1, out.stride(0),
-        partials.stride(0), partials.stride(1), per_split, splits, ROW_TILE=row_tile, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, HAS_SCALE=scale is not None and block is None, HAS_BIAS=bias is not None,
+        x, x_scale if x_scale is not None else unread, weight, scale if scale is not None else unread,
+        bias if bias is not None else unread, out, partials, counters, m, n, k, x.stride(0), weight.stride(0),
+        scale.stride(0) if block is not None else 1, out.stride(0), partials.stride(0), partials.stride(1), per_split,
+        splits, ROW_TILE=row_tile, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        HAS_SCALE=scale is not None and block is None, HAS_X_SCALE=x_scale is not None, HAS_BIAS=bias is not None,
         PARALLEL=parallel, BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block is not None else 1,
         SCALE_BK=block[1] if block is not None else 1,
         PREFETCH=m <= tiles.prefetch_max_rows, **dot_settings(x.dtype), ROWWISE_DOT=KERNELS_INTERPRETED, PDL=pdl,
