@@ -2,8 +2,9 @@
 SASS (instructions a thread a weight byte, and the opcode mix), for the first FP8 GEMV (kernels/fp8_gemv.py), the
 streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and the GGUF Q4_K / Q6_K / Q8_0
 integer-dot GEMVs (kernels/gguf_int8_q4k.py, gguf_int8_q6k_q80.py; code bytes only, not their headers and scales)
-at the 8B's one-row tiles, and Q4_K's 4-row kernel; and the decode attention kernel (kernels/decode_attention.py)
-over a bf16 and an FP8 KV cache at llama-3.2-1b's heads, as a batch that fills the GPU launches it (K/V bytes).
+at the 8B's one-row tiles, and Q4_K's 4-row kernel; the decode attention kernel (kernels/decode_attention.py)
+over a bf16 and an FP8 KV cache at llama-3.2-1b's heads, as a batch that fills the GPU launches it (K/V bytes); and
+the split GEMM (kernels/split_gemm.py), W8A16 and W8A8, whether its K loop copies asynchronously and on which MMA.
 
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
 re-laying data out through shared memory; both show in the SASS, which Triton's bundled ptxas and nvdisasm
@@ -28,11 +29,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ostinato.kernels import decode_attention, fp8_gemv, fp8_stream, gemv, gguf_int8_q4k, gguf_int8_q6k_q80
+from ostinato.kernels import (decode_attention, fp8_gemv, fp8_stream, gemv, gguf_int8_q4k, gguf_int8_q6k_q80,
+                              split_gemm)
 from ostinato.kernels.decode_plan import DecodeTuning
 
 TARGET = GPUTarget("cuda", 90, 32)
-SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_len")  # integer arguments the JIT sees as multiples of 16
+# Integer arguments the JIT sees as multiples of 16 (and so specializes: without it, loads from offsets built on
+# them lose their alignment, and the split GEMM its asynchronous copies).
+SIZES = ("N", "K", "n_words", "row_words", "n_pos", "row_len", "K_PER_SPLIT")
 _NVIDIA_BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 
 
@@ -147,6 +151,38 @@ def report_decode_attention(out_dir: str) -> None:
         report(f"decode attention, {cache[1:]} KV, 1B heads", compiled, kv_bytes, 32 * tuning.num_warps, out_dir)
 
 
+SPLIT_POINTERS = {"xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
+                  "part_ptr": "*fp32", "counters_ptr": "*i32"}
+# What tells a pipelined tensor-core loop from one that is not: asynchronous copies to shared memory (LDGSTS), the
+# FP8 (QGMMA) or 16-bit (HGMMA) warpgroup MMAs, conversions from E4M3, byte stores to shared memory, spills.
+GEMM_OPS = ("LDGSTS", "QGMMA", "HGMMA", "F2FP.F16.E4M3", "STS.U8", "STL", "LDL")
+
+
+def report_split_gemm(out_dir: str) -> None:
+    """The split GEMM (kernels/split_gemm.py) at the 8B's decode tiles, K split in parallel: W8A16 at 16 rows (the
+    FP8 rule's tiles up to 16 rows) and W8A8 at 64 (FP8 activations, kernels/fp8_linear.SplitW8a8). Whole-kernel
+    opcode counts, not a loop's: the K loop is software-pipelined and its prologue holds copies too."""
+    for name, x, rows, tiles in (("W8A16, 16 rows", "*bf16", 16, split_gemm.SplitTiles(block_k=256)),
+                                 ("W8A8, 64 rows", "*fp8e4nv", 64,
+                                  split_gemm.SplitTiles(block_n=128, block_k=128, num_warps=8))):
+        kernel = split_gemm._split_gemm_kernel
+        sig = {a: dict(SPLIT_POINTERS, x_ptr=x).get(a, "i32") for a in kernel.arg_names
+               if not a.isupper() or a in ("M", "N", "K", "K_PER_SPLIT", "SPLITS")}
+        compiled = _compile(kernel, sig, dict(
+            ROW_TILE=rows, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_SCALE=True, HAS_X_SCALE=x != "*bf16",
+            HAS_BIAS=False, PARALLEL=True, PREFETCH=False, DOT_PRECISION="tf32", UPCAST_DOT=False,
+            ROWWISE_DOT=False, PDL=True, BLOCK_SCALES=False, SCALE_BN=1, SCALE_BK=1), num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
+        path = os.path.join(out_dir, f"split_gemm_{'w8a8' if x != '*bf16' else 'w8a16'}")
+        with open(path + ".cubin", "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = _tool("nvdisasm", "-c", path + ".cubin")
+        regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
+        ops = {op: len(re.findall(rf"\b{re.escape(op)}\S*", sass)) for op in GEMM_OPS}
+        print(f"split GEMM {tiles.block_n}x{tiles.block_k} w{tiles.num_warps}, {name:15s} regs {regs:>3s}  smem "
+              f"{compiled.metadata.shared:6d} B  {ops}")
+
+
 # The streaming GEMV's scale arguments for per-row scales.
 PER_ROW = dict(BLOCK_SCALES=False, SCALE_BN=1, WORDS_PER_BLOCK=1, UNIFORM=False, EVEN_J=True)
 
@@ -206,6 +242,7 @@ def main() -> None:
         q8.block_n * q8.block_j * 4, 32 * q8.num_warps, out_dir,
         dp4a_per_step=q8.block_n * q8.block_j // (32 * q8.num_warps))
     report_decode_attention(out_dir)
+    report_split_gemm(out_dir)
     print(f"(files in {out_dir})")
 
 
