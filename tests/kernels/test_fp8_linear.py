@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 
 from ostinato.kernels import fp8_linear  # noqa: E402
 from ostinato.kernels.fp8_linear import (FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX, Fp8Linear, Fp8Tiles,  # noqa: E402
-                                         MmaTiles, SplitTiles, choose_fp8_path, dequantize_fp8, fp8_gemv, fp8_mma,
-                                         StreamTiles, W8a8Tiles, fp8_w8a8, quantize_per_token, quantize_rows,
+                                         MmaTiles, SplitTiles, SplitW8a8, choose_fp8_path, dequantize_fp8, fp8_gemv,
+                                         fp8_mma, StreamTiles, W8a8Tiles, fp8_w8a8, quantize_per_token, quantize_rows,
                                          quantize_tokens, split_gemm)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,11 +200,13 @@ def test_path_rule():
     assert isinstance(choose_fp8_path(1, 4096, 4096, False, cuda=True, stream=False), Fp8Tiles)
     assert choose_fp8_path(FP8_GEMV_MAX_ROWS + 1, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(16, 4096, 4096, False, cuda=True) == SplitTiles(block_k=256)
-    assert choose_fp8_path(17, 4096, 4096, False, cuda=True) == "scaled_mm"
+    assert choose_fp8_path(17, 4096, 4096, False, cuda=True) == SplitW8a8()  # FP8 activations, K split
+    assert choose_fp8_path(64, 4096, 14336, False, cuda=True) == SplitW8a8()
+    assert choose_fp8_path(65, 4096, 4096, False, cuda=True) == "scaled_mm"
     assert choose_fp8_path(17, 3072, 2048, False, cuda=True) == SplitTiles(block_k=256)  # narrow: few 128-wide tiles
     assert choose_fp8_path(64, 2048, 8192, False, cuda=True) == SplitTiles(block_k=256)
     assert choose_fp8_path(65, 2048, 8192, False, cuda=True) == "scaled_mm"
-    assert choose_fp8_path(64, 16384, 2048, False, cuda=True) == "scaled_mm"
+    assert choose_fp8_path(64, 16384, 2048, False, cuda=True) == SplitW8a8()
     assert choose_fp8_path(16, 4096, 4096, True, cuda=True) == SplitTiles(block_k=128)  # block scales, few rows
     assert choose_fp8_path(64, 3072, 2048, True, cuda=True) == SplitTiles(block_k=128)  # block scales, narrow
     assert choose_fp8_path(64, 4096, 4096, True, cuda=True) == MmaTiles()  # block scales above 16 rows
@@ -242,6 +244,8 @@ def test_measured_entries_are_configs_the_kernels_take():
             assert config.block_n >= 16 and config.block_k >= 32
         elif isinstance(config, SplitTiles):
             assert min(config.block_n, config.block_k, config.min_row_tile) >= 16
+        elif isinstance(config, SplitW8a8):
+            assert min(config.tiles.block_n, config.tiles.block_k, config.tiles.min_row_tile) >= 16
         else:
             assert config == "scaled_mm" and n % 16 == 0 and k % 16 == 0, (m, n, k, config)
 
@@ -313,14 +317,16 @@ def test_every_path_at_the_real_projection_shapes(m, n, k, block):
     layer = _layer(n, k, block, False, gen, "cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = _reference(x.cpu(), layer.weight.cpu(), layer.weight_scale.cpu(), block, None).cuda()
-    # W8A16 keeps x in bf16: bf16's output rounding; _scaled_mm also rounds x to fp8 (per-token scales)
-    limit = 5e-2 if choose_fp8_path(m, n, k, block is not None, True) == "scaled_mm" else 1e-2
+    # W8A16 keeps x in bf16: bf16's output rounding; _scaled_mm and the W8A8 split GEMM also round x to fp8
+    # (per-token scales)
+    path = choose_fp8_path(m, n, k, block is not None, True)
+    limit = 5e-2 if path == "scaled_mm" or isinstance(path, SplitW8a8) else 1e-2
     assert _relative_error(layer.linear(x, pdl=True), ref) < limit
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 8, 64])  # the streaming GEMV, the split GEMM, _scaled_mm
+@pytest.mark.parametrize("m", [1, 8, 64, 128])  # the streaming GEMV, the split GEMM (W8A16, W8A8), _scaled_mm
 def test_fp8_linear_replays_in_a_cuda_graph(m):
     gen = torch.Generator().manual_seed(1)
     layer = _layer(6144, 4096, None, False, gen, "cuda")

@@ -18,11 +18,12 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
     split       4-16 rows (3-16 with block scales; up to 64 where N <= 3072), bf16, and where FP8_MEASURED names
                 SplitTiles: the split GEMM (kernels/split_gemm.py), W8A16 with the weight on the MMA's wide
                 side and K split to fill the GPU in one wave, no activation quantization
+    split W8A8  17-64 rows where N > 3072, per-row scales, bf16: the same split GEMM on the activations quantized
+                per token by one kernel (kernels/fp8_mma.py), E4M3 times E4M3 on the FP8 tensor cores
     mma         above 16 rows with block scales (64 where N <= 3072), on CUDA: the Triton W8A16 tensor-core kernel
                 (kernels/fp8_mma.py)
-    scaled_mm   above 16 rows (64 where N <= 3072), per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor
-                cores) with the activations quantized per token, each row with its own scale, by one kernel
-                (kernels/fp8_mma.py)
+    scaled_mm   above 64 rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
+                activations quantized per token, each row with its own scale, by the same kernel
     dequantize  everything else (CPU, fp32 activations, shapes _scaled_mm refuses): the
                 weight dequantized to the activation dtype for this call only, then a dense matmul. It keeps
                 no dense copy, so memory stays the FP8 bytes; it is the reference path on CPU.
@@ -66,6 +67,10 @@ _FEW_ROWS_SPLIT_BLOCKS = SplitTiles(block_k=128)
 # Up to this many rows and output columns, _scaled_mm's 128 x 128 tiles cover the projection in at most 24 CTAs on
 # 132 SMs: the split GEMM, which splits K to fill the GPU, takes those too.
 _NARROW_ROWS, _NARROW_N = 64, 3072
+# Up to this many rows, per-row scales, the wider projections: the split GEMM on FP8 activations, not _scaled_mm.
+# Whole 8B steps ran 13% faster at 32 rows and 6% at 64, the 1B's 2-3% (docs/PERFORMANCE.md, FP8); above 64
+# rows it was not measured.
+_W8A8_SPLIT_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class SplitW8a8:
 
 
 Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | SplitTiles | SplitW8a8 | str
+_W8A8_SPLIT = SplitW8a8()
 # The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
 # the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
 # SwiGLU folds at every row the streaming GEMV takes, as the bf16 fold won at 1-16 (kernels/gemv.py, choose_glu_fold).
@@ -87,9 +93,6 @@ _GLU_FOLD_ROWS = 4
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
 # entries benchmarks/kernels/fp8_linear.py prints at the end of its sweep ("table entries") go here.
 FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
-    # Llama-3.1-8B's down projection at 64 rows: the split GEMM with 128-row weight tiles beat _scaled_mm with
-    # its activation quantization, alone and in the step (docs/PERFORMANCE.md, FP8).
-    (64, 4096, 14336): SplitTiles(block_n=128, num_warps=8),
     # The sweep times each projection alone: without PDL, without the kernels around it in the step, and
     # without the norm and SwiGLU folds qkv and gate_up carry at one row. So its winners go here only once a
     # whole step confirms them; at 5-16 rows the steps chose the rule's split tiles where the sweep chose others.
@@ -98,9 +101,10 @@ FP8_MEASURED: dict[tuple[int, int, int], Fp8Path] = {
 
 def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16: bool = True,
                     stream: bool = True) -> Fp8Path:
-    """How Fp8Linear computes [m, k] @ W[n, k]^T: the GEMV's tiles (Fp8Tiles), the tensor-core kernel's
-    (MmaTiles), the W8A8 few-rows kernel's (W8a8Tiles), "scaled_mm" or "dequantize". From shapes only, so
-    fixed before graph capture.
+    """How Fp8Linear computes [m, k] @ W[n, k]^T: the streaming GEMV's or the first GEMV's tiles (StreamTiles,
+    Fp8Tiles), the split GEMM's (SplitTiles, or SplitW8a8 on FP8 activations), the tensor-core kernel's (MmaTiles),
+    the W8A8 few-rows kernel's (W8a8Tiles), "scaled_mm" or "dequantize". From shapes only, so fixed before graph
+    capture.
 
     - a measured entry of FP8_MEASURED for (m, n, k), per-row scales on CUDA, wins. Only there does the W8A8
       few-rows kernel (kernels/fp8_w8a8.py) run: it rounds the activations to E4M3 at rows the W8A16 kernels
@@ -125,6 +129,10 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
       64 rows made the 1B's step faster than with _scaled_mm, whose 128-wide tiles leave most SMs idle there. Block
       scales take it where per-row scales do: the tensor-core kernel's 128-wide tiles leave the same SMs idle
       (docs/PERFORMANCE.md, FP8, has the block-scaled steps before and after).
+    - 17-64 rows, per-row scales, bf16, n and k multiples of 16: the split GEMM on the activations quantized per
+      token (SplitW8a8): E4M3 times E4M3, nothing widened, K split so that N = 4096 still fills the GPU, where
+      _scaled_mm's 128 x 128 tiles make 32 CTAs. Alone it beat _scaled_mm on each of the 8B's projections at 64
+      rows, and whole steps of the 8B and the 1B at 32 and 64 rows (docs/PERFORMANCE.md, FP8).
     - more rows, per-row scales, bf16 activations, n and k multiples of 16 (what _scaled_mm's row-wise
       scaling accepts): _scaled_mm on activations quantized per token by one kernel; the FP8 tensor cores do
       twice bf16's math and read one byte a weight.
@@ -149,7 +157,7 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     if bf16 and (m <= _SMALL_MMA_ROWS or (m <= _NARROW_ROWS and n <= _NARROW_N)):
         return _FEW_ROWS_SPLIT_BLOCKS if block_scales else _FEW_ROWS_SPLIT
     if not block_scales and bf16 and n % 16 == 0 and k % 16 == 0:
-        return "scaled_mm"
+        return _W8A8_SPLIT if m <= _W8A8_SPLIT_ROWS else "scaled_mm"
     if block_scales and bf16:
         return MMA_TILE
     return "dequantize"
