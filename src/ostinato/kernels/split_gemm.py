@@ -1,6 +1,6 @@
 """y = x @ W^T (+ b) on the tensor cores with the weight on the MMA's wide side and K split over programs, each
-output summed in one fixed order: the batch-invariant projections' GEMM (kernels/invariant_linear.py) and a
-W8A16 candidate for FP8 weights (kernels/fp8_linear.py).
+output summed in one fixed order: the batch-invariant projections' GEMM (kernels/invariant_linear.py) and FP8
+weights' projections at decode rows (kernels/fp8_linear.py): W8A16, or W8A8 on activations quantized per token.
 
 Why this shape of kernel: at decode a projection has few rows and a weight far larger than L2, so the time is the
 weight read, and what matters is that every SM keeps loads in flight. A GEMM tile with the rows on the MMA's
