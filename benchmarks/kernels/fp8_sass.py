@@ -29,8 +29,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ostinato.kernels import (decode_attention, fp8_gemv, fp8_stream, gemv, gguf_int8_q4k, gguf_int8_q6k_q80,
-                              split_gemm)
+from ostinato.kernels import (decode_attention, fp8_gemv, fp8_linear, fp8_stream, gemv, gguf_int8_q4k,
+                              gguf_int8_q6k_q80, split_gemm)
 from ostinato.kernels.decode_plan import DecodeTuning
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -159,12 +159,11 @@ GEMM_OPS = ("LDGSTS", "QGMMA", "HGMMA", "F2FP.F16.E4M3", "STS.U8", "STL", "LDL")
 
 
 def report_split_gemm(out_dir: str) -> None:
-    """The split GEMM (kernels/split_gemm.py) at the 8B's decode tiles, K split in parallel: W8A16 at 16 rows (the
-    FP8 rule's tiles up to 16 rows) and W8A8 at 64 (FP8 activations, kernels/fp8_linear.SplitW8a8). Whole-kernel
-    opcode counts, not a loop's: the K loop is software-pipelined and its prologue holds copies too."""
-    for name, x, rows, tiles in (("W8A16, 16 rows", "*bf16", 16, split_gemm.SplitTiles(block_k=256)),
-                                 ("W8A8, 64 rows", "*fp8e4nv", 64,
-                                  split_gemm.SplitTiles(block_n=128, block_k=128, num_warps=8))):
+    """The split GEMM (kernels/split_gemm.py) at the tiles the FP8 rule gives the 8B's projections, K split in
+    parallel: W8A16 at 16 rows and W8A8 at 64 (FP8 activations). Whole-kernel opcode counts, not a loop's: the K
+    loop is software-pipelined and its prologue holds copies too."""
+    w8a16, w8a8 = (fp8_linear.choose_fp8_path(m, 6144, 4096, False, cuda=True) for m in (16, 64))
+    for name, x, rows, tiles in (("W8A16, 16 rows", "*bf16", 16, w8a16), ("W8A8, 64 rows", "*fp8e4nv", 64, w8a8.tiles)):
         kernel = split_gemm._split_gemm_kernel
         sig = {a: dict(SPLIT_POINTERS, x_ptr=x).get(a, "i32") for a in kernel.arg_names
                if not a.isupper() or a in ("M", "N", "K", "K_PER_SPLIT", "SPLITS")}
