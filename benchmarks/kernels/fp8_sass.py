@@ -3,8 +3,9 @@ SASS (instructions a thread a weight byte, and the opcode mix), for the first FP
 streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and the GGUF Q4_K / Q6_K / Q8_0
 integer-dot GEMVs (kernels/gguf_int8_q4k.py, gguf_int8_q6k_q80.py; code bytes only, not their headers and scales)
 at the 8B's one-row tiles, and Q4_K's 4-row kernel; the decode attention kernel (kernels/decode_attention.py)
-over a bf16 and an FP8 KV cache at llama-3.2-1b's heads, as a batch that fills the GPU launches it (K/V bytes); and
-the split GEMM (kernels/split_gemm.py), W8A16 and W8A8, whether its K loop copies asynchronously and on which MMA.
+over a bf16 and an FP8 KV cache at llama-3.2-1b's heads, as a batch that fills the GPU launches it (K/V bytes), and
+at the 8B's one row with its output quantized for a GGUF o_proj and not; and the split GEMM
+(kernels/split_gemm.py), W8A16 and W8A8, whether its K loop copies asynchronously and on which MMA.
 
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
 re-laying data out through shared memory; both show in the SASS, which Triton's bundled ptxas and nvdisasm
@@ -117,7 +118,8 @@ Q6K_SIG = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "s16_ptr": "*fp32", "w_ptr": "*i
 DECODE_POINTERS = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
                    "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counters_ptr": "*i32",
                    "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "cos_sin_ptr": "*bf16", "positions_ptr": "*i64",
-                   "slot_mapping_ptr": "*i64"}
+                   "slot_mapping_ptr": "*i64", "xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32",
+                   "cx_ptr": "*fp32", "s16_ptr": "*fp32"}
 
 
 def decode_signature(cache: str) -> dict:
@@ -143,12 +145,37 @@ def report_decode_attention(out_dir: str) -> None:
     meta = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
                 BLOCK_N=tuning.block_n, SPLIT=False, MERGE_GROUP=4, MERGE_CHUNK=1, SPLITS_PAD=1,
                 DOT_PRECISION="tf32", UPCAST_DOT=False, ROPE=True, QK_NORM=False, EMULATE_BF16=False, PDL=True,
-                PREFETCH=True)
+                PREFETCH=True, QUANT_OUT=False)
     for cache, itemsize in (("*bf16", 2), ("*fp8e4nv", 1)):
         compiled = _compile(decode_attention._decode_split_kernel, decode_signature(cache), meta,
                             num_warps=tuning.num_warps, num_stages=tuning.num_stages)
         kv_bytes = 2 * tuning.block_n * meta["HEAD_DIM"] * itemsize
         report(f"decode attention, {cache[1:]} KV, 1B heads", compiled, kv_bytes, 32 * tuning.num_warps, out_dir)
+
+
+def report_decode_quantized_output(out_dir: str) -> None:
+    """The decode kernel as the 8B's one-row step launches it (32 heads on 8 KV heads of 128, 32 slices), its output
+    stored in bf16 and written quantized for a GGUF o_proj (DecodeTuning.quantize_output, kernels/decode_output.py):
+    registers, shared memory, instructions in all, spills."""
+    tuning, splits = DecodeTuning(), 32
+    splits_pad = triton.next_power_of_2(tuning.merge_slices(splits))
+    meta = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
+                BLOCK_N=tuning.block_n, SPLIT=True, MERGE_GROUP=4, SPLITS_PAD=splits_pad,
+                MERGE_CHUNK=max(1, min(splits_pad, tuning.merge_chunk_elems // (4 * 128))), DOT_PRECISION="tf32",
+                UPCAST_DOT=False, ROPE=True, QK_NORM=False, EMULATE_BF16=False, PDL=True, PREFETCH=True)
+    num_warps, num_stages = tuning.launch_for(splits, 8, 132)
+    for quantized in (False, True):
+        compiled = _compile(decode_attention._decode_split_kernel, decode_signature("*bf16"),
+                            dict(meta, QUANT_OUT=quantized), num_warps=num_warps, num_stages=num_stages)
+        path = os.path.join(out_dir, f"decode_8B_one_row{'_quantized' if quantized else ''}")
+        with open(path + ".cubin", "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = _tool("nvdisasm", "-c", path + ".cubin")
+        regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
+        instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
+        print(f"decode attention, 8B one row, output {'quantized' if quantized else 'bf16':9s} regs {regs:>3s}  "
+              f"smem {compiled.metadata.shared:6d} B  {instructions} instr  spills {sass.count(' STL')} stores, "
+              f"{sass.count(' LDL')} loads")
 
 
 SPLIT_POINTERS = {"xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
@@ -241,6 +268,7 @@ def main() -> None:
         q8.block_n * q8.block_j * 4, 32 * q8.num_warps, out_dir,
         dp4a_per_step=q8.block_n * q8.block_j // (32 * q8.num_warps))
     report_decode_attention(out_dir)
+    report_decode_quantized_output(out_dir)
     report_split_gemm(out_dir)
     print(f"(files in {out_dir})")
 

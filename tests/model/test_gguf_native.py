@@ -216,3 +216,42 @@ def test_a_quantized_head_gives_float32_logits_from_16_bit_rows():
     torch.testing.assert_close(logits, hidden.float() @ w.T, rtol=0, atol=0)
     assert head(hidden).dtype == torch.bfloat16
     assert not torch.equal(logits, head(hidden).float())  # bf16 logits are rounded; float32 ones are not
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_decode_writing_o_projs_input_quantized_changes_no_logprob(q4_k_m, cache, monkeypatch):
+    """On CUDA, with DecodeTuning.quantize_output, the decode attention writes the Q4_K o_proj's int8 input itself
+    (kernels/decode_output.py) where a kernel of its own quantizes the stored output: the same codes (each block's
+    sum of x may round apart, tests/kernels/test_decode_quantized_output.py), so the same tokens and logprobs, in the
+    decode graphs."""
+    from ostinato.attention.triton_paged import TritonPagedBackend
+    from ostinato.kernels.decode_plan import DecodeTuning
+
+    prompts = [[0, 17, 250, 31, 99], [0, 5, 6, 7], [0, 300, 2, 480, 77, 12, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def generate(quantize_output):
+        llm = LLM(str(q4_k_m), dtype="bfloat16", max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
+                  gpu_memory_utilization=0.3, decode_tuning=DecodeTuning(quantize_output=quantize_output))
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+        return [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs]
+
+    handed = []
+    decode_with_rope = TritonPagedBackend.decode_with_rope
+
+    def spy(self, *args, **kwargs):
+        handed.append((args + (None,) * 11)[10] if "quantized" not in kwargs else kwargs["quantized"])
+        return decode_with_rope(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonPagedBackend, "decode_with_rope", spy)
+    fused = generate(True)
+    assert any(q is not None for q in handed), "the decode was never handed o_proj's quantized input"
+    handed.clear()
+    apart = generate(False)
+    assert handed and all(q is None for q in handed)
+    assert [tokens for tokens, _ in apart] == [tokens for tokens, _ in fused]
+    for (_, ours), (_, theirs) in zip(fused, apart):
+        np.testing.assert_allclose([lp for lp, _ in ours], [lp for lp, _ in theirs], atol=1e-2)

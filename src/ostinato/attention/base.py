@@ -56,12 +56,20 @@ class AttentionBackend(ABC):
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """One query token per sequence over its context_lens[s] cached tokens. [num_seqs, H, D]."""
 
+    def decode_quantizes_output(self, head_dim: int) -> bool:
+        """Whether decode_with_rope takes `quantized` at this head_dim: the output written as the GGUF
+        integer-dot kernels read their input (kernels/gguf_int8_dot.QuantizedX), for o_proj. Default: never."""
+        return False
+
     def decode_with_rope(self, heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                          cos_sin_cache: torch.Tensor, positions: torch.Tensor, eps: float, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         quantized: object | None = None) -> torch.Tensor:
         """decode() from the fused qkv projection heads [num_seqs, H + 2Hkv, D]: (with weights, per-head
         RMSNorm of q and k, then) RoPE at `positions`, the new K/V written at meta.slot_mapping, attention
-        over context_lens tokens, the new one included. [num_seqs, H, D]. Only where decode_applies_rope."""
+        over context_lens tokens, the new one included. [num_seqs, H, D]. Only where decode_applies_rope.
+        quantized (where decode_quantizes_output): the output goes there instead, and what comes back is
+        unwritten."""
         raise NotImplementedError(f"the {self.name} attention backend does not apply RoPE in its decode")
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -124,9 +124,15 @@ class TritonPagedBackend(AttentionBackend):
     def decode_applies_rope(self) -> bool:  # type: ignore[override]  # fixed by the tuning, before capture
         return self.tuning.decode.apply_rope
 
+    def decode_quantizes_output(self, head_dim: int) -> bool:
+        # A kv head's query heads are then whole 32-blocks of the output row (kernels/decode_output.py).
+        return self.decode_applies_rope and self.tuning.decode.quantize_output and head_dim >= 32 \
+            and head_dim & (head_dim - 1) == 0
+
     def decode_with_rope(self, heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                          cos_sin_cache: torch.Tensor, positions: torch.Tensor, eps: float, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         quantized: object | None = None) -> torch.Tensor:
         # heads: [num_seqs, H + 2Hkv, D], the qkv projection -> out: [num_seqs, H, D]
         check_inputs(heads, k_cache, v_cache)
         num_kv_heads = k_cache.shape[2]
@@ -135,7 +141,7 @@ class TritonPagedBackend(AttentionBackend):
         assert block_tables.shape[0] == heads.shape[0] and context_lens.shape == (heads.shape[0],)
         rope = DecodeRope(q_weight, k_weight, cos_sin_cache, positions, meta.slot_mapping, eps)
         return paged_decode(contiguous_last(heads), k_cache, v_cache, block_tables, context_lens, scale, group,
-                            self.tuning.decode, self.split_counters, rope)
+                            self.tuning.decode, self.split_counters, rope, quantized)
 
     # ---- prefill ---------------------------------------------------------------------------------------
 

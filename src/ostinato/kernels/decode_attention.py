@@ -73,7 +73,9 @@ import triton.language as tl
 from ostinato.kernels import deferred_launch
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
 from ostinato.kernels.split_counters import SplitCounters
+from ostinato.kernels.decode_output import merge_partials, store_heads
 from ostinato.kernels.decode_plan import DecodeRope, DecodeTuning, choose_num_splits
+from ostinato.kernels.gguf_int8_dot import QuantizedX
 from ostinato.kernels.device import num_sms
 from ostinato.kernels.rope_tile import load_norm_rope, norm_weights, rope_table
 from ostinato.kernels.attention_common import (KERNELS_INTERPRETED, LOG2E, dot, dot_settings, kv_to_cache, loop_query,
@@ -143,6 +145,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
     q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, slot_mapping_ptr,
+    xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr,
     scale_log2e, num_splits, eps, late_trigger_programs,
     stride_qs, stride_qh, stride_os, stride_oh, stride_cs,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
@@ -151,7 +154,7 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, QUANT_OUT: tl.constexpr,
 ):
     # num_splits is a run-time argument (one compiled kernel for every split count); SPLIT = num_splits > 1,
     # and then the last split to finish merges the partials (no reduce launch). ROPE: q_ptr is the qkv
@@ -162,7 +165,8 @@ def _decode_split_kernel(
     # length, block table and RoPE row it needs, and the q/k norm weights: no kernel of the step writes any of
     # them (weights never; the step's inputs are complete before its first PDL kernel; and with ROPE no slice
     # reads the one slot this layer writes: the newest token comes from registers). Without it nothing
-    # precedes the wait.
+    # precedes the wait. QUANT_OUT: the output goes to xq_ptr .. s16_ptr quantized for o_proj's integer dot
+    # products instead of to out_ptr (kernels/decode_output.py).
     if not PREFETCH:
         pdl_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -265,8 +269,8 @@ def _decode_split_kernel(
 
     if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context 0 -> zeros, not NaN
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        store_heads(out, out_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, seq, kv_head, stride_os, stride_oh,
+                    GROUP_PAD, NUM_HEADS, GROUP, HEAD_DIM, HEAD_DIM_PAD, QUANT_OUT, EMULATE_BF16)
     else:
         # Partials: [num_seqs, NUM_HEADS, num_splits] (+ [HEAD_DIM_PAD] for the output), contiguous.
         part_idx = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
@@ -284,64 +288,23 @@ def _decode_split_kernel(
             # the next launch (graph replays reuse it; launches on one stream never overlap).
             tl.debug_barrier()
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active,
-                            num_splits, stride_os, stride_oh, NUM_HEADS, GROUP, MERGE_GROUP, HEAD_DIM,
-                            HEAD_DIM_PAD, MERGE_CHUNK, SPLITS_PAD)
-
-
-@triton.jit
-def _merge_partials(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active, num_splits,
-                    stride_os, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, MERGE_GROUP: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                    SPLITS_PAD: tl.constexpr):
-    """out[seq, heads of kv_head] from the num_active partials (max, sum, unnormalised output) of those
-    heads, all loaded at once: [MERGE_GROUP, SPLITS_PAD] maxima and sums, then [MERGE_GROUP, MERGE_CHUNK,
-    HEAD_DIM_PAD] outputs per chunk of slices (DecodeTuning.merge_chunk_elems: 32 slices at GROUP 2, head_dim
-    128). Loads are .cg (L2, not this SM's L1): the partials were written by other SMs during this launch."""
-    offs_g = tl.arange(0, MERGE_GROUP)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    heads = kv_head * GROUP + offs_g  # [MERGE_GROUP]
-    g_mask = offs_g < GROUP
-    base = (seq * NUM_HEADS + heads) * num_splits  # [MERGE_GROUP] first partial of each head
-    gs_mask = g_mask[:, None] & (offs_s < num_active)[None, :]
-    # The first chunk's outputs are requested with the maxima and sums: one round trip to L2 where the active
-    # slices fit in one chunk (batch 1 at short contexts, where this merge is on the step's critical path).
-    offs_c = tl.arange(0, MERGE_CHUNK)
-    gc_mask = g_mask[:, None] & (offs_c < num_active)[None, :]  # [MERGE_GROUP, MERGE_CHUNK]
-    idx = base[:, None] + offs_c[None, :]
-    o = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=gc_mask[:, :, None],
-                other=0.0, cache_modifier=".cg")  # [MERGE_GROUP, MERGE_CHUNK, HEAD_DIM_PAD]
-    m_c = tl.load(part_max_ptr + idx, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
-    m_s = tl.load(part_max_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"),
-                  cache_modifier=".cg")  # [MERGE_GROUP, SPLITS_PAD]
-    l_s = tl.load(part_sum_ptr + base[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m_s, 1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context 0 (or a padded head): weights 0, not NaN
-    total = tl.sum(l_s * tl.exp2(m_s - m_max[:, None]), 1)  # [MERGE_GROUP]
-    acc = tl.sum(o * tl.exp2(m_c - m_max[:, None])[:, :, None], 1)  # [MERGE_GROUP, HEAD_DIM_PAD]; 0 where masked
-    for s0 in range(MERGE_CHUNK, num_active, MERGE_CHUNK):
-        chunk = s0 + offs_c  # [MERGE_CHUNK] slice indices
-        gc_mask = g_mask[:, None] & (chunk < num_active)[None, :]
-        idx = base[:, None] + chunk[None, :]
-        m_c = tl.load(part_max_ptr + idx, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m_c - m_max[:, None])  # [MERGE_GROUP, MERGE_CHUNK]; 0 where masked
-        o = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :],
-                    mask=gc_mask[:, :, None], other=0.0, cache_modifier=".cg")  # [G, CHUNK, HEAD_DIM_PAD]
-        acc += tl.sum(o * w[:, :, None], 1)
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+            out = merge_partials(part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_active, num_splits,
+                                 NUM_HEADS, GROUP, MERGE_GROUP, HEAD_DIM, HEAD_DIM_PAD, MERGE_CHUNK, SPLITS_PAD)
+            store_heads(out, out_ptr, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, seq, kv_head, stride_os, stride_oh,
+                        MERGE_GROUP, NUM_HEADS, GROUP, HEAD_DIM, HEAD_DIM_PAD, QUANT_OUT, EMULATE_BF16)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, group: int, tuning: DecodeTuning,
-                 counters: SplitCounters, rope: DecodeRope | None = None) -> torch.Tensor:
+                 counters: SplitCounters, rope: DecodeRope | None = None,
+                 quantized: QuantizedX | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] (head_dim contiguous) -> out, same shape. With `rope`, q is the qkv
     projection [num_seqs, num_heads + 2 * num_kv_heads, head_dim] instead (heads q | k | v, as from the
     fused projection): q and the new k are normalised and rotated here, the new K/V written to the cache,
-    and context_lens count the new token (>= 1). CUDA-graph safe: no host sync, and every allocation and
-    the grid depend on shapes only."""
+    and context_lens count the new token (>= 1). With `quantized` (room for num_seqs rows of num_heads *
+    head_dim, head_dim a power of two >= 32) the output goes there as gguf_int8_dot.quantize_x would make it
+    from out, and out is left unwritten. CUDA-graph safe: no host sync, and every allocation and the grid depend
+    on shapes only."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if rope is not None:
@@ -351,6 +314,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert rope.cos_sin_cache.dtype == q.dtype and rope.positions.shape == rope.slot_mapping.shape == (num_seqs,)
         assert (rope.q_weight is None) == (rope.k_weight is None)
     out = torch.empty(num_seqs, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    if quantized is not None:
+        assert head_dim >= 32 and head_dim == pad_dim(head_dim) and q.dtype in (torch.bfloat16, torch.float16)
+        assert quantized.xq.shape == (num_seqs, num_heads * head_dim // 4) and quantized.xq.is_contiguous()
     if num_seqs == 0:
         return out
     sms = num_sms(q.device)
@@ -376,11 +342,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         eps, stride_cs = rope.eps, rope.cos_sin_cache.stride(0)
     else:
         rope_args, eps, stride_cs, norm = (q,) * 5, 0.0, 0, False  # unread placeholders
-    # Deferred (kernels/deferred_launch.py) it writes nothing: neither `out` (zeroed) nor the new token's K/V,
-    # which only this pass's own later reads would see.
+    # Deferred (kernels/deferred_launch.py) it writes nothing: neither `out` nor `quantized` (zeroed) nor the new
+    # token's K/V, which only this pass's own later reads would see.
     deferred_launch.launch(_decode_split_kernel, (num_seqs, num_kv_heads, splits), (
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_max, part_sum, arrivals, *rope_args,
+        out, part_out, part_max, part_sum, arrivals, *rope_args, *(quantized if quantized is not None else (q,) * 5),
         scale * LOG2E, splits, eps, tuning.late_trigger_programs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -389,7 +355,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n,
         SPLIT=splits > 1, MERGE_GROUP=merge_group, MERGE_CHUNK=merge_chunk, SPLITS_PAD=splits_pad,
         ROPE=rope is not None, QK_NORM=norm, EMULATE_BF16=KERNELS_INTERPRETED and q.dtype == torch.bfloat16,
-        PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, **dot_settings(q.dtype),
+        PDL=tuning.pdl, PREFETCH=tuning.pdl and rope is not None, QUANT_OUT=quantized is not None,
+        **dot_settings(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch_options(tuning.pdl),
-    ), (out,))
+    ), (out,) if quantized is None else tuple(quantized))
     return out

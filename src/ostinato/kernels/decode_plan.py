@@ -52,6 +52,10 @@ class DecodeTuning:
         otherwise compiles its own (a capture up to batch 64 of the 8B compiled six; with it, three). On: a
         launch of few splits (8 at a 512-token context) took as long with the wider tile within a few percent
         either way, on both shapes measured (docs/PERFORMANCE.md, "Why these defaults").
+    quantize_output: with apply_rope, where o_proj reads its input quantized to int8 (a GGUF projection at the rows
+        that take integer dot products), the decode writes it so (kernels/decode_output.py) and o_proj's own
+        quantizing launch goes. Off until whole steps have measured it: its kernels and tests are in, its timing
+        on a GPU is not (docs/PERFORMANCE.md, GGUF).
     split_num_stages: num_stages of a launch that splits the context to fill idle SMs (launch_for).
         Such a launch is one whose batch leaves SMs idle, so its programs walk few tiles and the step waits
         on their latency; software pipelining then only adds a prologue. An unsplit launch, whose programs walk
@@ -73,6 +77,7 @@ class DecodeTuning:
     split_num_stages: int = 1
     merge_chunk_elems: int = 8192
     merge_tile_for_max_splits: bool = True
+    quantize_output: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):

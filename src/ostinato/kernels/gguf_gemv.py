@@ -328,7 +328,7 @@ def quantization_folds(x: torch.Tensor, qtypes: Sequence[int]) -> bool:
     return all(takes_quantized_x(x, qtype) for qtype in qtypes)
 
 
-def _from_quantized(x: torch.Tensor, qx: QuantizedX, parts: KernelParts, pdl: bool) -> torch.Tensor:
+def linear_from_quantized(x: torch.Tensor, qx: QuantizedX, parts: KernelParts, pdl: bool) -> torch.Tensor:
     """x's rows as qx holds them @ [W_0; W_1; ...]^T; of x only its shape and dtype are used."""
     out = torch.empty(x.shape[0], sum(blocks.shape[0] for blocks, _, _ in parts), device=x.device, dtype=x.dtype)
     gguf_concat_into(x, parts, out, pdl, qx)
@@ -340,14 +340,14 @@ def gguf_norm_linear(x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Ten
     """(rmsnorm(x + residual) * weight @ [W_0; W_1; ...]^T, x + residual), norm = (residual or None, weight, eps):
     the norm folded into the activations' quantization (kernels/gguf_int8_input.py), where quantization_folds."""
     qx, residual = norm_quantize_x(x, *norm, pdl=pdl)
-    return _from_quantized(x, qx, parts, pdl), residual
+    return linear_from_quantized(x, qx, parts, pdl), residual
 
 
 def gguf_glu_linear(gate_up: torch.Tensor, parts: KernelParts, pdl: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ [W_0; W_1; ...]^T, gate_up [M, 2K]: the SwiGLU folded into the activations'
     quantization (kernels/gguf_int8_input.py), where quantization_folds for its [M, K] rows."""
     qx = glu_quantize_x(gate_up, pdl)
-    return _from_quantized(gate_up[:, :gate_up.shape[1] // 2], qx, parts, pdl)
+    return linear_from_quantized(gate_up[:, :gate_up.shape[1] // 2], qx, parts, pdl)
 
 
 def gguf_linear_into(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None,

@@ -205,6 +205,18 @@ class GGUFProjection(QuantizedLinear):
 
         return gguf_norm_linear(x, norm, self.kernel_parts(), pdl)
 
+    def prepared_input(self, x: torch.Tensor) -> object | None:
+        if not self._quantization_folds(x):
+            return None
+        from ostinato.kernels.gguf_int8_dot import empty_quantized
+
+        return empty_quantized(x.shape[0], x.shape[1], x.device)
+
+    def prepared_linear(self, prepared: object, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        from ostinato.kernels.gguf_gemv import linear_from_quantized
+
+        return linear_from_quantized(x, prepared, self.kernel_parts(), pdl)
+
     def takes_glu_input(self, gate_up: torch.Tensor) -> bool:
         return gate_up.dim() == 2 and gate_up.shape[1] == 2 * self.in_features \
             and self._quantization_folds(gate_up[:, :self.in_features])
