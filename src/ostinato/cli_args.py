@@ -39,6 +39,49 @@ def read_queue_bound(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+def read_decode_tuning(text: str):
+    """--decode-tuning: a JSON object of the Triton decode attention's settings (kernels/decode_plan.DecodeTuning's
+    fields but pdl, which --pdl sets) -> a DecodeTuning. Each value must have its default's type."""
+    import json
+    from dataclasses import fields
+
+    from ostinato.kernels.decode_plan import DecodeTuning
+
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"splits\": 8}}', got {text!r} ({e})") \
+            from None
+    if not isinstance(given, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"splits\": 8}}', got {text!r}")
+    defaults = {f.name: f.default for f in fields(DecodeTuning) if f.name != "pdl"}
+    for name, value in given.items():
+        if name not in defaults:
+            raise argparse.ArgumentTypeError(f"no decode setting {name!r}; the settings: {', '.join(defaults)}")
+        if not _same_kind(value, defaults[name]):
+            kind = "int or null" if defaults[name] is None else type(defaults[name]).__name__
+            raise argparse.ArgumentTypeError(f"decode setting {name} takes {kind}, got {json.dumps(value)}")
+    try:
+        return DecodeTuning(**given)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+DECODE_TUNING_HELP = ("the Triton decode attention's launch settings as JSON, for measuring them (the fields of "
+                      "kernels/decode_plan.DecodeTuning, e.g. '{\"splits\": 8}' or '{\"quantize_output\": true}'; "
+                      "default: its defaults; CUDA only)")
+
+
+def _same_kind(value, default) -> bool:
+    """Whether a JSON value fits a setting whose default is `default` (None: an int or null; JSON's true is
+    not an int here)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if default is None:
+        return value is None or isinstance(value, int)
+    return isinstance(value, type(default))
+
+
 def _queue_bound_help(default: int | None) -> str:
     what = ("sequences that may wait for a slot (a request with n counts n); past it a request gets HTTP 429 "
             "with Retry-After, and 'none' lifts the bound")
@@ -109,6 +152,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, offline: bool = False,
                    help="programmatic dependent launch of the Triton kernels (Hopper and newer): each may start "
                         "while the one before it finishes; auto uses it where the GPU and triton support it, on "
                         "fails start-up where they do not")
+    g.add_argument("--decode-tuning", type=read_decode_tuning, default=None, metavar="JSON", help=DECODE_TUNING_HELP)
     g.add_argument("--batch-invariant", action="store_true",
                    help="every kernel reduces a request's rows in an order set by that request alone: its tokens "
                         "and logprobs are the same whatever runs beside it, padding and chunking (slower; "

@@ -239,3 +239,27 @@ def test_version_prints_the_installed_version(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ostinato {version('ostinato')}"
+
+
+def test_decode_tuning_flag_reaches_the_engine_args():
+    from ostinato.cli_args import engine_args_from
+    from ostinato.kernels.decode_plan import DecodeTuning
+
+    given = '{"splits": 8, "quantize_output": true}'
+    ns = cli.build_parser().parse_args(["bench-engine", "m", "--decode-tuning", given])  # main's `bench engine`
+    assert engine_args_from(ns).decode_tuning == DecodeTuning(splits=8, quantize_output=True)
+    assert engine_args_from(cli.build_parser().parse_args(["generate", "m", "--prompt", "x"])).decode_tuning is None
+
+
+@pytest.mark.parametrize("text,says", [
+    ('{"quantize_output": 1}', "decode setting quantize_output takes bool, got 1"),
+    ('{"splits": true}', "decode setting splits takes int or null, got true"),
+    ('{"block_n": 32.0}', "decode setting block_n takes int, got 32.0"),
+    ('{"pdl": true}', "no decode setting 'pdl'; the settings: block_n,"),
+    ('{"block_n": 10}', "decode block_n must be a power of two >= 16, got 10"),
+    ('[8]', """expected a JSON object such as '{"splits": 8}', got '[8]'"""),
+])
+def test_a_bad_decode_tuning_is_a_usage_error_naming_the_setting(text, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "m", "--decode-tuning", text])
+    assert e.value.code == 2 and says in capsys.readouterr().err
