@@ -101,13 +101,13 @@ def test_the_decoder_hands_o_projs_input_to_the_decode_and_back(device):
     def linear(x, layer, **_):  # the other path: the stored output quantized by a kernel of its own
         return dequantized_linear(quantize_x(x), layer) if layer is attn.o_proj else layer(x)
 
-    def prepared_input(x, layer, **_):
+    def int8_input(x, layer, **_):
         seen.append(tuple(x.shape))
         return empty_quantized(x.shape[0], x.shape[1], x.device) if layer is attn.o_proj else None
 
     apart = dataclasses.replace(fused.TORCH_KERNELS, linear=linear, qk_norm_rope_write_kv=fused.qk_norm_rope_write_kv)
-    handed = dataclasses.replace(apart, prepared_input=prepared_input,
-                                 prepared_linear=lambda qx, x, layer, **_: dequantized_linear(qx, layer))
+    handed = dataclasses.replace(apart, int8_input=int8_input,
+                                 int8_input_linear=lambda qx, x, layer, **_: dequantized_linear(qx, layer))
     caches = case.cache.k_cache.clone(), case.cache.v_cache.clone()
     outs = []
     for kernels in (apart, handed):

@@ -34,11 +34,12 @@ class DecoderKernels:
     # (hidden [M, K], lm_head weight [V, K]) -> fp32 logits [M, V], where the set computes them itself (the
     # batch-invariant sets, kernels/invariant_linear.py). None: model/decoder.py's compute_logits decides.
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # (x, layer) -> room for layer's input x in the form its kernel reads, where the kernel that makes x may write
-    # that form instead (the decode attention, o_proj's input quantized for GGUF's integer dot products), or
-    # None; and (that room filled in, x, layer) -> layer(x). None: never. Of x only its shape and dtype count.
-    prepared_input: Callable[[torch.Tensor, torch.nn.Linear], object | None] | None = None
-    prepared_linear: Callable[[object, torch.Tensor, torch.nn.Linear], torch.Tensor] | None = None
+    # (x, layer) -> room for layer's input x quantized to int8 per 32 values (kernels/gguf_int8_dot.QuantizedX)
+    # where layer's kernel reads it so (GGUF's integer dot products), for the decode attention to write o_proj's
+    # input there, or None; and (that room filled in, x, layer) -> layer(x). None: never. Of x only its shape and
+    # dtype count.
+    int8_input: Callable[[torch.Tensor, torch.nn.Linear], object | None] | None = None
+    int8_input_linear: Callable[[object, torch.Tensor, torch.nn.Linear], torch.Tensor] | None = None
 
     def norm_then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                          layer: torch.nn.Linear, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

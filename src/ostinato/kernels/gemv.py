@@ -346,17 +346,16 @@ def small_batch_glu_linear(gate_up: torch.Tensor, layer: torch.nn.Linear, pdl: b
     return None
 
 
-def small_batch_prepared_input(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> object | None:
-    """Room for layer's input x [M, K] in the form its kernel reads, where the kernel that makes x can write that
-    form itself (QuantizedLinear.prepared_input: GGUF's integer-dot rows), else None. pdl: unused (the kernel set
-    passes it to all)."""
-    return layer.prepared_input(x) if isinstance(layer, QuantizedLinear) else None
+def small_batch_int8_input(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False):
+    """Room for layer's input x [M, K] quantized to int8 per 32 values, where layer's kernel reads it so
+    (QuantizedLinear.int8_input: GGUF's integer-dot rows) and the kernel that makes x may write it, else None.
+    pdl: unused (the kernel set passes it to all)."""
+    return layer.int8_input(x) if isinstance(layer, QuantizedLinear) else None
 
 
-def small_batch_prepared_linear(prepared: object, x: torch.Tensor, layer: torch.nn.Linear,
-                                pdl: bool = False) -> torch.Tensor:
-    """layer(x) from small_batch_prepared_input(x, layer), filled in."""
-    return layer.prepared_linear(prepared, x, pdl)
+def small_batch_int8_input_linear(qx, x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False) -> torch.Tensor:
+    """layer(x) from small_batch_int8_input(x, layer), filled in."""
+    return layer.int8_input_linear(qx, x, pdl)
 
 
 def _quantized_norm_linear(x, residual, norm_weight, eps, layer, pdl, glu):

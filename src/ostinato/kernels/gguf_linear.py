@@ -37,10 +37,15 @@ the kernels are tested against, itself tested against the `gguf` library's numpy
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.triton_optional import triton
+
+if TYPE_CHECKING:
+    from ostinato.kernels.gguf_int8_dot import QuantizedX  # which imports this module's type ids
 
 # A projection's parts as the kernels take them (kernels/gguf_gemv.py): (blocks, qtype, bias) each, in output order,
 # blocks as device_rows gives them.
@@ -205,17 +210,17 @@ class GGUFProjection(QuantizedLinear):
 
         return gguf_norm_linear(x, norm, self.kernel_parts(), pdl)
 
-    def prepared_input(self, x: torch.Tensor) -> object | None:
+    def int8_input(self, x: torch.Tensor) -> QuantizedX | None:
         if not self._quantization_folds(x):
             return None
         from ostinato.kernels.gguf_int8_dot import empty_quantized
 
         return empty_quantized(x.shape[0], x.shape[1], x.device)
 
-    def prepared_linear(self, prepared: object, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def int8_input_linear(self, qx: QuantizedX, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         from ostinato.kernels.gguf_gemv import linear_from_quantized
 
-        return linear_from_quantized(x, prepared, self.kernel_parts(), pdl)
+        return linear_from_quantized(x, qx, self.kernel_parts(), pdl)
 
     def takes_glu_input(self, gate_up: torch.Tensor) -> bool:
         return gate_up.dim() == 2 and gate_up.shape[1] == 2 * self.in_features \

@@ -6,17 +6,21 @@ does not know the formats: its kernel sets (kernels/fused.py) hand any Quantized
 `linear`; a format whose few-rows kernel can also take the RMSNorm before the projection and the SwiGLU after
 it says so through `folds` and computes them in `fused_linear` (FP8 both, GGUF the norm only), and one whose
 kernel can take the SwiGLU before it (the down projection's input) through `takes_glu_input` and
-`glu_input_linear` (GGUF), and one whose kernel reads its input in a form of its own that the kernel before it
-can write (the decode attention writing o_proj's input quantized) through `prepared_input` and `prepared_linear`
-(GGUF); the others keep the default, no fold, and the decoder launches the norm and the activation apart. Each
-format lives in its own module and subclasses this one; its reference is `dequantize`, against which the tests
-check its kernels in float64.
+`glu_input_linear` (GGUF), and one whose kernel reads its input quantized to int8 per 32 values, which the decode
+attention can write for o_proj, through `int8_input` and `int8_input_linear` (GGUF); the others keep the default,
+no fold, and the decoder launches the norm and the activation apart. Each format lives in its own module and
+subclasses this one; its reference is `dequantize`, against which the tests check its kernels in float64.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ostinato.kernels.gguf_int8_dot import QuantizedX
 
 
 class QuantizedLinear(nn.Module):
@@ -66,15 +70,15 @@ class QuantizedLinear(nn.Module):
         """Where takes_glu_input(gate_up): (silu(gate) * up) @ W^T (+ bias), [M, out_features]."""
         raise NotImplementedError
 
-    def prepared_input(self, x: torch.Tensor) -> object | None:
-        """Room for these rows x [M, in_features] (of x only its shape, dtype and device are used) in the form
-        this projection's kernel reads them, where that form is not x itself (GGUF's integer-dot rows: x quantized
-        per 32 values, kernels/gguf_int8_dot.QuantizedX): the kernel that makes x may then write that form instead,
-        a launch fewer. Shapes and dtypes only (fixed before graph capture). Default: None, x is read as is."""
+    def int8_input(self, x: torch.Tensor) -> QuantizedX | None:
+        """Where this projection's kernel reads these rows x [M, in_features] quantized to int8 per 32 values
+        (GGUF's integer-dot rows), room for them (kernels/gguf_int8_dot.QuantizedX), which the kernel that makes x
+        may fill instead of a quantizing launch of the projection's own; of x only its shape, dtype and device
+        are used (fixed before graph capture). Default: None, x is read as is."""
         return None
 
-    def prepared_linear(self, prepared: object, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """linear(x) from prepared_input(x), filled in by the kernel before; of x only its shape and dtype."""
+    def int8_input_linear(self, qx: QuantizedX, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """linear(x) from int8_input(x), filled in by the kernel before; of x only its shape and dtype."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
