@@ -6,6 +6,8 @@
 # The GPU machine has no compressed-tensors: its layout is covered by the CPU tests; here FP8 comes from
 # --quantization fp8 (per channel, as compressed-tensors' FP8_DYNAMIC) and from --fp8-layout block.
 # KV=1 adds a fourth run, --quantization fp8 with --kv-cache-dtype fp8 (the FP8 KV cache), the table's "fp8+kv".
+# ENGINE=1 adds, per shape, the whole engine step beside its replay (`bench engine`, batch 1 / 8 / 64), bf16 and FP8;
+# THROUGHPUT=1 `bench throughput` (nano-vllm's workload), bf16 and FP8 (logs engine_* and throughput_* in OUT).
 #   bash benchmarks/kernels/fp8_check.sh            (SHAPES="qwen3-0.6b llama-3.2-1b llama-3.1-8b" by default;
 #                                                     TESTS=0 skips the tests, SWEEP=0 the kernel sweep)
 set -uo pipefail
@@ -29,6 +31,17 @@ for shape in $SHAPES; do
     python3 -m ostinato bench "$ck" "${BENCH[@]}" --quantization fp8 --kv-cache-dtype fp8 \
       --output-json "$OUT/$shape-fp8kv.json" 2>&1 | tail -4
   fi
+  for q in "" --quantization=fp8; do
+    name=${q:+fp8}
+    if [ "${ENGINE:-0}" = 1 ]; then
+      timeout 590 python3 -m ostinato bench engine "$ck" $q --max-model-len 1024 --gpu-memory-utilization 0.5 \
+        --batch-sizes 1,8,64 --context 512 2>&1 | tail -6 | tee "$OUT/engine_$shape-${name:-bf16}.log"
+    fi
+    if [ "${THROUGHPUT:-0}" = 1 ]; then
+      timeout 590 python3 -m ostinato bench throughput "$ck" $q --max-model-len 4096 --gpu-memory-utilization 0.8 \
+        2>&1 | tail -4 | tee "$OUT/throughput_$shape-${name:-bf16}.log"
+    fi
+  done
   [ -d "$ck8" ] || python3 -m ostinato make-checkpoint "$ck8" --shape "$shape" --dtype bfloat16 --quantization fp8 \
     --fp8-layout block --quiet
   python3 -m ostinato bench "$ck8" "${BENCH[@]}" --output-json "$OUT/$shape-fp8block.json" 2>&1 | tail -4
