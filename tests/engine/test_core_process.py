@@ -2,8 +2,9 @@
 the KV blocks, a core that dies or fails a step turns the server's /health 503 and fails pending requests with
 EngineDeadError, and shutdown stops the process.
 
-Each test needs a real core process (spawn: a fresh interpreter importing torch), so they are few, share one
-where they can, and the two alike start together.
+Each test but the last needs a real core process (spawn: a fresh interpreter importing torch), so they are few,
+share one where they can, and the two alike start together; the last plays the core's side of the pipe itself, to
+order two of its messages as a race once did.
 """
 
 import asyncio
@@ -272,3 +273,38 @@ def test_each_step_is_one_message_carrying_every_request_it_advanced(args, gc_se
             assert len(token_ids) == 1
             tokens.setdefault(request_id, []).extend(token_ids)
     assert all(len(t) == max_tokens for t in tokens.values())
+
+
+class _Sent:
+    """The core's command pipe, as ProcessAsyncEngine's sender: records what the front sends."""
+
+    broken = False
+
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message) -> None:
+        self.messages.append(message)
+
+
+def test_a_death_read_right_after_an_acceptance_ends_the_accepted_requests_stream():
+    """The reader thread reads the core's "added" and then its "dead" before the event loop runs again: the
+    request is accepted (its add_request returns a stream) and the stream then raises EngineDeadError, where the
+    death, judged on the reader thread, once saw the acceptance not yet run and left the stream waiting forever."""
+    import threading
+
+    async def main():
+        core = ProcessAsyncEngine(EngineArgs("unused"))
+        core._sender = _Sent()  # no process: the test plays the core's side
+        adding = asyncio.create_task(core.add_request("r", [1, 2], SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0)
+        assert core._sender.messages[0][:2] == ("add", "r")
+        reader = threading.Thread(target=lambda: [core._on_message(m) for m in (("added", "r", [1, 2], None),
+                                                                               ("dead", "injected"))])
+        reader.start()
+        reader.join()  # blocks the loop: both messages are read before it runs a callback
+        stream = await asyncio.wait_for(adding, 5)
+        with pytest.raises(EngineDeadError, match="injected"):
+            await asyncio.wait_for(stream.__anext__(), 5)
+
+    asyncio.run(main())

@@ -42,7 +42,7 @@ from ostinato.sampling_params import SamplingParams
 from ostinato.engine.core_link import BATCH, CommandSender, CoreWatchdog
 from ostinato.engine.core_logging import parent_logging
 from ostinato.engine.core_loop import EngineInfo, build_engine, core_main
-from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, call_soon, deliver, settle
+from ostinato.engine.request_stream import ENDED, RequestStream, StepObserver, call_soon, deliver, fail, settle
 from ostinato.engine.outputs import EngineStats, RequestOutput, output_from_record
 
 if TYPE_CHECKING:
@@ -314,11 +314,8 @@ class ProcessAsyncEngine:
             fut.set_exception(error)
         by_loop = defaultdict(list)
         for p in pending.values():
-            if p.accepted.done():
-                by_loop[p.stream.loop].append((p.stream, error))
-            else:
-                call_soon(p.stream.loop, settle, p.accepted, error)
+            by_loop[p.stream.loop].append((p.stream, p.accepted))
         for loop, batch in by_loop.items():
-            call_soon(loop, deliver, batch)
+            call_soon(loop, fail, batch, error)
         self._ready.set()
 

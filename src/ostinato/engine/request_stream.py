@@ -120,6 +120,18 @@ def settle(fut: asyncio.Future, error: BaseException | None) -> None:
         fut.set_result(None) if error is None else fut.set_exception(error)
 
 
+def fail(items: list, error: BaseException) -> None:
+    """On the streams' loop, for each (stream, accepted) of a request the engine can no longer serve: where its
+    add_request still waits for acceptance, that raises `error`; else its stream ends with it. Decided here, on the
+    loop, not on the thread that saw the engine die: an acceptance that thread scheduled a moment before has then
+    run, so the request is not left accepted with a stream that nothing ever ends."""
+    for stream, accepted in items:
+        if accepted.done():
+            stream._put(error)
+        else:
+            accepted.set_exception(error)
+
+
 def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
     """loop.call_soon_threadsafe(fn, *args); False if the loop is closed."""
     try:
