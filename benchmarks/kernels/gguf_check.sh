@@ -6,8 +6,7 @@
 #   sweep    (not in the default) the GGUF kernels' tile settings (gguf_linear.py --sweep), Q4_K and Q6_K, 1 and 8 rows
 #   make     random llama-3.1-8b checkpoints: bf16 folder, Q8_0 and Q4_K_M GGUF files (under CK; MODELS picks,
 #            default "bf16 Q8_0 Q4_K_M"; Q8_0 quantizes 8B floats with the gguf library, minutes)
-#   bench    `ostinato bench` of those at batch 1/8/64 (floors count the bytes actually read); the GGUF files once
-#            more with the decode writing o_proj's int8 input (--decode-tuning '{"quantize_output": true}', "+qo")
+#   bench    `ostinato bench` of those at batch 1/8/64 (floors count the bytes actually read)
 #   load     start-up time and peak host memory of the loader alone (benchmarks/step/gguf_load.py): Q4_K_M first
 #            start, cached start, then --gguf-dequantize (that converts to a 32 GB float32 folder: the bf16 folder
 #            is removed first for the disk)
@@ -49,16 +48,11 @@ if has make; then
   ls -la "$CK"/*/model.gguf | tee "$OUT/make.log"
 fi
 if has bench; then
-  bench_one() {  # NAME MODEL [more bench flags]
-    local name=$1 model=$2
-    shift 2
-    timeout 590 python3 -m ostinato.cli bench "$model" --max-model-len 2048 --gpu-memory-utilization 0.6 \
-      --batch-sizes "1 8 64" --context 512 --no-hf "$@" --output-json "$OUT/bench_$name.json" 2>&1 | tail -12 \
-      | tee "$OUT/bench_$name.log"
-  }
-  for name in $MODELS; do bench_one "$name" "$(model_path "$name")"; done
   for name in $MODELS; do
-    [ "$name" = bf16 ] || bench_one "$name+qo" "$(model_path "$name")" --decode-tuning '{"quantize_output": true}'
+    M=$(model_path "$name")
+    timeout 590 python3 -m ostinato.cli bench "$M" --max-model-len 2048 --gpu-memory-utilization 0.6 \
+      --batch-sizes "1 8 64" --context 512 --no-hf --output-json "$OUT/bench_$name.json" 2>&1 | tail -12 \
+      | tee "$OUT/bench_$name.log"
   done
 fi
 if has load; then

@@ -81,9 +81,9 @@ def dequantized_linear(qx, layer):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_decoder_hands_o_projs_input_to_the_decode_and_back(device):
     """model/decoder.py's Attention at a decode step, with a kernel set whose o_proj reads x quantized (as a GGUF
-    one does on CUDA, here a float32 reference of it): the decode, told to (DecodeTuning.quantize_output), writes
-    the quantized input and o_proj takes it, the same output as quantizing the stored output apart; without it, or
-    where the backend does not quantize, o_proj gets the output as before."""
+    one does on CUDA, here a float32 reference of it): the decode (DecodeTuning.quantize_output, on by default)
+    writes the quantized input and o_proj takes it, the same output as quantizing the stored output apart; with it
+    off, o_proj gets the output as before."""
     import dataclasses
 
     from ostinato.config import ModelConfig
@@ -94,7 +94,7 @@ def test_the_decoder_hands_o_projs_input_to_the_decode_and_back(device):
     config = ModelConfig.from_hf_dict(hf_config_dict("tiny-256"))
     case = RopeCase(device, torch.float16, [5, 40], config.num_heads // config.num_kv_heads, config.num_kv_heads,
                     config.head_dim, False)
-    attn = DecoderLayer(config, backend_with(block_n=16, quantize_output=True)).to(device, torch.float16).self_attn
+    attn = DecoderLayer(config, backend_with(block_n=16)).to(device, torch.float16).self_attn
     attn.k_cache, attn.v_cache = case.cache.k_cache, case.cache.v_cache
     seen = []
 
@@ -117,7 +117,7 @@ def test_the_decoder_hands_o_projs_input_to_the_decode_and_back(device):
         outs.append(attn(qkv, case.positions, case.rope.cos_sin_cache, case.meta, kernels))
     assert seen == [(case.heads.shape[0], config.num_heads * config.head_dim)]
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
-    attn.backend = backend_with(block_n=16)  # quantize_output off: o_proj's input is not asked for
+    attn.backend = backend_with(block_n=16, quantize_output=False)  # o_proj's input is not asked for
     case.cache.k_cache.copy_(caches[0])
     case.cache.v_cache.copy_(caches[1])
     again = attn(case.heads.reshape(case.heads.shape[0], -1), case.positions, case.rope.cos_sin_cache, case.meta,

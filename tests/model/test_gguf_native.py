@@ -221,10 +221,10 @@ def test_a_quantized_head_gives_float32_logits_from_16_bit_rows():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_decode_writing_o_projs_input_quantized_changes_no_logprob(q4_k_m, cache, monkeypatch):
-    """On CUDA, with DecodeTuning.quantize_output, the decode attention writes the Q4_K o_proj's int8 input itself
-    (kernels/decode_output.py) where a kernel of its own quantizes the stored output: the same codes (each block's
-    sum of x may round apart, tests/kernels/test_decode_quantized_output.py), so the same tokens and logprobs, in the
-    decode graphs."""
+    """On CUDA, with DecodeTuning.quantize_output (the default), the decode attention writes the Q4_K o_proj's int8
+    input itself (kernels/decode_output.py) where, off, a kernel of its own quantizes the stored output: the same
+    codes (each block's sum of x may round apart, tests/kernels/test_decode_quantized_output.py), so the same tokens
+    and logprobs, in the decode graphs."""
     from ostinato.attention.triton_paged import TritonPagedBackend
     from ostinato.kernels.decode_plan import DecodeTuning
 
