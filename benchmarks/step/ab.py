@@ -4,13 +4,13 @@ each in its own process, then each variant's step at each batch size beside the 
 Why: a setting is chosen here by whole steps, not by a kernel alone (docs/PERFORMANCE.md says where the two
 disagreed), and two runs of one build differ by a percent or so from one start to the next; alternating the
 variants, round after round on one warm GPU, puts that spread beside the difference. A variant is bench flags
-(`--decode-tuning '{"quantize_output": true}'`, `--quantization fp8`, ...), a source tree (`@DIR`: DIR's `ostinato`
+(`--decode-tuning '{"splits": 8}'`, `--quantization fp8`, ...), a source tree (`@DIR`: DIR's `ostinato`
 package first on the path, e.g. a copy of src/ with one change), or both (`@DIR FLAGS`).
 
     PYTHONPATH=src python3 benchmarks/step/ab.py MODEL --rounds 2 \\
         --common "--max-model-len 2048 --gpu-memory-utilization 0.6 --no-hf --context 512 --cuda-graph-sizes '1 8' \\
                   --batch-sizes '1 8'" \\
-        --variant main= --variant "quantized-o=--decode-tuning '{\"quantize_output\": true}'"
+        --variant main= --variant "apart=--decode-tuning '{\"quantize_output\": false}'"
 
 FLAGS and --common are split as a shell splits words, so a flag's value with spaces or quotes (JSON) goes in
 quotes inside the variant's string, as above.

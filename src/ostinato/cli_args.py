@@ -68,7 +68,7 @@ def read_decode_tuning(text: str):
 
 
 DECODE_TUNING_HELP = ("the Triton decode attention's launch settings as JSON, for measuring them (the fields of "
-                      "kernels/decode_plan.DecodeTuning, e.g. '{\"splits\": 8}' or '{\"quantize_output\": true}'; "
+                      "kernels/decode_plan.DecodeTuning, e.g. '{\"splits\": 8}' or '{\"quantize_output\": false}'; "
                       "default: its defaults; CUDA only)")
 
 
