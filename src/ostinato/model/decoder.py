@@ -97,14 +97,15 @@ class Attention(nn.Module):
         fused_write = kernels.qk_norm_rope_write_kv is not None and self.backend.accepts_fused_kv_write
         if fused_write and not meta.is_prefill and self.backend.decode_applies_rope:
             # Decode in one kernel: (Qwen3: per-head RMSNorm, then) RoPE, the K/V write and attention; and where
-            # o_proj reads its input quantized to int8, that too.
-            x_like = heads[:, :h].reshape(num_tokens, h * self.head_dim)  # o_proj's input's shape and dtype
-            qx = self._o_proj_int8_input(x_like, kernels)
+            # o_proj reads its input quantized to int8, that too (then `out` is unwritten: its shape and dtype
+            # stand for o_proj's input).
+            qx = self._o_proj_int8_input(heads, kernels)
             out = self.backend.decode_with_rope(heads, q_weight, k_weight, rope_cache, positions, self.norm_eps,
                                                 self.k_cache, self.v_cache, meta, self.scale, qx)  # [T, H, D]
+            out = out.reshape(num_tokens, h * self.head_dim)
             if qx is not None:
-                return kernels.int8_input_linear(qx, x_like, self.o_proj)
-            return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
+                return kernels.int8_input_linear(qx, out, self.o_proj)
+            return kernels.linear(out, self.o_proj)
         if fused_write:
             # One kernel: (Qwen3: per-head RMSNorm, then) RoPE; k and v go straight to their cache slots.
             q = kernels.qk_norm_rope_write_kv(*norm_rope, self.k_cache, self.v_cache, meta.slot_mapping)  # [T, H, D]
@@ -116,12 +117,13 @@ class Attention(nn.Module):
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
         return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
 
-    def _o_proj_int8_input(self, x_like: torch.Tensor, kernels: DecoderKernels):
+    def _o_proj_int8_input(self, heads: torch.Tensor, kernels: DecoderKernels):
         """Room for o_proj's input quantized to int8 where o_proj reads it so and the decode kernel can write it
-        (kernels/gguf_int8_dot.QuantizedX), else None."""
+        (kernels/gguf_int8_dot.QuantizedX), else None. heads: the qkv projection [T, H + 2Hkv, D]."""
         if kernels.int8_input is None or not self.backend.decode_quantizes_output(self.head_dim):
             return None
-        return kernels.int8_input(x_like, self.o_proj)
+        h = self.num_heads
+        return kernels.int8_input(heads[:, :h].reshape(heads.shape[0], h * self.head_dim), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
