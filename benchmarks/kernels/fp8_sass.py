@@ -73,10 +73,8 @@ def _innermost_loop(sass: str) -> collections.Counter:
     return ops
 
 
-def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_dir: str,
-           dp4a_per_step: int | None = None) -> None:
-    """Print the compiled kernel's registers, shared memory and innermost loop. dp4a_per_step: the dp4a (IDP) a
-    thread issues in one K step, from which the loop's unrolling is read (None: taken as not unrolled)."""
+def _disassemble(name: str, compiled, out_dir: str) -> tuple[str, str]:
+    """(SASS, registers a thread) of a compiled kernel, its .cubin, .ttgir and .sass kept in out_dir as `name`."""
     path = os.path.join(out_dir, name.replace(" ", "_"))
     with open(path + ".cubin", "wb") as f:
         f.write(compiled.asm["cubin"])
@@ -85,7 +83,14 @@ def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_di
     sass = _tool("nvdisasm", "-c", path + ".cubin")
     with open(path + ".sass", "w") as f:
         f.write(sass)
-    regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
+    return sass, re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
+
+
+def report(name: str, compiled, weight_bytes_per_step: int, threads: int, out_dir: str,
+           dp4a_per_step: int | None = None) -> None:
+    """Print the compiled kernel's registers, shared memory and innermost loop. dp4a_per_step: the dp4a (IDP) a
+    thread issues in one K step, from which the loop's unrolling is read (None: taken as not unrolled)."""
+    sass, regs = _disassemble(name, compiled, out_dir)
     ops = _innermost_loop(sass)
     unrolled = max(1, ops["IDP"] // dp4a_per_step) if dp4a_per_step else 1
     total = sum(ops.values())
@@ -167,11 +172,7 @@ def report_decode_quantized_output(out_dir: str) -> None:
     for quantized in (False, True):
         compiled = _compile(decode_attention._decode_split_kernel, decode_signature("*bf16"),
                             dict(meta, QUANT_OUT=quantized), num_warps=num_warps, num_stages=num_stages)
-        path = os.path.join(out_dir, f"decode_8B_one_row{'_quantized' if quantized else ''}")
-        with open(path + ".cubin", "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = _tool("nvdisasm", "-c", path + ".cubin")
-        regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
+        sass, regs = _disassemble(f"decode_8B_one_row{'_quantized' if quantized else ''}", compiled, out_dir)
         instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
         print(f"decode attention, 8B one row, output {'quantized' if quantized else 'bf16':9s} regs {regs:>3s}  "
               f"smem {compiled.metadata.shared:6d} B  {instructions} instr  spills {sass.count(' STL')} stores, "
@@ -199,11 +200,7 @@ def report_split_gemm(out_dir: str) -> None:
             HAS_BIAS=False, PARALLEL=True, PREFETCH=False, DOT_PRECISION="tf32", UPCAST_DOT=False,
             ROWWISE_DOT=False, PDL=True, BLOCK_SCALES=False, SCALE_BN=1, SCALE_BK=1), num_warps=tiles.num_warps,
             num_stages=tiles.num_stages)
-        path = os.path.join(out_dir, f"split_gemm_{'w8a8' if x != '*bf16' else 'w8a16'}")
-        with open(path + ".cubin", "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = _tool("nvdisasm", "-c", path + ".cubin")
-        regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", path + ".cubin")).group(1)
+        sass, regs = _disassemble(f"split_gemm_{'w8a8' if x != '*bf16' else 'w8a16'}", compiled, out_dir)
         ops = {op: len(re.findall(rf"\b{re.escape(op)}\S*", sass)) for op in GEMM_OPS}
         print(f"split GEMM {tiles.block_n}x{tiles.block_k} w{tiles.num_warps}, {name:15s} regs {regs:>3s}  smem "
               f"{compiled.metadata.shared:6d} B  {ops}")
