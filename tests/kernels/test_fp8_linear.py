@@ -250,7 +250,7 @@ def test_measured_entries_are_configs_the_kernels_take():
             assert config == "scaled_mm" and n % 16 == 0 and k % 16 == 0, (m, n, k, config)
 
 
-@pytest.mark.parametrize("m,k", [(1, 40), (3, 100), (5, 2048 + 37)])
+@pytest.mark.parametrize("m,k", [(1, 40), (3, 100), (5, 2048 + 37), (2, 16384 + 37)])  # the last: in pieces
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_tokens_kernel_equals_the_torch_ops(m, k, dtype):
     """Rows of E4M3 values times a power of two per row, each row's largest magnitude 448 times it: the scale is
@@ -342,7 +342,7 @@ def test_fp8_linear_replays_in_a_cuda_graph(m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m,k", [(1, 4096), (64, 14336), (37, 1000)])
+@pytest.mark.parametrize("m,k", [(1, 4096), (64, 14336), (37, 1000), (3, 16384 + 37)])
 def test_quantize_tokens_kernel_rounds_as_torch_does_on_the_gpu(m, k):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, m, device="cuda")[:, None]
     q, scale = quantize_tokens(x)

@@ -19,7 +19,8 @@ Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before 
                 SplitTiles: the split GEMM (kernels/split_gemm.py), W8A16 with the weight on the MMA's wide
                 side and K split to fill the GPU in one wave, no activation quantization
     split W8A8  17-64 rows where N > 3072, per-row scales, bf16: the same split GEMM on the activations quantized
-                per token by one kernel (kernels/fp8_mma.py), E4M3 times E4M3 on the FP8 tensor cores
+                per token by one kernel (kernels/fp8_tokens.py, which also takes the RMSNorm or the SwiGLU
+                before the projection: `folds`, `takes_glu_input`), E4M3 times E4M3 on the FP8 tensor cores
     mma         above 16 rows with block scales (64 where N <= 3072), on CUDA: the Triton W8A16 tensor-core kernel
                 (kernels/fp8_mma.py)
     scaled_mm   above 64 rows, per-row scales, on CUDA: torch._scaled_mm (the FP8 tensor cores) with the
@@ -39,7 +40,8 @@ from torch import nn
 
 from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv, fp8_scale_shape
 from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes
-from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma, quantize_tokens
+from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma
+from ostinato.kernels.fp8_tokens import WHOLE_ROW_MAX_K, glu_quantize_tokens, norm_quantize_tokens, quantize_tokens
 from ostinato.kernels.fp8_w8a8 import W8a8Tiles, fp8_w8a8
 from ostinato.kernels.quantized_linear import QuantizedLinear
 from ostinato.kernels.split_gemm import SplitTiles, split_gemm
@@ -163,6 +165,13 @@ def choose_fp8_path(m: int, n: int, k: int, block_scales: bool, cuda: bool, bf16
     return "dequantize"
 
 
+def _folds_into_quantization(path: Fp8Path, k: int) -> bool:
+    """Whether the RMSNorm or the SwiGLU before a projection on `path` folds into its activations' quantization
+    (kernels/fp8_tokens.py): the split GEMM on FP8 activations, rows of K <= WHOLE_ROW_MAX_K. Whole 8B steps at
+    32 and 64 rows were measured with it (docs/PERFORMANCE.md, FP8); the other W8A8 paths keep the kernels apart."""
+    return isinstance(path, SplitW8a8) and k <= WHOLE_ROW_MAX_K
+
+
 def _stream_tiles(m: int, n: int, k: int) -> StreamTiles:
     block_n = 1
     while block_n < 8 and block_n * 2 <= n // 768:
@@ -220,14 +229,28 @@ class Fp8Linear(QuantizedLinear):
         return path
 
     def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
-        return isinstance(self._path(x), StreamTiles) and x.shape[0] <= (_NORM_FOLD_ROWS if norm else _GLU_FOLD_ROWS)
+        path = self._path(x)
+        if isinstance(path, StreamTiles):
+            return x.shape[0] <= (_NORM_FOLD_ROWS if norm else _GLU_FOLD_ROWS)
+        return norm and _folds_into_quantization(path, x.shape[1])  # into the activations' quantization
+
+    def takes_glu_input(self, gate_up: torch.Tensor) -> bool:
+        return gate_up.shape[1] == 2 * self.in_features and _folds_into_quantization(
+            self._path(gate_up[:, :self.in_features]), self.in_features)
+
+    def glu_input_linear(self, gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        xq, x_scale = glu_quantize_tokens(gate_up, pdl)
+        return self._w8a8_linear(xq, x_scale, self._path(gate_up[:, :self.in_features]), gate_up.dtype, pdl)
 
     def fused_linear(self, x: torch.Tensor, pdl: bool = False, glu: bool = False,
                      norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         path = self._path(x)
-        assert isinstance(path, StreamTiles), "fused_linear only where folds(x)"
-        return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, glu, norm, self.block)
+        if isinstance(path, StreamTiles):
+            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, glu, norm, self.block)
+        assert norm is not None and not glu and _folds_into_quantization(path, x.shape[1]), "only where folds(x)"
+        xq, x_scale, residual = norm_quantize_tokens(x, *norm, pdl=pdl)
+        return self._w8a8_linear(xq, x_scale, path, x.dtype, pdl), residual
 
     def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         path = self._path(x)
@@ -240,19 +263,22 @@ class Fp8Linear(QuantizedLinear):
         if isinstance(path, SplitTiles):
             return split_gemm(x.contiguous(), self.weight, self.bias, path, scale=self.weight_scale, pdl=pdl,
                               block=self.block)
+        if isinstance(path, SplitW8a8 | W8a8Tiles) or path == "scaled_mm":
+            return self._w8a8_linear(*quantize_tokens(x.contiguous(), pdl), path, x.dtype, pdl)
+        return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+
+    def _w8a8_linear(self, xq: torch.Tensor, x_scale: torch.Tensor, path: Fp8Path, dtype: torch.dtype,
+                     pdl: bool) -> torch.Tensor:
+        """The projection of activations quantized per token (xq, x_scale: kernels/fp8_tokens.py) on `path`, a
+        W8A8 one, in `dtype`."""
         if isinstance(path, SplitW8a8):
-            xq, x_scale = quantize_tokens(x.contiguous(), pdl)
-            return split_gemm(xq, self.weight, self.bias, path.tiles, scale=self.weight_scale, out_dtype=x.dtype,
+            return split_gemm(xq, self.weight, self.bias, path.tiles, scale=self.weight_scale, out_dtype=dtype,
                               pdl=pdl, x_scale=x_scale)
         if isinstance(path, W8a8Tiles):
-            xq, x_scale = quantize_tokens(x.contiguous(), pdl)
-            return fp8_w8a8(xq, x_scale, self.weight, self.weight_scale, self.bias, path, x.dtype, pdl)
-        if path == "scaled_mm":
-            xq, x_scale = quantize_tokens(x.contiguous(), pdl)
-            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
-                                   out_dtype=x.dtype)
-            return out + self.bias if self.bias is not None else out  # not every cuBLAS row-wise kernel takes one
-        return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+            return fp8_w8a8(xq, x_scale, self.weight, self.weight_scale, self.bias, path, dtype, pdl)
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
+                               out_dtype=dtype)
+        return out + self.bias if self.bias is not None else out  # not every cuBLAS row-wise kernel takes one
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale, self.block)

@@ -1,11 +1,6 @@
-"""FP8 projections at more rows than the GEMV (kernels/fp8_gemv.py) takes: the Triton W8A16 tensor-core kernel, and
-the one-kernel per-token activation quantization that feeds torch._scaled_mm (the FP8 tensor cores).
-
-Why one quantization kernel: the same in torch ops (abs, amax, float, clamp, divide, divide, clamp, cast) is
-about eight launches per projection, four projections a layer; in a decode graph of 64 rows those launches
-cost more than the FP8 GEMM saved over bf16, and in eager mode they doubled the step. The kernel reads each
-row twice (once for its largest magnitude, once to scale and round it; the second read hits L2) and writes
-the fp8 row and its float32 scale, the values quantize_per_token computes.
+"""FP8 projections at more rows than the GEMV (kernels/fp8_gemv.py) takes: the Triton W8A16 tensor-core kernel,
+and the FP8 constants the other FP8 kernels share. The activations' per-token quantization, which feeds the W8A8
+kernels and torch._scaled_mm, is kernels/fp8_tokens.py.
 """
 
 from __future__ import annotations
@@ -97,39 +92,3 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: to
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return out
-
-
-@_jit
-def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
-                            FP8_LIMIT: tl.constexpr, FLOOR: tl.constexpr, PDL: tl.constexpr):
-    """One program a row: its largest magnitude, then the row divided by max / FP8_LIMIT, rounded to E4M3."""
-    pdl_begin(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_K)
-    pdl_wait(PDL)
-    peak = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        peak = tl.maximum(peak, tl.abs(x))
-    scale = tl.maximum(tl.max(peak, axis=0), FLOOR) / FP8_LIMIT
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs
-        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_LIMIT), FP8_LIMIT)  # IEEE division, as torch's
-        tl.store(q_ptr + row * stride_qm + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
-
-
-def quantize_tokens(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_per_token (kernels/fp8_linear.py) in one Triton kernel: x [M, K] (K contiguous) -> (fp8 [M, K],
-    float32 scales [M, 1]). Grid from shapes only: CUDA-graph safe."""
-    m, k = x.shape
-    assert x.stride(-1) == 1
-    q = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE)
-    scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
-    if m == 0:
-        return q, scale
-    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
-                                  BLOCK_K=min(2048, triton.next_power_of_2(k)), FP8_LIMIT=FP8_MAX, FLOOR=SCALE_FLOOR,
-                                  PDL=pdl, num_warps=4, **launch_options(pdl))
-    return q, scale

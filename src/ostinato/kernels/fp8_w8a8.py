@@ -4,7 +4,7 @@ Why a candidate beside the W8A16 GEMV (kernels/fp8_gemv.py): that GEMV converts 
 CUDA cores, several instructions a byte, while one byte arrives every ~0.24 ps; if the conversions and not the
 memory set its pace, only a kernel that never converts reaches the FP8 floor. Here both operands stay E4M3 into
 tl.dot, as vLLM's FP8 path does at every batch size. The cost is the activations' rounding to E4M3 (x quantized
-per token by kernels/fp8_mma.quantize_tokens), as _scaled_mm already pays above the GEMV's rows.
+per token by kernels/fp8_tokens.quantize_tokens), as _scaled_mm already pays above the GEMV's rows.
 
 Algorithm: kernels/skinny.py's, on fp8: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N outputs for all M rows
 (M padded to M_PAD >= 16) and walks K: tl.dot of the [BLOCK_N, BLOCK_K] weight tile with the [BLOCK_K, M_PAD]

@@ -260,7 +260,7 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight[n] * scale[n], or with `block` (bn, bk) [cdiv(N, bn), cdiv(K, bk)], each block of W its own; bk a
     multiple of tiles.block_k), bias [N] or None -> [M, N] in out_dtype (default x's), accumulated in fp32.
     x_scale (float32, M values): x holds FP8 codes, x[m] = codes[m] * x_scale[m] (W8A8, per-row weight scales,
-    kernels/fp8_mma.quantize_tokens makes both). Graph safe: grid from shapes only. pdl: launch with programmatic
+    kernels/fp8_tokens.quantize_tokens makes both). Graph safe: grid from shapes only. pdl: launch with programmatic
     dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.shape[0]
