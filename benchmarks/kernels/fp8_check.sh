@@ -16,8 +16,9 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SHAPES=${SHAPES:-"qwen3-0.6b llama-3.2-1b llama-3.1-8b"}
 BENCH=(--max-model-len 2048 --gpu-memory-utilization 0.6 --batch-sizes "1 64" --context 512 --no-hf)
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 600 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_fp8_linear.py tests/kernels/test_fp8_stream.py \
-    tests/kernels/test_quantized_linear.py tests/kernels/test_fp8_kv_cache.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+  timeout 600 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_fp8_linear.py \
+    tests/kernels/test_fp8_stream.py tests/kernels/test_fp8_tokens.py tests/kernels/test_quantized_linear.py \
+    tests/kernels/test_fp8_kv_cache.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   python3 benchmarks/kernels/fp8_linear.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"

@@ -59,7 +59,7 @@ SPLIT = [SplitTiles(), SplitTiles(block_k=256), SplitTiles(block_k=256, num_stag
 SPLIT_W8A8 = [SplitW8a8(t) for t in (
     SplitTiles(), SplitTiles(block_k=256), SplitTiles(block_k=256, split_programs=512),
     SplitTiles(block_n=128, block_k=128, num_warps=8), SplitTiles(block_n=128, block_k=256, num_warps=8),
-    SplitTiles(block_k=256, num_stages=4))]
+    SplitTiles(block_k=256, num_stages=4), SplitTiles(block_k=256, split_programs=128))]
 
 
 def candidates(m: int, kernels: tuple[str, ...] = ()):
@@ -82,6 +82,8 @@ def _all_candidates(m: int):
                  f"pf{t.prefetch_max_rows}", t) for t in SPLIT)
     yield from ((f"split_w8a8 bn{t.tiles.block_n} bk{t.tiles.block_k} w{t.tiles.num_warps} s{t.tiles.num_stages} "
                  f"sp{t.tiles.split_programs} (+quant)", t) for t in SPLIT_W8A8 if m > 1)
+    if m > 1:  # the default tiles without the activations' quantization: its share
+        yield "split_w8a8 default alone (x quantized before)", None
     if m > 1:
         yield from ((f"mma {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", t) for t in mma)
         yield "scaled_mm (one-kernel quant)", "scaled_mm"
@@ -121,6 +123,9 @@ def call(name: str, config, x: torch.Tensor, layer: Fp8Linear, pre: tuple) -> to
                           x_scale=xs)
     if isinstance(config, SplitTiles):
         return split_gemm(x, layer.weight, None, config, scale=layer.weight_scale)
+    if name.startswith("split_w8a8") and "alone" in name:
+        return split_gemm(pre[0], layer.weight, None, SplitW8a8().tiles, scale=layer.weight_scale,
+                          out_dtype=x.dtype, x_scale=pre[1])
     if config == "scaled_mm":
         return _scaled_mm(*quantize_tokens(x), layer)
     if "torch-ops" in name:
