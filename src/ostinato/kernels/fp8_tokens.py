@@ -130,7 +130,6 @@ def _launch(x: torch.Tensor, k: int, pdl: bool, glu: bool = False,
     from ostinato.kernels.attention_common import KERNELS_INTERPRETED
 
     residual, weight, eps = norm if norm is not None else (None, None, 0.0)
-
     m = x.shape[0]
     q = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE)
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
