@@ -4,8 +4,9 @@ streaming FP8 GEMV (kernels/fp8_stream.py), the bf16 GEMV (kernels/gemv.py) and 
 integer-dot GEMVs (kernels/gguf_int8_q4k.py, gguf_int8_q6k_q80.py; code bytes only, not their headers and scales)
 at the 8B's one-row tiles, and Q4_K's 4-row kernel; the decode attention kernel (kernels/decode_attention.py)
 over a bf16 and an FP8 KV cache at llama-3.2-1b's heads, as a batch that fills the GPU launches it (K/V bytes), and
-at the 8B's one row with its output quantized for a GGUF o_proj and not; and the split GEMM
-(kernels/split_gemm.py), W8A16 and W8A8, whether its K loop copies asynchronously and on which MMA.
+at the 8B's one row with its output quantized for a GGUF o_proj and not; the split GEMM
+(kernels/split_gemm.py), W8A16 and W8A8, whether its K loop copies asynchronously and on which MMA; and the
+activations' FP8 quantization (kernels/fp8_tokens.py), alone and with the norm or the SwiGLU, for spills.
 
 Why: a bandwidth-bound kernel that is not at the bandwidth is often issuing too many instructions a byte or
 re-laying data out through shared memory; both show in the SASS, which Triton's bundled ptxas and nvdisasm
@@ -206,6 +207,26 @@ def report_split_gemm(out_dir: str) -> None:
               f"{compiled.metadata.shared:6d} B  {ops}")
 
 
+def report_fp8_tokens(out_dir: str) -> None:
+    """The activations' per-token FP8 quantization (kernels/fp8_tokens.py) as the 8B's W8A8 projections launch it:
+    x alone and with the norm folded in (4096 wide), with the SwiGLU (14,336 wide): the row in registers, so
+    registers and spills are what to watch."""
+    from ostinato.kernels import fp8_tokens
+
+    sig = {a: "*bf16" for a in ("x_ptr", "r_ptr", "w_ptr", "res_out_ptr")}
+    sig.update(q_ptr="*fp8e4nv", s_ptr="*fp32", stride_xm="i32", stride_rm="i32", stride_qm="i32", eps="fp32")
+    for name, k, glu, norm in (("x", 4096, False, False), ("norm folded in", 4096, False, True),
+                               ("SwiGLU folded in", 14336, True, False)):
+        block = triton.next_power_of_2(k)
+        warps = min(16, max(4, block // 1024))  # as fp8_tokens._launch
+        compiled = _compile(fp8_tokens._quantize_tokens_kernel, sig, dict(
+            K=k, BLOCK_K=block, GLU=glu, NORM=norm, HAS_RESIDUAL=norm, EMULATE_BF16=False, FP8_LIMIT=448.0,
+            FLOOR=1e-12, PDL=True), num_warps=warps)
+        sass, regs = _disassemble(f"fp8_tokens_{name}", compiled, out_dir)
+        spills = len(re.findall(r"\bSTL", sass)) + len(re.findall(r"\bLDL", sass))
+        print(f"FP8 token quantization, {name:17s} K {k:5d} w{warps:<2d} regs {regs:>3s}  spill instructions {spills}")
+
+
 # The streaming GEMV's scale arguments for per-row scales.
 PER_ROW = dict(BLOCK_SCALES=False, SCALE_BN=1, WORDS_PER_BLOCK=1, UNIFORM=False, EVEN_J=True)
 
@@ -267,6 +288,7 @@ def main() -> None:
     report_decode_attention(out_dir)
     report_decode_quantized_output(out_dir)
     report_split_gemm(out_dir)
+    report_fp8_tokens(out_dir)
     print(f"(files in {out_dir})")
 
 
