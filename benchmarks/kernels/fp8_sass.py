@@ -217,8 +217,7 @@ def report_fp8_tokens(out_dir: str) -> None:
     sig.update(q_ptr="*fp8e4nv", s_ptr="*fp32", stride_xm="i32", stride_rm="i32", stride_qm="i32", eps="fp32")
     for name, k, glu, norm in (("x", 4096, False, False), ("norm folded in", 4096, False, True),
                                ("SwiGLU folded in", 14336, True, False)):
-        block = triton.next_power_of_2(k)
-        warps = min(16, max(4, block // 1024))  # as fp8_tokens._launch
+        block, warps = fp8_tokens.row_tile(k)
         compiled = _compile(fp8_tokens._quantize_tokens_kernel, sig, dict(
             K=k, BLOCK_K=block, GLU=glu, NORM=norm, HAS_RESIDUAL=norm, EMULATE_BF16=False, FP8_LIMIT=448.0,
             FLOOR=1e-12, PDL=True), num_warps=warps)

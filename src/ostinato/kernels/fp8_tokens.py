@@ -26,8 +26,7 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:
-    from ostinato.kernels.linear_epilogue import silu_mul
-    from ostinato.kernels.rope_tile import round_like
+    from ostinato.kernels.linear_epilogue import residual_sum, rms_normed, silu_mul
 
 # Rows up to this long are quantized from registers (16 warps, 32 values a thread at the longest).
 WHOLE_ROW_MAX_K = 16384
@@ -80,14 +79,11 @@ def _row_values(x_ptr, r_ptr, w, res_out_ptr, row, stride_xm, stride_rm, offs, m
         gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
         return silu_mul(gate, up, x_ptr, EMULATE_BF16)
-    h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    h = residual_sum(x_row, r_ptr + row * stride_rm, offs, mask, HAS_RESIDUAL, EMULATE_BF16)  # residual: NORM only
     if NORM:
         if HAS_RESIDUAL:
-            h = round_like(h + tl.load(r_ptr + row * stride_rm + offs, mask=mask, other=0.0).to(tl.float32), x_ptr,
-                           EMULATE_BF16)  # the sum lives in the model dtype
             tl.store(res_out_ptr + row * K + offs, h.to(res_out_ptr.dtype.element_ty), mask=mask)
-        rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / K + eps)
-        h = round_like(round_like(h * rstd, x_ptr, EMULATE_BF16) * w, x_ptr, EMULATE_BF16)  # HF's order
+        h = rms_normed(h, tl.math.rsqrt(tl.sum(h * h, axis=0) / K + eps), w, x_ptr, EMULATE_BF16)
     return h
 
 
@@ -96,6 +92,13 @@ def _store_codes(q_ptrs, y, scale, mask, FP8_LIMIT: tl.constexpr):
     """y / scale, clamped to the E4M3 range and rounded to it, stored at q_ptrs."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_LIMIT), FP8_LIMIT)  # IEEE division, as torch's
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+def row_tile(k: int) -> tuple[int, int]:
+    """(BLOCK_K, num_warps) of the kernel for rows of k values: the whole row (a power of two >= k) where it fits the
+    registers, 32 values a thread at most; else 2048-wide pieces."""
+    block_k = triton.next_power_of_2(k) if k <= WHOLE_ROW_MAX_K else 2048
+    return block_k, min(16, max(4, block_k // 1024))
 
 
 def quantize_tokens(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,11 +139,11 @@ def _launch(x: torch.Tensor, k: int, pdl: bool, glu: bool = False,
     res_out = x if residual is None else torch.empty(m, k, device=x.device, dtype=x.dtype)
     if m == 0:
         return q, scale, res_out
-    block_k = triton.next_power_of_2(k) if k <= WHOLE_ROW_MAX_K else 2048
+    block_k, num_warps = row_tile(k)
     _quantize_tokens_kernel[(m,)](
         x, residual if residual is not None else x, weight if weight is not None else x, res_out, q, scale,
         x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0), eps, K=k, BLOCK_K=block_k,
         GLU=glu, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         EMULATE_BF16=KERNELS_INTERPRETED and x.dtype == torch.bfloat16, FP8_LIMIT=FP8_MAX, FLOOR=SCALE_FLOOR,
-        PDL=pdl, num_warps=min(16, max(4, block_k // 1024)), **launch_options(pdl))
+        PDL=pdl, num_warps=num_warps, **launch_options(pdl))
     return q, scale, res_out

@@ -25,17 +25,7 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:
-    from ostinato.kernels.linear_epilogue import silu_mul
-    from ostinato.kernels.rope_tile import round_like
-
-
-@_jit
-def _sum_rounded(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """x (+ the residual, the sum rounded to the model dtype) at offs, float32."""
-    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        h = round_like(h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x_ptr, EMULATE_BF16)
-    return h
+    from ostinato.kernels.linear_epilogue import residual_sum, rms_normed, silu_mul
 
 
 @_jit
@@ -56,12 +46,12 @@ def _norm_quantize_x_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, xq_ptr, dx_ptr, 
     offs = tl.arange(0, ROW)
     x_row, r_row = x_ptr + r * stride_xm, res_ptr + r * stride_rm
     pdl_wait(PDL)
-    h_row = _sum_rounded(x_row, r_row, offs, offs < K, HAS_RESIDUAL, EMULATE_BF16)
+    h_row = residual_sum(x_row, r_row, offs, offs < K, HAS_RESIDUAL, EMULATE_BF16)
     rstd = tl.math.rsqrt(tl.sum(h_row * h_row, axis=0) / K + eps)
-    h = _sum_rounded(x_row, r_row, col, col_mask, HAS_RESIDUAL, EMULATE_BF16)
+    h = residual_sum(x_row, r_row, col, col_mask, HAS_RESIDUAL, EMULATE_BF16)
     if HAS_RESIDUAL:
         tl.store(res_out_ptr + r * K + col, h.to(res_out_ptr.dtype.element_ty), mask=col_mask)
-    y = round_like(round_like(h * rstd, x_ptr, EMULATE_BF16) * w, x_ptr, EMULATE_BF16)
+    y = rms_normed(h, rstd, w, x_ptr, EMULATE_BF16)
     store_quantized(y, r, b, b_mask, word, K, xq_ptr, dx_ptr, sx_ptr, cx_ptr, s16_ptr, BLOCKS)
 
 

@@ -1,5 +1,7 @@
-"""Epilogues the small-batch linear kernels share (kernels/gemv.py, kernels/skinny.py), and the SwiGLU's arithmetic
-every kernel that computes it uses (kernels/fused.py, kernels/gguf_int8_input.py)."""
+"""Epilogues the small-batch linear kernels share (kernels/gemv.py, kernels/skinny.py), the SwiGLU's arithmetic
+every kernel that computes it uses (kernels/fused.py, kernels/gguf_int8_input.py, kernels/fp8_tokens.py), and the
+residual sum and RMSNorm of the kernels that quantize a normed row for the projection after it
+(kernels/gguf_int8_input.py, kernels/fp8_tokens.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,22 @@ def silu_mul(gate, up, like_ptr, EMULATE_BF16: tl.constexpr):
     rounded to that dtype before the multiply, the product rounded."""
     act = round_like(gate / (1.0 + tl.exp(-gate)), like_ptr, EMULATE_BF16)
     return round_like(act * up, like_ptr, EMULATE_BF16)
+
+
+@_jit
+def residual_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """x (+ the residual, the sum rounded to the model dtype, as fused_add_rms_norm stores it) at offs, float32."""
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = round_like(h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x_ptr, EMULATE_BF16)
+    return h
+
+
+@_jit
+def rms_normed(h, rstd, w, like_ptr, EMULATE_BF16: tl.constexpr):
+    """rmsnorm(h) * w as the norm kernel stores it (kernels/fused.py, HF's order): h * rstd rounded to like_ptr's
+    dtype, times the weight w, rounded again."""
+    return round_like(round_like(h * rstd, like_ptr, EMULATE_BF16) * w, like_ptr, EMULATE_BF16)
 
 
 @_jit
