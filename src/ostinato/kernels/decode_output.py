@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ostinato.kernels.gguf_int8_dot import store_quantized
-from ostinato.kernels.rope_tile import round_like
+from ostinato.kernels.rounding import round_like
 
 
 @triton.jit

@@ -48,7 +48,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.gemv import X_NORM, X_PLAIN, row_rstd
-    from ostinato.kernels.rope_tile import round_like
+    from ostinato.kernels.rounding import rms_normed, round_like
     from ostinato.kernels.linear_epilogue import glu_rows, store_glu
 else:
     X_NORM, X_PLAIN = 1, 0
@@ -105,7 +105,7 @@ def _normed(x, r, nw, rstd, x_ptr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.
     """One plane of rmsnorm(x [+ r]) * nw in the unfused kernels' rounding order (kernels/gemv.py's _x_tile)."""
     if HAS_RESIDUAL:
         x = round_like(x + r, x_ptr, EMULATE_BF16)
-    return round_like(round_like(x * rstd, x_ptr, EMULATE_BF16) * nw, x_ptr, EMULATE_BF16)
+    return rms_normed(x, rstd, nw, x_ptr, EMULATE_BF16)
 
 
 @_jit

@@ -62,7 +62,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.attention_common import kv_to_cache
     from ostinato.kernels.rope_tile import norm_rope, rope_partner, rope_table
-    from ostinato.kernels.rope_tile import round_like as _round_like
+    from ostinato.kernels.rounding import rms_normed, round_like as _round_like
     from ostinato.kernels.linear_epilogue import silu_mul
 
 
@@ -89,7 +89,7 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + offs, h.to(residual_out_ptr.dtype.element_ty), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     # HF's order: normalise in fp32, round to the model dtype, multiply by the weight, round again.
-    y = _round_like(_round_like(h * rstd, out_ptr, EMULATE_BF16) * w, out_ptr, EMULATE_BF16)
+    y = rms_normed(h, rstd, w, out_ptr, EMULATE_BF16)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -30,7 +30,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 from ostinato.kernels import deferred_launch, skinny
 
 if triton is not None:  # the torch path needs none of these
-    from ostinato.kernels.rope_tile import round_like
+    from ostinato.kernels.rounding import rms_normed, round_like
     from ostinato.kernels.linear_epilogue import glu_rows, store_glu
 
 
@@ -67,7 +67,7 @@ def _x_tile(x_ptr, res_ptr, stride_xm, stride_rm, offs_m, m_mask, ks, k_mask, rs
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + offs_m[:, None] * stride_rm + ks[None, :], mask=mk, other=0.0).to(tl.float32)
             x = round_like(x + r, x_ptr, EMULATE_BF16)
-        x = round_like(round_like(x * rstd[:, None], x_ptr, EMULATE_BF16) * nw[None, :], x_ptr, EMULATE_BF16)
+        x = rms_normed(x, rstd[:, None], nw[None, :], x_ptr, EMULATE_BF16)
     return x
 
 

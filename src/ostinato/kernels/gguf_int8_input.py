@@ -25,7 +25,8 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:
-    from ostinato.kernels.linear_epilogue import residual_sum, rms_normed, silu_mul
+    from ostinato.kernels.linear_epilogue import residual_sum, silu_mul
+    from ostinato.kernels.rounding import rms_normed
 
 
 @_jit

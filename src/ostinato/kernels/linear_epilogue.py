@@ -1,7 +1,7 @@
 """Epilogues the small-batch linear kernels share (kernels/gemv.py, kernels/skinny.py), the SwiGLU's arithmetic
 every kernel that computes it uses (kernels/fused.py, kernels/gguf_int8_input.py, kernels/fp8_tokens.py), and the
-residual sum and RMSNorm of the kernels that quantize a normed row for the projection after it
-(kernels/gguf_int8_input.py, kernels/fp8_tokens.py)."""
+residual sum of the kernels that quantize a normed row for the projection after it (kernels/gguf_int8_input.py,
+kernels/fp8_tokens.py; the norm itself: kernels/rounding.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernels' annotations)
 
 if triton is not None:  # the torch path needs none of these
-    from ostinato.kernels.rope_tile import round_like
+    from ostinato.kernels.rounding import round_like
 
 
 @_jit
@@ -27,13 +27,6 @@ def residual_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, EMULATE_B
     if HAS_RESIDUAL:
         h = round_like(h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x_ptr, EMULATE_BF16)
     return h
-
-
-@_jit
-def rms_normed(h, rstd, w, like_ptr, EMULATE_BF16: tl.constexpr):
-    """rmsnorm(h) * w as the norm kernel stores it (kernels/fused.py, HF's order): h * rstd rounded to like_ptr's
-    dtype, times the weight w, rounded again."""
-    return round_like(round_like(h * rstd, like_ptr, EMULATE_BF16) * w, like_ptr, EMULATE_BF16)
 
 
 @_jit

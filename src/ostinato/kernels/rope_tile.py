@@ -7,16 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def round_like(x, ptr, EMULATE_BF16: tl.constexpr):
-    """fp32 x rounded to ptr's element type and back to fp32: what storing it in the model dtype does.
-    EMULATE_BF16 rounds to nearest even by hand (the interpreter's own cast truncates)."""
-    if EMULATE_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(ptr.dtype.element_ty).to(tl.float32)
+from ostinato.kernels.rounding import rms_normed, round_like
 
 
 @triton.jit
@@ -43,9 +34,8 @@ def norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, dtype_ptr, HEAD_
     if QK_NORM:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]  # [R, 1]
         # As the torch path: normalise, round, multiply by the head's weight, round (x and partner alike).
-        x = round_like(round_like(x * rstd, dtype_ptr, EMULATE_BF16) * w, dtype_ptr, EMULATE_BF16)
-        x_partner = round_like(round_like(x_partner * rstd, dtype_ptr, EMULATE_BF16) * w_partner,
-                               dtype_ptr, EMULATE_BF16)
+        x = rms_normed(x, rstd, w, dtype_ptr, EMULATE_BF16)
+        x_partner = rms_normed(x_partner, rstd, w_partner, dtype_ptr, EMULATE_BF16)
     # apply_rope's order: x * cos rounded (a mul kernel), then one addcmul with the swapped halves.
     out = round_like(x * cos, dtype_ptr, EMULATE_BF16) + x_partner * signed_sin
     return round_like(out, dtype_ptr, EMULATE_BF16)
