@@ -58,7 +58,7 @@ def test_quantized_output_is_what_quantize_x_makes_of_the_stored_output(device, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("splits", [1, 3])
 def test_bf16_quantized_output_dequantizes_to_the_output(device, splits):
-    """bf16: the interpreter's stores truncate where the kernel rounds (kernels/rope_tile.round_like), so the
+    """bf16: the interpreter's stores truncate where the kernel rounds (kernels/rounding.round_like), so the
     codes are checked against the output itself: each within half a step (plus a bf16 rounding) of it."""
     out, _, fused = run_both(device, torch.bfloat16, splits)
     rows = out.shape[0]
