@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FP8 weights on the GPU in one go (run from the repo root; OUT = a folder for logs and JSON): the FP8 GPU tests,
-# the kernel sweep (benchmarks/kernels/fp8_linear.py), then `ostinato bench` at batch 1 and 64 on the three public
+# the kernel sweep (benchmarks/kernels/fp8_linear.py) and the one-row chain against its read ceiling
+# (benchmarks/kernels/fp8_stream_chain.py), then `ostinato bench` at batch 1 and 64 on the three public
 # shapes, bf16 against FP8 (--quantization fp8 on the bf16 checkpoint, and a block-scaled FP8 checkpoint), printed
 # as one table: graph step, eager step, floor (bytes actually read), floor ratio, FP8 / bf16.
 # The GPU machine has no compressed-tensors: its layout is covered by the CPU tests; here FP8 comes from
@@ -22,6 +23,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   python3 benchmarks/kernels/fp8_linear.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+  python3 benchmarks/kernels/fp8_stream_chain.py 2>&1 | tee "$OUT/stream_chain.log"
 fi
 for shape in $SHAPES; do
   ck=/tmp/ck-$shape ck8=/tmp/ck-$shape-fp8block

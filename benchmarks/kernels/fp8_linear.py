@@ -110,7 +110,7 @@ def _scaled_mm(xq, xs, layer):
 def call(name: str, config, x: torch.Tensor, layer: Fp8Linear, pre: tuple) -> torch.Tensor:
     """One call of candidate `name` on layer (pre: x quantized once, for "alone")."""
     if isinstance(config, StreamTiles):
-        return fp8_stream(x, layer.weight, layer.weight_scale, None, config)[0]
+        return fp8_stream(x, layer.weight, layer.weight_scale, None, config)
     if isinstance(config, Fp8Tiles):
         return fp8_gemv(x, layer.weight, layer.weight_scale, None, config)
     if isinstance(config, MmaTiles):

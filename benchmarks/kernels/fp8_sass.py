@@ -105,10 +105,8 @@ FP8_GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr"
                 "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
                 "stride_om": "i32"}
 STREAM_SIG = {"x_ptr": "*bf16", "x64_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*fp32", "b_ptr": "*fp32",
-              "out_ptr": "*bf16", "res_ptr": "*bf16", "res64_ptr": "*i64", "nw64_ptr": "*i64", "res_out_ptr": "*bf16",
-              "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_x64": "i32", "stride_wn": "i32",
-              "stride_sn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_r64": "i32", "stride_rom": "i32",
-              "eps": "fp32"}
+              "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_x64": "i32", "stride_wn": "i32",
+              "stride_sn": "i32", "stride_om": "i32"}
 GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
             "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
             "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_rom": "i32", "eps": "fp32"}
@@ -247,20 +245,20 @@ def main() -> None:
         for asm in (True, False):
             report(f"stream FP8 GEMV 8x1024 p{prefetch}{'' if asm else ' (no PTX cvt)'}",
                    _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
-                       ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=prefetch, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False,
-                       K_PAD=1, GLU=False, ASM=asm, EMULATE_BF16=False, PDL=True, **PER_ROW)), tile, 128, out_dir)
+                       ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=prefetch, HAS_BIAS=False, GLU=False, ASM=asm,
+                       EMULATE_BF16=False, PDL=True, **PER_ROW)), tile, 128, out_dir)
     for uniform in (True, False):
         report(f"stream FP8 GEMV 8x1024 p1, 128x128 blocks{'' if uniform else ', scales a row'}",
                _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
-                   ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False, K_PAD=1,
-                   GLU=False, ASM=True, EMULATE_BF16=False, PDL=True, BLOCK_SCALES=True, SCALE_BN=128,
-                   WORDS_PER_BLOCK=32, UNIFORM=uniform, EVEN_J=True)), tile, 128, out_dir)
-    report("stream FP8 GEMV 8x1024 p1, norm + SwiGLU", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
-        ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=1, HAS_RESIDUAL=True, K_PAD=4096,
-        GLU=True, ASM=True, EMULATE_BF16=False, PDL=True, **PER_ROW)), tile, 128, out_dir)
+                   ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, GLU=False, ASM=True,
+                   EMULATE_BF16=False, PDL=True, BLOCK_SCALES=True, SCALE_BN=128, WORDS_PER_BLOCK=32,
+                   UNIFORM=uniform, EVEN_J=True)), tile, 128, out_dir)
+    report("stream FP8 GEMV 8x1024 p1, SwiGLU", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
+        ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, GLU=True, ASM=True, EMULATE_BF16=False, PDL=True,
+        **PER_ROW)), tile, 128, out_dir)
     report("stream FP8 GEMV 4x1024 p1, 4 rows", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
-        ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, X_MODE=0, HAS_RESIDUAL=False, K_PAD=1,
-        GLU=False, ASM=True, EMULATE_BF16=False, PDL=True, **PER_ROW)), tile // 2, 128, out_dir)
+        ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, GLU=False, ASM=True, EMULATE_BF16=False,
+        PDL=True, **PER_ROW)), tile // 2, 128, out_dir)
     q4k, q6k = gguf_int8_q4k.Q4kTiles(), gguf_int8_q6k_q80.q6k_tiles(1)
     q4k_meta = dict(BLOCK_N=q4k.block_n, BLOCK_J=q4k.block_j, EVEN=True, HAS_BIAS=False, PDL=True, ASM=True)
     q4k_step = (q4k.block_n * q4k.block_j * 4, 32 * q4k.num_warps, out_dir)

@@ -86,10 +86,8 @@ class SplitW8a8:
 
 Fp8Path = StreamTiles | Fp8Tiles | MmaTiles | W8a8Tiles | SplitTiles | SplitW8a8 | str
 _W8A8_SPLIT = SplitW8a8()
-# The RMSNorm folds into the streaming GEMV at one row, where the bf16 GEMV's fold was measured to win; at 2-4 rows
-# the bf16 fold lost whole steps (kernels/gemv.py, choose_gemv_tiles), so there the norm stays its own kernel. The
-# SwiGLU folds at every row the streaming GEMV takes, as the bf16 fold won at 1-16 (kernels/gemv.py, choose_glu_fold).
-_NORM_FOLD_ROWS = 1
+# The SwiGLU folds into the streaming GEMV at every row it takes, as the bf16 fold won at 1-16 (kernels/gemv.py,
+# choose_glu_fold); the RMSNorm does not (kernels/fp8_stream.py says why).
 _GLU_FOLD_ROWS = 4
 
 # Measured winners at exact (rows, N, K), per-row scales only, overriding the rule below at those shapes: the
@@ -231,7 +229,7 @@ class Fp8Linear(QuantizedLinear):
     def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
         path = self._path(x)
         if isinstance(path, StreamTiles):
-            return x.shape[0] <= (_NORM_FOLD_ROWS if norm else _GLU_FOLD_ROWS)
+            return not norm and x.shape[0] <= _GLU_FOLD_ROWS
         return norm and _folds_into_quantization(path, x.shape[1])  # into the activations' quantization
 
     def takes_glu_input(self, gate_up: torch.Tensor) -> bool:
@@ -247,7 +245,8 @@ class Fp8Linear(QuantizedLinear):
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         path = self._path(x)
         if isinstance(path, StreamTiles):
-            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, glu, norm, self.block)
+            assert norm is None, "only where folds(x, norm=True), which the streaming GEMV never does"
+            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, glu, self.block), None
         assert norm is not None and not glu and _folds_into_quantization(path, x.shape[1]), "only where folds(x)"
         xq, x_scale, residual = norm_quantize_tokens(x, *norm, pdl=pdl)
         return self._w8a8_linear(xq, x_scale, path, x.dtype, pdl), residual
@@ -255,7 +254,7 @@ class Fp8Linear(QuantizedLinear):
     def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         path = self._path(x)
         if isinstance(path, StreamTiles):
-            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, block=self.block)[0]
+            return fp8_stream(x, self.weight, self.weight_scale, self.bias, path, pdl, block=self.block)
         if isinstance(path, Fp8Tiles):
             return fp8_gemv(x.contiguous(), self.weight, self.weight_scale, self.bias, path, self.block, pdl)
         if isinstance(path, MmaTiles):

@@ -1,5 +1,5 @@
 """The streaming W8A16 GEMV for FP8 (E4M3) weights at 1-4 rows: y = x @ (W_fp8 * scale)^T (+ b), fp32 sums,
-optionally with the RMSNorm before the projection and the SwiGLU after it folded in, as the bf16 GEMV does.
+optionally with the SwiGLU after the projection folded in, as the bf16 GEMV does.
 
 Why another FP8 GEMV (kernels/fp8_gemv.py is the first): that one keeps a 3-D [M_PAD, BLOCK_N, BLOCK_K]
 accumulator, and Triton lays a 3-D tensor out one element a thread. Its 16-byte weight loads are re-laid out
@@ -30,6 +30,11 @@ instructions in 96 registers against per-row scales' 262 in 80 (benchmarks/kerne
 2048 one-row tile it takes 162 registers against 128. Scaling each weight instead, by a scale gathered per word,
 costs four multiplies and a scale load a word where this costs one multiply a word and a load a block.
 
+The RMSNorm before a projection does not fold in here (the bf16 GEMV's does): every program would read the
+whole row for its 1/rms and the residual and the norm's weight with each K step, L2 traffic as large as the
+weight bytes at 8-row tiles, where the norm kernel reads the row once. Without the fold the 8B's one-row step
+was 4% faster (docs/PERFORMANCE.md, FP8).
+
 K a multiple of 4 and x's rows 8-byte aligned (stream_takes). Rows past N are clamped onto the last row (read,
 never stored); K is masked (a multiple of 64 keeps every load 16 bytes wide). One kernel per call, grid from shapes
 only: CUDA-graph safe.
@@ -47,11 +52,7 @@ from ostinato.kernels.triton_optional import jit as _jit
 from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the kernel's annotations)
 
 if triton is not None:  # the torch path needs none of these
-    from ostinato.kernels.gemv import X_NORM, X_PLAIN, row_rstd
-    from ostinato.kernels.rounding import rms_normed, round_like
     from ostinato.kernels.linear_epilogue import glu_rows, store_glu
-else:
-    X_NORM, X_PLAIN = 1, 0
 
 MAX_ROWS = 4  # one named accumulator a row
 
@@ -101,49 +102,19 @@ def _half_planes(ptr, cols, mask, DT: tl.constexpr):
 
 
 @_jit
-def _normed(x, r, nw, rstd, x_ptr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """One plane of rmsnorm(x [+ r]) * nw in the unfused kernels' rounding order (kernels/gemv.py's _x_tile)."""
-    if HAS_RESIDUAL:
-        x = round_like(x + r, x_ptr, EMULATE_BF16)
-    return rms_normed(x, rstd, nw, x_ptr, EMULATE_BF16)
-
-
-@_jit
-def _row_dot(acc, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_xm, stride_rm, row, M, cols, K4,
-             rstd, sc, X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr,
-             BLOCK_SCALES: tl.constexpr):
-    """acc + the four weight planes times row `row` of what multiplies W (x, or its norm with X_NORM) at the
-    int64 words cols, [BLOCK_N, BLOCK_J], times the words' block scales sc with BLOCK_SCALES. x is loaded
-    through pointers of the weight tile's shape, rows alike, so it comes in the weight tile's layout (a
-    [BLOCK_J] vector would be re-laid out through shared memory each step); the compiler sees the rows are
-    alike and loads each word once. A word's four products share one block, so its scale multiplies their sum:
-    one instruction a word (scaling the four weights, or the x values per weight row, took four)."""
+def _row_dot(acc, w0, w1, w2, w3, x_ptr, x64_ptr, stride_xm, row, M, cols, K4, sc, BLOCK_SCALES: tl.constexpr):
+    """acc + the four weight planes times row `row` of x at the int64 words cols, [BLOCK_N, BLOCK_J], times the
+    words' block scales sc with BLOCK_SCALES. x is loaded through pointers of the weight tile's shape, rows alike,
+    so it comes in the weight tile's layout (a [BLOCK_J] vector would be re-laid out through shared memory each
+    step); the compiler sees the rows are alike and loads each word once. A word's four products share one
+    block, so its scale multiplies their sum: one instruction a word (scaling the four weights, or the x values per
+    weight row, took four)."""
     r = tl.minimum(row, M - 1)
     mask = cols < K4
     x0, x1, x2, x3 = _half_planes(x64_ptr + r * stride_xm, cols, mask, x_ptr.dtype.element_ty)
-    if X_MODE == 1:
-        r0, r1, r2, r3 = x0, x1, x2, x3  # unread without a residual
-        if HAS_RESIDUAL:
-            r0, r1, r2, r3 = _half_planes(res64_ptr + r * stride_rm, cols, mask, x_ptr.dtype.element_ty)
-        n0, n1, n2, n3 = _half_planes(nw64_ptr, cols, mask, x_ptr.dtype.element_ty)
-        x0 = _normed(x0, r0, n0, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
-        x1 = _normed(x1, r1, n1, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
-        x2 = _normed(x2, r2, n2, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
-        x3 = _normed(x3, r3, n3, rstd, x_ptr, HAS_RESIDUAL, EMULATE_BF16)
     if BLOCK_SCALES:
         return acc + (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * sc
     return acc + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
-
-
-@_jit
-def _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, row, M, K, eps, write,
-              X_MODE: tl.constexpr, K_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """1 / rms of row `row` (a scalar) with the norm folded in (program 0 stores its residual sum), else 1."""
-    if X_MODE == 1:
-        offs_m = tl.minimum(row, M - 1) + tl.zeros([1], tl.int32)
-        return tl.sum(row_rstd(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, offs_m, offs_m < M,
-                               K, eps, write & (row < M), K_PAD, HAS_RESIDUAL, EMULATE_BF16), axis=0)
-    return 1.0
 
 
 @_jit
@@ -199,17 +170,15 @@ def _scale_tile(s_rows, j0, offs_j, K4, WORDS_PER_BLOCK: tl.constexpr, BLOCK_J: 
 
 @_jit
 def _fp8_stream_kernel(
-    x_ptr, x64_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res64_ptr, nw64_ptr, res_out_ptr,
-    M, N, K, stride_xm, stride_x64, stride_wn, stride_sn, stride_om, stride_rm, stride_r64, stride_rom, eps,
+    x_ptr, x64_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x64, stride_wn, stride_sn, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, PREFETCH: tl.constexpr,
-    HAS_BIAS: tl.constexpr, X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr,
-    GLU: tl.constexpr, ASM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ASM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
     BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr, UNIFORM: tl.constexpr,
     EVEN_J: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    K4 = K // 4  # words a row: w_ptr holds int32 words of 4 weights, x64_ptr (res64, nw64) int64 words of 4 values
+    K4 = K // 4  # words a row: w_ptr holds int32 words of 4 weights, x64_ptr int64 words of 4 values
     offs_n, w_index = glu_rows(pid, N, BLOCK_N, GLU)  # each row's output; its row of W
     if GLU:
         w_index = tl.minimum(w_index, 2 * N - 1)  # rows past the end read the last row, never stored
@@ -228,18 +197,6 @@ def _fp8_stream_kernel(
         if PREFETCH == 2:
             s_after = _scale_tile(s_rows, BLOCK_J, offs_j, K4, WORDS_PER_BLOCK, BLOCK_J, EVEN_J)
     pdl_wait(PDL)
-    rstd0 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 0, M, K, eps, pid == 0,
-                      X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
-    rstd1, rstd2, rstd3 = rstd0, rstd0, rstd0
-    if ROWS > 1:
-        rstd1 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 1, M, K, eps, pid == 0,
-                          X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
-    if ROWS > 2:
-        rstd2 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 2, M, K, eps, pid == 0,
-                          X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
-    if ROWS > 3:
-        rstd3 = _rstd_row(x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, 3, M, K, eps, pid == 0,
-                          X_MODE, K_PAD, HAS_RESIDUAL, EMULATE_BF16)
     acc0 = tl.zeros([BLOCK_N, BLOCK_J], tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     for j0 in range(0, K4, BLOCK_J):
@@ -260,17 +217,13 @@ def _fp8_stream_kernel(
             sc = 1.0  # unread
         cols = j0 + offs_j[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # [BLOCK_N, BLOCK_J], rows alike
         w0, w1, w2, w3 = _fp8_planes(w, ASM)
-        acc0 = _row_dot(acc0, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 0, M,
-                        cols, K4, rstd0, sc, X_MODE, HAS_RESIDUAL, EMULATE_BF16, BLOCK_SCALES)
+        acc0 = _row_dot(acc0, w0, w1, w2, w3, x_ptr, x64_ptr, stride_x64, 0, M, cols, K4, sc, BLOCK_SCALES)
         if ROWS > 1:
-            acc1 = _row_dot(acc1, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 1,
-                            M, cols, K4, rstd1, sc, X_MODE, HAS_RESIDUAL, EMULATE_BF16, BLOCK_SCALES)
+            acc1 = _row_dot(acc1, w0, w1, w2, w3, x_ptr, x64_ptr, stride_x64, 1, M, cols, K4, sc, BLOCK_SCALES)
         if ROWS > 2:
-            acc2 = _row_dot(acc2, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 2,
-                            M, cols, K4, rstd2, sc, X_MODE, HAS_RESIDUAL, EMULATE_BF16, BLOCK_SCALES)
+            acc2 = _row_dot(acc2, w0, w1, w2, w3, x_ptr, x64_ptr, stride_x64, 2, M, cols, K4, sc, BLOCK_SCALES)
         if ROWS > 3:
-            acc3 = _row_dot(acc3, w0, w1, w2, w3, x_ptr, x64_ptr, res64_ptr, nw64_ptr, stride_x64, stride_r64, 3,
-                            M, cols, K4, rstd3, sc, X_MODE, HAS_RESIDUAL, EMULATE_BF16, BLOCK_SCALES)
+            acc3 = _row_dot(acc3, w0, w1, w2, w3, x_ptr, x64_ptr, stride_x64, 3, M, cols, K4, sc, BLOCK_SCALES)
     s = 1.0
     if not BLOCK_SCALES:
         s = tl.load(s_ptr + w_index)
@@ -309,14 +262,10 @@ def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                tiles: StreamTiles, pdl: bool = False, glu: bool = False,
-               norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-               block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [M, K] @ (weight [N, K] fp8 * scale)^T (+ bias) -> [M, N] in x's dtype, and the next residual (None
-    without `norm`); stream_takes(x, weight, block) must hold. scale: [N] float32 (per row) or, with `block`
-    (bn, bk), [cdiv(N, bn), cdiv(K, bk)] float32.
+               block: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] fp8 * scale)^T (+ bias) -> [M, N] in x's dtype; stream_takes(x, weight, block)
+    must hold. scale: [N] float32 (per row) or, with `block` (bn, bk), [cdiv(N, bn), cdiv(K, bk)] float32.
     glu: weight is (gate | up) [2I, K]; the output is silu(gate) * up [M, I] (block_n then counts weight rows).
-    norm: (residual or None, norm_weight [K], eps): x is first replaced by rmsnorm(x + residual) * norm_weight,
-    kernels/gemv.py's gemv_norm_linear contract; the second result is then x + residual (x itself without one).
     pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -326,30 +275,20 @@ def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     assert not glu or (n % 2 == 0 and tiles.block_n >= 2)
     outputs, rows_per_program = (n // 2, tiles.block_n // 2) if glu else (n, tiles.block_n)
     out = torch.empty(m, outputs, device=x.device, dtype=x.dtype)
-    residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(-1) == 1 and residual.stride(0) % 4 == 0
-    residual_out = None if norm is None else x if residual is None else torch.empty_like(x)
     if n == 0:
-        return out, residual_out
-    res = residual if residual is not None else x  # unread placeholders where the mode has none
-    res_out = residual_out if residual_out is not None else x
-    x64, res64 = _words(x, torch.int64), _words(res, torch.int64)
-    nw64 = _words(norm_weight, torch.int64) if norm_weight is not None else x64
+        return out
     interpreted = type(_fp8_stream_kernel).__name__ == "InterpretedFunction"
     # cvt.rn.f16x2.e4m3x2 is sm_89 and newer; older GPUs take the plain path (Triton's own conversion)
     asm = not interpreted and torch.cuda.get_device_capability(x.device) >= (8, 9)
     _fp8_stream_kernel[(triton.cdiv(outputs, rows_per_program),)](
-        x, x64, weight.view(torch.int32), scale, bias if bias is not None else scale, out, res, res64, nw64,
-        res_out, m, outputs, k, x.stride(0), x.stride(0) // 4, k // 4, scale.stride(0), out.stride(0), res.stride(0),
-        res.stride(0) // 4, res_out.stride(0), eps,
+        x, _words(x, torch.int64), weight.view(torch.int32), scale, bias if bias is not None else scale, out,
+        m, outputs, k, x.stride(0) // 4, k // 4, scale.stride(0), out.stride(0),
         ROWS=m, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_k // 4, PREFETCH=tiles.prefetch,
-        HAS_BIAS=bias is not None, X_MODE=X_NORM if norm is not None else X_PLAIN,
-        HAS_RESIDUAL=residual is not None, K_PAD=triton.next_power_of_2(k) if norm is not None else 1, GLU=glu,
-        ASM=asm, EMULATE_BF16=interpreted and x.dtype == torch.bfloat16, PDL=pdl, BLOCK_SCALES=block is not None,
-        SCALE_BN=block[0] if block is not None else 1, WORDS_PER_BLOCK=block[1] // 4 if block is not None else 1,
+        HAS_BIAS=bias is not None, GLU=glu, ASM=asm, EMULATE_BF16=interpreted and x.dtype == torch.bfloat16, PDL=pdl,
+        BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block is not None else 1,
+        WORDS_PER_BLOCK=block[1] // 4 if block is not None else 1,
         UNIFORM=block is not None and _uniform_scale_rows(block[0], rows_per_program, n, glu),
         EVEN_J=k % tiles.block_k == 0,
         num_warps=tiles.num_warps, num_stages=1, **launch_options(pdl),
     )
-    return out, residual_out
+    return out
