@@ -35,15 +35,15 @@ NORMED = ("qkv", "gate_up")  # the projections a norm comes before
 
 
 @triton.jit
-def _read_only(w_ptr, out_ptr, N, K4, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
+def _read_only(w_ptr, out_ptr, N, K4, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
     """The streaming GEMV's grid, weight tiles and one-tile prefetch (the first before the PDL wait), the words
     summed as integers: its loads with almost no arithmetic."""
-    pdl_begin(True)
+    pdl_begin(PDL)
     rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K4
     offs_j = tl.arange(0, BLOCK_J)
     w_next = tl.load(w_rows + offs_j[None, :], mask=(offs_j < K4)[None, :], other=0)
-    pdl_wait(True)
+    pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_J], tl.int32)
     for j0 in range(0, K4, BLOCK_J):
         w = w_next
@@ -53,12 +53,12 @@ def _read_only(w_ptr, out_ptr, N, K4, BLOCK_N: tl.constexpr, BLOCK_J: tl.constex
     tl.store(out_ptr + rows, tl.sum(acc, axis=1))
 
 
-def read_only(weight: torch.Tensor, tiles: StreamTiles) -> torch.Tensor:
+def read_only(weight: torch.Tensor, tiles: StreamTiles, pdl: bool = True) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(n, device=weight.device, dtype=torch.int32)
     _read_only[(triton.cdiv(n, tiles.block_n),)](weight.view(torch.int32), out, n, k // 4, BLOCK_N=tiles.block_n,
-                                                 BLOCK_J=tiles.block_k // 4, num_warps=tiles.num_warps,
-                                                 num_stages=1, **launch_options(True))
+                                                 BLOCK_J=tiles.block_k // 4, PDL=pdl, num_warps=tiles.num_warps,
+                                                 num_stages=1, **launch_options(pdl))
     return out
 
 
