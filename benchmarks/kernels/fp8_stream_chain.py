@@ -3,8 +3,10 @@
 Every layer's qkv, o, gate_up (the SwiGLU folded in) and down on the streaming GEMV (kernels/fp8_stream.py) at the
 tiles choose_fp8_path gives one row, the RMSNorm before qkv and gate_up as its own kernel, all launched with PDL
 into one CUDA graph over distinct weights for every layer (so nothing comes from L2), as in a decode step. Beside
-it, the same grid and weight tiles with a kernel that only reads them (the words summed as integers): the most
-this grid could draw from HBM. Then each projection's chain alone, both ways, in us a layer.
+it, the same chain without the norm kernels (no step runs so: what the norms cost the chain, the most that
+moving them into the projections could save), and the same grid and weight tiles with a kernel that only reads
+them (the words summed as integers): the most this grid could draw from HBM. Then each projection's chain alone,
+the GEMV and the read-only kernel, in us a layer.
 
 Why: the per-call sweep (benchmarks/kernels/fp8_linear.py) times one kernel at a time without PDL and without the
 kernels around it; this puts a step's GEMV time beside what reading those bytes in that grid takes, so what is left
@@ -83,7 +85,7 @@ def main() -> None:
     norm_weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16)
     down_in = torch.randn(1, inter, device="cuda", dtype=torch.bfloat16)
 
-    def step(only=None, reading=False):
+    def step(only=None, reading=False, norms=True):
         def fn():
             for layer in range(args.layers):
                 for name in shapes:
@@ -94,7 +96,7 @@ def main() -> None:
                         read_only(w, tiles[name])
                         continue
                     src = down_in if name == "down" else x
-                    if name in NORMED:
+                    if name in NORMED and norms:
                         src, _ = fused_add_rms_norm(x, residual, norm_weight, 1e-5, pdl=True)
                     fp8_stream(src, w, scales[name], None, tiles[name], pdl=True, glu=name == "gate_up")
         return fn
@@ -103,7 +105,9 @@ def main() -> None:
     tile_text = ", ".join(f"{name} {t.block_n}x{t.block_k}" for name, t in tiles.items())
     print(f"{args.shape}, one row, {args.layers} layers: {total / 1e9:.2f} GB of FP8 weights; HBM read ceiling "
           f"{HBM_READ_BYTES_PER_S / 1e9:.0f} GB/s; tiles {tile_text}")
-    for label, fn in (("streaming GEMV, norm apart", step()), ("read-only, same grid", step(reading=True))):
+    chains = (("streaming GEMV, norm apart", step()), ("the same without the norms", step(norms=False)),
+              ("read-only, same grid", step(reading=True)))
+    for label, fn in chains:
         us = time_chain(fn)
         share = total / us * 1e6 / HBM_READ_BYTES_PER_S
         print(f"  {label:28s} {us:8.1f} us  {total / us / 1e3:6.0f} GB/s  {share:.1%} of the ceiling")
