@@ -11,7 +11,7 @@ Scales, two layouts, both meaning W[n, k] = fp8[n, k] * scale[...]:
 
 Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before graph capture:
     stream      1-3 rows (1-2 with block scales), bf16: the streaming W8A16 GEMV (kernels/fp8_stream.py), which
-                also takes the RMSNorm before the projection (one row) and the SwiGLU after it: `folds`
+                also takes the SwiGLU after the projection (`folds`); the RMSNorm before it stays its own kernel
     gemv        a few rows otherwise (fp16/fp32 activations, x's rows not word-aligned): the first Triton GEMV
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)

@@ -3,10 +3,10 @@
 A quantized projection keeps its weight on the device in the checkpoint's own encoding and computes
 y = x @ W^T (+ bias) from it, so that a decode step reads the quantized bytes, not a bf16 copy. The decoder
 does not know the formats: its kernel sets (kernels/fused.py) hand any QuantizedLinear its input through
-`linear`; a format whose few-rows kernel can also take the RMSNorm before the projection and the SwiGLU after
-it says so through `folds` and computes them in `fused_linear` (FP8 both, GGUF the norm only), and one whose
-kernel can take the SwiGLU before it (the down projection's input) through `takes_glu_input` and
-`glu_input_linear` (GGUF), and one whose kernel reads its input quantized to int8 per 32 values, which the decode
+`linear`; a format whose few-rows kernel can also take the RMSNorm before the projection or the SwiGLU after
+it says so through `folds` and computes them in `fused_linear` (FP8 both, at different rows; GGUF the norm
+only), and one whose kernel can take the SwiGLU before it (the down projection's input) through
+`takes_glu_input` and `glu_input_linear` (GGUF, FP8), and one whose kernel reads its input quantized to int8 per 32 values, which the decode
 attention can write for o_proj, through `int8_input` and `int8_input_linear` (GGUF); the others keep the default,
 no fold, and the decoder launches the norm and the activation apart. Each format lives in its own module and
 subclasses this one; its reference is `dequantize`, against which the tests check its kernels in float64.
@@ -46,9 +46,10 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def folds(self, x: torch.Tensor, norm: bool = False) -> bool:
-        """Whether fused_linear takes these rows x [M, K]: for a (gate | up) projection silu(gate) * up after
-        it, and with `norm` also the norm before it, in the projection's own kernel. Shapes and dtypes only
-        (fixed before graph capture). Default: never."""
+        """Whether fused_linear takes these rows x [M, K] with a step folded into the projection's own kernel:
+        without `norm`, silu(gate) * up after a (gate | up) projection (glu=True); with `norm`, the norm before
+        it (both at once only where both answers are yes). Shapes and dtypes only (fixed before graph capture).
+        Default: never."""
         return False
 
     def fused_linear(self, x: torch.Tensor, pdl: bool = False, glu: bool = False,
