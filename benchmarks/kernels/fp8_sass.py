@@ -217,8 +217,8 @@ def report_fp8_tokens(out_dir: str) -> None:
                                ("SwiGLU folded in", 14336, True, False)):
         block, warps = fp8_tokens.row_tile(k)
         compiled = _compile(fp8_tokens._quantize_tokens_kernel, sig, dict(
-            K=k, BLOCK_K=block, GLU=glu, NORM=norm, HAS_RESIDUAL=norm, EMULATE_BF16=False, FP8_LIMIT=448.0,
-            FLOOR=1e-12, PDL=True), num_warps=warps)
+            K=k, BLOCK_K=block, GLU=glu, NORM=norm, HAS_RESIDUAL=norm, EMULATE_BF16=False,
+            FP8_LIMIT=fp8_linear.FP8_MAX, FLOOR=fp8_linear.SCALE_FLOOR, PDL=True), num_warps=warps)
         sass, regs = _disassemble(f"fp8_tokens_{name}", compiled, out_dir)
         spills = len(re.findall(r"\bSTL", sass)) + len(re.findall(r"\bLDL", sass))
         print(f"FP8 token quantization, {name:17s} K {k:5d} w{warps:<2d} regs {regs:>3s}  spill instructions {spills}")

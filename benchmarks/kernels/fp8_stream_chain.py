@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
-from ostinato.kernels.fp8_linear import StreamTiles, choose_fp8_path, fp8_stream  # noqa: E402
+from ostinato.kernels.fp8_linear import FP8_DTYPE, FP8_MAX, StreamTiles, choose_fp8_path, fp8_stream  # noqa: E402
 from ostinato.kernels.fused import fused_add_rms_norm  # noqa: E402
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait  # noqa: E402
 
@@ -77,7 +77,7 @@ def main() -> None:
     torch.manual_seed(0)
     hidden, inter = SHAPES[args.shape][:2]
     shapes = {name: nk for name, nk in projections(SHAPES[args.shape]).items() if name != "lm_head"}
-    weights = {name: [(torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    weights = {name: [(torch.randn(n, k, device="cuda") * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
                       for _ in range(args.layers)] for name, (n, k) in shapes.items()}
     scales = {name: torch.rand(n, device="cuda") * 1e-3 + 1e-3 for name, (n, _) in shapes.items()}
     tiles = {name: choose_fp8_path(1, n, k, False, True, True) for name, (n, k) in shapes.items()}
