@@ -6,10 +6,11 @@ does not know the formats: its kernel sets (kernels/fused.py) hand any Quantized
 `linear`; a format whose few-rows kernel can also take the RMSNorm before the projection or the SwiGLU after
 it says so through `folds` and computes them in `fused_linear` (FP8 both, at different rows; GGUF the norm
 only), and one whose kernel can take the SwiGLU before it (the down projection's input) through
-`takes_glu_input` and `glu_input_linear` (GGUF, FP8), and one whose kernel reads its input quantized to int8 per 32 values, which the decode
-attention can write for o_proj, through `int8_input` and `int8_input_linear` (GGUF); the others keep the default,
-no fold, and the decoder launches the norm and the activation apart. Each format lives in its own module and
-subclasses this one; its reference is `dequantize`, against which the tests check its kernels in float64.
+`takes_glu_input` and `glu_input_linear` (GGUF, FP8), and one whose kernel reads its input quantized to int8
+per 32 values, which the decode attention can write for o_proj, through `int8_input` and `int8_input_linear`
+(GGUF); the others keep the default, no fold, and the decoder launches the norm and the activation apart. Each
+format lives in its own module and subclasses this one; its reference is `dequantize`, against which the tests
+check its kernels in float64.
 """
 
 from __future__ import annotations
