@@ -105,8 +105,9 @@ FP8_GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr"
                 "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
                 "stride_om": "i32"}
 STREAM_SIG = {"x_ptr": "*bf16", "x64_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*fp32", "b_ptr": "*fp32",
-              "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_x64": "i32", "stride_wn": "i32",
-              "stride_sn": "i32", "stride_om": "i32"}
+              "out_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "normed_ptr": "*bf16", "counter_ptr": "*i32",
+              "M": "i32", "N": "i32", "K": "i32", "stride_x64": "i32", "stride_wn": "i32", "stride_sn": "i32",
+              "stride_om": "i32", "stride_rm": "i32", "stride_nm": "i32", "eps": "fp32"}
 GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
             "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
             "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_rom": "i32", "eps": "fp32"}
@@ -225,7 +226,8 @@ def report_fp8_tokens(out_dir: str) -> None:
 
 
 # The streaming GEMV's scale arguments for per-row scales.
-PER_ROW = dict(BLOCK_SCALES=False, SCALE_BN=1, WORDS_PER_BLOCK=1, UNIFORM=False, EVEN_J=True)
+PER_ROW = dict(BLOCK_SCALES=False, SCALE_BN=1, WORDS_PER_BLOCK=1, UNIFORM=False, EVEN_J=True, NORM_AFTER=False,
+               BLOCK_H=1)
 
 
 def main() -> None:
@@ -252,10 +254,13 @@ def main() -> None:
                _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
                    ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, GLU=False, ASM=True,
                    EMULATE_BF16=False, PDL=True, BLOCK_SCALES=True, SCALE_BN=128, WORDS_PER_BLOCK=32,
-                   UNIFORM=uniform, EVEN_J=True)), tile, 128, out_dir)
+                   UNIFORM=uniform, EVEN_J=True, NORM_AFTER=False, BLOCK_H=1)), tile, 128, out_dir)
     report("stream FP8 GEMV 8x1024 p1, SwiGLU", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
         ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, GLU=True, ASM=True, EMULATE_BF16=False, PDL=True,
         **PER_ROW)), tile, 128, out_dir)
+    report("stream FP8 GEMV 8x1024 p1, then the norm", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
+        ROWS=1, BLOCK_N=8, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, GLU=False, ASM=True, EMULATE_BF16=False, PDL=True,
+        **dict(PER_ROW, NORM_AFTER=True, BLOCK_H=4096))), tile, 128, out_dir)
     report("stream FP8 GEMV 4x1024 p1, 4 rows", _compile(fp8_stream._fp8_stream_kernel, STREAM_SIG, dict(
         ROWS=4, BLOCK_N=4, BLOCK_J=256, PREFETCH=1, HAS_BIAS=False, GLU=False, ASM=True, EMULATE_BF16=False,
         PDL=True, **PER_ROW)), tile // 2, 128, out_dir)

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 
 from ostinato.kernels import fp8_linear, fused  # noqa: E402
 from ostinato.kernels.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize_fp8  # noqa: E402
-from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes  # noqa: E402
+from ostinato.kernels.fp8_stream import (ResidualNorm, StreamTiles, fp8_stream, fp8_stream_then_norm,  # noqa: E402
+                                         stream_takes)
 from ostinato.kernels.fused_ref import fused_add_rms_norm_ref, silu_and_mul_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,6 +119,30 @@ def test_stream_takes_only_what_it_can_read_as_words():
     assert not stream_takes(torch.zeros(2, 66, dtype=torch.bfloat16)[:, 1:65], w)  # rows not word-aligned
     assert stream_takes(torch.zeros(1, 64, dtype=torch.bfloat16), w, (128, 128))
     assert not stream_takes(torch.zeros(1, 64, dtype=torch.bfloat16), w, (8, 6))  # a word across two blocks
+
+
+@pytest.mark.parametrize("m,n,tiles", [(1, 37, StreamTiles(4, 32)), (3, 64, StreamTiles(8, 64, prefetch=2))])
+def test_stream_then_norm_matches_the_norm_kernels_inputs(m, n, tiles):
+    """The residual add and RMSNorm after the projection, by the program that counts in last: the sum is the
+    projection's output rounded to bf16 plus the residual, rounded (exactly the norm kernel's input), and the
+    normed rows the norm kernel's of that sum (and close to the torch norm's). Launched twice with one counter,
+    which must be zero again after each launch: left non-zero, no program of the next launch would be last."""
+    k, dtype = 96, torch.bfloat16
+    w, scale, x, _ = _case(m, n, k, dtype, 7 + m)
+    gen = torch.Generator().manual_seed(m)
+    residual = torch.randn(m, n, generator=gen).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    y = _reference(x, w, scale, None).to(dtype)
+    expect_normed, expect_sum = fused_add_rms_norm_ref(y, residual, norm_weight, 1e-6)
+    for _ in range(2):
+        norm = ResidualNorm(*_dev(residual, norm_weight), 1e-6, counter)
+        normed, total = fp8_stream_then_norm(*_dev(x, w, scale), None, tiles, norm)
+        torch.testing.assert_close(total.cpu(), expect_sum, rtol=0, atol=0.02 * expect_sum.abs().max().item())
+        expect = fused.rms_norm(total, norm_weight.to(DEVICE), 1e-6)  # the norm kernel on the same sum
+        torch.testing.assert_close(normed, expect, rtol=0, atol=0)
+        torch.testing.assert_close(normed.cpu(), expect_normed, rtol=0.02, atol=0.02)
+        assert counter.item() == 0
 
 
 @pytest.mark.gpu

@@ -33,7 +33,10 @@ costs four multiplies and a scale load a word where this costs one multiply a wo
 The RMSNorm before a projection does not fold in here (the bf16 GEMV's does): every program would read the
 whole row for its 1/rms and the residual and the norm's weight with each K step, L2 traffic as large as the
 weight bytes at 8-row tiles, where the norm kernel reads the row once. Without the fold the 8B's one-row step
-was 4% faster (docs/PERFORMANCE.md, FP8).
+was 4% faster (docs/PERFORMANCE.md, FP8). The norm after a projection can come out of it instead
+(fp8_stream_then_norm, o_proj's and down_proj's): each program adds the residual to its slice of the output and
+stores the sum, then counts itself in on an arrival counter; the last to arrive reads the whole rows once and
+normalises them, as the norm kernel would, and one launch and one PDL hop go.
 
 K a multiple of 4 and x's rows 8-byte aligned (stream_takes). Rows past N are clamped onto the last row (read,
 never stored); K is masked (a multiple of 64 keeps every load 16 bytes wide). One kernel per call, grid from shapes
@@ -53,6 +56,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.linear_epilogue import glu_rows, store_glu
+    from ostinato.kernels.rounding import rms_normed, round_like
 
 MAX_ROWS = 4  # one named accumulator a row
 
@@ -118,9 +122,12 @@ def _row_dot(acc, w0, w1, w2, w3, x_ptr, x64_ptr, stride_xm, row, M, cols, K4, s
 
 
 @_jit
-def _store_row(out_ptr, y, s, b_ptr, w_index, offs_n, pid, row, M, N, stride_om, HAS_BIAS: tl.constexpr,
-               BLOCK_N: tl.constexpr, GLU: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """Row `row`'s sums y [BLOCK_N] times the weight rows' scales s (+ bias), stored (GLU: as silu(gate) * up)."""
+def _store_row(out_ptr, y, s, b_ptr, res_ptr, w_index, offs_n, pid, row, M, N, stride_om, stride_rm,
+               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GLU: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+               EMULATE_BF16: tl.constexpr):
+    """Row `row`'s sums y [BLOCK_N] times the weight rows' scales s (+ bias), stored (GLU: as silu(gate) * up;
+    ADD_RESIDUAL: the output rounded to the model dtype plus the residual's row, rounded again, as the norm kernel
+    adds them)."""
     y = y * s
     if HAS_BIAS:
         y += tl.load(b_ptr + w_index).to(tl.float32)
@@ -130,8 +137,35 @@ def _store_row(out_ptr, y, s, b_ptr, w_index, offs_n, pid, row, M, N, stride_om,
         store_glu(out_ptr, y[None, :], offs_m, cols, (offs_m < M)[:, None] & (cols < N)[None, :], stride_om, 1,
                   BLOCK_N, EMULATE_BF16)
     else:
-        row_ok = offs_n * 0 + row < M  # a tensor: the interpreter takes no Python bool in a mask
-        tl.store(out_ptr + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=(offs_n < N) & row_ok)
+        mask = (offs_n < N) & (offs_n * 0 + row < M)  # a tensor: the interpreter takes no Python bool in a mask
+        if ADD_RESIDUAL:
+            res = tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
+            y = round_like(round_like(y, out_ptr, EMULATE_BF16) + res, out_ptr, EMULATE_BF16)
+        elif EMULATE_BF16:  # the interpreter's cast truncates: round to nearest as the GPU's store does
+            y = round_like(y, out_ptr, EMULATE_BF16)
+        tl.store(out_ptr + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _norm_when_last(sum_ptr, nw_ptr, normed_ptr, counter_ptr, N, stride_sm, stride_nm, eps, ROWS: tl.constexpr,
+                    BLOCK_H: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Counts this program in; the one that arrives last normalises the whole rows of sum_ptr (every program's
+    slice, the residual added) with the norm's weight into normed_ptr, as the norm kernel does, and zeroes the
+    counter for the next launch. The stores are published before the count: a barrier, then the release half of
+    the counter's acq_rel (kernels/decode_attention.py's merge does the same)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        offs = tl.arange(0, BLOCK_H)
+        mask = offs < N
+        w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for row in tl.static_range(ROWS):
+            h = tl.load(sum_ptr + row * stride_sm + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+            y = rms_normed(h, rstd, w, normed_ptr, EMULATE_BF16)
+            tl.store(normed_ptr + row * stride_nm + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit
@@ -170,11 +204,12 @@ def _scale_tile(s_rows, j0, offs_j, K4, WORDS_PER_BLOCK: tl.constexpr, BLOCK_J: 
 
 @_jit
 def _fp8_stream_kernel(
-    x_ptr, x64_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x64, stride_wn, stride_sn, stride_om,
+    x_ptr, x64_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, normed_ptr, counter_ptr, M, N, K, stride_x64,
+    stride_wn, stride_sn, stride_om, stride_rm, stride_nm, eps,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ASM: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
     BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr, UNIFORM: tl.constexpr,
-    EVEN_J: tl.constexpr,
+    EVEN_J: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -227,17 +262,20 @@ def _fp8_stream_kernel(
     s = 1.0
     if not BLOCK_SCALES:
         s = tl.load(s_ptr + w_index)
-    _store_row(out_ptr, tl.sum(acc0, axis=1), s, b_ptr, w_index, offs_n, pid, 0, M, N, stride_om, HAS_BIAS,
-               BLOCK_N, GLU, EMULATE_BF16)
+    _store_row(out_ptr, tl.sum(acc0, axis=1), s, b_ptr, res_ptr, w_index, offs_n, pid, 0, M, N, stride_om,
+               stride_rm, HAS_BIAS, BLOCK_N, GLU, NORM_AFTER, EMULATE_BF16)
     if ROWS > 1:
-        _store_row(out_ptr, tl.sum(acc1, axis=1), s, b_ptr, w_index, offs_n, pid, 1, M, N, stride_om, HAS_BIAS,
-                   BLOCK_N, GLU, EMULATE_BF16)
+        _store_row(out_ptr, tl.sum(acc1, axis=1), s, b_ptr, res_ptr, w_index, offs_n, pid, 1, M, N, stride_om,
+                   stride_rm, HAS_BIAS, BLOCK_N, GLU, NORM_AFTER, EMULATE_BF16)
     if ROWS > 2:
-        _store_row(out_ptr, tl.sum(acc2, axis=1), s, b_ptr, w_index, offs_n, pid, 2, M, N, stride_om, HAS_BIAS,
-                   BLOCK_N, GLU, EMULATE_BF16)
+        _store_row(out_ptr, tl.sum(acc2, axis=1), s, b_ptr, res_ptr, w_index, offs_n, pid, 2, M, N, stride_om,
+                   stride_rm, HAS_BIAS, BLOCK_N, GLU, NORM_AFTER, EMULATE_BF16)
     if ROWS > 3:
-        _store_row(out_ptr, tl.sum(acc3, axis=1), s, b_ptr, w_index, offs_n, pid, 3, M, N, stride_om, HAS_BIAS,
-                   BLOCK_N, GLU, EMULATE_BF16)
+        _store_row(out_ptr, tl.sum(acc3, axis=1), s, b_ptr, res_ptr, w_index, offs_n, pid, 3, M, N, stride_om,
+                   stride_rm, HAS_BIAS, BLOCK_N, GLU, NORM_AFTER, EMULATE_BF16)
+    if NORM_AFTER:
+        _norm_when_last(out_ptr, nw_ptr, normed_ptr, counter_ptr, N, stride_om, stride_nm, eps, ROWS, BLOCK_H,
+                        EMULATE_BF16)
 
 
 def stream_takes(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
@@ -260,6 +298,18 @@ def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype)
 
 
+@dataclass(frozen=True)
+class ResidualNorm:
+    """The RMSNorm after a projection, with the residual add before it (kernels/fused.py's fused_add_rms_norm):
+    residual [M, N] in the projection's dtype, the norm's weight [N] and eps. counter: one int32, zero between
+    launches (kernels/split_counters.py), that counts the programs in so that the last can normalise the rows."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    counter: torch.Tensor
+
+
 def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                tiles: StreamTiles, pdl: bool = False, glu: bool = False,
                block: tuple[int, int] | None = None) -> torch.Tensor:
@@ -267,6 +317,31 @@ def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     must hold. scale: [N] float32 (per row) or, with `block` (bn, bk), [cdiv(N, bn), cdiv(K, bk)] float32.
     glu: weight is (gate | up) [2I, K]; the output is silu(gate) * up [M, I] (block_n then counts weight rows).
     pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    _launch(x, weight, scale, bias, tiles, pdl, glu, block, out, None, None)
+    return out
+
+
+def fp8_stream_then_norm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                         tiles: StreamTiles, norm: ResidualNorm, pdl: bool = False,
+                         block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_stream's projection, then the residual add and the RMSNorm after it, in the same launch:
+    (rmsnorm(y + residual) * norm.weight, y + residual), y = x @ W^T rounded to x's dtype, both [M, N] and new
+    tensors. The programs store their slices of the sum and count themselves in; the last one normalises the
+    whole rows. Why: at one row the norm as its own kernel is one more launch and PDL hop twice a layer, and the
+    norm folded into the projection after it re-reads the row in every program (the module doc)."""
+    m, n = x.shape[0], weight.shape[0]
+    assert norm.residual.shape == (m, n) and norm.residual.dtype == x.dtype and norm.residual.stride(-1) == 1
+    assert norm.weight.shape == (n,) and norm.weight.is_contiguous() and norm.counter.dtype == torch.int32
+    total = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    normed = torch.empty_like(total)
+    _launch(x, weight, scale, bias, tiles, pdl, False, block, total, norm, normed)
+    return normed, total
+
+
+def _launch(x, weight, scale, bias, tiles, pdl, glu, block, out, norm: ResidualNorm | None, normed) -> None:
+    """One launch of the kernel writing out (with norm: the sums, and the normed rows into normed)."""
     m, k = x.shape
     n = weight.shape[0]
     assert stream_takes(x, weight, block) and weight.shape == (n, k) and scale.shape == fp8_scale_shape(n, k, block)
@@ -274,21 +349,24 @@ def fp8_stream(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     assert 1 <= tiles.prefetch <= 2 and tiles.block_k % 4 == 0
     assert not glu or (n % 2 == 0 and tiles.block_n >= 2)
     outputs, rows_per_program = (n // 2, tiles.block_n // 2) if glu else (n, tiles.block_n)
-    out = torch.empty(m, outputs, device=x.device, dtype=x.dtype)
     if n == 0:
-        return out
+        return
     interpreted = type(_fp8_stream_kernel).__name__ == "InterpretedFunction"
     # cvt.rn.f16x2.e4m3x2 is sm_89 and newer; older GPUs take the plain path (Triton's own conversion)
     asm = not interpreted and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    unread = scale  # stands for the pointers a launch without them never reads
+    residual, norm_weight, counter = (norm.residual, norm.weight, norm.counter) if norm else (unread,) * 3
     _fp8_stream_kernel[(triton.cdiv(outputs, rows_per_program),)](
-        x, _words(x, torch.int64), weight.view(torch.int32), scale, bias if bias is not None else scale, out,
-        m, outputs, k, x.stride(0) // 4, k // 4, scale.stride(0), out.stride(0),
+        x, _words(x, torch.int64), weight.view(torch.int32), scale, bias if bias is not None else unread, out,
+        residual, norm_weight, normed if normed is not None else unread, counter,
+        m, outputs, k, x.stride(0) // 4, k // 4, scale.stride(0), out.stride(0), residual.stride(0),
+        normed.stride(0) if normed is not None else 0, norm.eps if norm else 0.0,
         ROWS=m, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_k // 4, PREFETCH=tiles.prefetch,
         HAS_BIAS=bias is not None, GLU=glu, ASM=asm, EMULATE_BF16=interpreted and x.dtype == torch.bfloat16, PDL=pdl,
         BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block is not None else 1,
         WORDS_PER_BLOCK=block[1] // 4 if block is not None else 1,
         UNIFORM=block is not None and _uniform_scale_rows(block[0], rows_per_program, n, glu),
-        EVEN_J=k % tiles.block_k == 0,
+        EVEN_J=k % tiles.block_k == 0, NORM_AFTER=norm is not None,
+        BLOCK_H=triton.next_power_of_2(outputs) if norm else 1,
         num_warps=tiles.num_warps, num_stages=1, **launch_options(pdl),
     )
-    return out
