@@ -3,10 +3,11 @@
 Every layer's qkv, o, gate_up (the SwiGLU folded in) and down on the streaming GEMV (kernels/fp8_stream.py) at the
 tiles choose_fp8_path gives one row, the RMSNorm before qkv and gate_up as its own kernel, all launched with PDL
 into one CUDA graph over distinct weights for every layer (so nothing comes from L2), as in a decode step. Beside
-it, the same chain without the norm kernels (no step runs so: what the norms cost the chain, the most that
-moving them into the projections could save), and the same grid and weight tiles with a kernel that only reads
-them (the words summed as integers): the most this grid could draw from HBM. Then each projection's chain alone,
-the GEMV and the read-only kernel, in us a layer.
+it, the same chain with each norm computed by the last program of the projection before it (o and down:
+fp8_stream_then_norm), the chain without the norm kernels (no step runs so: what the norms cost the chain, the
+most that moving them into the projections could save), and the same grid and weight tiles with a kernel that
+only reads them (the words summed as integers): the most this grid could draw from HBM. Then each projection's
+chain alone, the GEMV and the read-only kernel, in us a layer.
 
 Why: the per-call sweep (benchmarks/kernels/fp8_linear.py) times one kernel at a time without PDL and without the
 kernels around it; this puts a step's GEMV time beside what reading those bytes in that grid takes, so what is left
@@ -30,10 +31,12 @@ from small_gemm import SHAPES, projections  # noqa: E402
 from timing import HBM_READ_BYTES_PER_S, time_graph  # noqa: E402
 
 from ostinato.kernels.fp8_linear import FP8_DTYPE, FP8_MAX, StreamTiles, choose_fp8_path, fp8_stream  # noqa: E402
+from ostinato.kernels.fp8_stream import ResidualNorm, fp8_stream_then_norm  # noqa: E402
 from ostinato.kernels.fused import fused_add_rms_norm  # noqa: E402
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait  # noqa: E402
 
 NORMED = ("qkv", "gate_up")  # the projections a norm comes before
+NORM_AFTER = ("o", "down")  # the projections a norm comes after
 
 
 @triton.jit
@@ -75,18 +78,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     args = ap.parse_args()
     torch.manual_seed(0)
-    hidden, inter = SHAPES[args.shape][:2]
+    hidden = SHAPES[args.shape][0]
     shapes = {name: nk for name, nk in projections(SHAPES[args.shape]).items() if name != "lm_head"}
     weights = {name: [(torch.randn(n, k, device="cuda") * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
                       for _ in range(args.layers)] for name, (n, k) in shapes.items()}
     scales = {name: torch.rand(n, device="cuda") * 1e-3 + 1e-3 for name, (n, _) in shapes.items()}
     tiles = {name: choose_fp8_path(1, n, k, False, True, True) for name, (n, k) in shapes.items()}
-    x, residual = torch.randn(2, 1, hidden, device="cuda", dtype=torch.bfloat16)
+    inputs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in shapes.items()}
+    x, residual = inputs["qkv"], torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     norm_weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16)
-    down_in = torch.randn(1, inter, device="cuda", dtype=torch.bfloat16)
 
-    def step(only=None, reading=False, norms=True):
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+
+    def step(only=None, reading=False, norms="apart"):
         def fn():
+            normed = x
             for layer in range(args.layers):
                 for name in shapes:
                     if only is not None and name != only:
@@ -95,22 +101,26 @@ def main() -> None:
                     if reading:
                         read_only(w, tiles[name])
                         continue
-                    src = down_in if name == "down" else x
-                    if name in NORMED and norms:
+                    src = normed if name in NORMED and norms == "after" else inputs[name]
+                    if name in NORMED and norms == "apart":
                         src, _ = fused_add_rms_norm(x, residual, norm_weight, 1e-5, pdl=True)
-                    fp8_stream(src, w, scales[name], None, tiles[name], pdl=True, glu=name == "gate_up")
+                    if name in NORM_AFTER and norms == "after":
+                        after = ResidualNorm(residual, norm_weight, 1e-5, counter)
+                        normed, _ = fp8_stream_then_norm(src, w, scales[name], None, tiles[name], after, pdl=True)
+                    else:
+                        fp8_stream(src, w, scales[name], None, tiles[name], pdl=True, glu=name == "gate_up")
         return fn
 
     total = sum(n * k for n, k in shapes.values()) * args.layers
     tile_text = ", ".join(f"{name} {t.block_n}x{t.block_k}" for name, t in tiles.items())
     print(f"{args.shape}, one row, {args.layers} layers: {total / 1e9:.2f} GB of FP8 weights; HBM read ceiling "
           f"{HBM_READ_BYTES_PER_S / 1e9:.0f} GB/s; tiles {tile_text}")
-    chains = (("streaming GEMV, norm apart", step()), ("the same without the norms", step(norms=False)),
-              ("read-only, same grid", step(reading=True)))
+    chains = (("streaming GEMV, norm apart", step()), ("norm by o's / down's last program", step(norms="after")),
+              ("the GEMVs without any norm", step(norms=None)), ("read-only, same grid", step(reading=True)))
     for label, fn in chains:
         us = time_chain(fn)
         share = total / us * 1e6 / HBM_READ_BYTES_PER_S
-        print(f"  {label:28s} {us:8.1f} us  {total / us / 1e3:6.0f} GB/s  {share:.1%} of the ceiling")
+        print(f"  {label:34s} {us:8.1f} us  {total / us / 1e3:6.0f} GB/s  {share:.1%} of the ceiling")
     for name, (n, k) in shapes.items():
         nbytes = n * k * args.layers
         gemv, read = time_chain(step(name)), time_chain(step(name, reading=True))
