@@ -522,6 +522,44 @@ def test_folded_norms_give_the_logits_of_separate_kernels(checkpoints, family, d
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp8_norms_after_o_and_down_give_the_logits_of_separate_kernels(checkpoints, device, monkeypatch):
+    """FP8 decode at batch 1 on the streaming GEMV: the norm after o_proj and after down_proj (the next layer's
+    input norm, and the final norm after the last) is computed by that projection's last program
+    (DecoderKernels.linear_then_norm), against the same kernels with every norm launched apart: bit for bit
+    under the interpreter, as its program sums the row as the norm kernel does; on the GPU within bf16 noise."""
+    from ostinato.config import EngineArgs
+    from ostinato.kernels import fp8_linear
+    from ostinato.kernels.fp8_stream import StreamTiles
+
+    monkeypatch.setattr(fp8_linear, "NORM_AFTER_ROWS", 1)  # off by default until measured on a GPU
+    if device == "cpu":  # the rule gives CPU tensors the dequantizing path: the streaming GEMV at the tiny shape
+        monkeypatch.setattr(fp8_linear, "choose_fp8_path", lambda m, n, k, block, cuda, bf16, stream=True:
+                            StreamTiles(8, 64) if m <= 3 and stream else "dequantize")
+    path = checkpoints["llama"]
+    config = EngineArgs(str(path), quantization="fp8").quantized(ModelConfig.from_dir(path))
+    model = load_model(path, config, torch.bfloat16, torch.device(device), backend_for(device), progress=False)
+    taken = []
+
+    def counted(*args, **kwargs):
+        out = fused.small_batch_linear_norm(*args, **kwargs)
+        taken.append(args[1]) if out is not None else None
+        return out
+
+    prompts = [torch.arange(3, 8)]  # 5 tokens: above the streaming GEMV's rows, so the prefill launches its norms
+    after = run_steps(model, dataclasses.replace(fused.TRITON_KERNELS, linear_norm=counted), torch.bfloat16, device,
+                      prompts, decode_steps=2)
+    layers = model.model.layers
+    assert taken == [p for layer in layers for p in (layer.self_attn.o_proj, layer.mlp.down_proj)] * 2
+    apart = run_steps(model, dataclasses.replace(fused.TRITON_KERNELS, linear_norm=None), torch.bfloat16, device,
+                      prompts, decode_steps=2)
+    for step, (a, e) in enumerate(zip(after, apart)):
+        if device == "cpu":
+            assert torch.equal(a, e), f"step {step}"
+        else:
+            torch.testing.assert_close(a, e, atol=0.25, rtol=0, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_model_on_the_triton_backend_writes_kv_from_the_rope_kernel(checkpoints, family, device):
     """fp32, the Triton kernel set on the Triton backend (prefill: K/V written by the q/k-norm + RoPE kernel;

@@ -11,7 +11,8 @@ Scales, two layouts, both meaning W[n, k] = fp8[n, k] * scale[...]:
 
 Paths (`linear`), chosen by `choose_fp8_path` from shapes only, so fixed before graph capture:
     stream      1-3 rows (1-2 with block scales), bf16: the streaming W8A16 GEMV (kernels/fp8_stream.py), which
-                also takes the SwiGLU after the projection (`folds`); the RMSNorm before it stays its own kernel
+                also takes the SwiGLU after the projection (`folds`) and the residual add and RMSNorm after it
+                (`linear_then_norm`: o_proj's and down_proj's); the norm before it stays out
     gemv        a few rows otherwise (fp16/fp32 activations, x's rows not word-aligned): the first Triton GEMV
                 (kernels/fp8_gemv.py: fp8 weights, 16-bit activations, fp32 accumulation), launched with PDL
                 as the bf16 GEMV (kernels/gemv.py)
@@ -39,11 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv, fp8_scale_shape
-from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, stream_takes
+from ostinato.kernels.fp8_stream import ResidualNorm
+from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, fp8_stream_then_norm, stream_takes
 from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma
 from ostinato.kernels.fp8_tokens import WHOLE_ROW_MAX_K, glu_quantize_tokens, norm_quantize_tokens, quantize_tokens
 from ostinato.kernels.fp8_w8a8 import W8a8Tiles, fp8_w8a8
 from ostinato.kernels.quantized_linear import QuantizedLinear
+from ostinato.kernels.split_counters import SplitCounters
 from ostinato.kernels.split_gemm import SplitTiles, split_gemm
 from ostinato.kernels.triton_optional import triton
 
@@ -73,6 +76,17 @@ _NARROW_ROWS, _NARROW_N = 64, 3072
 # Whole 8B steps ran 13% faster at 32 rows and 6% at 64, the 1B's 2-3% (docs/PERFORMANCE.md, FP8); above 64
 # rows it was not measured.
 _W8A8_SPLIT_ROWS = 64
+
+
+# Rows up to which o_proj's and down_proj's streaming GEMV also computes the norm after them (linear_then_norm:
+# its last program adds the residual and normalises the rows, fp8_stream_then_norm), one launch and one PDL hop
+# fewer each. 0, off: it has not yet run on a GPU. benchmarks/kernels/fp8_stream_chain.py times it in a step's chain
+# of projections; whole steps (benchmarks/step/ab.py, a tree with this at 1 against main) decide it.
+NORM_AFTER_ROWS = 0
+# That last program holds a whole row in registers, as the norm kernel does, up to this width.
+NORM_AFTER_MAX_N = 8192
+# Its arrival counter: one for every launch, which on one stream never overlap.
+_NORM_COUNTERS = SplitCounters()
 
 
 @dataclass(frozen=True)
@@ -250,6 +264,18 @@ class Fp8Linear(QuantizedLinear):
         assert norm is not None and not glu and _folds_into_quantization(path, x.shape[1]), "only where folds(x)"
         xq, x_scale, residual = norm_quantize_tokens(x, *norm, pdl=pdl)
         return self._w8a8_linear(xq, x_scale, path, x.dtype, pdl), residual
+
+    def linear_then_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if x.shape[0] > NORM_AFTER_ROWS or self.out_features > NORM_AFTER_MAX_N:
+            return None
+        path = self._path(x)
+        if not isinstance(path, StreamTiles) or residual.dtype != x.dtype or residual.stride(-1) != 1 \
+                or norm_weight.dtype != x.dtype:
+            return None
+        counter = _NORM_COUNTERS.get(x.device, 1)[:1]
+        return fp8_stream_then_norm(x, self.weight, self.weight_scale, self.bias, path,
+                                    ResidualNorm(residual, norm_weight, eps, counter), pdl, self.block)
 
     def linear(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         path = self._path(x)

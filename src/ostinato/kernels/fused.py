@@ -49,8 +49,8 @@ from ostinato.errors import ConfigError
 from ostinato.kernels import deferred_launch
 from ostinato.kernels.decoder_kernels import DecoderKernels
 from ostinato.kernels.pdl import launch_options, pdl_begin, pdl_wait
-from ostinato.kernels.gemv import (folds_glu, small_batch_glu_linear, small_batch_linear, small_batch_norm_linear,
-                                   small_batch_int8_input, small_batch_int8_input_linear)
+from ostinato.kernels.gemv import (folds_glu, small_batch_glu_linear, small_batch_linear, small_batch_linear_norm,
+                                   small_batch_norm_linear, small_batch_int8_input, small_batch_int8_input_linear)
 from ostinato.kernels.invariant_linear import gemm_linear, gemm_logits, rowwise_layer_linear, rowwise_logits
 from ostinato.kernels.fused_ref import (  # noqa: F401  (re-exported with the kernels they check)
     fused_add_rms_norm_ref, linear_ref, qk_norm_rope_ref, rms_norm_ref, silu_and_mul_ref,
@@ -340,7 +340,7 @@ TRITON_KERNELS = DecoderKernels("triton", rms_norm, fused_add_rms_norm, silu_and
                                 small_batch_linear, qk_norm_rope_write_kv=qk_norm_rope_write_kv,
                                 norm_linear=small_batch_norm_linear, folds_glu=folds_glu,
                                 glu_linear=small_batch_glu_linear, int8_input=small_batch_int8_input,
-                                int8_input_linear=small_batch_int8_input_linear)
+                                int8_input_linear=small_batch_int8_input_linear, linear_norm=small_batch_linear_norm)
 
 
 # The same kernels launched with programmatic dependent launch (kernels/pdl.py): each may start while the one before it

@@ -346,6 +346,21 @@ def small_batch_glu_linear(gate_up: torch.Tensor, layer: torch.nn.Linear, pdl: b
     return None
 
 
+def small_batch_linear_norm(x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float, feeds: torch.nn.Module | None,
+                            pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(layer(x) + residual) * norm_weight, layer(x) + residual) out of layer's own launch where its format's
+    kernel computes the norm after it at these rows (QuantizedLinear.linear_then_norm), else None. Not where the
+    projection the norm feeds (`feeds`; None: none) might take the norm into its own kernel: a 16-bit projection
+    (gemv_norm_linear) or a quantized one that folds it (QuantizedLinear.folds); that fold saves the same launch
+    without a serial tail."""
+    if not isinstance(layer, QuantizedLinear):
+        return None
+    if feeds is not None and (not isinstance(feeds, QuantizedLinear) or feeds.folds(residual, norm=True)):
+        return None  # the residual stands for the next projection's input: same rows, dtype and device
+    return layer.linear_then_norm(x, residual, norm_weight, eps, pdl)
+
+
 def small_batch_int8_input(x: torch.Tensor, layer: torch.nn.Linear, pdl: bool = False):
     """Room for layer's input x [M, K] quantized to int8 per 32 values, where layer's kernel reads it so
     (QuantizedLinear.int8_input: GGUF's integer-dot rows) and the kernel that makes x may write it, else None.

@@ -83,6 +83,13 @@ class QuantizedLinear(nn.Module):
         """linear(x) from int8_input(x), filled in by the kernel before; of x only its shape and dtype."""
         raise NotImplementedError
 
+    def linear_then_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rmsnorm(y + residual) * norm_weight, y + residual), y = linear(x), both [M, out_features], out of the
+        projection's own launch, where its kernel computes the norm after it at these rows; else None (launch
+        nothing: the caller runs linear and the norm apart). Default: None."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
 

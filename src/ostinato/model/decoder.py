@@ -13,12 +13,16 @@ The steps between the GEMMs (norms with the residual add, q/k norm + RoPE, SiLU-
 SiLU-and-mul) and one attention kernel that also does the q/k norm, RoPE and K/V write (decode_with_rope);
 where the small-batch GEMV takes qkv_proj or gate_up_proj (a few rows), the norm before it rides in its
 kernel, down to 6 a layer at batch 1, and 5 where the activation folds into gate_up's kernel too (up to 16
-rows: gemv.choose_glu_fold). A prefill layer is 10 (the q/k norm + RoPE kernel writes K/V, then
-attention). The torch ops take 13 (Llama) to 16
+rows: gemv.choose_glu_fold). FP8 weights at 1-3 rows (kernels/fp8_linear.py) take the norms from the other
+side: o_proj's and down_proj's kernels compute the norm after them (DecoderKernels.linear_then_norm), so the
+layer passes each projection the norm that follows it (NormAfter) and the next one gets it done (Normed). A
+prefill layer is 10 (the q/k norm + RoPE kernel writes K/V, then attention). The torch ops take 13 (Llama) to 16
 (Qwen3) plus the backend's KV write and attention.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +31,13 @@ from torch import nn
 from ostinato.attention.base import AttentionBackend, AttentionMetadata
 from ostinato.config import ModelConfig
 from ostinato.errors import ConfigError
+from ostinato.kernels.decoder_kernels import Normed, NormAfter
 from ostinato.kernels.fused import TORCH_KERNELS, DecoderKernels, kernels_for
 from ostinato.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from ostinato.model.parallel import (SINGLE_RANK, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                                      VocabParallelLMHead, local_heads)
+
+OProj = Callable[[torch.Tensor, nn.Module], "torch.Tensor | Normed"]  # (heads' output, o_proj) -> o_proj's output
 
 
 def projection_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -82,10 +89,14 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
-                meta: AttentionMetadata, kernels: DecoderKernels) -> torch.Tensor:
+                meta: AttentionMetadata, kernels: DecoderKernels,
+                project: OProj | None = None) -> torch.Tensor | Normed:
         """qkv [T, (H + 2Hkv) * D]: qkv_proj of the normalised hidden states (the layer runs it, so that the norm
         can fold into it) -> attention output after o_proj [T, hidden].
-        rope_cache: the model's [max_positions, 2 * head_dim] cos | signed-sin table."""
+        rope_cache: the model's [max_positions, 2 * head_dim] cos | signed-sin table. project: computes o_proj
+        from the heads' output (the layer's, so that the norm after o_proj can ride in its kernel), by default
+        kernels.linear."""
+        project = project if project is not None else kernels.linear
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("call DecoderForCausalLM.bind_kv_caches() before forward()")
         num_tokens = qkv.shape[0]
@@ -105,7 +116,7 @@ class Attention(nn.Module):
             out = out.reshape(num_tokens, h * self.head_dim)
             if qx is not None:
                 return kernels.int8_input_linear(qx, out, self.o_proj)
-            return kernels.linear(out, self.o_proj)
+            return project(out, self.o_proj)
         if fused_write:
             # One kernel: (Qwen3: per-head RMSNorm, then) RoPE; k and v go straight to their cache slots.
             q = kernels.qk_norm_rope_write_kv(*norm_rope, self.k_cache, self.v_cache, meta.slot_mapping)  # [T, H, D]
@@ -115,7 +126,7 @@ class Attention(nn.Module):
             q, k, v = qk[:, :h], qk[:, h:], heads[:, h + kv:]  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
-        return kernels.linear(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
+        return project(out.reshape(num_tokens, h * self.head_dim), self.o_proj)
 
     def _o_proj_int8_input(self, heads: torch.Tensor, kernels: DecoderKernels):
         """Room for o_proj's input quantized to int8 where o_proj reads it so and the decode kernel can write it
@@ -148,15 +159,21 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(config.hidden_size, inter,
                              down_proj=RowParallelLinear(inter, config.hidden_size, False, tp))
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rope_cache: torch.Tensor, meta: AttentionMetadata,
-                kernels: DecoderKernels) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, residual: [T, hidden] -> (mlp output, residual stream before it), both [T, hidden]."""
+    def forward(self, hidden: torch.Tensor | Normed, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope_cache: torch.Tensor, meta: AttentionMetadata, kernels: DecoderKernels,
+                after: NormAfter | None = None) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+        """hidden, residual: [T, hidden] -> (mlp output, residual stream before it), both [T, hidden]. after: the
+        norm after this layer (the next one's input norm, or the final norm); where down_proj's kernel computes
+        it (DecoderKernels.linear_then_norm) the output is Normed, with the residual stream after the MLP. hidden
+        may be Normed so, by the layer before."""
         norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
         qkv, residual = kernels.norm_then_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj)
-        hidden = attn(qkv, positions, rope_cache, meta, kernels)
         norm = self.post_attention_layernorm
-        return kernels.norm_then_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj, mlp.down_proj)
+        post_norm = NormAfter(norm.weight, norm.eps, mlp.gate_up_proj)
+        hidden = attn(qkv, positions, rope_cache, meta, kernels,
+                      lambda x, o_proj: kernels.linear_then_norm(x, o_proj, residual, post_norm))
+        return kernels.norm_then_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj, mlp.down_proj,
+                                     after)
 
 
 class DecoderModel(nn.Module):
@@ -169,6 +186,14 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
+
+    def norm_after(self, i: int) -> NormAfter:
+        """The norm after layer i, the next layer's input norm or the final one, and the projection it feeds."""
+        if i + 1 < len(self.layers):
+            following = self.layers[i + 1]
+            norm = following.input_layernorm
+            return NormAfter(norm.weight, norm.eps, following.self_attn.qkv_proj)
+        return NormAfter(self.norm.weight, self.norm.eps, None)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -226,10 +251,11 @@ class DecoderForCausalLM(nn.Module):
             hidden.sum().item()  # deliberate device->host sync; illegal while capturing a CUDA graph
         rope_cache = self.model.rotary_emb.cos_sin_cache  # [max_positions, 2 * head_dim], shared by all layers
         residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, positions, rope_cache, meta, kernels)
+        for i, layer in enumerate(self.model.layers):
+            after = self.model.norm_after(i)
+            hidden, residual = layer(hidden, residual, positions, rope_cache, meta, kernels, after)
         norm = self.model.norm
-        return kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+        return kernels.final_norm(hidden, residual, norm.weight, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], float32 unless float32=False (model dtype).
