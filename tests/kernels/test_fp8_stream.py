@@ -154,6 +154,30 @@ def test_stream_at_a_real_shape_with_pdl(m):
     _close(out, _reference(x, w, scale, None), torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_stream_then_norm_at_a_real_shape_with_pdl(k):
+    """The 8B's o_proj and down_proj (512 programs a launch): the last program's rows equal the norm kernel's over
+    the plain projection's output plus the residual, launch after launch on one counter (a program reading a slice
+    before its store is visible, or a counter left set, would show as a differing launch)."""
+    n = 4096
+    w, scale, x, _ = _case(1, n, k, torch.bfloat16, k)
+    x, w, scale = _dev(x, w, scale)
+    gen = torch.Generator().manual_seed(k)
+    residual, norm_weight = (torch.randn(1, n, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    tiles = StreamTiles(8, 2048)
+    expect_normed, expect_sum = fused.fused_add_rms_norm(fp8_stream(x, w, scale, None, tiles), residual,
+                                                         norm_weight, 1e-5)
+    for _ in range(50):
+        normed, total = fp8_stream_then_norm(x, w, scale, None, tiles, ResidualNorm(residual, norm_weight, 1e-5,
+                                                                                    counter), pdl=True)
+        torch.testing.assert_close(total, expect_sum, rtol=0, atol=0)
+        torch.testing.assert_close(normed, expect_normed, rtol=0, atol=2 ** -6 * expect_normed.abs().max().item())
+    assert counter.item() == 0
+
+
 def _fp8_layer(n, k, seed):
     w, scale, _, _ = _case(1, n, k, torch.bfloat16, seed)
     layer = Fp8Linear(k, n, bias=False)
