@@ -19,7 +19,9 @@ BENCH=(--max-model-len 2048 --gpu-memory-utilization 0.6 --batch-sizes "1 64" --
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 600 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_fp8_linear.py \
     tests/kernels/test_fp8_stream.py tests/kernels/test_fp8_tokens.py tests/kernels/test_quantized_linear.py \
-    tests/kernels/test_fp8_kv_cache.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+    tests/kernels/test_fp8_kv_cache.py \
+    tests/kernels/test_fused_kernels.py::test_fp8_norms_after_o_and_down_give_the_logits_of_separate_kernels 2>&1 \
+    | tail -30 | tee "$OUT/gpu_tests.log"
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   python3 benchmarks/kernels/fp8_linear.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
