@@ -542,7 +542,8 @@ def test_fp8_norms_after_o_and_down_give_the_logits_of_separate_kernels(checkpoi
 
     def counted(*args, **kwargs):
         out = fused.small_batch_linear_norm(*args, **kwargs)
-        taken.append(args[1]) if out is not None else None
+        if out is not None:
+            taken.append(args[1])  # the projection
         return out
 
     prompts = [torch.arange(3, 8)]  # 5 tokens: above the streaming GEMV's rows, so the prefill launches its norms
