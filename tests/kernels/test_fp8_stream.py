@@ -158,9 +158,9 @@ def test_stream_at_a_real_shape_with_pdl(m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_stream_then_norm_at_a_real_shape_with_pdl(k):
-    """The 8B's o_proj and down_proj (512 programs a launch): the last program's rows equal the norm kernel's over
-    the plain projection's output plus the residual, launch after launch on one counter (a program reading a slice
-    before its store is visible, or a counter left set, would show as a differing launch)."""
+    """The 8B's o_proj and down_proj (512 programs a launch): the sums and the last program's rows match the norm
+    kernel's over the plain projection's output plus the residual, launch after launch on one counter (a slice
+    read before its store was visible would show as a launch far off; a counter left set fails the last check)."""
     n = 4096
     w, scale, x, _ = _case(1, n, k, torch.bfloat16, k)
     x, w, scale = _dev(x, w, scale)
@@ -173,7 +173,8 @@ def test_stream_then_norm_at_a_real_shape_with_pdl(k):
     for _ in range(50):
         normed, total = fp8_stream_then_norm(x, w, scale, None, tiles, ResidualNorm(residual, norm_weight, 1e-5,
                                                                                     counter), pdl=True)
-        torch.testing.assert_close(total, expect_sum, rtol=0, atol=0)
+        # within a bf16 step of the largest: the two kernels' loops compile apart (a stale slice is garbage)
+        torch.testing.assert_close(total, expect_sum, rtol=0, atol=2 ** -7 * expect_sum.abs().max().item())
         torch.testing.assert_close(normed, expect_normed, rtol=0, atol=2 ** -6 * expect_normed.abs().max().item())
     assert counter.item() == 0
 
