@@ -40,8 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ostinato.kernels.fp8_gemv import Fp8Tiles, fp8_gemv, fp8_scale_shape
-from ostinato.kernels.fp8_stream import ResidualNorm
-from ostinato.kernels.fp8_stream import StreamTiles, fp8_stream, fp8_stream_then_norm, stream_takes
+from ostinato.kernels.fp8_stream import ResidualNorm, StreamTiles, fp8_stream, fp8_stream_then_norm, stream_takes
 from ostinato.kernels.fp8_mma import FP8_DTYPE, FP8_MAX, MMA_TILE, SCALE_FLOOR, MmaTiles, fp8_mma
 from ostinato.kernels.fp8_tokens import WHOLE_ROW_MAX_K, glu_quantize_tokens, norm_quantize_tokens, quantize_tokens
 from ostinato.kernels.fp8_w8a8 import W8a8Tiles, fp8_w8a8

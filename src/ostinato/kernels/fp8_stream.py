@@ -56,7 +56,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.linear_epilogue import glu_rows, store_glu
-    from ostinato.kernels.rounding import rms_normed, round_like
+    from ostinato.kernels.rounding import rms_norm_row, round_like
 
 MAX_ROWS = 4  # one named accumulator a row
 
@@ -163,8 +163,7 @@ def _norm_when_last(sum_ptr, nw_ptr, normed_ptr, counter_ptr, N, stride_sm, stri
         w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         for row in tl.static_range(ROWS):
             h = tl.load(sum_ptr + row * stride_sm + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-            y = rms_normed(h, rstd, w, normed_ptr, EMULATE_BF16)
+            y = rms_norm_row(h, w, N, eps, normed_ptr, EMULATE_BF16)
             tl.store(normed_ptr + row * stride_nm + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
 
 

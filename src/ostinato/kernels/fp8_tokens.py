@@ -27,7 +27,7 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 
 if triton is not None:
     from ostinato.kernels.linear_epilogue import residual_sum, silu_mul
-    from ostinato.kernels.rounding import rms_normed
+    from ostinato.kernels.rounding import rms_norm_row
 
 # Rows up to this long are quantized from registers (16 warps, 32 values a thread at the longest).
 WHOLE_ROW_MAX_K = 16384
@@ -84,7 +84,7 @@ def _row_values(x_ptr, r_ptr, w, res_out_ptr, row, stride_xm, stride_rm, offs, m
     if NORM:
         if HAS_RESIDUAL:
             tl.store(res_out_ptr + row * K + offs, h.to(res_out_ptr.dtype.element_ty), mask=mask)
-        h = rms_normed(h, tl.math.rsqrt(tl.sum(h * h, axis=0) / K + eps), w, x_ptr, EMULATE_BF16)
+        h = rms_norm_row(h, w, K, eps, x_ptr, EMULATE_BF16)
     return h
 
 

@@ -62,8 +62,8 @@ from ostinato.kernels.triton_optional import tl, triton  # noqa: F401  (tl: the 
 if triton is not None:  # the torch path needs none of these
     from ostinato.kernels.attention_common import kv_to_cache
     from ostinato.kernels.rope_tile import norm_rope, rope_partner, rope_table
-    from ostinato.kernels.rounding import rms_normed, round_like as _round_like
-    from ostinato.kernels.linear_epilogue import silu_mul
+    from ostinato.kernels.rounding import rms_norm_row
+    from ostinato.kernels.linear_epilogue import residual_sum, silu_mul
 
 
 # ---- Triton kernels --------------------------------------------------------------------------------------
@@ -82,14 +82,12 @@ def _rms_norm_kernel(
     mask = offs < N
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: may precede the wait
     pdl_wait(PDL)
-    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+    # x (+ the residual, the sum rounded to the model dtype: the next residual), [BLOCK_N]
+    h = residual_sum(x_ptr + row * stride_x, residual_ptr + row * stride_r, offs, mask, HAS_RESIDUAL, EMULATE_BF16)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        h = _round_like(h + r, residual_out_ptr, EMULATE_BF16)  # the sum lives in the model dtype
         tl.store(residual_out_ptr + row * stride_ro + offs, h.to(residual_out_ptr.dtype.element_ty), mask=mask)
-    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     # HF's order: normalise in fp32, round to the model dtype, multiply by the weight, round again.
-    y = rms_normed(h, rstd, w, out_ptr, EMULATE_BF16)
+    y = rms_norm_row(h, w, N, eps, out_ptr, EMULATE_BF16)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,6 +1,6 @@
 """Epilogues the small-batch linear kernels share (kernels/gemv.py, kernels/skinny.py), the SwiGLU's arithmetic
 every kernel that computes it uses (kernels/fused.py, kernels/gguf_int8_input.py, kernels/fp8_tokens.py), and the
-residual sum of the kernels that quantize a normed row for the projection after it (kernels/gguf_int8_input.py,
+residual sum of the kernels that normalise a row (kernels/fused.py's norm, kernels/gguf_int8_input.py,
 kernels/fp8_tokens.py; the norm itself: kernels/rounding.py)."""
 
 from __future__ import annotations

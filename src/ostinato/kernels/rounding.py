@@ -24,3 +24,10 @@ def rms_normed(h, rstd, w, like_ptr, EMULATE_BF16: tl.constexpr):
     """rmsnorm(h) * w as the norm kernel stores it (kernels/fused.py, HF's order): h * rstd rounded to like_ptr's
     dtype, times the weight w, rounded again. Any broadcastable shapes."""
     return round_like(round_like(h * rstd, like_ptr, EMULATE_BF16) * w, like_ptr, EMULATE_BF16)
+
+
+@triton.jit
+def rms_norm_row(h, w, n, eps, like_ptr, EMULATE_BF16: tl.constexpr):
+    """rms_normed of a whole row h [BLOCK] held in registers (n values, zeros past them): its 1/rms from the mean
+    of its squares over n, plus eps."""
+    return rms_normed(h, tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps), w, like_ptr, EMULATE_BF16)
